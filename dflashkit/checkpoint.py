@@ -1,0 +1,104 @@
+"""Drafter checkpoints in the published DFlash layout, and the identity of the target they belong to.
+
+A checkpoint folder holds:
+  config.json          published layout (see DrafterConfig.to_hf_dict) + `dflashkit.target` metadata
+  model.safetensors    drafter weights only, un-prefixed keys (`layers.0.self_attn.q_proj.weight`, `fc.weight`, ...)
+  mask_embedding.pt    only for a learned mask vector: {"mask_token_id": id, "embedding": tensor[hidden]}
+
+Official drafters (no `dflashkit` metadata) load too; they are checked by shape only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .drafter import DFlashDrafter
+from .errors import CheckpointError
+
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+
+
+def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike) -> Path:
+    """Write config.json + model.safetensors (+ mask_embedding.pt) atomically into folder `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items() if k != "mask_embedding"}
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n")
+        if drafter.mask_embedding is not None:
+            torch.save(
+                {"mask_token_id": drafter.config.mask_token_id, "embedding": drafter.mask_embedding.detach().cpu()},
+                tmp / MASK_EMBEDDING_FILE,
+            )
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            _rmtree(old)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            _rmtree(tmp)
+    return path
+
+
+def load_drafter(
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> DFlashDrafter:
+    """Load a drafter folder written by `save_drafter` or published in the same layout."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: not a drafter checkpoint (no config.json)")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path / 'config.json'}: invalid JSON ({e})") from e
+    archs = raw.get("architectures") or []
+    if archs and not any("DFlash" in a for a in archs):
+        raise CheckpointError(f"{path}: architectures {archs} is not a DFlash drafter")
+    mask_file = path / MASK_EMBEDDING_FILE
+    mask = _read_mask_embedding(mask_file, raw) if mask_file.exists() else None
+    config = DrafterConfig.from_hf_dict(raw).replace(learned_mask_embedding=mask is not None)
+    drafter = DFlashDrafter(config)
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(f))
+    if not state:
+        raise CheckpointError(f"{path}: no *.safetensors weights")
+    state = {k.removeprefix("model."): v for k, v in state.items() if not k.startswith(("lm_head", "embed_tokens"))}
+    if mask is not None:
+        state["mask_embedding"] = mask
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def _read_mask_embedding(file: Path, raw: dict[str, Any]) -> torch.Tensor:
+    obj = torch.load(file, map_location="cpu", weights_only=True)
+    if isinstance(obj, dict):
+        if "embedding" not in obj:
+            raise CheckpointError(f"{file}: a dict without the key 'embedding'")
+        mask_id = (raw.get("dflash_config") or {}).get("mask_token_id")
+        if obj.get("mask_token_id") is not None and mask_id is not None and int(obj["mask_token_id"]) != int(mask_id):
+            raise CheckpointError(f"{file}: mask_token_id {obj['mask_token_id']} != config's {mask_id}")
+        obj = obj["embedding"]
+    if not isinstance(obj, torch.Tensor) or obj.numel() != int(raw.get("hidden_size", -1)):
+        raise CheckpointError(f"{file}: expected a tensor of hidden_size={raw.get('hidden_size')} values")
+    return obj.reshape(-1).float()
+
+
+def _rmtree(p: Path) -> None:
+    import shutil
+
+    shutil.rmtree(p, ignore_errors=True)

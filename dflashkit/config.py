@@ -1,0 +1,207 @@
+"""Drafter configuration: the shape of a DFlash drafter and which target it belongs to.
+
+The fields mirror the `config.json` of published DFlash drafters (z-lab layout: a Qwen3-style layer
+config plus `block_size`, `num_target_layers` and `dflash_config`), so that official drafters load here
+and ours load in vLLM, SGLang and llama.cpp. Metadata that identifies the target lives under the
+extra key `dflashkit`, which other engines ignore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CheckpointError, InvalidInputError
+
+
+def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Default target layers feeding the drafter: spread uniformly from layer 1 to layer L-3.
+
+    Same rule as the reference (incl. Python's banker's rounding). An id `l` is the output of decoder
+    layer `l` (0-based), i.e. `hidden_states[l + 1]` in transformers' numbering.
+    """
+    if num_features < 1:
+        raise InvalidInputError(f"need at least one target feature layer, got {num_features}")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end <= start:
+        raise InvalidInputError(
+            f"target has {num_target_layers} layers: too few to pick {num_features} feature layers by the default rule; "
+            "pass target_layer_ids explicitly"
+        )
+    return [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+
+
+def rope_theta_of(target_config: Any) -> float:
+    """RoPE base of a transformers config (v5 keeps it in `rope_parameters`, v4 at top level)."""
+    params = getattr(target_config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(target_config, "rope_theta", 10000.0))
+
+
+@dataclass
+class DrafterConfig:
+    """Shape and conditioning of a DFlash drafter."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int  # drafter depth
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 8192
+    # True: a learned mask vector (saved as `mask_embedding.pt`) replaces the target's embedding row of
+    # `mask_token_id` for the drafter; needed when the vocabulary has no spare id.
+    learned_mask_embedding: bool = False
+    # Identity of the target this drafter was built for (see checkpoint.target_identity); None = unknown.
+    target: dict[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not self.target_layer_ids:
+            raise CheckpointError("target_layer_ids is empty")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise CheckpointError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise CheckpointError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        *,
+        num_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        num_features: int | None = None,
+        mask_token_id: int | None = None,
+        intermediate_size: int | None = None,
+    ) -> DrafterConfig:
+        """A drafter shaped like the target's layers (same hidden size, heads, RoPE), as the paper does.
+
+        Without `mask_token_id`, a learned mask embedding is used and the id is the last vocabulary row
+        (it only names the row the vector replaces; real tokens with that id still embed normally at the
+        anchor position).
+        """
+        c = target_config
+        n_layers = int(c.num_hidden_layers)
+        layer_ids = list(target_layer_ids or build_target_layer_ids(n_layers, num_features or num_layers))
+        heads = int(c.num_attention_heads)
+        head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+        return cls(
+            hidden_size=int(c.hidden_size),
+            intermediate_size=int(intermediate_size or c.intermediate_size),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+            head_dim=head_dim,
+            vocab_size=int(c.vocab_size),
+            num_target_layers=n_layers,
+            target_layer_ids=layer_ids,
+            mask_token_id=int(c.vocab_size - 1 if mask_token_id is None else mask_token_id),
+            block_size=block_size,
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta_of(c),
+            max_position_embeddings=int(getattr(c, "max_position_embeddings", 8192)),
+            learned_mask_embedding=mask_token_id is None,
+        )
+
+    # ---- published config.json layout -------------------------------------------------------------
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """`config.json` in the layout of published DFlash drafters (read by vLLM, SGLang, llama.cpp)."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "torch_dtype": "bfloat16",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflashkit": {"format_version": 1, "learned_mask_embedding": self.learned_mask_embedding, "target": self.target},
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        """Read a published-layout `config.json` (ours or an official drafter's)."""
+        try:
+            dflash = d.get("dflash_config") or {}
+            ours = d.get("dflashkit") or {}
+            n_layers = int(d["num_hidden_layers"])
+            n_target = int(d.get("num_target_layers") or 0)
+            layer_ids = dflash.get("target_layer_ids")
+            if layer_ids is None:
+                if not n_target:
+                    raise CheckpointError("config has neither dflash_config.target_layer_ids nor num_target_layers")
+                layer_ids = build_target_layer_ids(n_target, n_layers)
+            layer_ids = [int(i) for i in layer_ids]
+            mask_id = dflash.get("mask_token_id", d.get("mask_token_id"))
+            if mask_id is None:
+                raise CheckpointError("config has no dflash_config.mask_token_id")
+            heads = int(d["num_attention_heads"])
+            rope_scaling = d.get("rope_scaling")
+            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+                raise CheckpointError(f"rope_scaling {rope_scaling} is not supported yet (only plain RoPE)")
+            if any(t != "full_attention" for t in d.get("layer_types") or []) or d.get("use_sliding_window"):
+                raise CheckpointError("sliding-window drafter layers are not supported yet")
+            return cls(
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=n_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+                vocab_size=int(d["vocab_size"]),
+                num_target_layers=n_target or max(layer_ids) + 1,
+                target_layer_ids=layer_ids,
+                mask_token_id=int(mask_id),
+                block_size=int(d.get("block_size", 16)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e6))),
+                max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
+                learned_mask_embedding=bool(ours.get("learned_mask_embedding", False)),
+                target=ours.get("target"),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"drafter config.json lacks the field {e.args[0]!r}") from e
+
+    def replace(self, **changes: Any) -> DrafterConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,200 @@
+"""The decode loop: prefill, then draft a block, verify it in one target pass, accept, update both caches.
+
+Without a drafter the same loop verifies a block of one token per step, which is plain autoregressive
+decoding through the same code: the baseline that speedups are measured against.
+
+State between steps:
+  pos      index of `token`, the last emitted token; the target has processed positions < pos only
+  cache    target KV cache over positions < pos
+  context  drafter's injected K/V over the positions whose target features have been consumed
+  pending  target features of processed positions not yet in the drafter's context (prompt, then the
+           anchor + accepted drafts of the last step)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .drafter import DFlashDrafter
+from .errors import IncompatibleDrafterError, InvalidInputError
+from .sampling import SamplingParams, propose, sample, verify_greedy, verify_sampled, warp
+from .stats import DecodeStats
+from .target import TargetAdapter
+
+# Called after every target pass with its logits rows and the tokens the step emitted.
+StepObserver = Callable[[Tensor, list[int]], None]
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    block_size: int | None = None  # None: the drafter's trained block size
+    proposal: str = "argmax"  # "argmax" (one-hot q) or "sample" (x ~ q); both exact
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()  # eos ids included by the caller
+
+
+@dataclass
+class Step:
+    """Tokens emitted by one target pass; from_draft[i] says whether token i was the drafter's."""
+
+    tokens: list[int]
+    from_draft: list[bool]
+    finished: bool = False
+
+
+def decode(
+    target: TargetAdapter,
+    drafter: DFlashDrafter | None,
+    prompt_ids: list[int],
+    options: DecodeOptions,
+    stats: DecodeStats | None = None,
+    observer: StepObserver | None = None,
+) -> Iterator[Step]:
+    """Generate after `prompt_ids` (batch 1), yielding each step's tokens as soon as they are verified."""
+    prompt_ids = as_token_list(prompt_ids)
+    block = _check(target, drafter, prompt_ids, options)
+    stats = stats if stats is not None else DecodeStats(block_size=block)
+    stats.block_size, stats.prompt_tokens = block, len(prompt_ids)
+    params = options.sampling
+    device = target.device
+    gen = torch.Generator(device=device).manual_seed(
+        options.seed if options.seed is not None else random.randrange(1 << 62)
+    )
+    max_new = min(options.max_new_tokens, target.max_positions - len(prompt_ids))
+
+    def choose(logits: Tensor) -> int:  # target's token from one row of logits
+        return int(logits.argmax(-1)) if params.greedy else int(sample(warp(logits, params), gen))
+
+    # ---- prefill ----------------------------------------------------------------------------------------
+    t_start = time.perf_counter()
+    cache = target.new_cache()
+    prompt = torch.tensor([prompt_ids], device=device)
+    logits, features = target.forward(prompt, 0, cache, logits_rows=1)
+    token = choose(logits[-1])
+    if observer:
+        observer(logits, [token])
+    stats.target_forwards += 1
+    stats.prefill_s = time.perf_counter() - t_start
+    t_decode = time.perf_counter()
+
+    pos = len(prompt_ids)
+    produced = 1
+    context = drafter.new_context(capacity=pos + max_new + block) if drafter else None
+    pending, pending_start = features, 0
+
+    finished = token in options.stop_token_ids or produced >= max_new
+    stats.new_tokens = produced
+    _finish(stats, finished, token in options.stop_token_ids, t_decode)
+    yield Step([token], [False], finished)
+
+    while not finished:
+        # ---- draft ------------------------------------------------------------------------------------
+        k = min(block - 1, max_new - produced - 1, target.max_positions - pos - 1) if drafter else 0
+        drafts, q = torch.empty(0, dtype=torch.long, device=device), None
+        if k > 0:
+            t = time.perf_counter()
+            draft_logits = drafter.draft_logits(
+                context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
+            )  # [k, vocab]
+            pending = None
+            drafts, q = propose(draft_logits, params, options.proposal, gen)
+            stats.draft_s += time.perf_counter() - t
+
+        # ---- verify -----------------------------------------------------------------------------------
+        t = time.perf_counter()
+        block_ids = torch.cat((torch.tensor([token], device=device), drafts))[None]  # [1, k+1]
+        logits, features = target.forward(block_ids, pos, cache, logits_rows=k + 1)  # [k+1, vocab]
+        if params.greedy:
+            accepted, token = verify_greedy(logits, drafts)
+        else:
+            accepted, token = verify_sampled(warp(logits, params), drafts, q, gen)
+        stats.verify_s += time.perf_counter() - t
+        stats.target_forwards += 1
+
+        # ---- accept: keep the anchor + accepted drafts in both caches ----------------------------------
+        TargetAdapter.crop(cache, pos + accepted + 1)
+        if drafter:
+            new = features[:, : accepted + 1]
+            pending, pending_start = (new, pos) if pending is None else (torch.cat((pending, new), 1), pending_start)
+        pos += accepted + 1
+
+        emitted = drafts[:accepted].tolist() + [token]
+        if observer:
+            observer(logits, emitted)
+        stats.record_step(k, accepted)
+        stop_at = next((i for i, t in enumerate(emitted) if t in options.stop_token_ids), None)
+        if stop_at is not None:
+            emitted = emitted[: stop_at + 1]
+        produced += len(emitted)
+        finished = stop_at is not None or produced >= max_new
+        stats.new_tokens = produced
+        _finish(stats, finished, stop_at is not None, t_decode)
+        yield Step(emitted, ([True] * accepted + [False])[: len(emitted)], finished)
+
+
+def as_token_list(ids: list[int] | Tensor) -> list[int]:
+    """A prompt as a flat list of ints; refuses batches (batch size > 1 is not supported yet)."""
+    if isinstance(ids, Tensor):
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise InvalidInputError(
+                f"batched input of shape {tuple(ids.shape)} is not supported: decode one prompt at a time"
+            )
+        return ids.tolist()
+    ids = list(ids)
+    if ids and isinstance(ids[0], (list, tuple, Tensor)):
+        if len(ids) == 1:
+            return as_token_list(torch.as_tensor(ids[0]))
+        raise InvalidInputError(f"batched input of {len(ids)} prompts is not supported: decode one prompt at a time")
+    return [int(t) for t in ids]
+
+
+def _finish(stats: DecodeStats, finished: bool, stopped: bool, t_decode: float) -> None:
+    stats.decode_s = time.perf_counter() - t_decode
+    if finished:
+        stats.finish_reason = "stop" if stopped else "length"
+
+
+def _check(target: TargetAdapter, drafter: DFlashDrafter | None, prompt_ids: list[int], options: DecodeOptions) -> int:
+    """Validate a request; returns the block size (1 without a drafter)."""
+    if not prompt_ids:
+        raise InvalidInputError("the prompt is empty: give at least one token")
+    vocab = target.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise InvalidInputError(f"prompt token ids must be in [0, {vocab}), got {min(prompt_ids)}..{max(prompt_ids)}")
+    if options.max_new_tokens < 1:
+        raise InvalidInputError(f"max_new_tokens must be at least 1, got {options.max_new_tokens}")
+    if len(prompt_ids) >= target.max_positions:
+        raise InvalidInputError(
+            f"prompt of {len(prompt_ids)} tokens leaves no room in the target's context of {target.max_positions}"
+        )
+    if drafter is None:
+        return 1
+    block = options.block_size or drafter.block_size
+    if block < 2:
+        raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {block}")
+    cfg = drafter.config
+    if cfg.hidden_size != target.hidden_size:
+        raise IncompatibleDrafterError(f"drafter hidden size {cfg.hidden_size} != target hidden size {target.hidden_size}")
+    if cfg.vocab_size != vocab:
+        raise IncompatibleDrafterError(f"drafter vocabulary {cfg.vocab_size} != target vocabulary {vocab}")
+    if target.feature_layer_ids != list(cfg.target_layer_ids):
+        raise IncompatibleDrafterError(
+            f"target hooks layers {target.feature_layer_ids} but the drafter reads {cfg.target_layer_ids}: "
+            "build the TargetAdapter with feature_layer_ids=drafter.config.target_layer_ids"
+        )
+    param = next(drafter.parameters())
+    if param.dtype != target.dtype or param.device != target.device:
+        raise IncompatibleDrafterError(
+            f"drafter is {param.dtype} on {param.device} but the target is {target.dtype} on {target.device}"
+        )
+    return block

@@ -1,0 +1,246 @@
+"""The DFlash drafter network: Qwen3-style layers with KV injection of fused target features.
+
+A block of B tokens (the last verified token, then B-1 mask tokens) is denoised in one forward pass.
+Target hidden states from a few layers are concatenated, projected by `fc` and normalised by
+`hidden_norm`; every drafter layer turns that fused context into extra keys/values with its own K/V
+weights. Block queries attend, without a causal mask, to all context keys and to their own block.
+
+The drafter has no embedding or LM head: callers embed with the target's table and read logits with the
+target's head. Parameter names follow the published checkpoint layout (`layers.0.self_attn.q_proj.weight`,
+`fc.weight`, `hidden_norm.weight`, `norm.weight`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import DrafterConfig
+
+KV = tuple[Tensor, Tensor]  # keys, values: [batch, kv_heads, seq, head_dim] each
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Plain RoPE on absolute positions (rotate-half convention, as Qwen3/Llama in transformers)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [..., seq, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [..., seq, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim] or [batch, seq, head_dim]."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, n, self.head_dim).transpose(1, 2)  # [batch, heads, seq, head_dim]
+
+    def key_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> KV:
+        """Keys (k_norm + RoPE) and values of hidden states x [batch, seq, hidden]."""
+        k = apply_rotary(self.k_norm(self._heads(self.k_proj(x), self.n_kv)), cos, sin)
+        v = self._heads(self.v_proj(x), self.n_kv)
+        return k, v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: KV, attn_mask: Tensor | None = None) -> Tensor:
+        """x: block hidden states [batch, q_len, hidden]; context: injected K/V; mask: bool [.., q, ctx+q]."""
+        q = apply_rotary(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), cos, sin)
+        k_blk, v_blk = self.key_values(x, cos, sin)
+        k = torch.cat((context[0], k_blk), dim=2)  # [batch, kv_heads, ctx+q_len, head_dim]
+        v = torch.cat((context[1], v_blk), dim=2)
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)
+        b, _, s, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(cfg)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, context: KV, attn_mask: Tensor | None = None) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, context, attn_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter. Trainable: layers, fc, hidden_norm, norm (and the mask vector, if learned)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # Saved apart from model.safetensors, as `mask_embedding.pt` (published convention).
+        self.mask_embedding = nn.Parameter(torch.zeros(h)) if config.learned_mask_embedding else None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
+        """Injected K/V of every layer for target features [batch, n, n_feat*hidden] at positions [n]."""
+        ctx = self.hidden_norm(self.fc(target_features))  # [batch, n, hidden]
+        cos, sin = self.rotary(positions, ctx.dtype)
+        return [layer.self_attn.key_values(ctx, cos, sin) for layer in self.layers]
+
+    def embed(self, token_ids: Tensor, embed_tokens: nn.Module) -> Tensor:
+        """Drafter input embeddings [batch, n, hidden] of token_ids [batch, n] with the target's table.
+
+        With a learned mask vector, it replaces the row of `mask_token_id` wherever that id occurs (the
+        convention vLLM and llama.cpp follow for `mask_embedding.pt`).
+        """
+        emb = embed_tokens(token_ids)
+        if self.mask_embedding is None:
+            return emb
+        is_mask = (token_ids == self.config.mask_token_id)[..., None]
+        return torch.where(is_mask, self.mask_embedding.to(emb.dtype), emb)
+
+    def new_context(self, capacity: int = 256) -> ContextCache:
+        """An empty injected-context cache for one generation."""
+        return ContextCache(len(self.layers), capacity)
+
+    @torch.inference_mode()
+    def draft_logits(
+        self,
+        context: ContextCache,
+        new_features: Tensor | None,
+        new_start: int,
+        anchor: int,
+        pos: int,
+        k: int,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+    ) -> Tensor:
+        """One drafting step: logits [k, vocab] for the k tokens after `anchor` (at position pos).
+
+        new_features [1, n, n_feat*hidden]: verified target features at positions new_start.. not yet
+        in `context`; they are appended first (the context grows only by verified tokens).
+        """
+        device = self.fc.weight.device
+        if new_features is not None and new_features.shape[1]:
+            positions = torch.arange(new_start, new_start + new_features.shape[1], device=device)
+            context.append(self.context_key_values(new_features, positions))
+        block_ids = torch.full((1, k + 1), self.config.mask_token_id, device=device)
+        block_ids[0, 0] = anchor
+        hidden = self(self.embed(block_ids, embed_tokens), torch.arange(pos, pos + k + 1, device=device), context.layers())
+        return lm_head(hidden[0, 1:])  # [k, vocab]: row j predicts the token at position pos+1+j
+
+    def forward(
+        self,
+        block_embeddings: Tensor,
+        positions: Tensor,
+        context: list[KV],
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Final-normed hidden states [batch, q_len, hidden] of the block tokens.
+
+        block_embeddings (see `embed`) [batch, q_len, hidden] at absolute positions [q_len] (or [batch, q_len]);
+        context: per-layer injected K/V; attn_mask (training): bool [batch, 1, q_len, ctx+q_len].
+        """
+        cos, sin = self.rotary(positions, block_embeddings.dtype)
+        h = block_embeddings
+        for layer, ctx in zip(self.layers, context):
+            h = layer(h, cos, sin, ctx, attn_mask)
+        return self.norm(h)
+
+
+class ContextCache:
+    """Injected context K/V of every drafter layer, grown only by verified tokens.
+
+    Buffers are preallocated ([1, kv_heads, capacity, head_dim] per layer and K/V) and grown by doubling,
+    so appending costs a copy of the new rows only.
+    """
+
+    def __init__(self, num_layers: int, capacity: int = 256) -> None:
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.length = 0
+        self._buffers: list[tuple[Tensor, Tensor]] | None = None
+
+    def append(self, kvs: list[KV]) -> None:
+        n = kvs[0][0].shape[2]
+        if self._buffers is None:
+            self._buffers = [self._alloc(k, max(self.capacity, n)) for k, _ in kvs]
+        elif self.length + n > self._buffers[0][0].shape[2]:
+            new_cap = max(2 * self._buffers[0][0].shape[2], self.length + n)
+            self._buffers = [self._grow(buf, new_cap) for buf in self._buffers]
+        for (kb, vb), (k, v) in zip(self._buffers, kvs):
+            kb[:, :, self.length : self.length + n] = k
+            vb[:, :, self.length : self.length + n] = v
+        self.length += n
+
+    def layers(self) -> list[KV]:
+        """Views of the filled part: per layer (keys, values) [1, kv_heads, length, head_dim]."""
+        assert self._buffers is not None, "context cache is empty"
+        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._buffers]
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def _alloc(self, like: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
+        shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
+        return like.new_empty(shape), like.new_empty(shape)
+
+    def _grow(self, buf: tuple[Tensor, Tensor], capacity: int) -> tuple[Tensor, Tensor]:
+        k, v = self._alloc(buf[0], capacity)
+        k[:, :, : self.length] = buf[0][:, :, : self.length]
+        v[:, :, : self.length] = buf[1][:, :, : self.length]
+        return k, v

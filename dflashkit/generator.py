@@ -1,0 +1,246 @@
+"""The public generation API: prompt text in, streamed text and statistics out.
+
+    gen = SpeculativeGenerator.load(drafter="path/to/drafter")   # embedded SmolLM2 target by default
+    for delta in gen.stream("Write a haiku about the sea."):
+        print(delta.text, end="")
+    result = gen.generate("Hi!", compare_ar=True)
+
+It owns the chat template, stop strings and detokenisation; the token-level loop is `decode.decode`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .decode import DecodeOptions, StepObserver, as_token_list, decode
+from .drafter import DFlashDrafter
+from .errors import InvalidInputError
+from .identity import check_compatible
+from .lossless import Divergence, DivergenceRecorder
+from .sampling import SamplingParams
+from .stats import DecodeStats
+from .target import TargetAdapter
+from .text import IncrementalDetokenizer, StopStringMatcher
+
+Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
+
+
+@dataclass
+class TextDelta:
+    """A piece of streamed output: its text and the tokens behind it (from_draft: accepted draft tokens)."""
+
+    text: str
+    token_ids: list[int]
+    from_draft: list[bool]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    from_draft: list[bool]
+    stats: DecodeStats
+    finish_reason: str | None
+    prompt_tokens: int
+    ar: GenerationResult | None = None  # the plain-decoding run, with compare_ar
+    divergence: Divergence | None = None  # with compare_ar and greedy: first differing token, judged
+
+    @property
+    def identical(self) -> bool | None:
+        return None if self.ar is None else self.token_ids == self.ar.token_ids
+
+    @property
+    def speedup(self) -> float | None:
+        """Plain decode time per token / speculative decode time per token (prefill excluded)."""
+        if self.ar is None or not self.stats.decode_s or not self.ar.stats.decode_s:
+            return None
+        spec_tpot = self.stats.decode_s / max(1, self.stats.new_tokens - 1)
+        ar_tpot = self.ar.stats.decode_s / max(1, self.ar.stats.new_tokens - 1)
+        return ar_tpot / spec_tpot
+
+
+@dataclass
+class GenerationStream:
+    """Iterate for TextDelta pieces; `result` is set once the iteration ends."""
+
+    _deltas: Iterator[TextDelta]
+    result: GenerationResult | None = field(default=None)
+
+    def __iter__(self) -> Iterator[TextDelta]:
+        return self._deltas
+
+
+class SpeculativeGenerator:
+    """A target model (+ its tokenizer) and, optionally, a DFlash drafter for it."""
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter | None = None
+    ) -> None:
+        if drafter is not None:
+            check_compatible(drafter.config, model)
+            param = next(drafter.parameters())
+            if param.dtype != model.dtype or param.device != model.device:
+                drafter = drafter.to(device=model.device, dtype=model.dtype)
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else ())
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+
+    @classmethod
+    def load(
+        cls,
+        target: str | None = None,
+        drafter: str | None = None,
+        *,
+        dtype: torch.dtype | str = torch.bfloat16,
+        device: str = "cpu",
+    ) -> SpeculativeGenerator:
+        """Load a target (None: the embedded SmolLM2-135M-Instruct) and a drafter folder (None: no drafter)."""
+        from .checkpoint import load_drafter
+        from .models import load_target
+
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        model, tokenizer = load_target(target, dtype=dtype, device=device)
+        draft = load_drafter(drafter, dtype=dtype, device=device) if drafter else None
+        return cls(model, tokenizer, draft)
+
+    # ---- prompts ---------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        """Token ids of a prompt; text goes through the chat template (as one user turn) when there is one."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInputError("the prompt is empty")
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = list(prompt)
+            if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
+                raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if not isinstance(prompt, str):
+            prompt = "\n".join(m["content"] for m in messages)
+        return self.tokenizer.encode(prompt)
+
+    # ---- generation ------------------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompt: Prompt | list[int],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        block_size: int | None = None,
+        proposal: str = "argmax",
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        use_drafter: bool = True,
+        chat: bool = True,
+        observer: StepObserver | None = None,
+    ) -> GenerationStream:
+        """Start a generation; iterate the returned stream for text deltas, then read `.result`.
+
+        `prompt` may be text, chat messages, or token ids (used as is). Without a drafter (or with
+        use_drafter=False) the same loop decodes autoregressively.
+        """
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise InvalidInputError("the prompt is empty")
+        ids = as_token_list(prompt) if _is_token_ids(prompt) else self.encode_prompt(prompt, chat)
+        if isinstance(stop, str):
+            stop = [stop]
+        options = DecodeOptions(
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature, top_k, top_p),
+            block_size=block_size,
+            proposal=proposal,
+            seed=seed,
+            stop_token_ids=frozenset(self.eos_token_ids) | frozenset(stop_token_ids),
+        )
+        drafter = self.drafter if use_drafter else None
+        stream = GenerationStream(iter(()))
+        stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream)
+        return stream
+
+    def _run(self, ids, drafter, options, stop, observer, stream: GenerationStream) -> Iterator[TextDelta]:
+        stats = DecodeStats(block_size=1)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        matcher = StopStringMatcher(stop)
+        tokens: list[int] = []
+        flags: list[bool] = []
+        steps = decode(self.target, drafter, ids, options, stats, observer)
+        try:
+            for step in steps:
+                start = len(tokens)
+                text = ""
+                for token, flag in zip(step.tokens, step.from_draft):
+                    tokens.append(token)
+                    flags.append(flag)
+                    text += matcher.push(detok.push([token]))
+                    if matcher.stopped:
+                        break
+                if matcher.stopped or step.finished:
+                    text += "" if matcher.stopped else matcher.push(detok.flush()) + matcher.flush()
+                if text or len(tokens) > start:
+                    yield TextDelta(text, tokens[start:], flags[start:])
+                if matcher.stopped:
+                    stats.finish_reason = "stop"
+                    break
+        finally:
+            steps.close()
+        stats.new_tokens = len(tokens)
+        stream.result = GenerationResult(
+            text=matcher.text, token_ids=tokens, from_draft=flags, stats=stats,
+            finish_reason=stats.finish_reason, prompt_tokens=len(ids),
+        )  # fmt: skip
+
+    def generate(self, prompt: Prompt | list[int], *, compare_ar: bool = False, **kwargs: Any) -> GenerationResult:
+        """Generate to the end (kwargs as for `stream`). With compare_ar, also decode plainly (see compare_ar)."""
+        result = _drain(self.stream(prompt, **kwargs))
+        return self.compare_ar(result, prompt, **kwargs) if compare_ar else result
+
+    def compare_ar(self, result: GenerationResult, prompt: Prompt | list[int], **kwargs: Any) -> GenerationResult:
+        """Decode `prompt` plainly with the same settings and attach that run to `result`.
+
+        When greedy, `result.divergence` locates the first differing token and judges it on the plain
+        step's logits (a tie or not; see lossless).
+        """
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_drafter", "observer")}
+        greedy = SamplingParams(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0)).greedy
+        recorder = DivergenceRecorder(result.token_ids, self.target.dtype) if greedy else None
+        result.ar = _drain(self.stream(prompt, **kwargs, use_drafter=False, observer=recorder))
+        result.divergence = recorder.result(result.ar.token_ids) if recorder else None
+        return result
+
+    def warmup(self) -> None:
+        """One short generation with and without the drafter, so first-call costs stay out of timings."""
+        for use_drafter in (True, False):
+            _drain(self.stream("Hello", max_new_tokens=4, use_drafter=use_drafter))
+
+
+def _drain(stream: GenerationStream) -> GenerationResult:
+    for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple, torch.Tensor)) and len(prompt) > 0 and not isinstance(prompt[0], dict)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for x in (gen_eos, tokenizer.eos_token_id):
+        if x is None:
+            continue
+        ids.extend(x if isinstance(x, (list, tuple)) else [x])
+    return list(dict.fromkeys(int(i) for i in ids))

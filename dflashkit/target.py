@@ -1,0 +1,136 @@
+"""Target adapter: a transformers causal LM seen the way the decode loop needs it.
+
+It runs the target on a span of tokens with a KV cache, returns the logits of the rows asked for and
+the hidden states of the drafter's feature layers (captured with forward hooks on those decoder layers
+only, never by materialising every layer), exposes the embedding table and the LM head the drafter
+borrows, and crops the KV cache after a rejection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache, PreTrainedModel
+
+from .errors import IncompatibleDrafterError, InvalidInputError
+
+
+class TargetAdapter:
+    """Wraps an `AutoModelForCausalLM` (Llama family incl. SmolLM2, Qwen2, Qwen3, ...)."""
+
+    def __init__(self, model: PreTrainedModel, feature_layer_ids: Sequence[int] = ()) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        decoder = model.get_decoder()
+        self._layers: nn.ModuleList = getattr(decoder, "layers", None)
+        if self._layers is None:
+            raise IncompatibleDrafterError(
+                f"{type(model).__name__}: its decoder has no `layers` list, so feature layers cannot be hooked"
+            )
+        self.embed_tokens: nn.Module = model.get_input_embeddings()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self._captured: dict[int, Tensor] = {}
+        self._hooks: list = []
+        self.feature_layer_ids: list[int] = []
+        self.set_feature_layers(feature_layer_ids)
+
+    # ---- shape facts ---------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embed_tokens.weight.shape[0])
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", None) or 1 << 30)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    # ---- feature capture -----------------------------------------------------------------------------
+
+    def set_feature_layers(self, layer_ids: Sequence[int]) -> None:
+        """Hook exactly these decoder layers (0-based; their outputs are the drafter's features)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._captured = [], {}
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise IncompatibleDrafterError(
+                f"feature layers {bad} do not exist: the target has {self.num_layers} decoder layers"
+            )
+        self.feature_layer_ids = list(layer_ids)
+        for i in dict.fromkeys(layer_ids):
+            self._hooks.append(self._layers[i].register_forward_hook(self._capture_hook(i)))
+
+    def _capture_hook(self, layer_id: int):
+        def hook(_module: nn.Module, _args: tuple, output: Tensor | tuple) -> None:
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    # ---- running the target --------------------------------------------------------------------------
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: Tensor, start: int, cache: DynamicCache, logits_rows: int
+    ) -> tuple[Tensor, Tensor | None]:
+        """Run tokens input_ids [1, n] at positions start..start+n-1, appending them to `cache`.
+
+        Returns the logits of the last `logits_rows` rows [logits_rows, vocab] (in the model's dtype) and
+        the concatenated feature-layer outputs [1, n, n_feat*hidden] (None without feature layers).
+        """
+        n = input_ids.shape[1]
+        if start + n > self.max_positions:
+            raise InvalidInputError(
+                f"context of {start + n} tokens exceeds the target's maximum of {self.max_positions} positions"
+            )
+        positions = torch.arange(start, start + n, device=input_ids.device)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions[None],
+            cache_position=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=logits_rows,
+        )
+        features = None
+        if self.feature_layer_ids:
+            features = torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
+            self._captured.clear()
+        return out.logits[0], features
+
+    @staticmethod
+    def crop(cache: DynamicCache, length: int) -> None:
+        """Keep the first `length` positions of the cache (drops rejected draft positions)."""
+        surplus = cache.get_seq_length() - length
+        if surplus > 0:
+            cache.crop(-surplus)  # transformers >= 5.23 takes the number of tokens to remove, negated
+
+    @torch.inference_mode()
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Target token embeddings [batch, n, hidden] (the drafter's input table, frozen)."""
+        return self.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Target LM head on drafter hidden states [..., hidden] -> [..., vocab]."""
+        return self.lm_head(hidden)

@@ -1,0 +1,77 @@
+"""Text side of generation: incremental detokenisation for streaming, and stop strings.
+
+Decoding a growing token list piece by piece must not split a multi-byte character or a word-piece
+merge, so the detokeniser re-decodes a short window of recent tokens and emits only text that is final
+(no trailing U+FFFD). Stop strings are matched on the full text; text that could still become a stop
+string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+
+class IncrementalDetokenizer:
+    """Turns tokens, fed in any chunking, into text deltas whose concatenation is the full decoded text."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens: list[int] = []
+        self._prefix_offset = 0  # window start: tokens before it are final
+        self._read_offset = 0  # tokens up to here have been emitted as text
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, tokens: Sequence[int]) -> str:
+        """Add tokens; return the newly final text (possibly empty)."""
+        self.tokens.extend(tokens)
+        prefix = self._decode(self.tokens[self._prefix_offset : self._read_offset])
+        full = self._decode(self.tokens[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back at the end of generation (e.g. an incomplete character)."""
+        prefix = self._decode(self.tokens[self._prefix_offset : self._read_offset])
+        full = self._decode(self.tokens[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.tokens)
+        return full[len(prefix) :]
+
+
+class StopStringMatcher:
+    """Streams text while watching for stop strings; text after the first stop string is never emitted."""
+
+    def __init__(self, stop_strings: Sequence[str]) -> None:
+        self.stop_strings = [s for s in stop_strings if s]
+        self._hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.text = ""  # everything seen
+        self._emitted = 0
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        """Add text; return what can be emitted now. After a stop string, returns the text before it."""
+        if self.stopped:
+            return ""
+        start = max(0, len(self.text) - self._hold)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
+        if hits:
+            self.stopped = True
+            end = min(hits)
+            self.text = self.text[:end]
+        else:
+            end = len(self.text) - self._hold
+        out = self.text[self._emitted : max(end, self._emitted)]
+        self._emitted += len(out)
+        return out
+
+    def flush(self) -> str:
+        out = self.text[self._emitted :]
+        self._emitted = len(self.text)
+        return out
