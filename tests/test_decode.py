@@ -1,0 +1,217 @@
+"""The decode loop: speculative greedy == plain greedy (fp32, token for token), cache invariants, stops."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_drafter, tiny_target
+from dflashkit.decode import DecodeOptions, decode
+from dflashkit.drafter import DFlashDrafter
+from dflashkit.stats import DecodeStats
+from dflashkit.target import TargetAdapter
+
+N_PROMPTS = 50
+MAX_NEW = 24
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def run(target: TargetAdapter, drafter, prompt: list[int], stats: DecodeStats | None = None, **kw) -> list[int]:
+    options = DecodeOptions(**{"max_new_tokens": MAX_NEW, **kw})
+    return [t for step in decode(target, drafter, prompt, options, stats) for t in step.tokens]
+
+
+class OracleDrafter(DFlashDrafter):
+    """Proposes the target's own greedy continuation, with one deliberate mistake at a varying offset.
+
+    The mistake's offset cycles over 0..k+2, so every accepted length from 0 to k (full blocks) occurs.
+    """
+
+    def __init__(self, config, reference: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__(config)
+        self.reference = reference  # prompt -> full greedy sequence (prompt + continuation)
+        self.current: list[int] = []
+        self.calls = 0
+
+    def draft_logits(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
+        super().draft_logits(context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head)
+        logits = torch.zeros(k, VOCAB)
+        wrong_at = self.calls % (k + 3)
+        self.calls += 1
+        for j in range(k):
+            i = pos + 1 + j
+            token = self.current[i] if i < len(self.current) else 0
+            if j == wrong_at:
+                token = (token + 1) % VOCAB
+            logits[j, token] = 10.0
+        return logits
+
+
+@functools.lru_cache(maxsize=None)
+def plain_outputs(arch: str) -> tuple[tuple[int, ...], ...]:
+    """Plain greedy continuations of the shared prompts (computed once per architecture)."""
+    plain = TargetAdapter(tiny_target(arch))
+    return tuple(tuple(run(plain, None, p)) for p in prompts(N_PROMPTS))
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_greedy_speculative_equals_plain(arch, block_size):
+    model = tiny_target(arch)
+    drafter = tiny_drafter(model, block_size=block_size)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    oracle = OracleDrafter(drafter.config, {})
+    oracle.load_state_dict(drafter.state_dict())
+    oracle_stats = DecodeStats(block_size)
+    for prompt, expected in zip(prompts(N_PROMPTS), plain_outputs(arch)):
+        expected = list(expected)
+        assert run(target, drafter, prompt) == expected
+        oracle.current = prompt + expected
+        assert run(target, oracle, prompt, oracle_stats) == expected
+    # The oracle exercised every accepted length, full blocks included.
+    hist = oracle_stats.acceptance_histogram
+    assert all(count > 0 for count in hist), hist
+
+
+def test_greedy_equality_in_bfloat16_allows_only_ties(arch):
+    from dflashkit.lossless import DivergenceRecorder
+
+    model = tiny_target(arch, dtype=torch.bfloat16)
+    drafter = tiny_drafter(model, block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    for prompt in prompts(4, seed=3):
+        spec = run(target, drafter, prompt)
+        recorder = DivergenceRecorder(spec, torch.bfloat16)
+        options = DecodeOptions(max_new_tokens=MAX_NEW)
+        plain = [t for s in decode(TargetAdapter(model), None, prompt, options, observer=recorder) for t in s.tokens]
+        divergence = recorder.result(plain)
+        assert divergence is None or divergence.tie, divergence
+
+
+def test_caches_equal_a_fresh_prefill_after_every_step(arch):
+    """Target KV cache and drafter context after each accepted length == recomputed from the verified text."""
+    model = tiny_target(arch)
+    base = tiny_drafter(model, block_size=6)
+    full_seq: list[int] = []
+    checked = {"target": 0, "context": 0}
+
+    class CheckingTarget(TargetAdapter):
+        def new_cache(self):
+            self.cache = super().new_cache()
+            return self.cache
+
+    target = CheckingTarget(model, base.config.target_layer_ids)
+    fresh_target = TargetAdapter(model, base.config.target_layer_ids)
+
+    def fresh(prefix: list[int]):
+        cache = fresh_target.new_cache()
+        _, feats = fresh_target.forward(torch.tensor([prefix]), 0, cache, logits_rows=1)
+        return cache, feats
+
+    class CheckingOracle(OracleDrafter):
+        def draft_logits(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
+            out = super().draft_logits(context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head)
+            assert context.length == pos  # context holds exactly the verified positions before the block
+            _, feats = fresh(self.current[:pos])
+            with torch.no_grad():
+                expected = self.context_key_values(feats, torch.arange(pos))
+            for (k_got, v_got), (k_exp, v_exp) in zip(context.layers(), expected):
+                torch.testing.assert_close(k_got, k_exp, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(v_got, v_exp, rtol=1e-4, atol=1e-4)
+            checked["context"] += 1
+            return out
+
+    drafter = CheckingOracle(base.config, {})
+    drafter.load_state_dict(base.state_dict())
+    prompt = prompts(1, seed=7)[0]
+    plain = run(TargetAdapter(model), None, prompt, max_new_tokens=40)
+    drafter.current = full_seq = prompt + plain
+    stats = DecodeStats(6)
+    emitted: list[int] = []
+
+    def observer(_logits, tokens):
+        emitted.extend(tokens)
+        verified = len(prompt) + len(emitted) - 1  # the last emitted token is not yet in the target
+        assert target.cache.get_seq_length() == verified
+        expected_cache, _ = fresh(full_seq[:verified])
+        for layer_got, layer_exp in zip(target.cache.layers, expected_cache.layers):
+            torch.testing.assert_close(layer_got.keys, layer_exp.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(layer_got.values, layer_exp.values, rtol=1e-4, atol=1e-4)
+        checked["target"] += 1
+
+    out = [t for s in decode(target, drafter, prompt, DecodeOptions(max_new_tokens=40), stats, observer) for t in s.tokens]
+    assert out == plain
+    assert set(stats.accepted_lengths) == set(range(6)), stats.accepted_lengths  # every accepted length 0..5
+    assert checked["target"] == stats.steps + 1 and checked["context"] >= stats.steps - 1
+
+
+def test_exact_max_new_tokens_and_stats(arch):
+    model = tiny_target(arch)
+    drafter = tiny_drafter(model, block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    for n in (1, 2, 7, 8, 9, 33):
+        stats = DecodeStats(8)
+        steps = list(decode(target, drafter, [5, 6, 7], DecodeOptions(max_new_tokens=n), stats))
+        assert sum(len(s.tokens) for s in steps) == n == stats.new_tokens
+        assert steps[-1].finished and not any(s.finished for s in steps[:-1])
+        assert stats.finish_reason == "length"
+        assert stats.target_forwards == stats.steps + 1
+        assert all(d <= 7 for d in stats.drafted_lengths)
+
+
+def test_stop_token_ends_generation_mid_block(arch):
+    model = tiny_target(arch)
+    drafter = tiny_drafter(model, block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    prompt = [9, 10, 11]
+    plain = run(TargetAdapter(model), None, prompt, max_new_tokens=30)
+    stop = plain[12]  # a token the plain output produces
+    first = plain.index(stop)
+    oracle = OracleDrafter(drafter.config, {})
+    oracle.load_state_dict(drafter.state_dict())
+    oracle.current = prompt + plain
+    stats = DecodeStats(8)
+    out = run(target, oracle, prompt, stats, max_new_tokens=30, stop_token_ids=frozenset({stop}))
+    assert out == plain[: first + 1]
+    assert stats.finish_reason == "stop"
+
+
+def test_tokens_equal_to_the_mask_id_are_kept(arch):
+    """A drafter whose mask id is a token the target emits: output keeps it (no value-based filtering)."""
+    model = tiny_target(arch)
+    prompt = [4, 8, 15, 16]
+    plain = run(TargetAdapter(model), None, prompt)
+    mask_id = plain[3]
+    drafter = tiny_drafter(model, block_size=4, mask_token_id=mask_id)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    out = run(target, drafter, prompt)
+    assert out == plain and out.count(mask_id) >= 1
+    # and as a stop token it stops only where it was really generated
+    stopped = run(target, drafter, prompt, stop_token_ids=frozenset({mask_id}))
+    assert stopped == plain[: plain.index(mask_id) + 1]
+
+
+def test_learned_mask_embedding_changes_drafts_not_output(arch):
+    model = tiny_target(arch)
+    drafter = tiny_drafter(model, block_size=4)  # no mask id: learned mask vector
+    assert drafter.mask_embedding is not None
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    plain = run(TargetAdapter(model), None, [3, 1, 4])
+    assert run(target, drafter, [3, 1, 4]) == plain
+
+
+def test_block_size_override_and_plain_loop_are_the_same_function(arch):
+    model = tiny_target(arch)
+    drafter = tiny_drafter(model, block_size=16)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    stats = DecodeStats(1)
+    out = run(target, drafter, [7, 7, 7], stats, block_size=3)
+    assert stats.block_size == 3 and max(stats.drafted_lengths) == 2
+    plain_stats = DecodeStats(1)
+    assert out == run(TargetAdapter(model), None, [7, 7, 7], plain_stats)
+    assert plain_stats.tau == 1.0 and plain_stats.steps == MAX_NEW - 1

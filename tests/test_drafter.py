@@ -1,0 +1,121 @@
+"""The drafter network: KV injection semantics, bidirectional block attention, incremental context."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from conftest import tiny_drafter, tiny_target
+from dflashkit.drafter import DFlashDrafter
+
+
+def naive_layer_attention(layer, block_h, ctx, block_pos, ctx_pos, theta):
+    """The DFlash attention of one layer written out per head, straight from the method's formulas."""
+    attn = layer.self_attn
+    hd, nh, nkv = attn.head_dim, attn.n_heads, attn.n_kv
+
+    def rms(x, w, eps=1e-6):
+        return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x [seq, hd]
+        inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
+        ang = pos.float()[:, None] * inv[None]  # [seq, hd/2]
+        c, s = torch.cos(ang), torch.sin(ang)
+        x1, x2 = x[:, : hd // 2], x[:, hd // 2 :]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    x = rms(block_h, layer.input_layernorm.weight)  # only block tokens get input_layernorm
+    q = (x @ attn.q_proj.weight.T).view(-1, nh, hd)
+    k_all = torch.cat([ctx, x]) @ attn.k_proj.weight.T  # same Wk for context and block
+    v_all = torch.cat([ctx, x]) @ attn.v_proj.weight.T
+    k_all, v_all = k_all.view(-1, nkv, hd), v_all.view(-1, nkv, hd)
+    pos_all = torch.cat([ctx_pos, block_pos])
+    outs = []
+    for h in range(nh):
+        g = h // (nh // nkv)
+        qh = rope(rms(q[:, h], attn.q_norm.weight), block_pos)
+        kh = rope(rms(k_all[:, g], attn.k_norm.weight), pos_all)  # k_norm on context keys too
+        scores = qh @ kh.T / math.sqrt(hd)  # no mask: bidirectional in the block, all context
+        outs.append(scores.softmax(-1) @ v_all[:, g])
+    return torch.cat(outs, -1) @ attn.o_proj.weight.T
+
+
+def test_attention_matches_the_formulas():
+    model = tiny_target("qwen3")
+    drafter = tiny_drafter(model, block_size=4)
+    torch.manual_seed(0)
+    feats = torch.randn(1, 9, drafter.fc.in_features)
+    block = torch.randn(1, 4, drafter.config.hidden_size)
+    ctx_pos, block_pos = torch.arange(9), torch.arange(9, 13)
+    with torch.no_grad():
+        context = drafter.context_key_values(feats, ctx_pos)
+        ctx_hidden = drafter.hidden_norm(drafter.fc(feats))[0]
+        layer = drafter.layers[0]
+        cos, sin = drafter.rotary(block_pos, block.dtype)
+        got = layer.self_attn(layer.input_layernorm(block), cos, sin, context[0])[0]
+        expected = naive_layer_attention(layer, block[0], ctx_hidden, block_pos, ctx_pos, drafter.config.rope_theta)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_block_attention_is_bidirectional_and_reads_context():
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=6)
+    torch.manual_seed(1)
+    feats = torch.randn(1, 5, drafter.fc.in_features)
+    block = torch.randn(1, 6, drafter.config.hidden_size)
+    pos = torch.arange(5, 11)
+    with torch.no_grad():
+        ctx = drafter.context_key_values(feats, torch.arange(5))
+        out = drafter(block, pos, ctx)
+        changed_last = block.clone()
+        changed_last[0, -1] += 1.0
+        out2 = drafter(changed_last, pos, ctx)
+        feats2 = feats.clone()
+        feats2[0, 0] += 1.0
+        out3 = drafter(block, pos, drafter.context_key_values(feats2, torch.arange(5)))
+    assert not torch.allclose(out[0, 0], out2[0, 0])  # the first position sees the last one
+    assert not torch.allclose(out[0, 0], out3[0, 0])  # and the context
+
+
+def test_incremental_context_equals_one_shot():
+    model = tiny_target("qwen3")
+    drafter = tiny_drafter(model, block_size=4)
+    torch.manual_seed(2)
+    feats = torch.randn(1, 13, drafter.fc.in_features)
+    context = drafter.new_context(capacity=4)  # forces growth
+    for a, b in [(0, 5), (5, 6), (6, 13)]:
+        with torch.no_grad():
+            context.append(drafter.context_key_values(feats[:, a:b], torch.arange(a, b)))
+    with torch.no_grad():
+        one_shot = drafter.context_key_values(feats, torch.arange(13))
+    assert context.length == 13
+    for (k1, v1), (k2, v2) in zip(context.layers(), one_shot):
+        torch.testing.assert_close(k1, k2)
+        torch.testing.assert_close(v1, v2)
+
+
+def test_drafter_owns_no_embedding_or_head():
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=4)
+    vocab = model.config.vocab_size
+    assert all(vocab not in p.shape for p in drafter.parameters())
+    names = set(drafter.state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= names
+    assert drafter.fc.weight.shape == (64, 64 * len(drafter.config.target_layer_ids))
+
+
+def test_learned_mask_vector_replaces_the_mask_row_only():
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=4, mask_token_id=None)
+    embed = model.get_input_embeddings()
+    mask_id = drafter.config.mask_token_id
+    ids = torch.tensor([[5, mask_id, mask_id, 7]])
+    with torch.no_grad():
+        emb = drafter.embed(ids, embed)
+    torch.testing.assert_close(emb[0, 0], embed.weight[5])
+    torch.testing.assert_close(emb[0, 1], drafter.mask_embedding)
+    torch.testing.assert_close(emb[0, 3], embed.weight[7])
+    plain = DFlashDrafter(drafter.config.replace(learned_mask_embedding=False))
+    with torch.no_grad():
+        torch.testing.assert_close(plain.embed(ids, embed)[0, 1], embed.weight[mask_id])
