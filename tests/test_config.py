@@ -81,7 +81,7 @@ def test_hf_dict_published_fields() -> None:
     assert d["architectures"] == ["DFlashDraftModel"]
     assert d["model_type"] == "qwen3"
     assert d["block_size"] == 16 and d["num_target_layers"] == 6
-    assert d["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 2, 4]}
+    assert d["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 2, 4], "block_size": 16}
     assert d["num_hidden_layers"] == 2 and d["head_dim"] == 16 and d["vocab_size"] == VOCAB
     assert d["layer_types"] == ["full_attention"] * 2 and not d["use_sliding_window"]
     assert d["rope_scaling"] is None
