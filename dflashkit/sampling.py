@@ -13,6 +13,7 @@ then emit the target's argmax.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature < float("inf")):
             raise InvalidInputError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise InvalidInputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -60,10 +60,11 @@ class StopStringMatcher:
             return ""
         start = max(0, len(self.text) - self._hold)
         self.text += delta
-        hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
+        # (end, start) of each stop string found; the one that ends first wins, as it would when streaming
+        hits = [(i + len(s), i) for s in self.stop_strings if (i := self.text.find(s, start)) >= 0]
         if hits:
             self.stopped = True
-            end = min(hits)
+            end = min(hits)[1]
             self.text = self.text[:end]
         else:
             end = len(self.text) - self._hold

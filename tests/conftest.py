@@ -8,9 +8,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from dflashkit.config import DrafterConfig
 from dflashkit.drafter import DFlashDrafter
-from dflashkit.target import TargetAdapter
 
 VOCAB = 96
+
+# Tiny models run fastest on one thread; with two, a busy 2-core machine oversubscribes and stalls.
+torch.set_num_threads(1)
 
 
 def tiny_target(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

