@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from dflashkit.config import DrafterConfig
 from dflashkit.drafter import DFlashDrafter
@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 
 
 def tiny_target(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
-    """A random 6-layer causal LM of the given architecture ("llama" or "qwen3")."""
+    """A random 6-layer causal LM of the given architecture ("llama", "qwen2" or "qwen3")."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
@@ -24,7 +24,12 @@ def tiny_target(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.f
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     common.update(overrides)
-    config = LlamaConfig(**common) if arch == "llama" else Qwen3Config(head_dim=16, **common)
+    if arch == "llama":
+        config = LlamaConfig(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common)  # q/k/v projections with bias
+    else:
+        config = Qwen3Config(head_dim=16, **common)
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     # Sharpen the logits so that generations are not dominated by one token.
     with torch.no_grad():

@@ -78,6 +78,14 @@ def test_greedy_speculative_equals_plain(arch, block_size):
     assert all(count > 0 for count in hist), hist
 
 
+def test_greedy_speculative_equals_plain_qwen2():
+    model = tiny_target("qwen2")
+    drafter = tiny_drafter(model, block_size=8)
+    target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
+    for prompt in prompts(10, seed=11):
+        assert run(target, drafter, prompt) == run(plain, None, prompt)
+
+
 def test_greedy_equality_in_bfloat16_allows_only_ties(arch):
     from dflashkit.lossless import DivergenceRecorder
 

