@@ -118,6 +118,17 @@ class TargetAdapter:
             self._captured.clear()
         return out.logits[0], features
 
+    @torch.inference_mode()
+    def features(self, input_ids: Tensor) -> Tensor:
+        """Feature-layer outputs [batch, n, n_feat*hidden] of whole sequences, no cache, no logits (training).
+
+        Right padding is harmless: attention is causal, so padding never reaches the real positions.
+        """
+        self.model.get_decoder()(input_ids=input_ids, use_cache=False)
+        features = torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
+        self._captured.clear()
+        return features
+
     @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:
         """Keep the first `length` positions of the cache (drops rejected draft positions)."""

@@ -1,0 +1,392 @@
+"""Training DFlash drafters: random anchors, the block attention mask, the position-decayed loss, a loop.
+
+One training example is a target-regenerated sequence (prompt + response). The target runs once over it
+(frozen) to give the feature-layer hidden states; N anchors are drawn among response tokens whose next
+token is also a response token; each anchor opens a block [anchor, MASK x (B-1)] at positions anchor+k.
+All blocks of a sequence are trained in one drafter pass under a mask where a block sees the context
+strictly before its anchor and its own block (bidirectionally), nothing else. The loss is cross-entropy
+at block offsets 1..B-1 against the sequence's tokens, weighted by exp(-(k-1)/γ) and normalised.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .checkpoint import load_drafter, save_drafter
+from .drafter import DFlashDrafter
+from .errors import InvalidInputError
+from .identity import drafter_config_for
+from .target import TargetAdapter
+
+# ---- the method's pieces (pure functions, tested element-wise) ----------------------------------------------
+
+
+def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Random anchors per sequence among positions i with loss_mask[i] and loss_mask[i+1].
+
+    loss_mask [S, L] bool. Returns sorted anchors [S, N] (long) and keep [S, N] (bool; False marks padding
+    blocks of sequences with fewer than N valid anchors, whose anchor is set to 0).
+    """
+    S, L = loss_mask.shape
+    valid = torch.zeros_like(loss_mask)
+    valid[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
+    scores = torch.rand(S, L, generator=generator).to(loss_mask.device)
+    scores = scores.masked_fill(~valid, 2.0)  # invalid positions sort last
+    order = scores.argsort(dim=1)[:, :num_anchors]  # [S, N] random distinct positions, valid first
+    n = min(num_anchors, L)
+    keep = torch.arange(n, device=loss_mask.device)[None] < valid.sum(1, keepdim=True)
+    anchors = torch.where(keep, order, torch.zeros_like(order))
+    anchors, perm = torch.sort(torch.where(keep, anchors, torch.full_like(anchors, L)), dim=1)
+    keep = torch.gather(keep, 1, perm)
+    return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
+
+
+def training_attention_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_size: int) -> Tensor:
+    """Which keys each block query sees: bool [S, 1, N*B, seq_len + N*B].
+
+    Keys are [context 0..seq_len-1 | block 0 | ... | block N-1]. A query of block b sees context j < anchor_b
+    (strictly: the anchor's own feature is not yet known at inference) and all B positions of block b;
+    padding blocks (keep False) see nothing.
+    """
+    S, N = anchors.shape
+    B = block_size
+    q_block = torch.arange(N * B, device=anchors.device) // B  # [N*B]
+    ctx = torch.arange(seq_len, device=anchors.device)[None, None, :] < anchors.repeat_interleave(B, 1)[:, :, None]
+    own = q_block[:, None] == q_block[None, :]  # [N*B, N*B]
+    mask = torch.cat((ctx, own[None].expand(S, -1, -1)), dim=2)  # [S, N*B, seq_len + N*B]
+    return (mask & keep.repeat_interleave(B, 1)[:, :, None])[:, None]
+
+
+def position_weights(block_size: int, gamma: float) -> Tensor:
+    """w_k = exp(-(k-1)/γ) for block offsets k = 1..B-1 (offset 0, the anchor, carries no loss)."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_targets(
+    input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, anchors: Tensor, keep: Tensor, block_size: int, gamma: float
+) -> tuple[Tensor, Tensor]:
+    """Labels [S, N, B-1] (the token at anchor+k) and loss weights [S, N, B-1] for offsets k = 1..B-1.
+
+    weight = keep · (anchor+k < length) · loss_mask[anchor+k] · exp(-(k-1)/γ); no cumulative product.
+    """
+    S, L = input_ids.shape
+    k = torch.arange(1, block_size, device=anchors.device)
+    pos = anchors[:, :, None] + k  # [S, N, B-1]
+    inside = pos < lengths[:, None, None]
+    pos_c = pos.clamp(max=L - 1)
+    labels = torch.gather(input_ids, 1, pos_c.flatten(1)).view_as(pos)
+    supervised = torch.gather(loss_mask, 1, pos_c.flatten(1)).view_as(pos)
+    weights = (keep[:, :, None] & inside & supervised).float() * position_weights(block_size, gamma).to(pos.device)
+    return labels, weights
+
+
+def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
+    """Σ CE·w / Σ w over all block positions; logits [..., V], labels/weights [...]."""
+    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
+    return (ce * weights.flatten()).sum() / weights.sum().clamp_min(1e-9)
+
+
+# ---- data --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingSequence:
+    input_ids: list[int]
+    num_prompt: int  # tokens before the response
+
+
+def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSequence]:
+    """Prompt + regenerated response pairs from `dflashkit data` shards, cut to max_len tokens."""
+    from .data import load_shards
+
+    seqs = []
+    for rec in load_shards(data_dir):
+        ids = (rec["prompt_ids"] + rec["response_ids"])[:max_len]
+        if len(ids) - len(rec["prompt_ids"]) >= 2:
+            seqs.append(TrainingSequence(ids, len(rec["prompt_ids"])))
+    if not seqs:
+        raise InvalidInputError(f"{data_dir}: no training sequences with at least 2 response tokens")
+    return seqs
+
+
+def batches(seqs: list[TrainingSequence], per_step: int, seed: int) -> Iterator[list[TrainingSequence]]:
+    """Endless batches of similar-length sequences (length-bucketed, reshuffled every epoch)."""
+    rng = random.Random(seed)
+    while True:
+        order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].input_ids), rng.random()))
+        groups = [order[i : i + per_step] for i in range(0, len(order), per_step)]
+        rng.shuffle(groups)
+        for g in groups:
+            yield [seqs[i] for i in g]
+
+
+def collate(batch: list[TrainingSequence], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """input_ids [S, L] (right-padded), loss_mask [S, L] (response tokens), lengths [S]."""
+    L = max(len(s.input_ids) for s in batch)
+    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), L), dtype=torch.bool)
+    for i, s in enumerate(batch):
+        ids[i, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        mask[i, s.num_prompt : len(s.input_ids)] = True
+    return ids, mask, torch.tensor([len(s.input_ids) for s in batch])
+
+
+def draft_vocabulary(seqs: list[TrainingSequence], size: int) -> Tensor:
+    """The `size` most frequent response tokens: the loss's vocabulary (cheaper LM head in training)."""
+    counts = torch.zeros(max(max(s.input_ids) for s in seqs) + 1, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(torch.tensor(s.input_ids[s.num_prompt :]), minlength=counts.numel())
+    return counts.argsort(descending=True)[:size].sort().values
+
+
+# ---- the training loop -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    data_dir: str
+    out_dir: str
+    target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    num_layers: int = 3
+    block_size: int = 16
+    gamma: float = 7.0
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None  # None: learned mask vector
+    init_from_target: bool = True
+    anchors_per_seq: int = 32
+    seqs_per_step: int = 8
+    grad_accum: int = 1
+    steps: int = 2000
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    max_seq_len: int = 768
+    draft_vocab_size: int | None = 8192  # None: full vocabulary in the loss
+    eval_every: int = 250
+    eval_prompts: int = 6
+    checkpoint_every: int = 100
+    seed: int = 0
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to 0."""
+    warm = max(1, int(cfg.warmup_ratio * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def init_from_target(drafter: DFlashDrafter, model: torch.nn.Module) -> None:
+    """Start from the target: its last N decoder layers, fc reading the deepest feature layer, its final norm.
+
+    Measured (training-notes) to start at a lower loss and learn faster than random initialisation.
+    """
+    layers = model.get_decoder().layers
+    src_layers = layers[len(layers) - len(drafter.layers) :]
+    with torch.no_grad():
+        for dst, src in zip(drafter.layers, src_layers):
+            src_state = src.state_dict()
+            for name, p in dst.state_dict().items():
+                if name in src_state and src_state[name].shape == p.shape:
+                    p.copy_(src_state[name])
+        H = drafter.config.hidden_size
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -H:] = torch.eye(H)
+        final_norm = getattr(model.get_decoder(), "norm", None)
+        if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
+            drafter.norm.weight.copy_(final_norm.weight)
+        if drafter.mask_embedding is not None:
+            drafter.mask_embedding.copy_(model.get_input_embeddings().weight.float().mean(0))
+
+
+class Trainer:
+    """Holds target, drafter, optimizer and data; `run()` trains with checkpoints and resumes."""
+
+    def __init__(
+        self, cfg: TrainConfig, model, tokenizer, sequences: list[TrainingSequence] | None = None, log=print
+    ) -> None:
+        self.cfg, self.model, self.tokenizer, self.log = cfg, model, tokenizer, log
+        self.out = Path(cfg.out_dir)
+        self.ckpt = self.out / "checkpoint"
+        seqs = sequences if sequences is not None else load_sequences(cfg.data_dir, cfg.max_seq_len)
+        n_eval = min(cfg.eval_prompts, max(0, len(seqs) // 10))
+        self.eval_seqs, self.train_seqs = seqs[:n_eval], seqs[n_eval:]
+        torch.manual_seed(cfg.seed)
+        dcfg = drafter_config_for(
+            model, num_layers=cfg.num_layers, block_size=cfg.block_size,
+            target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
+        )  # fmt: skip
+        self.drafter = DFlashDrafter(dcfg).to(cfg.device)  # fp32 master weights; bf16 autocast
+        if cfg.init_from_target:
+            init_from_target(self.drafter, model)
+        self.target = TargetAdapter(model, dcfg.target_layer_ids)
+        self.vocab = (
+            draft_vocabulary(self.train_seqs, cfg.draft_vocab_size).to(cfg.device) if cfg.draft_vocab_size else None
+        )
+        if self.vocab is not None:  # target token id -> row of the draft vocabulary (-1: not in it)
+            self.vocab_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long, device=cfg.device)
+            self.vocab_index[self.vocab] = torch.arange(self.vocab.numel(), device=cfg.device)
+        self.opt = torch.optim.AdamW(
+            [p for p in self.drafter.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,
+            betas=(0.9, 0.95),
+        )  # fmt: skip
+        self.step = 0
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    # ---- one step -------------------------------------------------------------------------------------
+
+    def loss_on(self, batch: list[TrainingSequence]) -> tuple[Tensor, dict[str, Any]]:
+        cfg, d = self.cfg, self.drafter
+        ids, loss_mask, lengths = (t.to(cfg.device) for t in collate(batch, self.pad_id))
+        S, L = ids.shape
+        B = cfg.block_size
+        with torch.inference_mode():
+            features = self.target.features(ids)  # [S, L, n_feat*H], the target's dtype
+        features = features.clone()  # a normal tensor (inference tensors cannot enter autograd)
+        anchors, keep = sample_anchors(loss_mask, cfg.anchors_per_seq, self.gen)
+        N = anchors.shape[1]
+        block_ids = torch.full((S, N, B), d.config.mask_token_id, device=ids.device)
+        block_ids[:, :, 0] = torch.gather(ids, 1, anchors)
+        positions = (anchors[:, :, None] + torch.arange(B, device=ids.device)).flatten(1)  # [S, N*B]
+        mask = training_attention_mask(anchors, keep, L, B)
+        compute_mask = mask | (~keep.repeat_interleave(B, 1)[:, None, :, None] & _own_block(S, N, B, L, ids.device))
+        labels, weights = block_targets(ids, loss_mask, lengths, anchors, keep, B, cfg.gamma)
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+            emb = d.embed(block_ids.flatten(1), self.target.embed_tokens).detach()  # [S, N*B, H]
+            context = d.context_key_values(features, torch.arange(L, device=ids.device))
+            hidden = d(emb, positions, context, compute_mask).view(S, N, B, -1)[:, :, 1:]  # [S, N, B-1, H]
+            head = self.target.lm_head.weight.detach()
+            if self.vocab is not None:  # loss over the draft vocabulary only; other labels carry no loss
+                head = head[self.vocab]
+                labels = self.vocab_index[labels]
+                weights = weights * (labels >= 0)
+                labels = labels.clamp_min(0)
+            logits = hidden @ head.T  # [S, N, B-1, V']
+        loss = weighted_block_loss(logits, labels, weights)
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == labels).float() * (weights > 0)
+            acc = (hit.sum((0, 1)) / (weights > 0).float().sum((0, 1)).clamp_min(1)).tolist()
+        return loss, {"acc_per_position": acc, "supervised": int((weights > 0).sum())}
+
+    def train_step(self, batch_iter: Iterator[list[TrainingSequence]]) -> dict[str, Any]:
+        cfg = self.cfg
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, cfg)
+        self.opt.zero_grad(set_to_none=True)
+        total, accs = 0.0, []
+        for _ in range(cfg.grad_accum):
+            loss, info = self.loss_on(next(batch_iter))
+            (loss / cfg.grad_accum).backward()
+            total += float(loss.detach()) / cfg.grad_accum
+            accs.append(info["acc_per_position"])
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.clip))
+        self.opt.step()
+        self.step += 1
+        acc = [sum(a) / len(a) for a in zip(*accs)]
+        return {"step": self.step, "loss": total, "grad_norm": grad_norm, "lr": lr_at(self.step - 1, cfg), "acc": acc}
+
+    # ---- evaluation: τ with the real decode loop on held-out prompts -------------------------------
+
+    def estimate_tau(self, max_new_tokens: int = 48) -> float:
+        from .decode import DecodeOptions, decode
+        from .stats import DecodeStats
+
+        if not self.eval_seqs:
+            return float("nan")
+        drafter = DFlashDrafter(self.drafter.config).to(self.model.dtype)
+        drafter.load_state_dict(self.drafter.state_dict())
+        drafter.eval()
+        target = TargetAdapter(self.model, drafter.config.target_layer_ids)
+        stats = DecodeStats(self.cfg.block_size)
+        eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        for s in self.eval_seqs:
+            options = DecodeOptions(max_new_tokens=max_new_tokens, stop_token_ids=frozenset(eos))
+            for _ in decode(target, drafter, s.input_ids[: s.num_prompt], options, stats):
+                pass
+        return stats.tau
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Atomic: the drafter folder and the trainer state are written to temp names, then renamed."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_drafter(self.drafter, self.ckpt)
+        state = {
+            "step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
+            "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
+        }  # fmt: skip
+        tmp = self.ckpt / "trainer_state.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.ckpt / "trainer_state.pt")
+
+    def resume(self) -> bool:
+        state_file = self.ckpt / "trainer_state.pt"
+        if not state_file.exists():
+            return False
+        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        loaded = load_drafter(self.ckpt, dtype=torch.float32, device=self.cfg.device)
+        self.drafter.load_state_dict(loaded.state_dict())
+        self.opt.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        self.gen.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        return True
+
+    def run(self, resume: bool = True, progress: bool = True) -> Path:
+        cfg = self.cfg
+        if resume and self.resume():
+            self.log(f"resumed at step {self.step}")
+        self.out.mkdir(parents=True, exist_ok=True)
+        log_path = self.out / "train_log.jsonl"
+        if log_path.exists():  # drop entries of steps past the checkpoint (a killed run redoes them)
+            kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+            log_path.write_text("".join(ln + "\n" for ln in kept))
+        log_file = log_path.open("a")
+        batch_iter = batches(self.train_seqs, cfg.seqs_per_step, cfg.seed)
+        for _ in range(self.step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
+            next(batch_iter)
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
+        t0 = time.perf_counter()
+        while self.step < cfg.steps:
+            rec = self.train_step(batch_iter)
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                rec["tau"] = self.estimate_tau()
+            rec["elapsed_s"] = time.perf_counter() - t0
+            log_file.write(json.dumps(rec) + "\n")
+            log_file.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['acc'][0]:.2f}", **({"tau": f"{rec['tau']:.2f}"} if "tau" in rec else {}))
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                self.save()
+        bar.close()
+        log_file.close()
+        final = self.drafter.to(torch.bfloat16)
+        save_drafter(final, self.out / "drafter")
+        return self.out / "drafter"
+
+
+def _own_block(S: int, N: int, B: int, L: int, device: torch.device) -> Tensor:
+    """[1, 1, N*B, L + N*B]: each block query's own block (used to keep padding rows finite)."""
+    q_block = torch.arange(N * B, device=device) // B
+    own = q_block[:, None] == q_block[None, :]
+    return torch.cat((torch.zeros(N * B, L, dtype=torch.bool, device=device), own), 1)[None, None]
