@@ -90,7 +90,88 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_data)
+
+    t = sub.add_parser(
+        "train",
+        help="train a DFlash drafter on data made by `dflashkit data` (resumes a killed run)",
+        description="Train a drafter: random anchors in the target's regenerated responses, the DFlash block "
+        "mask and the position-decayed loss; target embedding and LM head frozen. Checkpoints every "
+        "--checkpoint-every steps; running the same command again resumes.",
+    )
+    t.add_argument("--data", default=None, help="data folder (default: <cache>/data/<target name>)")
+    t.add_argument("--out", default=None, help="run folder (default: <cache>/runs/<target name>); drafter in OUT/drafter")
+    t.add_argument("--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)")
+    t.add_argument("--layers", type=int, default=3, help="drafter depth")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--gamma", type=float, default=7.0, help="loss decay: weight exp(-(k-1)/gamma) at block offset k")
+    t.add_argument("--target-layers", default=None, help="comma-separated target layer ids (default: the reference rule)")
+    t.add_argument("--mask-token-id", type=int, default=None, help="mask id (default: a learned mask embedding)")
+    t.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
+    t.add_argument("--seqs-per-step", type=int, default=8)
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
+    t.add_argument("--max-seq-len", type=int, default=768)
+    t.add_argument("--draft-vocab", type=int, default=8192, help="loss vocabulary: most frequent N tokens (0 = all)")
+    t.add_argument("--random-init", action="store_true", help="do not initialise from the target's last layers")
+    t.add_argument("--eval-every", type=int, default=250, help="steps between τ estimates on held-out prompts (0 = never)")
+    t.add_argument("--checkpoint-every", type=int, default=100)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    t.add_argument("--no-resume", action="store_true", help="start over even if OUT has a checkpoint")
+    t.set_defaults(func=cmd_train)
     return parser
+
+
+def _target_slug(target: str | None) -> str:
+    import re
+
+    from .models import DEFAULT_TARGET
+
+    name = DEFAULT_TARGET if target is None else str(target)
+    return re.sub(r"[^A-Za-z0-9._-]+", "--", name.strip("/").replace("/", "--")) or "target"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from .errors import InvalidInputError
+    from .models import cache_dir, load_target
+    from .train import TrainConfig, Trainer
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidInputError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    data_dir = pathlib.Path(args.data).expanduser() if args.data else cache_dir() / "data" / _target_slug(args.target)
+    out = pathlib.Path(args.out).expanduser() if args.out else cache_dir() / "runs" / _target_slug(args.target)
+    if not (data_dir / "prompts.jsonl").is_file():
+        raise InvalidInputError(f"{data_dir}: no training data; make it with `dflashkit data --out {data_dir}`")
+    for name in ("layers", "steps", "anchors", "seqs_per_step", "grad_accum"):
+        if getattr(args, name) < 1:
+            raise InvalidInputError(f"--{name.replace('_', '-')} must be at least 1")
+    layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
+    cfg = TrainConfig(
+        data_dir=str(data_dir), out_dir=str(out), target=args.target, num_layers=args.layers,
+        block_size=args.block_size, gamma=args.gamma, target_layer_ids=layer_ids, mask_token_id=args.mask_token_id,
+        init_from_target=not args.random_init, anchors_per_seq=args.anchors, seqs_per_step=args.seqs_per_step,
+        grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup,
+        max_seq_len=args.max_seq_len, draft_vocab_size=args.draft_vocab or None, eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
+    )  # fmt: skip
+    with _status("Loading target model...", False):
+        model, tokenizer = load_target(args.target, dtype=torch.bfloat16, device=args.device)
+    trainer = Trainer(cfg, model, tokenizer, log=lambda msg: print(msg, file=sys.stderr))
+    print(
+        f"Training a {args.layers}-layer drafter (block {args.block_size}) on {len(trainer.train_seqs)} sequences "
+        f"from {data_dir}; held-out τ prompts: {len(trainer.eval_seqs)}; run folder {out}",
+        file=sys.stderr,
+    )
+    drafter_dir = trainer.run(resume=not args.no_resume)
+    print(str(drafter_dir))
+    return 0
 
 
 @contextmanager
@@ -220,7 +301,6 @@ def _print_summary(result, speculative: bool) -> None:
 
 def cmd_data(args: argparse.Namespace) -> int:
     import pathlib
-    import re
 
     from . import data, models
 
@@ -233,8 +313,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     name = models.DEFAULT_TARGET if args.target is None else str(args.target)
     if args.out is None:
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "--", name.strip("/").replace("/", "--")) or "target"
-        out = models.cache_dir() / "data" / slug
+        out = models.cache_dir() / "data" / _target_slug(args.target)
     else:
         out = pathlib.Path(args.out).expanduser()
     collection_args = {"sources": args.sources, "num_prompts": args.num_prompts, "seed": args.seed,

@@ -106,6 +106,7 @@ def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tens
 class TrainingSequence:
     input_ids: list[int]
     num_prompt: int  # tokens before the response
+    features: Tensor | None = field(default=None, repr=False)  # cached target features [len, n_feat*H]
 
 
 def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSequence]:
@@ -176,6 +177,7 @@ class TrainConfig:
     clip: float = 1.0
     max_seq_len: int = 768
     draft_vocab_size: int | None = 8192  # None: full vocabulary in the loss
+    cache_features: bool = True  # run the target once per sequence, keep its features in memory (bf16)
     eval_every: int = 250
     eval_prompts: int = 6
     checkpoint_every: int = 100
@@ -258,9 +260,7 @@ class Trainer:
         ids, loss_mask, lengths = (t.to(cfg.device) for t in collate(batch, self.pad_id))
         S, L = ids.shape
         B = cfg.block_size
-        with torch.inference_mode():
-            features = self.target.features(ids)  # [S, L, n_feat*H], the target's dtype
-        features = features.clone()  # a normal tensor (inference tensors cannot enter autograd)
+        features = self.batch_features(batch, ids)  # [S, L, n_feat*H], the target's dtype
         anchors, keep = sample_anchors(loss_mask, cfg.anchors_per_seq, self.gen)
         N = anchors.shape[1]
         block_ids = torch.full((S, N, B), d.config.mask_token_id, device=ids.device)
@@ -285,6 +285,22 @@ class Trainer:
             hit = (logits.argmax(-1) == labels).float() * (weights > 0)
             acc = (hit.sum((0, 1)) / (weights > 0).float().sum((0, 1)).clamp_min(1)).tolist()
         return loss, {"acc_per_position": acc, "supervised": int((weights > 0).sum())}
+
+    def batch_features(self, batch: list[TrainingSequence], ids: Tensor) -> Tensor:
+        """Target features of a right-padded batch; with cache_features, each sequence is run once per run."""
+        if not self.cfg.cache_features:
+            with torch.inference_mode():
+                return self.target.features(ids).clone()  # a normal tensor (inference tensors can't enter autograd)
+        missing = [i for i, s in enumerate(batch) if s.features is None]
+        if missing:
+            with torch.inference_mode():
+                feats = self.target.features(ids[missing])
+            for row, i in enumerate(missing):
+                batch[i].features = feats[row, : len(batch[i].input_ids)].to("cpu").clone()
+        out = torch.zeros(ids.shape[0], ids.shape[1], batch[0].features.shape[-1], dtype=batch[0].features.dtype)
+        for i, s in enumerate(batch):
+            out[i, : len(s.input_ids)] = s.features
+        return out.to(ids.device)
 
     def train_step(self, batch_iter: Iterator[list[TrainingSequence]]) -> dict[str, Any]:
         cfg = self.cfg

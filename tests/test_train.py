@@ -191,3 +191,49 @@ def test_resume_continues_with_the_same_state(tmp_path):
     resumed.run(resume=False, progress=False)
     for (name, p), q in zip(straight.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
         torch.testing.assert_close(p, q, msg=f"{name} differs after resume")
+
+
+def test_cached_features_give_the_same_loss(tmp_path):
+    from conftest import tiny_target
+
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 6, seed=2, new_tokens=12)
+    losses = []
+    for cache in (False, True, True):  # uncached, first cached pass (fills), second (reads)
+        trainer = make_trainer(tmp_path / str(len(losses)), model, seqs if cache else [*seqs], cache_features=cache)
+        trainer.gen.manual_seed(5)
+        loss, _ = trainer.loss_on(trainer.train_seqs[:3])
+        losses.append(float(loss))
+    assert all(s.features is not None for s in seqs[:3]) and all(s.features is None for s in seqs[3:])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6) and losses[1] == pytest.approx(losses[2], abs=1e-6)
+
+
+def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
+    import dflashkit.models
+    from dflashkit import data
+    from dflashkit.cli import main
+    from test_data import EVAL, make_model, make_tokenizer, word_prompts, write_jsonl
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(
+        dflashkit.models, "load_target", lambda name=None, *, dtype=torch.bfloat16, device="cpu", progress=False: (
+            make_model(dtype), make_tokenizer())
+    )  # fmt: skip
+    monkeypatch.setattr(data, "evaluation_prompts", lambda: EVAL)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(24, seed=1)])
+    d, out = tmp_path / "data", tmp_path / "run"
+    assert main(["data", "--out", str(d), "--sources", f"jsonl:{src}", "--num-prompts", "24", "--max-new-tokens",
+                 "12", "--batch-size", "8", "--no-progress", "--min-chars", "1"]) == 0  # fmt: skip
+    train_args = ["train", "--data", str(d), "--out", str(out), "--layers", "1", "--block-size", "4", "--steps", "4",
+                  "--anchors", "4", "--seqs-per-step", "4", "--eval-every", "2", "--checkpoint-every", "2",
+                  "--draft-vocab", "0"]  # fmt: skip
+    assert main(train_args) == 0
+    assert capsys.readouterr().out.strip().endswith("drafter")
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4] and "tau" in log[1] and len(log[0]["acc"]) == 3
+    assert main(train_args) == 0  # finished run: resumes at step 4 and only re-saves the drafter
+    assert "resumed at step 4" in capsys.readouterr().err
+    assert main(["generate", "tell me about the sea", "--drafter", str(out / "drafter"), "--max-new-tokens", "6",
+                 "--compare-ar", "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert result["block_size"] == 4 and result["speculative"]
