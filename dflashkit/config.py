@@ -63,6 +63,9 @@ class DrafterConfig:
     # True: a learned mask vector (saved as `mask_embedding.pt`) replaces the target's embedding row of
     # `mask_token_id` for the drafter; needed when the vocabulary has no spare id.
     learned_mask_embedding: bool = False
+    # Token ids the drafter may propose (sorted), None = the whole vocabulary. A drafter trained with a
+    # draft vocabulary proposes only from it (and its LM head pass reads only those rows: faster).
+    draft_vocab: list[int] | None = None
     # Identity of the target this drafter was built for (see checkpoint.target_identity); None = unknown.
     target: dict[str, Any] | None = field(default=None)
 
@@ -79,6 +82,10 @@ class DrafterConfig:
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             raise CheckpointError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
+        if self.draft_vocab is not None and (
+            not self.draft_vocab or min(self.draft_vocab) < 0 or max(self.draft_vocab) >= self.vocab_size
+        ):
+            raise CheckpointError(f"draft_vocab must be a non-empty list of ids below {self.vocab_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise CheckpointError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
 
@@ -160,7 +167,12 @@ class DrafterConfig:
                 "target_layer_ids": list(self.target_layer_ids),
                 "block_size": self.block_size,
             },
-            "dflashkit": {"format_version": 1, "learned_mask_embedding": self.learned_mask_embedding, "target": self.target},
+            "dflashkit": {
+                "format_version": 1,
+                "learned_mask_embedding": self.learned_mask_embedding,
+                "draft_vocab": self.draft_vocab,
+                "target": self.target,
+            },
         }
 
     @classmethod
@@ -214,6 +226,7 @@ class DrafterConfig:
             rope_theta=field("rope_theta", float, rope_theta),
             max_position_embeddings=field("max_position_embeddings", default=8192),
             learned_mask_embedding=bool(ours.get("learned_mask_embedding", False)),
+            draft_vocab=ours.get("draft_vocab"),
             target=ours.get("target"),
         )
 

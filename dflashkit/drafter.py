@@ -130,6 +130,9 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         # Saved apart from model.safetensors, as `mask_embedding.pt` (published convention).
         self.mask_embedding = nn.Parameter(torch.zeros(h)) if config.learned_mask_embedding else None
+        vocab = torch.tensor(config.draft_vocab, dtype=torch.long) if config.draft_vocab is not None else None
+        self.register_buffer("draft_vocab", vocab, persistent=False)  # [V'] or None
+        self._head_rows: tuple[tuple[int, int], Tensor] | None = None  # (head weight key, its draft-vocab rows)
 
     @property
     def block_size(self) -> int:
@@ -181,7 +184,19 @@ class DFlashDrafter(nn.Module):
         block_ids = torch.full((1, k + 1), self.config.mask_token_id, device=device)
         block_ids[0, 0] = anchor
         hidden = self(self.embed(block_ids, embed_tokens), torch.arange(pos, pos + k + 1, device=device), context.layers())
-        return lm_head(hidden[0, 1:])  # [k, vocab]: row j predicts the token at position pos+1+j
+        return self.logits(hidden[0, 1:], lm_head)  # [k, vocab]: row j predicts the token at position pos+1+j
+
+    def logits(self, hidden: Tensor, lm_head: nn.Module) -> Tensor:
+        """Vocabulary logits [..., vocab] of drafter hidden states; outside the draft vocabulary, -inf."""
+        if self.draft_vocab is None:
+            return lm_head(hidden)
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight._version)  # recomputed only if the head's weights change
+        if self._head_rows is None or self._head_rows[0] != key:
+            self._head_rows = (key, weight[self.draft_vocab.to(weight.device)].detach())
+        sub = hidden @ self._head_rows[1].T  # [..., V']: only the draft vocabulary's rows are read
+        full = sub.new_full((*sub.shape[:-1], weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
 
     def forward(
         self,

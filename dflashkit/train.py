@@ -231,17 +231,17 @@ class Trainer:
         n_eval = min(cfg.eval_prompts, max(0, len(seqs) // 10))
         self.eval_seqs, self.train_seqs = seqs[:n_eval], seqs[n_eval:]
         torch.manual_seed(cfg.seed)
+        self.vocab = (
+            draft_vocabulary(self.train_seqs, cfg.draft_vocab_size).to(cfg.device) if cfg.draft_vocab_size else None
+        )
         dcfg = drafter_config_for(
             model, num_layers=cfg.num_layers, block_size=cfg.block_size,
             target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
-        )  # fmt: skip
+        ).replace(draft_vocab=self.vocab.tolist() if self.vocab is not None else None)  # fmt: skip
         self.drafter = DFlashDrafter(dcfg).to(cfg.device)  # fp32 master weights; bf16 autocast
         if cfg.init_from_target:
             init_from_target(self.drafter, model)
         self.target = TargetAdapter(model, dcfg.target_layer_ids)
-        self.vocab = (
-            draft_vocabulary(self.train_seqs, cfg.draft_vocab_size).to(cfg.device) if cfg.draft_vocab_size else None
-        )
         if self.vocab is not None:  # target token id -> row of the draft vocabulary (-1: not in it)
             self.vocab_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long, device=cfg.device)
             self.vocab_index[self.vocab] = torch.arange(self.vocab.numel(), device=cfg.device)

@@ -402,3 +402,14 @@ def test_saved_folder_has_ordinary_permissions(tmp_path: Path, target) -> None:
     assert path.stat().st_mode & 0o777 == 0o777 & ~umask
     for f in path.iterdir():
         assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f.name
+
+
+def test_draft_vocabulary_round_trip(tmp_path: Path) -> None:
+    model = tiny_target("llama")
+    cfg = drafter_config_for(model, num_layers=1, block_size=4).replace(draft_vocab=[2, 5, 7, 90])
+    save_drafter(DFlashDrafter(cfg), tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", dtype=torch.float32)
+    assert loaded.config.draft_vocab == [2, 5, 7, 90] and loaded.draft_vocab.tolist() == [2, 5, 7, 90]
+    assert "draft_vocab" not in load_file(tmp_path / "d" / "model.safetensors")  # config only: other engines ignore it
+    with pytest.raises(CheckpointError, match="draft_vocab"):
+        cfg.replace(draft_vocab=[VOCAB])

@@ -10,6 +10,7 @@ import torch
 from conftest import VOCAB, tiny_drafter, tiny_target
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.drafter import DFlashDrafter
+from dflashkit.sampling import SamplingParams
 from dflashkit.stats import DecodeStats
 from dflashkit.target import TargetAdapter
 
@@ -223,3 +224,23 @@ def test_block_size_override_and_plain_loop_are_the_same_function(arch):
     plain_stats = DecodeStats(1)
     assert out == run(TargetAdapter(model), None, [7, 7, 7], plain_stats)
     assert plain_stats.tau == 1.0 and plain_stats.steps == MAX_NEW - 1
+
+
+def test_draft_vocabulary_restricts_proposals_not_output(arch):
+    model = tiny_target(arch)
+    base = tiny_drafter(model, block_size=4)
+    vocab = list(range(0, VOCAB, 3))
+    drafter = DFlashDrafter(base.config.replace(draft_vocab=vocab))
+    drafter.load_state_dict(base.state_dict())
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    with torch.no_grad():
+        hidden = torch.randn(5, model.config.hidden_size)
+        logits = drafter.logits(hidden, model.get_output_embeddings())
+        full = model.get_output_embeddings()(hidden)
+    assert torch.isinf(logits[:, [i for i in range(VOCAB) if i not in vocab]]).all()
+    torch.testing.assert_close(logits[:, vocab], full[:, vocab])
+    for prompt in prompts(5, seed=9):
+        assert run(target, drafter, prompt) == run(TargetAdapter(model), None, prompt)
+    sampled = run(target, drafter, [5, 6], max_new_tokens=12, seed=0, proposal="sample",
+                  sampling=SamplingParams(temperature=1.0))  # fmt: skip
+    assert len(sampled) == 12
