@@ -211,6 +211,9 @@ def init_from_target(drafter: DFlashDrafter, model: torch.nn.Module) -> None:
         H = drafter.config.hidden_size
         drafter.fc.weight.zero_()
         drafter.fc.weight[:, -H:] = torch.eye(H)
+        first_norm = getattr(src_layers[0], "input_layernorm", None)  # the context plays that layer's input
+        if first_norm is not None and first_norm.weight.shape == drafter.hidden_norm.weight.shape:
+            drafter.hidden_norm.weight.copy_(first_norm.weight)
         final_norm = getattr(model.get_decoder(), "norm", None)
         if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
             drafter.norm.weight.copy_(final_norm.weight)
