@@ -45,6 +45,7 @@ import torch
 
 from .errors import DFlashError, InvalidInputError
 from .fsutil import atomic_write
+from .text import encode_chat, eos_token_ids
 
 Prompt = str | list[dict[str, str]]  # one user turn, or chat messages ending with a user turn
 
@@ -665,21 +666,6 @@ def shard_path(out_dir: str | os.PathLike, index: int) -> pathlib.Path:
     return pathlib.Path(out_dir) / f"shard-{index:05d}.jsonl"
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    from .generator import _eos_ids as eos_ids
-
-    return eos_ids(model, tokenizer)
-
-
-def encode_chat(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt as the target sees it (as ``SpeculativeGenerator.encode_prompt``)."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode("\n".join(m["content"] for m in messages))
-
-
 def _tokenizer_identity(tokenizer: Any, eos_ids: list[int], pad_id: int) -> dict[str, Any]:
     template = getattr(tokenizer, "chat_template", None) or ""
     if not isinstance(template, str):
@@ -744,7 +730,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
         stale.unlink(missing_ok=True)
     prompts_file, meta_file = out / "prompts.jsonl", out / "meta.json"
 
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
         raise InvalidInputError("the tokenizer/model defines no eos token: responses could never end")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]

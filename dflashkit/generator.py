@@ -25,7 +25,7 @@ from .lossless import Divergence, DivergenceRecorder
 from .sampling import SamplingParams
 from .stats import DecodeStats
 from .target import TargetAdapter
-from .text import IncrementalDetokenizer, StopStringMatcher
+from .text import IncrementalDetokenizer, StopStringMatcher, encode_chat, eos_token_ids
 
 Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
@@ -88,7 +88,7 @@ class SpeculativeGenerator:
                 drafter = drafter.to(device=model.device, dtype=model.dtype)
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else ())
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
 
     @classmethod
     def load(
@@ -120,12 +120,7 @@ class SpeculativeGenerator:
             messages = list(prompt)
             if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
                 raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        if not isinstance(prompt, str):
-            prompt = "\n".join(m["content"] for m in messages)
-        return self.tokenizer.encode(prompt)
+        return encode_chat(self.tokenizer, messages if not isinstance(prompt, str) else prompt, chat)
 
     # ---- generation ------------------------------------------------------------------------------------
 
@@ -234,13 +229,3 @@ def _drain(stream: GenerationStream) -> GenerationResult:
 
 def _is_token_ids(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple, torch.Tensor)) and len(prompt) > 0 and not isinstance(prompt[0], dict)
-
-
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    ids: list[int] = []
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for x in (gen_eos, tokenizer.eos_token_id):
-        if x is None:
-            continue
-        ids.extend(x if isinstance(x, (list, tuple)) else [x])
-    return list(dict.fromkeys(int(i) for i in ids))

@@ -9,8 +9,31 @@ string is held back until it cannot.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+Messages = Sequence[dict[str, str]]  # chat messages [{"role": ..., "content": ...}]
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: str | Messages, chat: bool = True) -> list[int]:
+    """Token ids of a prompt as the target sees it: text is one user turn through the chat template
+    (when the tokenizer has one and `chat`); without a template, the plain text."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages))
+
+
+def eos_token_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """End-of-sequence ids of the model's generation config and of the tokenizer, deduplicated."""
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for x in (gen_eos, tokenizer.eos_token_id):
+        if x is not None:
+            ids.extend(x if isinstance(x, (list, tuple)) else [x])
+    return list(dict.fromkeys(int(i) for i in ids))
 
 
 class IncrementalDetokenizer:
