@@ -12,6 +12,8 @@ target's head. Parameter names follow the published checkpoint layout (`layers.0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -19,6 +21,17 @@ from torch import Tensor, nn
 from .config import DrafterConfig
 
 KV = tuple[Tensor, Tensor]  # keys, values: [batch, kv_heads, seq, head_dim] each
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Training attention for N blocks of `block_size` queries, computed block-sparsely: a query of block n
+    sees the context keys that `context` [batch, N*B, ctx_len] allows and all B keys of block n, nothing
+    else (equal to the dense mask of train.training_attention_mask for real blocks, without its
+    (N*B)^2 cross-block work)."""
+
+    context: Tensor
+    block_size: int
 
 
 class RMSNorm(nn.Module):
@@ -78,10 +91,14 @@ class DrafterAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.n_kv)
         return k, v
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: KV, attn_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, context: KV, attn_mask: Tensor | BlockMask | None = None
+    ) -> Tensor:
         """x: block hidden states [batch, q_len, hidden]; context: injected K/V; mask: bool [.., q, ctx+q]."""
         q = apply_rotary(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), cos, sin)
         k_blk, v_blk = self.key_values(x, cos, sin)
+        if isinstance(attn_mask, BlockMask):
+            return self._block_sparse(q, k_blk, v_blk, context, attn_mask)
         k = torch.cat((context[0], k_blk), dim=2)  # [batch, kv_heads, ctx+q_len, head_dim]
         v = torch.cat((context[1], v_blk), dim=2)
         if self.n_kv != self.n_heads:
@@ -90,6 +107,24 @@ class DrafterAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)
         b, _, s, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+    def _block_sparse(self, q: Tensor, k_blk: Tensor, v_blk: Tensor, context: KV, mask: BlockMask) -> Tensor:
+        S, h, Q, d = q.shape
+        B = mask.block_size
+        N = Q // B
+        rep = self.n_heads // self.n_kv
+        k_ctx, v_ctx = (t.repeat_interleave(rep, dim=1) for t in context)  # [S, heads, ctx, d]
+        k_blk, v_blk = (t.repeat_interleave(rep, dim=1) for t in (k_blk, v_blk))  # [S, heads, Q, d]
+        scale = d**-0.5
+        s_ctx = (q @ k_ctx.transpose(-1, -2)) * scale  # [S, heads, Q, ctx]
+        s_ctx = s_ctx.masked_fill(~mask.context[:, None], float("-inf")).view(S, h, N, B, -1)
+        qb, kb, vb = q.view(S, h, N, B, d), k_blk.view(S, h, N, B, d), v_blk.view(S, h, N, B, d)
+        s_blk = (qb @ kb.transpose(-1, -2)) * scale  # [S, heads, N, B, B]: own block only
+        p = torch.cat((s_ctx, s_blk), dim=-1).float().softmax(-1).to(q.dtype)  # never empty: own block
+        ctx_len = k_ctx.shape[2]
+        out = p[..., :ctx_len].reshape(S, h, Q, ctx_len) @ v_ctx + (p[..., ctx_len:] @ vb).reshape(S, h, Q, d)
+        return self.o_proj(out.transpose(1, 2).reshape(S, Q, h * d))
 
 
 class DrafterMLP(nn.Module):
@@ -111,7 +146,9 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, context: KV, attn_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, h: Tensor, cos: Tensor, sin: Tensor, context: KV, attn_mask: Tensor | BlockMask | None = None
+    ) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, context, attn_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -203,12 +240,12 @@ class DFlashDrafter(nn.Module):
         block_embeddings: Tensor,
         positions: Tensor,
         context: list[KV],
-        attn_mask: Tensor | None = None,
+        attn_mask: Tensor | BlockMask | None = None,
     ) -> Tensor:
         """Final-normed hidden states [batch, q_len, hidden] of the block tokens.
 
         block_embeddings (see `embed`) [batch, q_len, hidden] at absolute positions [q_len] (or [batch, q_len]);
-        context: per-layer injected K/V; attn_mask (training): bool [batch, 1, q_len, ctx+q_len].
+        context: per-layer injected K/V; attn_mask (training): bool [batch, 1, q_len, ctx+q_len], or a BlockMask.
         """
         cos, sin = self.rotary(positions, block_embeddings.dtype)
         h = block_embeddings

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checkpoint import load_drafter, save_drafter, write_drafter_files
-from .drafter import DFlashDrafter
+from .drafter import BlockMask, DFlashDrafter
 from .errors import InvalidInputError
 from .fsutil import atomic_dir
 from .identity import drafter_config_for
@@ -54,20 +54,25 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generat
     return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
 
 
-def training_attention_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_size: int) -> Tensor:
-    """Which keys each block query sees: bool [S, 1, N*B, seq_len + N*B].
+def context_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_size: int) -> Tensor:
+    """Context keys each block query sees: bool [S, N*B, seq_len], True where j < anchor of its block
+    (strictly: the anchor's own feature is not yet known at inference); padding blocks see none."""
+    anchor_of_query = anchors.repeat_interleave(block_size, 1)  # [S, N*B]
+    visible = torch.arange(seq_len, device=anchors.device)[None, None, :] < anchor_of_query[:, :, None]
+    return visible & keep.repeat_interleave(block_size, 1)[:, :, None]
 
-    Keys are [context 0..seq_len-1 | block 0 | ... | block N-1]. A query of block b sees context j < anchor_b
-    (strictly: the anchor's own feature is not yet known at inference) and all B positions of block b;
-    padding blocks (keep False) see nothing.
+
+def training_attention_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_size: int) -> Tensor:
+    """The dense form of the training mask: bool [S, 1, N*B, seq_len + N*B].
+
+    Keys are [context 0..seq_len-1 | block 0 | ... | block N-1]; a query of block b sees context j < anchor_b
+    and all B positions of block b; padding blocks (keep False) see nothing. Training computes the same
+    thing block-sparsely (drafter.BlockMask); this form is the reference the tests compare against.
     """
     S, N = anchors.shape
-    B = block_size
-    q_block = torch.arange(N * B, device=anchors.device) // B  # [N*B]
-    ctx = torch.arange(seq_len, device=anchors.device)[None, None, :] < anchors.repeat_interleave(B, 1)[:, :, None]
-    own = q_block[:, None] == q_block[None, :]  # [N*B, N*B]
-    mask = torch.cat((ctx, own[None].expand(S, -1, -1)), dim=2)  # [S, N*B, seq_len + N*B]
-    return (mask & keep.repeat_interleave(B, 1)[:, :, None])[:, None]
+    q_block = torch.arange(N * block_size, device=anchors.device) // block_size
+    own = (q_block[:, None] == q_block[None, :])[None] & keep.repeat_interleave(block_size, 1)[:, :, None]
+    return torch.cat((context_mask(anchors, keep, seq_len, block_size), own), dim=2)[:, None]
 
 
 def position_weights(block_size: int, gamma: float) -> Tensor:
@@ -270,13 +275,12 @@ class Trainer:
         block_ids = torch.full((S, N, B), d.config.mask_token_id, device=ids.device)
         block_ids[:, :, 0] = torch.gather(ids, 1, anchors)
         positions = (anchors[:, :, None] + torch.arange(B, device=ids.device)).flatten(1)  # [S, N*B]
-        mask = training_attention_mask(anchors, keep, L, B)
-        compute_mask = mask | (~keep.repeat_interleave(B, 1)[:, None, :, None] & _own_block(S, N, B, L, ids.device))
+        mask = BlockMask(context_mask(anchors, keep, L, B), B)  # padding blocks see only themselves: no NaN
         labels, weights = block_targets(ids, loss_mask, lengths, anchors, keep, B, cfg.gamma)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16):
             emb = d.embed(block_ids.flatten(1), self.target.embed_tokens).detach()  # [S, N*B, H]
             context = d.context_key_values(features, torch.arange(L, device=ids.device))
-            hidden = d(emb, positions, context, compute_mask).view(S, N, B, -1)[:, :, 1:]  # [S, N, B-1, H]
+            hidden = d(emb, positions, context, mask).view(S, N, B, -1)[:, :, 1:]  # [S, N, B-1, H]
             head = self.target.lm_head.weight.detach()
             if self.vocab is not None:  # loss over the draft vocabulary only; other labels carry no loss
                 head = head[self.vocab]
@@ -401,10 +405,3 @@ class Trainer:
         final = self.drafter.to(torch.bfloat16)
         save_drafter(final, self.out / "drafter")
         return self.out / "drafter"
-
-
-def _own_block(S: int, N: int, B: int, L: int, device: torch.device) -> Tensor:
-    """[1, 1, N*B, L + N*B]: each block query's own block (used to keep padding rows finite)."""
-    q_block = torch.arange(N * B, device=device) // B
-    own = q_block[:, None] == q_block[None, :]
-    return torch.cat((torch.zeros(N * B, L, dtype=torch.bool, device=device), own), 1)[None, None]
