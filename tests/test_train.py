@@ -203,7 +203,7 @@ def test_cached_features_give_the_same_loss(tmp_path):
         trainer = make_trainer(tmp_path / str(len(losses)), model, seqs if cache else [*seqs], cache_features=cache)
         trainer.gen.manual_seed(5)
         loss, _ = trainer.loss_on(trainer.train_seqs[:3])
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert all(s.features is not None for s in seqs[:3]) and all(s.features is None for s in seqs[3:])
     assert losses[0] == pytest.approx(losses[1], abs=1e-6) and losses[1] == pytest.approx(losses[2], abs=1e-6)
 
