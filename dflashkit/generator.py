@@ -120,7 +120,7 @@ class SpeculativeGenerator:
             messages = list(prompt)
             if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
                 raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
-        return encode_chat(self.tokenizer, messages if not isinstance(prompt, str) else prompt, chat)
+        return encode_chat(self.tokenizer, prompt if isinstance(prompt, str) else messages, chat)
 
     # ---- generation ------------------------------------------------------------------------------------
 

@@ -189,7 +189,6 @@ class TrainConfig:
     checkpoint_every: int = 100
     seed: int = 0
     device: str = "cpu"
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

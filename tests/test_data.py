@@ -54,16 +54,6 @@ def word_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 12))) for _ in range(n)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy 2-core machine OpenMP barriers between
-    two threads can make each tiny matmul wait for a time slice (seen: 0.6 s -> 30 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class CountingGenerate:
     """Wraps model.generate and records the batch size of every call."""
 

@@ -6,10 +6,9 @@ import copy
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import VOCAB, tiny_target
+from conftest import word_tokenizer, VOCAB, tiny_target
 from dflashkit.drafter import DFlashDrafter
 from dflashkit.errors import IncompatibleDrafterError
 from dflashkit.generator import SpeculativeGenerator
@@ -24,10 +23,7 @@ from dflashkit.identity import (
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<s>": 1, "<eos>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
-    backend = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
+    return word_tokenizer()
 
 
 @pytest.fixture(scope="module")

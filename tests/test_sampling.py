@@ -43,15 +43,6 @@ N_E2E = 1000  # decodes per speculative end-to-end setting
 N_E2E_PLAIN = 800  # decodes per plain (drafter None) end-to-end setting
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one thread is faster, and immune to oversubscription on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- statistics helpers ------------------------------------------------------------------------------
 
 

@@ -13,7 +13,6 @@ import pathlib
 import random
 
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -31,15 +30,6 @@ SENTENCES = [
     "tab\tand\nnewline  double  spaces   end",
 ]
 SMOLLM2 = pathlib.Path(os.path.expanduser("~/.cache/dflashkit/smollm2-135m-instruct"))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one thread is faster, and immune to oversubscription on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def bytes_to_unicode() -> dict[int, str]:
