@@ -43,8 +43,10 @@ from typing import Any
 
 import torch
 
+from .batchgen import generate_batch
 from .errors import DFlashError, InvalidInputError
 from .fsutil import atomic_write
+from .sampling import SamplingParams
 from .text import encode_chat, eos_token_ids
 
 Prompt = str | list[dict[str, str]]  # one user turn, or chat messages ending with a user turn
@@ -718,8 +720,6 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     settings, prompts or target are refused. ``batch_size`` may change between runs (with sampling, the
     draws then differ).
     """
-    from transformers import GenerationConfig
-
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
         raise InvalidInputError("batch_size, shard_size, max_new_tokens and max_prompt_tokens must be >= 1")
     if not (temperature >= 0 and math.isfinite(temperature)) or not 0 < top_p <= 1:
@@ -781,11 +781,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
 
     todo = [k for k in range(num_shards) if not shard_path(out, k).is_file()]
     done_prompts = sum(min(shard_size, len(prompts) - k * shard_size) for k in range(num_shards) if k not in todo)
-    gen_config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-        top_p=top_p if temperature > 0 else None, top_k=0 if temperature > 0 else None,
-        eos_token_id=eos_ids, pad_token_id=pad_id,
-    )  # fmt: skip
+    sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p))
     device = next(model.parameters()).device
     fork_devices = [device] if device.type == "cuda" else []
 
@@ -814,20 +810,11 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                 torch.manual_seed(seed * 1_000_003 + k)
                 for b in range(0, len(encoded), batch_size):
                     batch = encoded[b : b + batch_size]
-                    width = max(len(ids) for _, ids in batch)
-                    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-                    mask = torch.zeros((len(batch), width), dtype=torch.long)
-                    for row, (_, ids) in enumerate(batch):
-                        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-                        mask[row, width - len(ids) :] = 1
-                    output = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                                            generation_config=gen_config)
-                    new = output[:, width:].tolist()
-                    for (i, ids), tokens in zip(batch, new):
-                        end = next((j for j, t in enumerate(tokens) if t in eos_ids), None)
-                        response = tokens if end is None else tokens[: end + 1]
-                        records.append({"id": i, "prompt_ids": ids, "response_ids": response,
-                                        "finished": end is not None})
+                    responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
+                                               eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
+                    for (i, ids), response in zip(batch, responses):
+                        finished = bool(response) and response[-1] in eos_ids
+                        records.append({"id": i, "prompt_ids": ids, "response_ids": response, "finished": finished})
                         shard_tokens += len(response)
                     run_tokens += sum(len(r["response_ids"]) for r in records[-len(batch):])
                     elapsed = run_seconds + time.perf_counter() - t_shard

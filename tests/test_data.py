@@ -55,15 +55,15 @@ def word_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 class CountingGenerate:
-    """Wraps model.generate and records the batch size of every call."""
+    """Wraps data.generate_batch and records the batch size of every call."""
 
-    def __init__(self, model) -> None:
-        self.model, self.inner, self.calls = model, model.generate, []
-        model.generate = self
+    def __init__(self, monkeypatch) -> None:
+        self.inner, self.calls = data.generate_batch, []
+        monkeypatch.setattr(data, "generate_batch", self)
 
-    def __call__(self, *args, **kwargs):
-        self.calls.append(kwargs["input_ids"].shape[0])
-        return self.inner(*args, **kwargs)
+    def __call__(self, model, prompts, **kwargs):
+        self.calls.append(len(prompts))
+        return self.inner(model, prompts, **kwargs)
 
 
 # ---- ShareGPT ------------------------------------------------------------------------------------------------
@@ -319,12 +319,12 @@ def test_regenerate_matches_unbatched_greedy(tmp_path: Path) -> None:
     assert [json.loads(line)["prompt"] for line in lines] == prompts
 
 
-def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path) -> None:
+def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path, monkeypatch) -> None:
     model, tok = make_model(), make_tokenizer()
     out = tmp_path / "out"
     prompts = word_prompts(10, seed=1)
     kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=4, progress=False)
-    counter = CountingGenerate(model)
+    counter = CountingGenerate(monkeypatch)
     data.regenerate(model, tok, prompts, out, **kwargs)
     assert counter.calls == [3, 1, 3, 1, 2]  # shards of 4, 4, 2 prompts in batches of 3
     first = data.load_shards(out)
