@@ -16,7 +16,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,9 @@ from torch import Tensor
 from .checkpoint import load_drafter, save_drafter, write_drafter_files
 from .drafter import BlockMask, DFlashDrafter
 from .errors import InvalidInputError
+from .features import FeatureStore
 from .fsutil import atomic_dir
-from .identity import drafter_config_for
+from .identity import drafter_config_for, target_identity
 from .target import TargetAdapter
 
 # ---- the method's pieces (pure functions, tested element-wise) ----------------------------------------------
@@ -112,7 +113,6 @@ def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tens
 class TrainingSequence:
     input_ids: list[int]
     num_prompt: int  # tokens before the response
-    features: Tensor | None = field(default=None, repr=False)  # cached target features [len, n_feat*H]
 
 
 def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSequence]:
@@ -183,7 +183,7 @@ class TrainConfig:
     clip: float = 1.0
     max_seq_len: int = 768
     draft_vocab_size: int | None = 8192  # None: full vocabulary in the loss
-    cache_features: bool = True  # run the target once per sequence, keep its features in memory (bf16)
+    cache_features: bool = True  # run the target once per sequence; features kept in OUT/features (disk)
     eval_every: int = 250
     eval_prompts: int = 6
     checkpoint_every: int = 100
@@ -257,6 +257,14 @@ class Trainer:
             [p for p in self.drafter.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,
             betas=(0.9, 0.95),
         )  # fmt: skip
+        self.store: FeatureStore | None = None
+        if cfg.cache_features:
+            self.seq_index = {id(s): i for i, s in enumerate(self.train_seqs)}
+            self.store = FeatureStore(
+                self.out / "features", [s.input_ids for s in self.train_seqs],
+                width=len(dcfg.target_layer_ids) * self.target.hidden_size, dtype=self.target.dtype,
+                signature={"target_layer_ids": list(dcfg.target_layer_ids), "target": target_identity(model)},
+            )  # fmt: skip
         self.step = 0
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -294,19 +302,20 @@ class Trainer:
         return loss, {"acc_per_position": acc, "supervised": int((weights > 0).sum())}
 
     def batch_features(self, batch: list[TrainingSequence], ids: Tensor) -> Tensor:
-        """Target features of a right-padded batch; with cache_features, each sequence is run once per run."""
-        if not self.cfg.cache_features:
+        """Target features [S, L, n_feat*H] of a right-padded batch; cached, each sequence runs once per run."""
+        if self.store is None:
             with torch.inference_mode():
                 return self.target.features(ids).clone()  # a normal tensor (inference tensors can't enter autograd)
-        missing = [i for i, s in enumerate(batch) if s.features is None]
+        index = [self.seq_index[id(s)] for s in batch]
+        missing = [row for row, i in enumerate(index) if not self.store.has(i)]
         if missing:
             with torch.inference_mode():
                 feats = self.target.features(ids[missing])
-            for row, i in enumerate(missing):
-                batch[i].features = feats[row, : len(batch[i].input_ids)].to("cpu").clone()
-        out = torch.zeros(ids.shape[0], ids.shape[1], batch[0].features.shape[-1], dtype=batch[0].features.dtype)
-        for i, s in enumerate(batch):
-            out[i, : len(s.input_ids)] = s.features
+            for k, row in enumerate(missing):
+                self.store.put(index[row], feats[k, : len(batch[row].input_ids)])
+        out = torch.zeros(ids.shape[0], ids.shape[1], self.store.width, dtype=self.store.dtype)
+        for row, (s, i) in enumerate(zip(batch, index)):
+            out[row, : len(s.input_ids)] = self.store.get(i)
         return out.to(ids.device)
 
     def train_step(self, batch_iter: Iterator[list[TrainingSequence]]) -> dict[str, Any]:
@@ -354,6 +363,8 @@ class Trainer:
             "step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
         }  # fmt: skip
+        if self.store is not None:
+            self.store.commit()
         with atomic_dir(self.ckpt) as tmp:
             write_drafter_files(self.drafter, tmp)
             torch.save(state, tmp / "trainer_state.pt")

@@ -199,12 +199,16 @@ def test_cached_features_give_the_same_loss(tmp_path):
     model = tiny_target("llama")
     seqs = tiny_corpus(model, 6, seed=2, new_tokens=12)
     losses = []
-    for cache in (False, True, True):  # uncached, first cached pass (fills), second (reads)
-        trainer = make_trainer(tmp_path / str(len(losses)), model, seqs if cache else [*seqs], cache_features=cache)
+    for cache, folder in ((False, "plain"), (True, "cached"), (True, "cached")):  # uncached, fill, read back
+        trainer = make_trainer(tmp_path / folder, model, [*seqs], cache_features=cache)
         trainer.gen.manual_seed(5)
+        if cache and len(losses) == 2:
+            filled = [trainer.store.has(i) for i in range(len(trainer.train_seqs))]
+            assert filled[:3] == [True] * 3 and not any(filled[3:])
         loss, _ = trainer.loss_on(trainer.train_seqs[:3])
         losses.append(float(loss.detach()))
-    assert all(s.features is not None for s in seqs[:3]) and all(s.features is None for s in seqs[3:])
+        if cache:
+            trainer.store.commit()
     assert losses[0] == pytest.approx(losses[1], abs=1e-6) and losses[1] == pytest.approx(losses[2], abs=1e-6)
 
 
