@@ -101,29 +101,35 @@ class DrafterAttention(nn.Module):
             return self._block_sparse(q, k_blk, v_blk, context, attn_mask)
         k = torch.cat((context[0], k_blk), dim=2)  # [batch, kv_heads, ctx+q_len, head_dim]
         v = torch.cat((context[1], v_blk), dim=2)
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)
-        b, _, s, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
-
+        b, h, s, d = q.shape
+        if attn_mask is None:  # inference: the block sees everything; query heads packed per K/V head, no copy
+            packed = q.reshape(b, self.n_kv, (h // self.n_kv) * s, d)  # [batch, kv_heads, group*q_len, head_dim]
+            out = F.scaled_dot_product_attention(packed, k, v).view(b, h, s, d)
+        else:
+            if self.n_kv != h:
+                k, v = k.repeat_interleave(h // self.n_kv, dim=1), v.repeat_interleave(h // self.n_kv, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, h * d))
 
     def _block_sparse(self, q: Tensor, k_blk: Tensor, v_blk: Tensor, context: KV, mask: BlockMask) -> Tensor:
+        """Training attention; query heads grouped by their K/V head ([S, kv, group, ...]) so K/V are never copied."""
         S, h, Q, d = q.shape
-        B = mask.block_size
-        N = Q // B
-        rep = self.n_heads // self.n_kv
-        k_ctx, v_ctx = (t.repeat_interleave(rep, dim=1) for t in context)  # [S, heads, ctx, d]
-        k_blk, v_blk = (t.repeat_interleave(rep, dim=1) for t in (k_blk, v_blk))  # [S, heads, Q, d]
-        scale = d**-0.5
-        s_ctx = (q @ k_ctx.transpose(-1, -2)) * scale  # [S, heads, Q, ctx]
-        s_ctx = s_ctx.masked_fill(~mask.context[:, None], float("-inf")).view(S, h, N, B, -1)
-        qb, kb, vb = q.view(S, h, N, B, d), k_blk.view(S, h, N, B, d), v_blk.view(S, h, N, B, d)
-        s_blk = (qb @ kb.transpose(-1, -2)) * scale  # [S, heads, N, B, B]: own block only
-        p = torch.cat((s_ctx, s_blk), dim=-1).float().softmax(-1).to(q.dtype)  # never empty: own block
+        B, kv = mask.block_size, self.n_kv
+        N, group = Q // B, h // kv
+        k_ctx, v_ctx = context  # [S, kv, ctx, d]
         ctx_len = k_ctx.shape[2]
-        out = p[..., :ctx_len].reshape(S, h, Q, ctx_len) @ v_ctx + (p[..., ctx_len:] @ vb).reshape(S, h, Q, d)
+        scale = d**-0.5
+        qg = q.reshape(S, kv, group * Q, d)
+        s_ctx = (qg @ k_ctx.transpose(-1, -2)) * scale  # [S, kv, group*Q, ctx]
+        s_ctx = s_ctx.view(S, kv, group, Q, ctx_len).masked_fill(~mask.context[:, None, None], float("-inf"))
+        qb = q.reshape(S, kv, group, N, B, d)
+        kb, vb = k_blk.view(S, kv, 1, N, B, d), v_blk.view(S, kv, 1, N, B, d)
+        s_blk = (qb @ kb.transpose(-1, -2)) * scale  # [S, kv, group, N, B, B]: own block only
+        scores = torch.cat((s_ctx.view(S, kv, group, N, B, ctx_len), s_blk), dim=-1)
+        p = scores.float().softmax(-1).to(q.dtype)  # never empty: own block
+        out_ctx = p[..., :ctx_len].reshape(S, kv, group * Q, ctx_len) @ v_ctx  # [S, kv, group*Q, d]
+        out_blk = p[..., ctx_len:] @ vb  # [S, kv, group, N, B, d]
+        out = out_ctx.view(S, h, Q, d) + out_blk.reshape(S, h, Q, d)
         return self.o_proj(out.transpose(1, 2).reshape(S, Q, h * d))
 
 
