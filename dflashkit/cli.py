@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "mask and the position-decayed loss; target embedding and LM head frozen. Checkpoints every "
         "--checkpoint-every steps; running the same command again resumes.",
     )
-    t.add_argument("--data", default=None, help="data folder (default: <cache>/data/<target name>)")
+    t.add_argument("--data", default=None, help="data folder, or several separated by commas (default: <cache>/data/<target name>)")
     t.add_argument("--out", default=None, help="run folder (default: <cache>/runs/<target name>); drafter in OUT/drafter")
     t.add_argument("--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)")
     t.add_argument("--layers", type=int, default=3, help="drafter depth")
@@ -152,13 +152,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .errors import InvalidInputError
     from .models import cache_dir, load_target
-    from .train import TrainConfig, Trainer
+    from .train import TrainConfig, Trainer, data_folders
 
     _apply_threads(args.threads)
-    data_dir = pathlib.Path(args.data).expanduser() if args.data else cache_dir() / "data" / _target_slug(args.target)
+    data_dir = args.data if args.data else str(cache_dir() / "data" / _target_slug(args.target))
     out = pathlib.Path(args.out).expanduser() if args.out else cache_dir() / "runs" / _target_slug(args.target)
-    if not (data_dir / "prompts.jsonl").is_file():
-        raise InvalidInputError(f"{data_dir}: no training data; make it with `dflashkit data --out {data_dir}`")
+    for folder in data_folders(data_dir):
+        if not (folder / "prompts.jsonl").is_file():
+            raise InvalidInputError(f"{folder}: no training data; make it with `dflashkit data --out {folder}`")
     for name in ("layers", "steps", "anchors", "seqs_per_step", "grad_accum"):
         if getattr(args, name) < 1:
             raise InvalidInputError(f"--{name.replace('_', '-')} must be at least 1")

@@ -115,15 +115,22 @@ class TrainingSequence:
     num_prompt: int  # tokens before the response
 
 
+def data_folders(data_dir: str | os.PathLike) -> list[Path]:
+    """One data folder, or several separated by commas."""
+    return [Path(p).expanduser() for p in str(data_dir).split(",") if p.strip()]
+
+
 def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSequence]:
-    """Prompt + regenerated response pairs from `dflashkit data` shards, cut to max_len tokens."""
+    """Prompt + regenerated response pairs from `dflashkit data` shards (one or comma-separated folders, in
+    order), cut to max_len tokens."""
     from .data import load_shards
 
     seqs = []
-    for rec in load_shards(data_dir):
-        ids = (rec["prompt_ids"] + rec["response_ids"])[:max_len]
-        if len(ids) - len(rec["prompt_ids"]) >= 2:
-            seqs.append(TrainingSequence(ids, len(rec["prompt_ids"])))
+    for folder in data_folders(data_dir):
+        for rec in load_shards(folder):
+            ids = (rec["prompt_ids"] + rec["response_ids"])[:max_len]
+            if len(ids) - len(rec["prompt_ids"]) >= 2:
+                seqs.append(TrainingSequence(ids, len(rec["prompt_ids"])))
     if not seqs:
         raise InvalidInputError(f"{data_dir}: no training sequences with at least 2 response tokens")
     return seqs

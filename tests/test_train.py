@@ -241,3 +241,19 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
                  "--compare-ar", "--json"]) == 0  # fmt: skip
     result = json.loads(capsys.readouterr().out)
     assert result["block_size"] == 4 and result["speculative"]
+
+
+def test_load_sequences_from_several_folders(tmp_path):
+    from dflashkit import data
+    from dflashkit.train import load_sequences
+    from test_data import make_model, make_tokenizer, word_prompts
+
+    model, tok = make_model(), make_tokenizer()
+    for name, seed in (("a", 1), ("b", 2)):
+        data.regenerate(model, tok, word_prompts(4, seed=seed), tmp_path / name, batch_size=4, max_new_tokens=6,
+                        progress=False)
+    a, b = load_sequences(tmp_path / "a", 64), load_sequences(tmp_path / "b", 64)
+    both = load_sequences(f"{tmp_path / 'a'},{tmp_path / 'b'}", 64)
+    assert a and b and both == a + b
+    with pytest.raises(data.DataError):
+        load_sequences(f"{tmp_path / 'a'},{tmp_path / 'missing'}", 64)
