@@ -238,3 +238,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
               "a bug, please report it (details in summary.md)", file=sys.stderr)  # fmt: skip
     return result.exit_code
 
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser of the bench options (for tests and embedding)."""
+    parser = argparse.ArgumentParser(prog="dflashkit")
+    sub = parser.add_subparsers()
+    return add_bench_parser(sub)

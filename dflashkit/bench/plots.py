@@ -3,10 +3,16 @@ per-position acceptance curves. matplotlib (the ``bench`` extra) draws them off-
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 from typing import Any
 
 PLOTS = ("speedup.png", "accepted_lengths.png", "acceptance.png")
+
+
+def plots_available() -> bool:
+    """Whether matplotlib is installed."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def _pyplot():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import pathlib
+import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -162,10 +164,11 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 def write_outputs(data: dict[str, Any] | BenchResult, out_dir: str | pathlib.Path,
-                  json_path: str | pathlib.Path | None = None) -> dict[str, pathlib.Path]:  # fmt: skip
+                  json_path: str | pathlib.Path | None = None,
+                  log: Callable[[str], None] | None = None) -> dict[str, pathlib.Path]:  # fmt: skip
     """results.json (or json_path), summary.md and the PNG plots of a result (or its :func:`as_json`);
-    returns {kind: path}."""
-    from .plots import write_plots
+    returns {kind: path}. Without matplotlib the plots are left out with a line saying so."""
+    from .plots import plots_available, write_plots
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,6 +177,10 @@ def write_outputs(data: dict[str, Any] | BenchResult, out_dir: str | pathlib.Pat
     md = out / "summary.md"
     atomic_write(md, lambda f: f.write(markdown(data)))
     paths["markdown"] = md
+    if not plots_available():
+        (log or (lambda msg: print(msg, file=sys.stderr)))(
+            "plots skipped: matplotlib is not installed (pip install 'dflashkit[bench]')")
+        return paths
     for p in write_plots(data, out):
         paths[p.stem] = p
     return paths

@@ -161,7 +161,7 @@ def run_bench(
                             rows.append(row)
                             if div is not None:
                                 divergences.append(div)
-                                _log_divergence(div, bar.write if config.progress else log)
+                                _log_divergence(div, _bar_writer(bar) if config.progress else log)
                         history = [*messages, {"role": "assistant", "content": _text(session, base.tokens)}]
     finally:
         bar.close()
@@ -179,6 +179,10 @@ def run_bench(
         config=config, methods=list(described.values()), datasets={n: len(qs) for n, qs in sets}, rows=rows,
         summary=summary, divergences=divergences, baseline=baseline, wall_s=time.perf_counter() - t_start,
     )  # fmt: skip
+
+
+def _bar_writer(bar: tqdm) -> Callable[[str], None]:
+    return lambda msg: bar.write(msg, file=sys.stderr)
 
 
 def _encode(session: TargetSession, messages: list[dict[str, str]]) -> list[int]:
