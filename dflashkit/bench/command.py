@@ -37,15 +37,15 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "if a dflashkit method's greedy output parts from the baseline's other than at a bf16 tie.",
     )
     b.add_argument("--datasets", default=None, help="comma-separated: mt-bench, humaneval, math500, jsonl:PATH "
-                   "(FastChat / Spec-Bench questions), hf:NAME[:SPLIT[:FIELD]] (default: %s)" % DEFAULTS["datasets"])
+                   f"(FastChat / Spec-Bench questions), hf:NAME[:SPLIT[:FIELD]] (default: {DEFAULTS['datasets']})")
     b.add_argument("--limit", type=int, default=None, help="questions per data set, a seeded random subset; 0 = all "
-                   "(default: %d)" % DEFAULTS["limit"])  # fmt: skip
+                   f"(default: {DEFAULTS['limit']})")  # fmt: skip
     b.add_argument("--seed", type=int, default=0, help="subset and sampling seed")
-    b.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default: %d)" % DEFAULTS["max_new_tokens"])
+    b.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default: {DEFAULTS['max_new_tokens']})")
     b.add_argument("--max-turns", type=int, default=None, help="turns per question (default: all)")
     b.add_argument("--temperatures", default=None, help="comma-separated; 0 = greedy (default: 0,1)")
-    b.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of %s; the baseline 'ar' "
-                   "always runs (default: all)" % ", ".join(METHODS))  # fmt: skip
+    b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}; the "
+                   "baseline 'ar' always runs (default: all)")  # fmt: skip
     b.add_argument("--block-sizes", default=None, help="DFlash block sizes (default: 4,8,16)")
     b.add_argument("--target", default=None, help="HF model id, local folder or qwen2.5-coder-1.5b (assembled from "
                    "packages); default: embedded SmolLM2-135M-Instruct")  # fmt: skip
@@ -58,8 +58,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     b.add_argument("--device", default="cpu")
     b.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's)")
-    b.add_argument("--quick", action="store_true", help="a ~5-minute run: %s" % ", ".join(
-        f"{k.replace('_', '-')} {v}" for k, v in QUICK.items() if k != "datasets"))  # fmt: skip
+    quick = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items() if k != "datasets")
+    b.add_argument("--quick", action="store_true", help=f"a ~5-minute run: {quick}")
     b.add_argument("--out", default=None, help="output folder (default: runs/bench-<time>)")
     b.add_argument("--json", default=None, help="results JSON path (default: OUT/results.json)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -168,7 +168,8 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
     if "dflash" in wanted:
         drafter, label, why = resolve_drafter(args.drafter, args.target, session.model)
         if drafter is None:
-            methods += [Unavailable(f"dflash-b{b}", "dflashkit", why) for b in settings["block_sizes"]]
+            methods += [Unavailable(f"dflash-b{b}", "dflashkit", why, note=f"dflashkit decode loop, block size {b}")
+                        for b in settings["block_sizes"]]  # fmt: skip
         else:
             drafter_label = label
             methods += [DFlash(session, drafter, b, label) for b in settings["block_sizes"]]
@@ -179,7 +180,7 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
     if "hf-assisted" in wanted:
         model, tok, label, why = resolve_assistant(args.assistant, target_label, session.dtype, args.device)
         if model is None:
-            methods.append(Unavailable("hf-assisted", "transformers", why, KERNELS))
+            methods.append(Unavailable("hf-assisted", "transformers", why, KERNELS, "transformers generate(assistant_model=...)"))
         else:
             methods.append(TransformersGenerate(session, "assisted", assistant=model, assistant_tokenizer=tok,
                                                 assistant_label=label))  # fmt: skip

@@ -93,11 +93,11 @@ class TransformersGenerate(Method):
     def generation_config(self, request: Request) -> GenerationConfig:
         """The exact settings: greedy, or pure temperature sampling (top-k / top-p off, unlike transformers' defaults)."""
         pad = self.session.tokenizer.pad_token_id
-        kw: dict[str, Any] = dict(
-            max_new_tokens=request.max_new_tokens,
-            eos_token_id=sorted(request.stop_token_ids),
-            pad_token_id=pad if pad is not None else min(request.stop_token_ids, default=0),
-        )
+        kw: dict[str, Any] = {
+            "max_new_tokens": request.max_new_tokens,
+            "eos_token_id": sorted(request.stop_token_ids),
+            "pad_token_id": pad if pad is not None else min(request.stop_token_ids, default=0),
+        }
         if request.greedy:
             kw.update(do_sample=False)
         else:
@@ -185,7 +185,7 @@ class LlamaCpp(Method):
         llm.reset()  # no reuse of the previous prompt's evaluated prefix
         if hasattr(llm, "set_seed"):
             llm.set_seed(request.seed)
-        sampling = dict(temp=0.0) if request.greedy else dict(temp=request.temperature, top_k=0)
+        sampling = {"temp": 0.0} if request.greedy else {"temp": request.temperature, "top_k": 0}
         stop = set(request.stop_token_ids) | {llm.token_eos()}
         tokens: list[int] = []
         t0 = time.perf_counter()

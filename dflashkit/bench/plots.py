@@ -4,6 +4,7 @@ per-position acceptance curves. matplotlib (the ``bench`` extra) draws them off-
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
 from typing import Any
 
@@ -55,7 +56,7 @@ def plot_speedup(data: dict[str, Any], path: pathlib.Path) -> None:
                 values.append(s["speedup_tpot"] if s and s["speedup_tpot"] is not None else float("nan"))
             xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(datasets))]
             bars = ax.bar(xs, values, width, label=m)
-            ax.bar_label(bars, labels=["" if v != v else f"{v:.2f}" for v in values], fontsize=7, padding=1)
+            ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.2f}" for v in values], fontsize=7, padding=1)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(datasets)), datasets)
         ax.set_ylabel(f"speedup over {data['baseline']} (TPOT ratio)")

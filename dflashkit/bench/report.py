@@ -126,14 +126,14 @@ def markdown(data: dict[str, Any]) -> str:
         "# dflashkit bench",
         "",
         f"- **command**: `{data['command'] or '(Python API)'}`",
-        f"- **machine**: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}"
-        + (f", {m['memory_gib']} GiB" if "memory_gib" in m else "") + (f", GPU {m['gpu']}" if "gpu" in m else ""),
-        f"- **software**: dflashkit {v.get('dflashkit')} @ {sha}, torch {v.get('torch')}, transformers "
-        f"{v.get('transformers')}" + (f", llama-cpp-python {v['llama-cpp-python']}" if v.get("llama-cpp-python") else ""),
+        (f"- **machine**: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}"
+         + (f", {m['memory_gib']} GiB" if "memory_gib" in m else "") + (f", GPU {m['gpu']}" if "gpu" in m else "")),
+        (f"- **software**: dflashkit {v.get('dflashkit')} @ {sha}, torch {v.get('torch')}, transformers "
+         f"{v.get('transformers')}" + (f", llama-cpp-python {v['llama-cpp-python']}" if v.get("llama-cpp-python") else "")),
         f"- **target**: {st.get('target', '?')} ({st.get('dtype', '?')}); **drafter**: {st.get('drafter', '?')}",
-        f"- **settings**: data sets {', '.join(f'{k} ({n} questions)' for k, n in data['datasets'].items())}; "
-        f"max {st['max_new_tokens']} new tokens; turns {st['max_turns'] or 'all'}; seed {st['seed']}; "
-        f"baseline `{data['baseline']}`; run took {data['wall_s'] / 60:.1f} min",
+        (f"- **settings**: data sets {', '.join(f'{k} ({n} questions)' for k, n in data['datasets'].items())}; "
+         f"max {st['max_new_tokens']} new tokens; turns {st['max_turns'] or 'all'}; seed {st['seed']}; "
+         f"baseline `{data['baseline']}`; run took {data['wall_s'] / 60:.1f} min"),
         "",
     ]
     for t in temps:
@@ -157,8 +157,8 @@ def markdown(data: dict[str, Any]) -> str:
         out.append(f"- {d['method']} on {d['dataset']}/{d['question_id']} turn {d['turn']}, token {d['index']}: "
                    f"{d['text']!r} vs {d['baseline_text']!r} after {d['context']!r}{margin}: {kind}{note}")  # fmt: skip
     if data["non_tie_divergences_in_dflashkit"]:
-        out += ["", f"**{data['non_tie_divergences_in_dflashkit']} non-tie divergence(s) of dflashkit methods: a bug; "
-                "the run exited with code 1.**"]  # fmt: skip
+        out += ["", (f"**{data['non_tie_divergences_in_dflashkit']} non-tie divergence(s) of dflashkit methods: a "
+                     "bug; the run exited with code 1.**")]  # fmt: skip
     out += ["", "## How it was measured", "", TIMING, ""]
     return "\n".join(out)
 
