@@ -56,10 +56,18 @@ class Corrupt(Method):
 
 
 class Broken(Method):
-    name, family = "broken", "test"
+    """Fails on call number `fail_at` (1: the warm-up)."""
+
+    family = "test"
+
+    def __init__(self, session: TargetSession, name: str, fail_at: int) -> None:
+        self.inner, self.name, self.fail_at, self.calls = Autoregressive(session), name, fail_at, 0
 
     def generate(self, request: Request) -> Record:
-        raise RuntimeError("cannot start")
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise RuntimeError("cannot go on")
+        return self.inner.generate(request)
 
 
 def test_smoke_run_writes_every_output(tmp_path, questions) -> None:
@@ -130,13 +138,17 @@ def test_non_tie_divergence_of_a_dflashkit_method_fails_the_run(questions) -> No
     assert summary["non_tie_divergences"] == 1 and summary["identical"] == 0
 
 
-def test_failed_warmup_is_skipped_and_bad_setups_are_refused(questions) -> None:
+def test_failing_methods_are_skipped_or_dropped_and_bad_setups_refused(questions) -> None:
     s = make_session()
     lines: list[str] = []
     config = BenchConfig(datasets=[questions], limit=1, max_new_tokens=4, temperatures=(0.0,), progress=False)
-    result = run_bench(s, [Autoregressive(s), Broken()], config, log=lines.append)
-    assert "skipped broken: failed to run: RuntimeError: cannot start" in lines
-    assert result.ran() == ["ar"]
+    methods = [Autoregressive(s), Broken(s, "at-start", 1), Broken(s, "later", 3)]
+    result = run_bench(s, methods, config, log=lines.append)
+    assert "skipped at-start: failed to run: RuntimeError: cannot go on" in lines
+    assert any(line.startswith("dropped later: failed on tiny/") and "RuntimeError" in line for line in lines)
+    assert result.ran() == ["ar"] and {m["name"]: m["status"] for m in result.methods}["later"] == "failed"
+    assert [r.method for r in result.rows].count("later") == 1  # its first turn is kept and summarized
+    assert any(x["method"] == "later" for x in result.summary)
     with pytest.raises(InvalidInputError, match="baseline"):
         run_bench(s, [Spy(s, "x", [])], config)
     with pytest.raises(InvalidInputError, match="unique"):
@@ -145,3 +157,20 @@ def test_failed_warmup_is_skipped_and_bad_setups_are_refused(questions) -> None:
         run_bench(s, [Unavailable("ar", "dflashkit", "nope")], config, log=lambda _: None)
     with pytest.raises(InvalidInputError):
         BenchConfig(datasets=[questions], temperatures=(-1.0,))
+
+
+class CtrlC(Broken):
+    def generate(self, request: Request) -> Record:
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise KeyboardInterrupt
+        return self.inner.generate(request)
+
+
+def test_ctrl_c_reports_what_was_finished(questions) -> None:
+    s = make_session()
+    config = BenchConfig(datasets=[questions], limit=0, max_new_tokens=4, temperatures=(0.0,), max_turns=1,
+                         progress=False)  # fmt: skip
+    result = run_bench(s, [Autoregressive(s), CtrlC(s, "user", 3)], config, log=lambda _: None)
+    assert result.interrupted and result.exit_code == 130
+    assert len(result.rows) == 2 and {r.method for r in result.rows} == {"ar", "user"}  # one whole prompt

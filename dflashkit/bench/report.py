@@ -50,6 +50,7 @@ def as_json(result: BenchResult) -> dict[str, Any]:
         "divergences": result.divergences,
         "non_tie_divergences_in_dflashkit": len(result.failures),
         "exit_code": result.exit_code,
+        "interrupted": result.interrupted,
         "wall_s": result.wall_s,
         "definitions": {"timing": TIMING, "metrics": METRICS_DOC.strip(), "comparable": COMPARABLE},
         "runs": [r.as_dict() for r in result.rows],
@@ -125,6 +126,7 @@ def markdown(data: dict[str, Any]) -> str:
     out = [
         "# dflashkit bench",
         "",
+        *(["**Interrupted**: the figures cover the prompts finished before the stop.", ""] if data["interrupted"] else []),
         f"- **command**: `{data['command'] or '(Python API)'}`",
         (f"- **machine**: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}"
          + (f", {m['memory_gib']} GiB" if "memory_gib" in m else "") + (f", GPU {m['gpu']}" if "gpu" in m else "")),
@@ -143,7 +145,7 @@ def markdown(data: dict[str, Any]) -> str:
             out += ["Per-position acceptance α_k (P(draft k accepted | drafts before it accepted)):", "", acc, ""]
     out += ["## Methods", "", "| method | what runs | tokens comparable with the baseline | status |", "|---|---|---|---|"]
     for meth in data["methods"]:
-        status = "ran" if meth["status"] == "ran" else f"skipped: {meth['reason']}"
+        status = "ran" if meth["status"] == "ran" else f"{meth['status']}: {meth['reason']}"
         out.append(f"| {meth['name']} | {meth['note']} | {COMPARABLE.get(meth['comparable'], meth['comparable'])} | "
                    f"{status} |")  # fmt: skip
     divs = [d for d in data["divergences"] if d["comparable"] != OTHER_WEIGHTS]

@@ -2,7 +2,8 @@
 
 Order: for each temperature, data set, question and turn, every method generates once, in a rotating
 order (so no method always runs first or last), with the same prompt token ids and seed. A method that
-cannot run here is skipped with a line saying why; one that fails its warm-up is skipped the same way.
+cannot run here is skipped with a line saying why; one that fails its warm-up is skipped the same way, and
+one that fails later is dropped from then on. Ctrl-C stops the loop and reports what was finished.
 
 Multi-turn questions (MT-Bench) feed the model's own answer back: the next turn's context holds the
 baseline's answer to the previous turn, so every method sees the same context.
@@ -64,6 +65,7 @@ class BenchResult:
     divergences: list[dict[str, Any]]
     baseline: str
     wall_s: float = 0.0
+    interrupted: bool = False  # stopped by Ctrl-C: the figures cover the prompts finished before
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -73,7 +75,8 @@ class BenchResult:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failures else 0
+        """1: a non-tie divergence of a dflashkit method (a bug); 130: interrupted; else 0."""
+        return 1 if self.failures else 130 if self.interrupted else 0
 
     def ran(self) -> list[str]:
         return [m["name"] for m in self.methods if m["status"] == "ran"]
@@ -136,7 +139,9 @@ def run_bench(
                file=sys.stderr, dynamic_ncols=True, desc="bench")  # fmt: skip
     rows: list[RunRow] = []
     divergences: list[dict[str, Any]] = []
+    interrupted = False
     base_method = next(m for m in active if m.name == baseline)
+    say = _bar_writer(bar) if config.progress else log
     try:
         for temperature in config.temperatures:
             for dataset, questions in sets:
@@ -153,31 +158,47 @@ def run_bench(
                         records: dict[str, Record] = {}
                         for m in active[shift:] + active[:shift]:
                             bar.set_postfix_str(f"T={temperature:g} {dataset} {qi + 1}/{len(questions)} {m.name}")
-                            records[m.name] = m.generate(request)
+                            try:
+                                records[m.name] = m.generate(request)
+                            except Exception as e:  # a peer failing mid-run costs its column, not the run
+                                if m.name == baseline:
+                                    raise
+                                active.remove(m)
+                                reason = f"failed on {dataset}/{q.question_id}: {type(e).__name__}: {e}"
+                                described[m.name].update(status="failed", reason=reason)
+                                say(f"dropped {m.name}: {reason}")
                             bar.update()
                         base = records[baseline]
-                        for m in active:
+                        for m in (m for m in active if m.name in records):
                             row, div = _row(session, m, base_method, records[m.name], base, request, dataset, q, ti)
                             rows.append(row)
                             if div is not None:
                                 divergences.append(div)
-                                _log_divergence(div, _bar_writer(bar) if config.progress else log)
+                                _log_divergence(div, say)
                         history = [*messages, {"role": "assistant", "content": _text(session, base.tokens)}]
+    except KeyboardInterrupt:
+        interrupted = True
+        log(f"interrupted: reporting the {len(rows)} generations done so far")
     finally:
         bar.close()
 
     summary = []
+    by_name = {m.name: m for m in methods}
+    ran = [name for name in by_name if any(r.method == name for r in rows)]  # failed methods keep their rows
     for temperature in config.temperatures:
         for dataset, _ in sets:
             here = [r for r in rows if r.temperature == temperature and r.dataset == dataset]
             base_rows = [r for r in here if r.method == baseline]
-            for m in active:
-                summary.append({"temperature": temperature, "dataset": dataset, "method": m.name, "family": m.family,
-                                "comparable": m.comparable,
-                                **summarize([r for r in here if r.method == m.name], base_rows)})  # fmt: skip
+            for name in ran:
+                mine = [r for r in here if r.method == name]
+                if mine:
+                    summary.append({"temperature": temperature, "dataset": dataset, "method": name,
+                                    "family": by_name[name].family, "comparable": by_name[name].comparable,
+                                    **summarize(mine, base_rows)})  # fmt: skip
     return BenchResult(
         config=config, methods=list(described.values()), datasets={n: len(qs) for n, qs in sets}, rows=rows,
         summary=summary, divergences=divergences, baseline=baseline, wall_s=time.perf_counter() - t_start,
+        interrupted=interrupted,
     )  # fmt: skip
 
 
