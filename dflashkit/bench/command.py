@@ -1,0 +1,248 @@
+"""`dflashkit bench`: the command line of the benchmark (options, model loading, method list, outputs)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import pathlib
+import shlex
+import sys
+from typing import Any
+
+import torch
+
+from ..errors import InvalidInputError
+
+METHODS = ("ar", "dflash", "hf", "hf-pld", "hf-assisted", "llama.cpp")
+DEFAULTS = {"datasets": "mt-bench,humaneval,math500", "limit": 10, "max_new_tokens": 256, "max_turns": None,
+            "temperatures": "0,1", "block_sizes": "4,8,16"}  # fmt: skip
+# --quick: about 5 minutes on a 2-core CPU with the default target (first turns, 2 questions per set)
+QUICK = {"datasets": "mt-bench,humaneval,math500", "limit": 2, "max_new_tokens": 64, "max_turns": 1,
+         "temperatures": "0,1", "block_sizes": "4,8,16"}  # fmt: skip
+SMOLLM_NO_DRAFT = (
+    "no draft model with the target's tokenizer (SmolLM2-135M is the smallest of its family); pass --assistant "
+    "PATH, or bench --target qwen2.5-coder-1.5b, whose 0.5B sibling is assembled from packages"
+)
+
+
+def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to the dflashkit command line."""
+    b = sub.add_parser(
+        "bench",
+        help="benchmark DFlash against autoregressive decoding and the alternatives (τ, speed, losslessness)",
+        description="Run every method on every prompt, interleaved per prompt after a warm-up: autoregressive "
+        "decoding in dflashkit's loop (the baseline), DFlash at several block sizes, transformers' generate "
+        "(plain, prompt lookup, assisted), llama.cpp. Writes results.json, summary.md and PNG plots. Exits 1 "
+        "if a dflashkit method's greedy output parts from the baseline's other than at a bf16 tie.",
+    )
+    b.add_argument("--datasets", default=None, help="comma-separated: mt-bench, humaneval, math500, jsonl:PATH "
+                   f"(FastChat / Spec-Bench questions), hf:NAME[:SPLIT[:FIELD]] (default: {DEFAULTS['datasets']})")
+    b.add_argument("--limit", type=int, default=None, help="questions per data set, a seeded random subset; 0 = all "
+                   f"(default: {DEFAULTS['limit']})")  # fmt: skip
+    b.add_argument("--seed", type=int, default=0, help="subset and sampling seed")
+    b.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default: {DEFAULTS['max_new_tokens']})")
+    b.add_argument("--max-turns", type=int, default=None, help="turns per question (default: all)")
+    b.add_argument("--temperatures", default=None, help="comma-separated; 0 = greedy (default: 0,1)")
+    b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}; the "
+                   "baseline 'ar' always runs (default: all)")  # fmt: skip
+    b.add_argument("--block-sizes", default=None, help="DFlash block sizes (default: 4,8,16)")
+    b.add_argument("--target", default=None, help="HF model id, local folder or qwen2.5-coder-1.5b (assembled from "
+                   "packages); default: embedded SmolLM2-135M-Instruct")  # fmt: skip
+    b.add_argument("--drafter", default=None, help="drafter folder or 'untrained' (random: τ≈1); default: the "
+                   "drafter shipped for the target; without one the DFlash methods are skipped")  # fmt: skip
+    b.add_argument("--assistant", default="auto", help="draft model for transformers' assisted generation: a folder, "
+                   "hub id, qwen2.5-coder-0.5b, 'none', or 'auto' (the known sibling of the target)")  # fmt: skip
+    b.add_argument("--gguf", default=None, help="GGUF for the llama.cpp peer (default: the target's, when known)")
+    b.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
+    b.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's)")
+    quick = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items() if k != "datasets")
+    b.add_argument("--quick", action="store_true", help=f"a ~5-minute run: {quick}")
+    b.add_argument("--out", default=None, help="output folder (default: runs/bench-<time>)")
+    b.add_argument("--json", default=None, help="results JSON path (default: OUT/results.json)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
+    return b
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidInputError(f"--{what}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidInputError(f"--{what}: expected comma-separated integers, got {text!r}") from None
+
+
+def settings_from(args: argparse.Namespace) -> dict[str, Any]:
+    """Option values after --quick / defaults (explicit options win)."""
+    preset = QUICK if args.quick else DEFAULTS
+    out = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in preset.items()}
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise InvalidInputError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    out["methods"] = ["ar"] + [m for m in methods if m != "ar"]
+    out["temperatures"] = _floats(out["temperatures"], "temperatures")
+    out["block_sizes"] = _ints(out["block_sizes"], "block-sizes")
+    if any(b < 2 for b in out["block_sizes"]):
+        raise InvalidInputError(f"--block-sizes must be at least 2, got {out['block_sizes']}")
+    out["datasets"] = [d.strip() for d in out["datasets"].split(",") if d.strip()]
+    return out
+
+
+def resolve_target(name: str | None) -> tuple[str | None, str]:
+    """(what load_target gets, a label): packaged models are assembled and converted first."""
+    from .assets import model_folder, packaged
+
+    pm = packaged(name)
+    if pm is not None:
+        return str(model_folder(pm)), pm.name
+    from ..models import DEFAULT_TARGET
+
+    return name, name or DEFAULT_TARGET
+
+
+def resolve_drafter(choice: str | None, target: str | None, model: Any) -> tuple[Any, str | None, str]:
+    """(drafter or None, its label, why not): a folder, 'untrained', or the shipped one."""
+    from ..checkpoint import load_drafter
+    from ..drafter import DFlashDrafter
+    from ..identity import drafter_config_for
+    from ..registry import shipped_drafter
+
+    if choice == "none":
+        return None, None, "disabled (--drafter none)"
+    if choice == "untrained":
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(drafter_config_for(model, num_layers=3)).to(model.dtype).eval()
+        return drafter, "untrained (random, τ≈1)", ""
+    if choice is None:
+        path = shipped_drafter(target)
+        if path is None:
+            return None, None, ("no trained drafter ships for this target yet: pass --drafter PATH, or --drafter "
+                                "untrained to exercise the speculative path")  # fmt: skip
+        choice = str(path)
+    return load_drafter(choice, dtype=model.dtype, device=model.device), choice, ""
+
+
+def resolve_assistant(choice: str, target_label: str, dtype: torch.dtype, device: str) -> tuple[Any, Any, str, str]:
+    """(assistant model, its tokenizer, label, why not) for transformers' assisted generation."""
+    from ..models import DEFAULT_TARGET, load_target
+    from .assets import AssetError, model_folder, packaged
+
+    if choice == "none":
+        return None, None, "", "disabled (--assistant none)"
+    if choice == "auto":
+        pm = packaged(target_label)
+        if pm is None or pm.draft is None:
+            why = SMOLLM_NO_DRAFT if target_label == DEFAULT_TARGET else (
+                f"no draft model with the tokenizer of {target_label} is known: pass --assistant PATH")
+            return None, None, "", why
+        choice = pm.draft
+    pm = packaged(choice)
+    try:
+        source = str(model_folder(pm)) if pm is not None else choice
+    except AssetError as e:
+        return None, None, "", str(e)
+    model, tok = load_target(source, dtype=dtype, device=device)
+    return model, tok, pm.name if pm else choice, ""
+
+
+def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespace, target_label: str,
+                  threads: int) -> tuple[list[Any], str]:  # fmt: skip
+    """The methods asked for (unavailable ones as placeholders that the runner lists as skipped)."""
+    from .assets import target_gguf
+    from .methods import KERNELS, Autoregressive, DFlash, Unavailable
+    from .peers import LlamaCpp, TransformersGenerate
+
+    wanted = settings["methods"]
+    methods: list[Any] = [Autoregressive(session)]
+    drafter_label = "none"
+    if "dflash" in wanted:
+        drafter, label, why = resolve_drafter(args.drafter, args.target, session.model)
+        if drafter is None:
+            methods += [Unavailable(f"dflash-b{b}", "dflashkit", why, note=f"dflashkit decode loop, block size {b}")
+                        for b in settings["block_sizes"]]  # fmt: skip
+        else:
+            drafter_label = label
+            methods += [DFlash(session, drafter, b, label) for b in settings["block_sizes"]]
+    if "hf" in wanted:
+        methods.append(TransformersGenerate(session, "plain"))
+    if "hf-pld" in wanted:
+        methods.append(TransformersGenerate(session, "prompt-lookup", prompt_lookup_tokens=args.prompt_lookup_tokens))
+    if "hf-assisted" in wanted:
+        model, tok, label, why = resolve_assistant(args.assistant, target_label, session.dtype, args.device)
+        if model is None:
+            methods.append(Unavailable("hf-assisted", "transformers", why, KERNELS, "transformers generate(assistant_model=...)"))
+        else:
+            methods.append(TransformersGenerate(session, "assisted", assistant=model, assistant_tokenizer=tok,
+                                                assistant_label=label))  # fmt: skip
+    if "llama.cpp" in wanted:
+        if importlib.util.find_spec("llama_cpp") is None:  # says so itself; don't assemble a GGUF for nothing
+            methods.append(LlamaCpp(args.gguf, threads=threads))
+        else:
+            gguf, why = (pathlib.Path(args.gguf), "") if args.gguf else target_gguf(args.target)
+            methods.append(LlamaCpp(gguf, threads=threads, vocab_size=session.adapter.vocab_size, missing_gguf=why))
+    return methods, drafter_label
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from ..models import load_target
+    from .methods import TargetSession
+    from .report import as_json, summary_table, write_outputs
+    from .runner import BenchConfig, run_bench
+
+    settings = settings_from(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidInputError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    config = BenchConfig(
+        datasets=settings["datasets"], limit=settings["limit"], seed=args.seed,
+        max_new_tokens=settings["max_new_tokens"], temperatures=settings["temperatures"],
+        max_turns=settings["max_turns"], progress=not args.no_progress,
+    )  # fmt: skip
+    dtype = getattr(torch, args.dtype)
+    hf_logging.set_verbosity_error()  # transformers' deprecation chatter would break the progress bar
+    source, target_label = resolve_target(args.target)
+    print(f"Loading {target_label} ({args.dtype})...", file=sys.stderr)
+    model, tokenizer = load_target(source, dtype=dtype, device=args.device)
+    session = TargetSession(model, tokenizer)
+    methods, drafter_label = build_methods(session, settings, args, target_label, threads)
+    result = run_bench(session, methods, config)
+    result.extra["settings"] = {"target": target_label, "drafter": drafter_label, "dtype": args.dtype,
+                                "device": args.device, "threads": threads, "quick": args.quick,
+                                "methods": settings["methods"], "block_sizes": settings["block_sizes"]}  # fmt: skip
+    argv = getattr(args, "argv", None)
+    result.extra["command"] = "dflashkit " + " ".join(shlex.quote(a) for a in argv) if argv else None
+    for m in methods:
+        m.close()
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / f"bench-{stamp}"
+    data = as_json(result)
+    paths = write_outputs(data, out, args.json)
+    for t in config.temperatures:
+        print(f"\n{'greedy' if t == 0 else f'temperature {t:g}'}:\n{summary_table(data, t)}")
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    if result.failures:
+        print(f"error: {len(result.failures)} non-tie divergence(s) of dflashkit methods from the baseline: "
+              "a bug, please report it (details in summary.md)", file=sys.stderr)  # fmt: skip
+    return result.exit_code
+
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser of the bench options (for tests and embedding)."""
+    parser = argparse.ArgumentParser(prog="dflashkit")
+    sub = parser.add_subparsers()
+    return add_bench_parser(sub)

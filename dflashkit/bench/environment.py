@@ -1,0 +1,69 @@
+"""Where and with what a benchmark ran: the machine, library versions and the dflashkit commit."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import pathlib
+import platform
+import subprocess
+from typing import Any
+
+import torch
+
+PACKAGES = ("dflashkit", "torch", "transformers", "tokenizers", "llama-cpp-python", "matplotlib", "numpy")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what platform reports."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        info["memory_gib"] = round(pages * size / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def commit() -> dict[str, Any] | None:
+    """The git commit of the dflashkit source tree, and whether it has uncommitted changes (None outside git)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()  # fmt: skip
+
+    try:
+        sha = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"sha": sha, "dirty": dirty}

@@ -1,0 +1,211 @@
+"""What the benchmark runs: the method interface, and dflashkit's own decode loop as methods.
+
+A method turns a :class:`Request` (prompt token ids, sampling settings) into a :class:`Record` (output
+tokens and when they came). Every method is timed the same way, from the call with token ids to the first
+and to the last new token, so TTFT and TPOT compare across methods. The autoregressive baseline is the
+same decode loop as DFlash with no drafter (block size 1): the speedup convention of the DFlash paper.
+
+Peers (transformers' ``generate``, llama.cpp, later a llama-server over HTTP) are further
+:class:`Method` subclasses in :mod:`dflashkit.bench.peers`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..decode import DecodeOptions, StepObserver, decode
+from ..drafter import DFlashDrafter
+from ..sampling import SamplingParams
+from ..stats import DecodeStats
+from ..target import TargetAdapter
+from ..text import eos_token_ids
+
+# How a method's greedy tokens relate to the baseline's:
+EXACT = "exact"  # same loop, weights, dtype and kernels: identical up to bf16 ties (a non-tie is a bug)
+KERNELS = "kernels"  # same weights and dtype, other kernels (transformers' attention): ties may flip
+OTHER_WEIGHTS = "other-weights"  # other (e.g. quantized) weights: compare speed, not tokens
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: prompt token ids (chat template applied) and how to sample."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float  # 0: greedy; otherwise plain sampling at this temperature (no top-k / top-p)
+    seed: int
+    stop_token_ids: frozenset[int]
+    messages: tuple[dict[str, str], ...] = ()  # the chat behind prompt_ids, for methods that take text
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Record:
+    """What one method produced for one request, and when (seconds from the call with token ids)."""
+
+    tokens: list[int]
+    ttft_s: float  # to the first new token (prefill included)
+    total_s: float  # to the last new token
+    accepted_lengths: list[int] | None = None  # per verification step: accepted drafts (speculative methods)
+    drafted_lengths: list[int] | None = None  # per verification step: drafts proposed (when known)
+    block_size: int | None = None
+    phases_s: dict[str, float] = field(default_factory=dict)  # e.g. draft / verify time (dflashkit methods)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class Method(ABC):
+    """A way of generating. `name` is unique in a run; `family` groups methods (dflashkit, transformers, ...);
+    `comparable` is EXACT, KERNELS or OTHER_WEIGHTS; `note` says what exactly runs."""
+
+    name: str = ""
+    family: str = ""
+    comparable: str = EXACT
+    note: str = ""
+
+    def unavailable(self) -> str | None:
+        """Why this method cannot run here (a sentence for the skip line), or None when it can."""
+        return None
+
+    def warmup(self, request: Request) -> None:
+        """One untimed generation so that first-call costs (allocations, lazy init) stay out of timings."""
+        self.generate(request)
+
+    @abstractmethod
+    def generate(self, request: Request) -> Record:
+        """Generate for one request, timing it (see :class:`Record`)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "family": self.family, "comparable": self.comparable, "note": self.note}
+
+    def close(self) -> None:
+        """Free what the method holds (models, processes)."""
+
+
+class TargetSession:
+    """The target shared by every method: the model, its tokenizer, and dflashkit's adapter over it.
+
+    The adapter switches the model to dflashkit's packed grouped-query attention; :meth:`transformers_mode`
+    gives transformers' own "sdpa" attention (and no feature hooks) back for the peers' `generate` calls.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.original_attention = getattr(model.config, "_attn_implementation", None)
+        self.adapter = TargetAdapter(model, ())
+        self.engine_attention = getattr(model.config, "_attn_implementation", None)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.adapter.dtype
+
+    @contextmanager
+    def transformers_mode(self) -> Iterator[PreTrainedModel]:
+        """The model as transformers loaded it (its own attention implementation, no hooks), for a while."""
+        self.adapter.set_feature_layers(())
+        switch = self.original_attention is not None and self.original_attention != self.engine_attention
+        if switch:
+            self.model.set_attn_implementation(self.original_attention)
+        try:
+            yield self.model
+        finally:
+            if switch:
+                self.model.set_attn_implementation(self.engine_attention)
+
+
+def options_for(request: Request, block_size: int | None = None) -> DecodeOptions:
+    return DecodeOptions(
+        max_new_tokens=request.max_new_tokens,
+        sampling=SamplingParams(temperature=request.temperature),
+        block_size=block_size,
+        seed=request.seed,
+        stop_token_ids=request.stop_token_ids,
+    )
+
+
+def run_decode_loop(
+    session: TargetSession,
+    drafter: DFlashDrafter | None,
+    request: Request,
+    block_size: int | None = None,
+    observer: StepObserver | None = None,
+) -> Record:
+    """dflashkit's decode loop on one request (drafter None: autoregressive), timed from outside."""
+    session.adapter.set_feature_layers(drafter.config.target_layer_ids if drafter else ())
+    stats = DecodeStats(block_size=1)
+    tokens: list[int] = []
+    t0 = time.perf_counter()
+    ttft = None
+    for step in decode(session.adapter, drafter, request.prompt_ids, options_for(request, block_size), stats, observer):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        tokens.extend(step.tokens)
+    total = time.perf_counter() - t0
+    return Record(
+        tokens=tokens,
+        ttft_s=ttft if ttft is not None else total,
+        total_s=total,
+        accepted_lengths=list(stats.accepted_lengths),
+        drafted_lengths=list(stats.drafted_lengths),
+        block_size=stats.block_size,
+        phases_s={"prefill": stats.prefill_s, "draft": stats.draft_s, "verify": stats.verify_s, "other": stats.other_s},
+    )
+
+
+class Autoregressive(Method):
+    """The baseline: dflashkit's decode loop without a drafter (one target pass per token)."""
+
+    name = "ar"
+    family = "dflashkit"
+    comparable = EXACT
+    note = "dflashkit decode loop without a drafter (block size 1): the baseline"
+
+    def __init__(self, session: TargetSession) -> None:
+        self.session = session
+
+    def generate(self, request: Request) -> Record:
+        return run_decode_loop(self.session, None, request)
+
+
+class DFlash(Method):
+    """dflashkit's speculative decode loop with a DFlash drafter at one block size."""
+
+    family = "dflashkit"
+    comparable = EXACT
+
+    def __init__(self, session: TargetSession, drafter: DFlashDrafter, block_size: int, drafter_label: str) -> None:
+        self.session, self.drafter, self.block_size = session, drafter, block_size
+        self.name = f"dflash-b{block_size}"
+        trained = drafter.block_size
+        beyond = f", beyond its trained block size {trained}" if block_size > trained else ""
+        self.note = f"dflashkit decode loop, drafter {drafter_label}, block size {block_size}{beyond}"
+
+    def generate(self, request: Request) -> Record:
+        return run_decode_loop(self.session, self.drafter, request, self.block_size)
+
+
+class Unavailable(Method):
+    """A method that was asked for but cannot be built here (e.g. DFlash without a drafter): listed as skipped."""
+
+    def __init__(self, name: str, family: str, reason: str, comparable: str = EXACT, note: str = "") -> None:
+        self.name, self.family, self.reason, self.comparable, self.note = name, family, reason, comparable, note
+
+    def unavailable(self) -> str | None:
+        return self.reason
+
+    def generate(self, request: Request) -> Record:
+        raise RuntimeError(f"{self.name} is unavailable: {self.reason}")

@@ -1,0 +1,73 @@
+"""`dflashkit bench` end to end on a tiny random target (load_target replaced), and its option handling."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import dflashkit.models
+from conftest import tiny_target, word_tokenizer
+from dflashkit.bench.command import QUICK, bench_parser, settings_from
+from dflashkit.cli import main
+from dflashkit.errors import InvalidInputError
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+
+
+@pytest.fixture
+def tiny_load(monkeypatch):
+    def fake_load_target(name_or_path=None, *, dtype=torch.bfloat16, device="cpu", progress=False):
+        tok = word_tokenizer()
+        tok.chat_template = CHAT_TEMPLATE
+        return tiny_target("llama", dtype=dtype).requires_grad_(False), tok
+
+    monkeypatch.setattr(dflashkit.models, "load_target", fake_load_target)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
+
+
+@pytest.fixture
+def questions(tmp_path) -> str:
+    path = tmp_path / "qs.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "turns": [f"w{9 + i} w10 w11", "w12 w13"]}) for i in range(2)))
+    return str(path)
+
+
+def test_bench_command_writes_outputs_and_skips_missing_peers(tiny_load, questions, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    rc = main(["bench", "--datasets", questions, "--limit", "1", "--max-new-tokens", "6", "--temperatures", "0,1",
+               "--drafter", "untrained", "--block-sizes", "2,4", "--out", str(out), "--json", str(tmp_path / "r.json"),
+               "--no-progress", "--threads", "1"])  # fmt: skip
+    stdout, stderr = capsys.readouterr()
+    assert rc == 0, stderr
+    assert "skipped hf-assisted: no draft model with the target's tokenizer" in stderr
+    assert "skipped llama.cpp: llama-cpp-python is not installed" in stderr
+    assert "| qs | dflash-b4 |" in stdout and "| qs | hf-prompt-lookup |" in stdout and "temperature 1:" in stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["settings"]["drafter"].startswith("untrained") and data["settings"]["threads"] == 1
+    assert data["command"].startswith("dflashkit bench --datasets")
+    assert {m["name"]: m["status"] for m in data["methods"]}["dflash-b2"] == "ran"
+    assert {p.name for p in out.iterdir()} >= {"summary.md", "speedup.png", "accepted_lengths.png", "acceptance.png"}
+
+
+def test_without_a_drafter_dflash_is_skipped_with_a_reason(tiny_load, questions, tmp_path, capsys) -> None:
+    rc = main(["bench", "--datasets", questions, "--limit", "1", "--max-new-tokens", "4", "--temperatures", "0",
+               "--methods", "ar,dflash", "--max-turns", "1", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    _, stderr = capsys.readouterr()
+    assert rc == 0 and "skipped dflash-b16: no trained drafter ships for this target yet" in stderr
+
+
+def test_options_quick_preset_and_errors(capsys) -> None:
+    parser = bench_parser()
+    s = settings_from(parser.parse_args(["--quick", "--limit", "5"]))
+    assert s["limit"] == 5 and s["max_new_tokens"] == QUICK["max_new_tokens"] and s["max_turns"] == 1
+    assert s["methods"][0] == "ar" and s["temperatures"] == [0.0, 1.0] and s["block_sizes"] == [4, 8, 16]
+    full = settings_from(parser.parse_args(["--methods", "hf,ar", "--temperatures", "0"]))
+    assert full["methods"] == ["ar", "hf"] and full["max_turns"] is None and full["limit"] == 10
+    for bad in (["--methods", "vllm"], ["--block-sizes", "1"], ["--temperatures", "x"]):
+        with pytest.raises(InvalidInputError):
+            settings_from(parser.parse_args(bad))
+    assert main(["bench", "--methods", "vllm"]) == 2
+    assert "unknown method" in capsys.readouterr().err

@@ -1,0 +1,69 @@
+"""Benchmark methods of dflashkit's own loop, and the target session they share with the peers."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_drafter, tiny_target, word_tokenizer
+from dflashkit.bench.methods import Autoregressive, DFlash, Request, TargetSession, Unavailable
+from dflashkit.decode import decode
+from dflashkit.target import TargetAdapter
+
+PROMPT = [1, 5, 9, 17, 33, 5, 9, 40]
+
+
+def request(temperature: float = 0.0, max_new_tokens: int = 20) -> Request:
+    return Request(PROMPT, max_new_tokens, temperature, seed=3, stop_token_ids=frozenset({2}))
+
+
+def session(dtype: torch.dtype = torch.float32) -> TargetSession:
+    return TargetSession(tiny_target("llama", dtype=dtype), word_tokenizer())
+
+
+def test_transformers_mode_restores_transformers_attention_for_a_while() -> None:
+    s = session()
+    assert s.original_attention == "sdpa" and s.model.config._attn_implementation == "packed_gqa"
+    s.adapter.set_feature_layers([1, 3])
+    with s.transformers_mode() as model:
+        assert model.config._attn_implementation == "sdpa" and s.adapter.feature_layer_ids == []
+    assert s.model.config._attn_implementation == "packed_gqa"
+
+
+def test_autoregressive_is_the_decode_loop_without_drafter() -> None:
+    s = session()
+    rec = Autoregressive(s).generate(request())
+    expected = [t for step in decode(TargetAdapter(s.model), None, PROMPT, _opts()) for t in step.tokens]
+    assert rec.tokens == expected and 0 < rec.ttft_s <= rec.total_s
+    assert rec.block_size == 1 and set(rec.accepted_lengths) <= {0}
+    assert {"prefill", "draft", "verify", "other"} <= set(rec.phases_s)
+
+
+def _opts():
+    from dflashkit.bench.methods import options_for
+
+    return options_for(request())
+
+
+def test_dflash_matches_the_baseline_in_fp32_and_logs_steps() -> None:
+    s = session()
+    drafter = tiny_drafter(s.model, block_size=8)
+    base = Autoregressive(s).generate(request())
+    for block in (4, 8, 12):
+        m = DFlash(s, drafter, block, "tiny")
+        rec = m.generate(request())
+        assert m.name == f"dflash-b{block}" and rec.tokens == base.tokens
+        assert rec.block_size == block and len(rec.accepted_lengths) == len(rec.drafted_lengths) > 0
+        assert max(rec.drafted_lengths) <= block - 1
+        assert ("beyond its trained block size" in m.note) == (block > 8)
+    assert Autoregressive(s).generate(request()).tokens == base.tokens  # the drafter's hooks are gone again
+
+
+def test_sampling_is_seeded() -> None:
+    s = session()
+    a, b = (Autoregressive(s).generate(request(temperature=1.0)) for _ in range(2))
+    assert a.tokens == b.tokens
+
+
+def test_unavailable_placeholder() -> None:
+    m = Unavailable("dflash-b4", "dflashkit", "no drafter")
+    assert m.unavailable() == "no drafter" and m.describe()["name"] == "dflash-b4"
