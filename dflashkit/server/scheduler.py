@@ -132,7 +132,8 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Jobs waiting (those cancelled while waiting are not counted)."""
+        return sum(not job.cancelled for job in list(self._queue))
 
     @property
     def running(self) -> int:
@@ -149,7 +150,7 @@ class Scheduler:
         with self._cond:
             if self._stopping or self._thread is None:
                 raise RuntimeError("the scheduler is not running")
-            held = sum(not j.cancelled for j in self._queue) + (self._running is not None and not self._running.cancelled)
+            held = self.queued + (self._running is not None and not self._running.cancelled)
             if held >= self.max_queue + 1:
                 raise QueueFullError(self.retry_after())
             self._queue.append(job)
