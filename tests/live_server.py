@@ -7,9 +7,9 @@ import threading
 import time
 
 import uvicorn
+from conftest import tiny_drafter, tiny_target, word_tokenizer
 from fastapi import FastAPI
 
-from conftest import tiny_drafter, tiny_target, word_tokenizer
 from dflashkit import SpeculativeGenerator
 
 

@@ -7,9 +7,9 @@ import os
 import shutil
 
 import pytest
+from live_server import LiveServer, tiny_generator
 
 from dflashkit.server import create_app
-from live_server import LiveServer, tiny_generator
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extra)")
 CHROMIUM = os.environ.get("DFLASHKIT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -23,15 +23,15 @@ PROMPT = "w5 w6 w7"
 
 @pytest.fixture(scope="module")
 def page():
-    with LiveServer(create_app(tiny_generator(), model_id=MODEL, proposal="sample")) as live:
-        with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-            try:
-                page = browser.new_page()
-                page.goto(live.url + "/")
-                yield page
-            finally:
-                browser.close()
+    app = create_app(tiny_generator(), model_id=MODEL, proposal="sample")
+    with LiveServer(app) as live, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.goto(live.url + "/")
+            yield page
+        finally:
+            browser.close()
 
 
 def run(page, *, mode: str, temperature: float, seed: int, max_tokens: int) -> None:

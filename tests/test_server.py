@@ -12,13 +12,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from live_server import LiveServer, tiny_generator
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflashkit.server import create_app
-from live_server import LiveServer, tiny_generator
 
 MODEL = "tiny-llama"
-SAMPLED = dict(temperature=1.0, seed=3, max_tokens=40)
+SAMPLED = {"temperature": 1.0, "seed": 3, "max_tokens": 40}
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +191,8 @@ def test_concurrent_clients_get_their_own_outputs(server, client, offline) -> No
         prompt, seed = cases[i]
         barrier.wait()
         start = time.monotonic()
-        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=1.0, seed=seed,
-                      max_tokens=60)  # fmt: skip
+        kwargs = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 1.0, "seed": seed,
+                  "max_tokens": 60}  # fmt: skip
         if i % 2:
             text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs))
         else:
@@ -327,9 +327,9 @@ def test_client_that_disconnects_while_queued_is_dropped() -> None:
         with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as a:
             lines = a.iter_lines()  # kept: dropping the iterator closes the response
             next(lines)
-            with httpx.Client(base_url=live.url, timeout=0.3) as impatient:  # non-streaming, gives up while queued
-                with pytest.raises(httpx.ReadTimeout):
-                    impatient.post("/v1/completions", json=LONG)
+            # a non-streaming client gives up while queued
+            with httpx.Client(base_url=live.url, timeout=0.3) as impatient, pytest.raises(httpx.ReadTimeout):
+                impatient.post("/v1/completions", json=LONG)
             wait_until(lambda: app.state.scheduler.queued == 0)  # noticed while A still runs
             assert app.state.scheduler.running == 1
         wait_until(lambda: metric(live.url, "dflashkit_generations_total", outcome="cancelled") == 2)

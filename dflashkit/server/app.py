@@ -22,8 +22,8 @@ from ..errors import InvalidInputError
 from ..generator import GenerationStream, SpeculativeGenerator
 from ..sampling import SamplingParams
 from .errors import APIError, bad_request, from_exception, install_error_handlers
-from .responses import ResponseBuilder, sse_event
 from .metrics import RequestCounter, ServerMetrics
+from .responses import ResponseBuilder, sse_event
 from .scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
@@ -219,35 +219,27 @@ class Service:
                            headers={"Retry-After": str(e.retry_after)}) from e  # fmt: skip
         deadline = plan.arrived + self.settings.timeout if self.settings.timeout is not None else None
         try:
-            first = await self._next(job, deadline, request)  # also waits out the queue
-        except ClientGone:
-            job.cancel("cancelled")
-            return Response(status_code=499)
-        except BaseException:
-            job.cancel("cancelled")
-            raise
-        if isinstance(first, Failed):
-            raise from_exception(first.error)
-        response = ResponseBuilder(plan, self.settings.model_id)
-        if plan.body.stream:
-            return StreamingResponse(
-                self._sse(job, first, response, deadline), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )  # fmt: skip
-        try:
-            event = first
+            event = await self._next(job, deadline, request)  # also waits out the queue
+            if isinstance(event, Failed):
+                raise from_exception(event.error)
+            response = ResponseBuilder(plan, self.settings.model_id)
+            if plan.body.stream:  # from here on, the SSE generator owns the job
+                return StreamingResponse(
+                    self._sse(job, event, response, deadline), media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )  # fmt: skip
             while isinstance(event, Delta):
                 response.add(event.delta)
                 event = await self._next(job, deadline, request)
+            if isinstance(event, Failed):
+                raise from_exception(event.error)
+            return JSONResponse(response.complete(event.result))
         except ClientGone:
             job.cancel("cancelled")
-            return Response(status_code=499)
+            return Response(status_code=499)  # nobody reads it
         except BaseException:
-            job.cancel("cancelled")
+            job.cancel("cancelled")  # a no-op when the job already ended
             raise
-        if isinstance(event, Failed):
-            raise from_exception(event.error)
-        return JSONResponse(response.complete(event.result))
 
     def _start(self, plan: Plan) -> GenerationStream:  # worker thread
         b = plan.body

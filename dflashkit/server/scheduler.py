@@ -199,7 +199,7 @@ class Scheduler:
                 close = getattr(deltas, "close", None)
                 if close is not None:
                     close()  # ends the decode loop now, releasing its caches
-        except Exception as exc:  # noqa: BLE001 - reported to the client, the worker keeps serving
+        except Exception as exc:  # noqa: BLE001  (reported to the client; the worker keeps serving)
             job._emit(Failed(exc))
             self._finish(job, "error", None)
             return
@@ -216,5 +216,5 @@ class Scheduler:
         if self.observer:
             try:
                 self.observer.job_finished(job, outcome, result)
-            except Exception:  # noqa: BLE001 - metrics must never stop the worker
+            except Exception:
                 log.exception("job observer failed")
