@@ -221,7 +221,9 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature", None),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p", None),
     ("/v1/chat/completions", {**CHAT, "seed": 1.5}, 400, "seed", None),
+    ("/v1/chat/completions", {**CHAT, "seed": 2**64}, 400, "seed", None),
     ("/v1/chat/completions", {**CHAT, "stop": 7}, 400, "stop", None),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),  # at most 4
     ("/v1/chat/completions", {**CHAT, "stream": "yes"}, 400, "stream", None),
     ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "messages": "w5"}, 400, "messages", None),
@@ -266,6 +268,14 @@ def test_server_keeps_serving_after_errors(server, client) -> None:
         assert r.status_code == 404 and r.json()["error"]["message"]
     resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=3)
     assert resp.usage.completion_tokens == 3
+
+
+def test_null_fields_mean_defaults(server) -> None:
+    body = {**CHAT, "max_tokens": 3, "temperature": None, "top_p": None, "n": None, "stop": None, "seed": None,
+            "stream": None, "logprobs": None, "presence_penalty": None}  # fmt: skip
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["object"] == "chat.completion"
 
 
 # ---- queue, cancellation, timeouts --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..stats import DecodeStats
 from .errors import bad_request
@@ -29,12 +29,18 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """`"field": null` is the same as leaving the field out (as OpenAI treats it)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Probability = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off (-1 as in vLLM)
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # what torch.Generator takes
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
