@@ -8,7 +8,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..generator import GenerationResult, TextDelta
-from .schemas import usage
+from ..stats import DecodeStats
 
 if TYPE_CHECKING:
     from .app import Plan
@@ -16,6 +16,26 @@ if TYPE_CHECKING:
 
 def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI usage plus `speculative`: τ (mean tokens per draft-and-verify step; null when no step ran),
+    steps, drafted and accepted tokens in all and per block position."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculative": {
+            "mean_acceptance_length": stats.tau if stats.steps else None,
+            "drafting_steps": stats.steps,
+            "draft_tokens": sum(stats.drafted_lengths),
+            "accepted_tokens": sum(stats.accepted_lengths),
+            "accepted_per_position": stats.accepted_per_position,
+            "drafted_per_position": stats.drafted_per_position,
+            "block_size": stats.block_size,
+            "tokens_per_s": stats.tokens_per_s,
+        },
+    }
 
 
 class ResponseBuilder:

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible endpoints (pydantic, strict types) and the `usage` object.
+"""Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
 Fields the engine cannot honour (n > 1, logprobs, penalties, tools...) are refused with a 400 naming the
 field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..stats import DecodeStats
 from .errors import bad_request
 
 MAX_STOP_STRINGS = 4
@@ -137,23 +136,3 @@ class ChatCompletionRequest(GenerationRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """OpenAI usage plus `speculative`: τ (mean tokens per draft-and-verify step; null when no step ran),
-    steps, drafted and accepted tokens in all and per block position."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "speculative": {
-            "mean_acceptance_length": stats.tau if stats.steps else None,
-            "drafting_steps": stats.steps,
-            "draft_tokens": sum(stats.drafted_lengths),
-            "accepted_tokens": sum(stats.accepted_lengths),
-            "accepted_per_position": stats.accepted_per_position,
-            "drafted_per_position": stats.drafted_per_position,
-            "block_size": stats.block_size,
-            "tokens_per_s": stats.tokens_per_s,
-        },
-    }
