@@ -32,11 +32,17 @@ Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role"
 
 @dataclass
 class TextDelta:
-    """A piece of streamed output: its text and the tokens behind it (from_draft: accepted draft tokens)."""
+    """A piece of streamed output: its text and the tokens behind it (from_draft: accepted draft tokens).
+
+    token_text[i] is the text released when token i arrived ("" while held back: a split character, a
+    possible stop string); the pieces concatenate to `text`, and text released at the end of generation
+    goes to the last token.
+    """
 
     text: str
     token_ids: list[int]
     from_draft: list[bool]
+    token_text: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -174,17 +180,17 @@ class SpeculativeGenerator:
         try:
             for step in steps:
                 start = len(tokens)
-                text = ""
+                pieces: list[str] = []
                 for token, flag in zip(step.tokens, step.from_draft):
                     tokens.append(token)
                     flags.append(flag)
-                    text += matcher.push(detok.push([token]))
+                    pieces.append(matcher.push(detok.push([token])))
                     if matcher.stopped:
                         break
-                if matcher.stopped or step.finished:
-                    text += "" if matcher.stopped else matcher.push(detok.flush()) + matcher.flush()
-                if text or len(tokens) > start:
-                    yield TextDelta(text, tokens[start:], flags[start:])
+                if (step.finished and not matcher.stopped) and pieces:
+                    pieces[-1] += matcher.push(detok.flush()) + matcher.flush()
+                if len(tokens) > start:
+                    yield TextDelta("".join(pieces), tokens[start:], flags[start:], pieces)
                 if matcher.stopped:
                     stats.finish_reason = "stop"
                     break

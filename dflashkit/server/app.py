@@ -1,0 +1,303 @@
+"""The OpenAI-compatible HTTP app: `create_app(generator)` → a FastAPI app to run with uvicorn.
+
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with `"stream": true`),
+/health, /metrics (Prometheus), and the playground at /. Requests are validated and tokenised on arrival
+(errors answer at once, OpenAI-style), then queued for the single engine worker (see scheduler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from ..errors import InvalidInputError
+from ..generator import GenerationStream, SpeculativeGenerator
+from ..sampling import SamplingParams
+from .errors import APIError, bad_request, from_exception, install_error_handlers
+from .metrics import RequestCounter, ServerMetrics
+from .responses import ResponseBuilder, sse_event
+from .scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+ENDPOINTS = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+DISCONNECT_POLL_S = 0.1
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+@dataclass
+class ServerSettings:
+    """How the server serves; invalid values raise InvalidInputError."""
+
+    model_id: str | None = None  # the name clients send; None: the target's name or path
+    max_queue: int = 16  # requests that may wait while one runs; more are answered 429
+    timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
+    default_max_tokens: int = 256  # when a request gives none (capped by the context)
+    block_size: int | None = None  # verify block size (None: the drafter's)
+    proposal: str = "argmax"  # how drafts are proposed when sampling ("argmax" or "sample"; both exact)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise InvalidInputError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise InvalidInputError(f"timeout must be positive, got {self.timeout}")
+        if self.default_max_tokens < 1:
+            raise InvalidInputError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
+        if self.proposal not in ("argmax", "sample"):
+            raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
+        if self.block_size is not None and self.block_size < 2:
+            raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {self.block_size}")
+
+
+@dataclass
+class Plan:
+    """A validated request, ready to queue."""
+
+    body: GenerationRequest
+    chat: bool
+    prompt_ids: list[int]
+    max_new_tokens: int
+    arrived: float
+
+
+def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None = None, **kwargs: Any) -> FastAPI:
+    """An app serving `generator`; `settings`, or ServerSettings fields as keyword arguments."""
+    settings = settings if settings is not None else ServerSettings(**kwargs)
+    if settings.model_id is None:
+        settings.model_id = getattr(generator.model.config, "name_or_path", "") or "dflashkit"
+    metrics = ServerMetrics()
+    scheduler = Scheduler(settings.max_queue, observer=metrics)
+    metrics.watch_scheduler(lambda: scheduler.queued, lambda: scheduler.running)
+    service = Service(generator, settings, scheduler)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="dflashkit", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
+    app.state.service, app.state.scheduler, app.state.metrics = service, scheduler, metrics
+    install_error_handlers(app)
+    app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [service.model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        service.check_model(model)
+        return service.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await service.handle(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await service.handle(request, body, chat=True)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return service.health()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(_playground_html())
+
+    return app
+
+
+def _playground_html() -> str:
+    return resources.files(__package__).joinpath("static/playground.html").read_text(encoding="utf-8")
+
+
+class Service:
+    """Validates requests, queues them, and turns their events into OpenAI responses."""
+
+    def __init__(self, generator: SpeculativeGenerator, settings: ServerSettings, scheduler: Scheduler) -> None:
+        self.generator, self.settings, self.scheduler = generator, settings, scheduler
+
+    # ---- small endpoints ---------------------------------------------------------------------------------
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.settings.model_id, "object": "model", "created": self.settings.created,
+                "owned_by": "dflashkit"}
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model_id:
+            raise APIError(404, f"The model '{model}' does not exist: this server serves '{self.settings.model_id}'",
+                           param="model", code="model_not_found")
+
+    def health(self) -> dict[str, Any]:
+        drafter = self.generator.drafter
+        return {
+            "status": "ok",
+            "model": self.settings.model_id,
+            "speculative": drafter is not None,
+            "block_size": (self.settings.block_size or drafter.block_size) if drafter is not None else 1,
+            "context_length": self.generator.target.max_positions,
+            "queued": self.scheduler.queued,
+            "running": self.scheduler.running,
+            "max_queue": self.settings.max_queue,
+        }
+
+    # ---- validation --------------------------------------------------------------------------------------
+
+    def plan(self, body: GenerationRequest, chat: bool) -> Plan:
+        arrived = asyncio.get_running_loop().time()
+        self.check_model(body.model)
+        body.check_supported()
+        try:
+            SamplingParams(body.temperature, body.effective_top_k, body.top_p)
+        except InvalidInputError as e:
+            raise bad_request(str(e)) from e
+        ids = self._encode(body, chat)
+        context = self.generator.target.max_positions
+        param = "messages" if chat else "prompt"
+        if len(ids) >= context:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens, and the prompt alone has {len(ids)} "
+                "tokens: shorten it.", param=param, code="context_length_exceeded")  # fmt: skip
+        room = context - len(ids)
+        requested = body.requested_max_tokens()
+        if requested is not None and requested > room:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the completion). "
+                f"Please reduce the prompt or max_tokens (at most {room} here).",
+                param="max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens",
+                code="context_length_exceeded",
+            )  # fmt: skip
+        max_new = requested if requested is not None else min(self.settings.default_max_tokens, room)
+        return Plan(body, chat, ids, max_new, arrived)
+
+    def _encode(self, body: GenerationRequest, chat: bool) -> list[int]:
+        try:
+            if isinstance(body, ChatCompletionRequest):
+                return self.generator.encode_prompt([m.as_template_message() for m in body.messages], chat=True)
+            assert isinstance(body, CompletionRequest)
+            prompt = body.prompt
+            if isinstance(prompt, list) and isinstance(prompt[0], int):
+                vocab = self.generator.target.vocab_size
+                if min(prompt) < 0 or max(prompt) >= vocab:
+                    raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+                return list(prompt)
+            text = prompt[0] if isinstance(prompt, list) else prompt
+            return self.generator.encode_prompt(text, chat=False)
+        except InvalidInputError as e:
+            raise bad_request(str(e), param="messages" if chat else "prompt") from e
+
+    # ---- serving -----------------------------------------------------------------------------------------
+
+    async def handle(self, request: Request, body: GenerationRequest, chat: bool) -> Response:
+        plan = self.plan(body, chat)
+        loop = asyncio.get_running_loop()
+        try:
+            job = self.scheduler.submit(lambda: self._start(plan), loop)
+        except QueueFullError as e:
+            raise APIError(429, f"The server is busy ({self.scheduler.queued} requests waiting): retry after "
+                           f"{e.retry_after} s", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from e  # fmt: skip
+        deadline = plan.arrived + self.settings.timeout if self.settings.timeout is not None else None
+        try:
+            event = await self._next(job, deadline, request)  # also waits out the queue
+            if isinstance(event, Failed):
+                raise from_exception(event.error)
+            response = ResponseBuilder(plan, self.settings.model_id)
+            if plan.body.stream:  # from here on, the SSE generator owns the job
+                return StreamingResponse(
+                    self._sse(job, event, response, deadline), media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )  # fmt: skip
+            while isinstance(event, Delta):
+                response.add(event.delta)
+                event = await self._next(job, deadline, request)
+            if isinstance(event, Failed):
+                raise from_exception(event.error)
+            return JSONResponse(response.complete(event.result))
+        except ClientGone:
+            job.cancel("cancelled")
+            return Response(status_code=499)  # nobody reads it
+        except BaseException:
+            job.cancel("cancelled")  # a no-op when the job already ended
+            raise
+
+    def _start(self, plan: Plan) -> GenerationStream:  # worker thread
+        b = plan.body
+        return self.generator.stream(
+            plan.prompt_ids, max_new_tokens=plan.max_new_tokens, temperature=b.temperature, top_k=b.effective_top_k,
+            top_p=b.top_p, seed=b.seed, stop=b.stop_strings, block_size=self.settings.block_size,
+            proposal=self.settings.proposal,
+        )  # fmt: skip
+
+    async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:
+        """The job's next event; raises APIError 504 past the deadline (cancelling the job), ClientGone when
+        `request` is given and its client disconnected."""
+        loop = asyncio.get_running_loop()
+        getter = asyncio.ensure_future(job.next_event())
+        try:
+            while True:
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    job.cancel("timeout")
+                    raise APIError(504, f"The request did not complete within {self.settings.timeout:g} s",
+                                   type="timeout_error", code="timeout")
+                wait = remaining
+                if request is not None:  # poll for a disconnect now and then
+                    wait = DISCONNECT_POLL_S if remaining is None else min(DISCONNECT_POLL_S, remaining)
+                done, _ = await asyncio.wait({getter}, timeout=wait)
+                if done:
+                    return getter.result()
+                if request is not None and await request.is_disconnected():
+                    raise ClientGone
+        finally:
+            if not getter.done():
+                getter.cancel()
+
+    async def _sse(self, job: Job, first: Event, response: ResponseBuilder, deadline: float | None) -> AsyncIterator[str]:
+        """Server-sent events: the chunks, usage on the final one, then [DONE]. A disconnect cancels the
+        job (Starlette cancels this generator when the client goes)."""
+        finished = False
+        try:
+            yield sse_event(response.first_chunk())
+            event = first
+            while True:
+                if isinstance(event, Delta):
+                    yield sse_event(response.chunk(event.delta))
+                elif isinstance(event, Done):
+                    finished = True
+                    yield sse_event(response.final_chunk(event.result))
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    finished = True
+                    yield sse_event(from_exception(event.error).body())
+                    return
+                try:
+                    event = await self._next(job, deadline, None)
+                except APIError as e:  # timeout
+                    finished = True
+                    yield sse_event(e.body())
+                    return
+        finally:
+            if not finished:
+                job.cancel("cancelled")

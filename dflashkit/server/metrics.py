@@ -1,0 +1,107 @@
+"""Prometheus metrics of one server: requests, tokens, acceptance per block position, latencies, queue.
+
+Each app gets its own registry (several servers can live in one process, e.g. in tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..generator import GenerationResult
+from .scheduler import Job
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServerMetrics:
+    """The server's counters, gauges and histograms; `job_started`/`job_finished` feed them (a JobObserver)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("dflashkit_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.generations = Counter("dflashkit_generations", "Generations by outcome (stop, length, cancelled, "
+                                   "timeout, error, shutdown)", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("dflashkit_prompt_tokens", "Prompt tokens of generations run", registry=r)
+        self.completion_tokens = Counter("dflashkit_completion_tokens", "Tokens generated (cancelled runs included)",
+                                         registry=r)
+        self.steps = Counter("dflashkit_drafting_steps", "Draft-and-verify steps (target passes after prefill)",
+                             registry=r)
+        self.draft_tokens = Counter("dflashkit_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted_tokens = Counter("dflashkit_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.drafted_by_position = Counter("dflashkit_draft_tokens_by_position",
+                                           "Draft tokens proposed at block position k (1 = first draft)",
+                                           ["position"], registry=r)
+        self.accepted_by_position = Counter("dflashkit_accepted_tokens_by_position",
+                                            "Draft tokens accepted at block position k (1 = first draft)",
+                                            ["position"], registry=r)
+        self.queue_wait = Histogram("dflashkit_queue_wait_seconds", "Time from arrival to the start of generation",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("dflashkit_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("dflashkit_request_latency_seconds", "Time from arrival to the end of generation",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.queued = Gauge("dflashkit_queue_depth", "Requests waiting for the engine", registry=r)
+        self.running = Gauge("dflashkit_requests_running", "Requests being generated (0 or 1)", registry=r)
+
+    def watch_scheduler(self, queued: Callable[[], float], running: Callable[[], float]) -> None:
+        self.queued.set_function(queued)
+        self.running.set_function(running)
+
+    # ---- JobObserver ---------------------------------------------------------------------------------------
+
+    def job_started(self, job: Job) -> None:
+        assert job.started_at is not None
+        self.queue_wait.observe(job.started_at - job.enqueued_at)
+
+    def job_finished(self, job: Job, outcome: str, result: GenerationResult | None) -> None:
+        self.generations.labels(outcome).inc()
+        self.completion_tokens.inc(job.tokens)
+        if job.first_token_at is not None:
+            self.ttft.observe(job.first_token_at - job.enqueued_at)
+        if result is None:
+            return
+        assert job.finished_at is not None
+        self.latency.observe(job.finished_at - job.enqueued_at)
+        s = result.stats
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.steps.inc(s.steps)
+        self.draft_tokens.inc(sum(s.drafted_lengths))
+        self.accepted_tokens.inc(sum(s.accepted_lengths))
+        for k, (drafted, accepted) in enumerate(zip(s.drafted_per_position, s.accepted_per_position), start=1):
+            self.drafted_by_position.labels(str(k)).inc(drafted)
+            self.accepted_by_position.labels(str(k)).inc(accepted)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware counting HTTP requests by endpoint and status (streaming-safe, unlike BaseHTTPMiddleware)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, endpoints: set[str]) -> None:
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in self.endpoints else "other"
+        status = {"code": 500}
+
+        async def send_and_record(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()

@@ -1,0 +1,103 @@
+"""OpenAI response objects for one request: streamed chunks (SSE) or the whole response, with usage."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from ..generator import GenerationResult, TextDelta
+from ..stats import DecodeStats
+
+if TYPE_CHECKING:
+    from .app import Plan
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI usage plus `speculative`: τ (mean tokens per draft-and-verify step; null when no step ran),
+    steps, drafted and accepted tokens in all and per block position."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculative": {
+            "mean_acceptance_length": stats.tau if stats.steps else None,
+            "drafting_steps": stats.steps,
+            "draft_tokens": sum(stats.drafted_lengths),
+            "accepted_tokens": sum(stats.accepted_lengths),
+            "accepted_per_position": stats.accepted_per_position,
+            "drafted_per_position": stats.drafted_per_position,
+            "block_size": stats.block_size,
+            "tokens_per_s": stats.tokens_per_s,
+        },
+    }
+
+
+class ResponseBuilder:
+    """Builds one request's OpenAI objects: chunks while streaming, or the full response at the end."""
+
+    def __init__(self, plan: Plan, model_id: str) -> None:
+        self.chat = plan.chat
+        self.origins = plan.body.token_origins
+        self.prompt_tokens = len(plan.prompt_ids)
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model_id
+        self.text: list[str] = []
+        self.tokens: list[dict[str, Any]] = []
+
+    def _envelope(self, choice: dict[str, Any], chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+
+    @staticmethod
+    def _origins(delta: TextDelta) -> list[dict[str, Any]]:
+        texts = delta.token_text or [delta.text] + [""] * (len(delta.token_ids) - 1)
+        return [{"id": t, "text": s, "from_draft": f} for t, s, f in zip(delta.token_ids, texts, delta.from_draft)]
+
+    def add(self, delta: TextDelta) -> None:
+        self.text.append(delta.text)
+        if self.origins:
+            self.tokens.extend(self._origins(delta))
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+    def first_chunk(self) -> dict[str, Any]:
+        """Chat streams open with the assistant role; completions with an empty text."""
+        return self._envelope(self._choice(None if self.chat else "", None, role=True), chunk=True)
+
+    def chunk(self, delta: TextDelta) -> dict[str, Any]:
+        choice = self._choice(delta.text, None)
+        if self.origins:
+            choice["token_origins"] = self._origins(delta)
+        return self._envelope(choice, chunk=True)
+
+    def final_chunk(self, result: GenerationResult) -> dict[str, Any]:
+        out = self._envelope(self._choice(None if self.chat else "", result.finish_reason), chunk=True)
+        out["usage"] = usage(result.stats, self.prompt_tokens, len(result.token_ids))
+        return out
+
+    def complete(self, result: GenerationResult) -> dict[str, Any]:
+        text = "".join(self.text)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": result.finish_reason}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
+        if self.origins:
+            choice["token_origins"] = self.tokens
+        out = self._envelope(choice, chunk=False)
+        out["usage"] = usage(result.stats, self.prompt_tokens, len(result.token_ids))
+        return out
+

@@ -1,0 +1,220 @@
+"""One generation at a time, first come first served, off the event loop.
+
+The engine decodes one sequence at a time (batch 1), so a single worker thread runs the queued jobs in
+arrival order. Each job streams its deltas to its own asyncio queue (outputs are never mixed), and is
+checked for cancellation between decode steps: a client that disconnects or runs out of time stops its
+generation within one step. The waiting line is bounded: `submit` raises `QueueFullError` when it is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..generator import GenerationResult, GenerationStream, TextDelta
+
+log = logging.getLogger("dflashkit.server")
+
+
+@dataclass
+class Delta:
+    delta: TextDelta
+
+
+@dataclass
+class Done:
+    result: GenerationResult
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+Event = Delta | Done | Failed
+
+
+class QueueFullError(Exception):
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the request queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class JobObserver(Protocol):
+    """Told when a job starts, emits tokens, and ends (e.g. metrics)."""
+
+    def job_started(self, job: Job) -> None: ...
+
+    def job_finished(self, job: Job, outcome: str, result: GenerationResult | None) -> None: ...
+
+
+class Job:
+    """One queued generation; `start` (run in the worker thread) begins it and returns its stream."""
+
+    def __init__(self, start: Callable[[], GenerationStream], loop: asyncio.AbstractEventLoop) -> None:
+        self.start = start
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._cancel = threading.Event()
+        self.cancel_reason: str | None = None
+        self.enqueued_at = time.monotonic()
+        self.started_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.tokens = 0  # tokens streamed so far
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Ask the worker to stop this job (before it starts, or at the next decode step)."""
+        if not self._cancel.is_set():
+            self.cancel_reason = reason
+            self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    async def next_event(self) -> Event:
+        return await self._events.get()
+
+    def _emit(self, event: Event) -> None:  # worker thread
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody listens any more
+            self.cancel()
+
+
+class Scheduler:
+    """A bounded FIFO of jobs and the worker thread that runs them one at a time."""
+
+    def __init__(self, max_queue: int = 16, observer: JobObserver | None = None) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.max_queue = max_queue
+        self.observer = observer
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._running: Job | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._mean_duration = 1.0  # seconds per job, a moving average (for Retry-After)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._work, name="dflashkit-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything and wait for the worker to finish its current step."""
+        with self._cond:
+            self._stopping = True
+            for job in self._queue:
+                job.cancel("shutdown")
+            if self._running is not None:
+                self._running.cancel("shutdown")
+            self._cond.notify_all()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+
+    # ---- queue -------------------------------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting (those cancelled while waiting are not counted)."""
+        return sum(not job.cancelled for job in list(self._queue))
+
+    @property
+    def running(self) -> int:
+        return int(self._running is not None)
+
+    def retry_after(self) -> int:
+        """Seconds until a place in the queue is likely free: one place frees when the running job ends,
+        estimated as the mean job duration."""
+        return max(1, min(3600, math.ceil(self._mean_duration)))
+
+    def submit(self, start: Callable[[], GenerationStream], loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue a generation; raises QueueFullError when one job runs and max_queue jobs already wait."""
+        job = Job(start, loop)
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise RuntimeError("the scheduler is not running")
+            held = self.queued + (self._running is not None and not self._running.cancelled)
+            if held >= self.max_queue + 1:
+                raise QueueFullError(self.retry_after())
+            self._queue.append(job)
+            self._cond.notify()
+        return job
+
+    # ---- worker ------------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    for job in self._queue:
+                        self._finish(job, "shutdown", None)
+                    self._queue.clear()
+                    return
+                job = self._queue.popleft()
+                self._running = job
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled:  # gave up while waiting
+            self._finish(job, job.cancel_reason or "cancelled", None)
+            return
+        job.started_at = time.monotonic()
+        if self.observer:
+            self.observer.job_started(job)
+        try:
+            stream = job.start()
+            deltas = iter(stream)
+            try:
+                for delta in deltas:
+                    if job.first_token_at is None:
+                        job.first_token_at = time.monotonic()
+                    job.tokens += len(delta.token_ids)
+                    job._emit(Delta(delta))
+                    if job.cancelled:
+                        break
+            finally:
+                close = getattr(deltas, "close", None)
+                if close is not None:
+                    close()  # ends the decode loop now, releasing its caches
+        except Exception as exc:  # noqa: BLE001  (reported to the client; the worker keeps serving)
+            job._emit(Failed(exc))
+            self._finish(job, "error", None)
+            return
+        if job.cancelled or stream.result is None:
+            self._finish(job, job.cancel_reason or "cancelled", None)
+            return
+        job._emit(Done(stream.result))
+        self._finish(job, stream.result.finish_reason or "length", stream.result)
+
+    def _finish(self, job: Job, outcome: str, result: GenerationResult | None) -> None:
+        job.finished_at = time.monotonic()
+        if job.started_at is not None:
+            self._mean_duration = 0.8 * self._mean_duration + 0.2 * (job.finished_at - job.started_at)
+        if self.observer:
+            try:
+                self.observer.job_finished(job, outcome, result)
+            except Exception:
+                log.exception("job observer failed")

@@ -1,0 +1,138 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
+
+Fields the engine cannot honour (n > 1, logprobs, penalties, tools...) are refused with a 400 naming the
+field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import bad_request
+
+MAX_STOP_STRINGS = 4
+
+Probability = Annotated[float, Field(gt=0, le=1)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool = True  # usage always arrives on the final chunk
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """`"field": null` is the same as leaving the field out (as OpenAI treats it)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Probability = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off (-1 as in vLLM)
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # what torch.Generator takes
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # dflashkit extension: every chunk / choice lists its tokens with their text and origin
+    token_origins: bool = False
+    # accepted only at their neutral values
+    n: int = 1
+    best_of: int | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        """Refuse options the engine does not implement, naming the field."""
+        unsupported = {
+            "n": self.n != 1,
+            "best_of": self.best_of not in (None, 1),
+            "logprobs": self.logprobs not in (None, False, 0),
+            "top_logprobs": self.top_logprobs not in (None, 0),
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "logit_bias": bool(self.logit_bias),
+        }
+        for name in self._extra_unsupported():
+            unsupported[name] = True
+        for name, bad in unsupported.items():
+            if bad:
+                raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+
+    def _extra_unsupported(self) -> list[str]:
+        return []
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def effective_top_k(self) -> int:
+        return max(0, self.top_k)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(GenerationRequest):
+    """/v1/completions: raw text (no chat template) or token ids."""
+
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    echo: bool = False
+    suffix: str | None = None
+
+    def _extra_unsupported(self) -> list[str]:
+        return [name for name, bad in (("echo", self.echo), ("suffix", bool(self.suffix))) if bad]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """{"role", "content"} as chat templates expect (developer → system, text parts joined)."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """/v1/chat/completions: messages through the target's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _extra_unsupported(self) -> list[str]:
+        fmt = (self.response_format or {}).get("type", "text")
+        return [
+            name
+            for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions)),
+                              ("response_format", fmt != "text"))
+            if bad
+        ]  # fmt: skip
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,48 @@
+"""A real uvicorn server on a free localhost port, in a thread, for tests of the HTTP server."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+from conftest import tiny_drafter, tiny_target, word_tokenizer
+from fastapi import FastAPI
+
+from dflashkit import SpeculativeGenerator
+
+
+class LiveServer:
+    """`with LiveServer(app) as server: server.url` — serves `app` until the block ends."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread: threading.Thread | None = None
+        self.url = ""
+
+    def __enter__(self) -> LiveServer:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        assert self.thread is not None
+        self.thread.join(30)
+
+
+def tiny_generator(block_size: int = 4) -> SpeculativeGenerator:
+    """The tiny fp32 llama target with a random drafter: built deterministically, so two calls give two
+    identical generators (one for the server, one for offline reference runs)."""
+    model = tiny_target("llama")
+    return SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=block_size))

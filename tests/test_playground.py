@@ -1,0 +1,92 @@
+"""The playground page in headless Chromium (Debian's `chromium`, driven by Playwright): it renders, streams
+a reply token by token, colours each token by origin and shows the final stats."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from live_server import LiveServer, tiny_generator
+
+from dflashkit.server import create_app
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extra)")
+CHROMIUM = os.environ.get("DFLASHKIT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary (Debian: apt-get install chromium; scripts/setup.sh does it)"
+)
+
+MODEL = "tiny-llama"
+PROMPT = "w5 w6 w7"
+
+
+@pytest.fixture(scope="module")
+def page():
+    app = create_app(tiny_generator(), model_id=MODEL, proposal="sample")
+    with LiveServer(app) as live, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.goto(live.url + "/")
+            yield page
+        finally:
+            browser.close()
+
+
+def run(page, *, mode: str, temperature: float, seed: int, max_tokens: int) -> None:
+    page.select_option("#mode", mode)
+    page.fill("#prompt", PROMPT)
+    page.fill("#temperature", str(temperature))
+    page.fill("#seed", str(seed))
+    page.fill("#max-tokens", str(max_tokens))
+    # count the separate updates of the output while it streams
+    page.evaluate("""() => {
+        window.updates = 0;
+        new MutationObserver(() => { window.updates += 1; }).observe(document.getElementById('output'), {childList: true});
+    }""")
+    page.click("#send")
+    page.wait_for_function("() => document.getElementById('status').textContent.startsWith('done')", timeout=30_000)
+
+
+@pytest.mark.parametrize("mode", ["chat", "completion"])
+def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
+    assert "dflashkit playground" in page.title()
+    page.wait_for_function(f"() => document.getElementById('model').textContent.includes('{MODEL}')")
+    assert "block size 4" in page.inner_text("#model")
+
+    reference = tiny_generator()
+    prompt = [{"role": "user", "content": PROMPT}] if mode == "chat" else PROMPT
+    expected = reference.generate(prompt, chat=mode == "chat", temperature=1.0, seed=11, max_new_tokens=40,
+                                  proposal="sample")  # fmt: skip
+    assert any(expected.from_draft) and not all(expected.from_draft)  # both colours must show
+
+    run(page, mode=mode, temperature=1.0, seed=11, max_tokens=40)
+    tokens = page.eval_on_selector_all(
+        "#output .tok", "els => els.map(e => [e.textContent, e.classList.contains('draft'), e.classList.contains('target')])"
+    )
+    assert "".join(t for t, _, _ in tokens) == expected.text == page.inner_text("#output")
+    assert [d for _, d, _ in tokens] == expected.from_draft
+    assert all(d != t for _, d, t in tokens)  # every token has exactly one origin class
+    colours = {page.eval_on_selector(sel, "e => getComputedStyle(e).backgroundColor")
+               for sel in ("#output .tok.draft", "#output .tok.target")}  # fmt: skip
+    assert len(colours) == 2  # drawn differently
+    assert page.evaluate("window.updates") > 3  # the reply arrived in pieces
+    assert page.inner_text("#tau") == f"{expected.stats.tau:.2f}"
+    assert int(page.inner_text("#ntokens")) == len(expected.token_ids)
+    assert int(page.inner_text("#nsteps")) == expected.stats.steps
+    assert int(page.inner_text("#ndraft")) == sum(expected.from_draft)
+    assert float(page.inner_text("#tps")) > 0
+    assert page.inner_text("#status") == f"done ({expected.finish_reason})"
+    assert "accepted / drafted per block position" in page.inner_text("#positions")
+    assert page.inner_text("#error") == ""
+
+
+def test_playground_shows_errors(page) -> None:
+    page.select_option("#mode", "chat")
+    page.fill("#prompt", " ".join(["w5"] * 600))  # longer than the context
+    page.fill("#max-tokens", "5")
+    page.click("#send")
+    page.wait_for_function("() => document.getElementById('status').textContent === 'error'", timeout=30_000)
+    assert "context length" in page.inner_text("#error")
+    assert page.is_enabled("#send")

@@ -1,0 +1,402 @@
+"""The OpenAI-compatible server, live on localhost, driven by the official `openai` client (and httpx for raw
+HTTP): outputs equal offline generation, usage carries consistent speculative stats, concurrent clients get
+their own outputs, bad input gets OpenAI-style 4xx errors, queue limits, cancellation, timeouts, metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer, tiny_generator
+from prometheus_client.parser import text_string_to_metric_families
+
+from dflashkit.server import create_app
+
+MODEL = "tiny-llama"
+SAMPLED = {"temperature": 1.0, "seed": 3, "max_tokens": 40}
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """A second, identical generator for reference runs (never used concurrently with the server's)."""
+    return tiny_generator()
+
+
+@pytest.fixture(scope="module")
+def server():
+    # "sample" proposals: the random drafter gets drafts accepted when sampling, so the stats are not trivial
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, proposal="sample")) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(offline, prompt: str, chat: bool, *, temperature: float, seed: int | None, max_tokens: int, **kw):
+    messages = [{"role": "user", "content": prompt}]
+    return offline.generate(
+        messages if chat else prompt, chat=chat, temperature=temperature, seed=seed, max_new_tokens=max_tokens,
+        proposal="sample", **kw,
+    )  # fmt: skip
+
+
+def check_usage(usage: Any, expected) -> None:
+    """usage = the offline run's token counts and speculative stats, and internally consistent."""
+    spec = usage.model_extra["speculative"]
+    s = expected.stats
+    assert usage.prompt_tokens == expected.prompt_tokens
+    assert usage.completion_tokens == len(expected.token_ids)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert spec["drafting_steps"] == s.steps > 0
+    assert spec["mean_acceptance_length"] == pytest.approx(s.tau)
+    assert spec["accepted_per_position"] == s.accepted_per_position
+    assert spec["drafted_per_position"] == s.drafted_per_position
+    assert spec["block_size"] == 4 and len(spec["accepted_per_position"]) == 3
+    assert spec["accepted_tokens"] == sum(spec["accepted_per_position"])
+    assert spec["draft_tokens"] == sum(spec["drafted_per_position"]) >= spec["accepted_tokens"]
+    assert spec["mean_acceptance_length"] == pytest.approx(spec["accepted_tokens"] / spec["drafting_steps"] + 1)
+    # every step emits its accepted drafts + the target's token; the prefill emits one (stop may cut the last)
+    assert usage.completion_tokens <= 1 + spec["drafting_steps"] + spec["accepted_tokens"]
+    if expected.finish_reason == "length":
+        assert usage.completion_tokens == 1 + spec["drafting_steps"] + spec["accepted_tokens"]
+    assert spec["tokens_per_s"] > 0
+
+
+# ---- the OpenAI client: chat and completions, streaming and not ---------------------------------------------
+
+
+def test_models_and_health(server, client) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL and health["speculative"] is True
+    assert health["block_size"] == 4 and health["context_length"] == 512
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_chat_equals_offline(client, offline, seed) -> None:
+    expected = reference(offline, "w5 w6 w7", True, **{**SAMPLED, "seed": seed})
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}], **{**SAMPLED, "seed": seed}
+    )
+    assert resp.object == "chat.completion" and resp.model == MODEL
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.text and expected.text
+    assert resp.choices[0].finish_reason == expected.finish_reason
+    check_usage(resp.usage, expected)
+    assert expected.stats.steps > 0 and sum(expected.stats.accepted_lengths) > 0  # drafts were accepted
+
+
+def test_completion_equals_offline(client, offline) -> None:
+    expected = reference(offline, "w9 w30 w31", False, **SAMPLED)
+    resp = client.completions.create(model=MODEL, prompt="w9 w30 w31", **SAMPLED)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].text == expected.text and resp.choices[0].finish_reason == expected.finish_reason
+    check_usage(resp.usage, expected)
+    # the prompt as token ids gives the same
+    ids = offline.tokenizer.encode("w9 w30 w31")
+    assert client.completions.create(model=MODEL, prompt=ids, **SAMPLED).choices[0].text == expected.text
+
+
+def test_chat_stream(client, offline) -> None:
+    expected = reference(offline, "w40 w41", True, **SAMPLED)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w40 w41"}], stream=True, **SAMPLED
+    ))  # fmt: skip
+    assert len(chunks) > 3 and len({c.id for c in chunks}) == 1
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == expected.text
+    # usage (with the speculative stats) and finish_reason arrive on the final chunk only
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].usage is not None
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [expected.finish_reason]
+    check_usage(chunks[-1].usage, expected)
+
+
+def test_completion_stream(client, offline) -> None:
+    expected = reference(offline, "w9 w30 w31", False, **SAMPLED)
+    chunks = list(client.completions.create(model=MODEL, prompt="w9 w30 w31", stream=True, **SAMPLED))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert sum(bool(c.choices[0].text) for c in chunks) > 3  # it did stream in pieces
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+    check_usage(chunks[-1].usage, expected)
+
+
+def test_greedy_equals_offline(client, offline) -> None:
+    expected = reference(offline, "w5 w6 w7", True, temperature=0.0, seed=None, max_tokens=12)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}], temperature=0, max_tokens=12
+    )
+    assert resp.choices[0].message.content == expected.text
+    assert resp.usage.completion_tokens == 12 and resp.choices[0].finish_reason == "length"
+
+
+def test_stop_and_sampling_options(client, offline) -> None:
+    free = reference(offline, "w5 w6 w7", True, **SAMPLED)
+    words = free.text.split(" ")
+    # the first word from the fourth on whose text (with its space) occurs there first
+    i = next(i for i in range(3, len(words)) if free.text.find(" " + words[i]) == len(" ".join(words[:i])))
+    stop = " " + words[i]
+    expected = reference(offline, "w5 w6 w7", True, **SAMPLED, stop=[stop])
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}], stop=stop, **SAMPLED
+    )
+    assert resp.choices[0].message.content == expected.text == " ".join(words[:i])
+    assert resp.choices[0].finish_reason == "stop"
+    # top_k / top_p reach the sampler: the same as offline with the same settings
+    expected = reference(offline, "w5 w6 w7", True, **SAMPLED, top_k=5, top_p=0.9)
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}], top_p=0.9,
+                                          extra_body={"top_k": 5}, **SAMPLED)  # fmt: skip
+    assert resp.choices[0].message.content == expected.text
+
+
+def test_token_origins(client, offline) -> None:
+    """The extension used by the playground: every token with its text and origin (drafter or target)."""
+    expected = reference(offline, "w5 w6 w7", True, **SAMPLED)
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}],
+                                          extra_body={"token_origins": True}, **SAMPLED)  # fmt: skip
+    origins = resp.choices[0].model_extra["token_origins"]
+    assert [t["id"] for t in origins] == expected.token_ids
+    assert [t["from_draft"] for t in origins] == expected.from_draft and any(expected.from_draft)
+    assert "".join(t["text"] for t in origins) == expected.text
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}],
+                                                 stream=True, extra_body={"token_origins": True}, **SAMPLED))
+    streamed = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_origins", [])]
+    assert streamed == origins
+    for c in chunks:
+        pieces = (c.choices[0].model_extra or {}).get("token_origins", [])
+        assert "".join(t["text"] for t in pieces) == (c.choices[0].delta.content or "")
+
+
+# ---- many clients at once -----------------------------------------------------------------------------------
+
+
+def test_concurrent_clients_get_their_own_outputs(server, client, offline) -> None:
+    cases = [("w5 w6 w7", s) for s in range(1, 4)] + [("w20 w21", s) for s in range(4, 7)]
+    n = len(cases)
+    expected = [reference(offline, p, True, temperature=1.0, seed=s, max_tokens=60) for p, s in cases]
+    assert len({e.text for e in expected}) == n  # distinct answers: mixing would show
+    barrier = threading.Barrier(n)
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
+
+    def ask(i: int) -> str:
+        prompt, seed = cases[i]
+        barrier.wait()
+        start = time.monotonic()
+        kwargs = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 1.0, "seed": seed,
+                  "max_tokens": 60}  # fmt: skip
+        if i % 2:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs))
+        else:
+            text = client.chat.completions.create(**kwargs).choices[0].message.content
+        spans[i] = (start, time.monotonic())
+        return text
+
+    with ThreadPoolExecutor(n) as pool:
+        texts = list(pool.map(ask, range(n)))
+    assert texts == [e.text for e in expected]
+    assert max(s for s, _ in spans) < min(e for _, e in spans)  # all were in flight together
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}]}
+LONG_PROMPT = " ".join(["w5"] * 600)  # 600 tokens > the tiny target's 512 positions
+BAD = [
+    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [', 400, None, "invalid_json"),
+    ("/v1/chat/completions", b"[1, 2]", 400, None, None),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "ten"}, 400, "max_tokens", None),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": -5}, 400, "max_tokens", None),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**12}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature", None),
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature", None),
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p", None),
+    ("/v1/chat/completions", {**CHAT, "seed": 1.5}, 400, "seed", None),
+    ("/v1/chat/completions", {**CHAT, "seed": 2**64}, 400, "seed", None),
+    ("/v1/chat/completions", {**CHAT, "stop": 7}, 400, "stop", None),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),  # at most 4
+    ("/v1/chat/completions", {**CHAT, "stream": "yes"}, 400, "stream", None),
+    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "messages": "w5"}, 400, "messages", None),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "w5"}]}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": CHAT["messages"]}, 400, "model", "missing"),
+    ("/v1/chat/completions", {**CHAT, "model": "gpt-7"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 96]}, 400, "prompt", None),  # id outside the vocabulary
+    ("/v1/completions", {"model": MODEL, "prompt": ["w5", "w6"]}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "w5", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("/v1/completions", {"model": "gpt-7", "prompt": "w5"}, 404, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_gets_openai_error(server, path, body, status, param, code) -> None:
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+
+
+def test_server_keeps_serving_after_errors(server, client) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-7", messages=[{"role": "user", "content": "w5"}])
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=MODEL, prompt=LONG_PROMPT)
+    for path in ("/nowhere", "/v1/nowhere"):
+        r = httpx.get(server.url + path)
+        assert r.status_code == 404 and r.json()["error"]["message"]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=3)
+    assert resp.usage.completion_tokens == 3
+
+
+def test_null_fields_mean_defaults(server) -> None:
+    body = {**CHAT, "max_tokens": 3, "temperature": None, "top_p": None, "n": None, "stop": None, "seed": None,
+            "stream": None, "logprobs": None, "presence_penalty": None}  # fmt: skip
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["object"] == "chat.completion"
+
+
+# ---- queue, cancellation, timeouts --------------------------------------------------------------------------
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """A sample's value from /metrics (0 when absent)."""
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+# Greedy, the tiny target repeats its last prompt token and never ends early: 500 one-token steps (~1 s)
+LONG = {"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 500, "temperature": 0.0}
+
+
+def test_full_queue_answers_429_and_disconnect_cancels() -> None:
+    app = create_app(tiny_generator(), model_id=MODEL, max_queue=1)
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        scheduler = app.state.scheduler
+        # A streams a long generation; read one chunk so that it is running
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as a:
+            lines = a.iter_lines()  # kept: dropping the iterator closes the response
+            next(lines)
+            assert scheduler.running == 1
+            # B waits in the queue (max_queue=1) ...
+            b_result: dict[str, Any] = {}
+            b = threading.Thread(target=lambda: b_result.update(r=httpx.post(
+                live.url + "/v1/completions", json={**LONG, "max_tokens": 5}, timeout=60)))  # fmt: skip
+            b.start()
+            wait_until(lambda: scheduler.queued == 1)
+            # ... so C is refused at once, with Retry-After
+            c = http.post("/v1/completions", json={**LONG, "max_tokens": 5})
+            assert c.status_code == 429 and int(c.headers["Retry-After"]) >= 1
+            assert c.json()["error"]["type"] == "rate_limit_error" and c.json()["error"]["code"] == "queue_full"
+            with pytest.raises(openai.RateLimitError):
+                openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0).completions.create(
+                    model=MODEL, prompt="w5", max_tokens=2)  # fmt: skip
+        # A's client went away: its generation is cancelled long before its 500 tokens, and B is served
+        b.join(60)
+        assert b_result["r"].status_code == 200 and b_result["r"].json()["usage"]["completion_tokens"] == 5
+        wait_until(lambda: metric(live.url, "dflashkit_generations_total", outcome="cancelled") == 1)
+        assert metric(live.url, "dflashkit_completion_tokens_total") < 500 + 5
+        assert metric(live.url, "dflashkit_requests_total", endpoint="/v1/completions", status="429") == 2
+
+
+def test_client_that_disconnects_while_queued_is_dropped() -> None:
+    app = create_app(tiny_generator(), model_id=MODEL, max_queue=4)
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as a:
+            lines = a.iter_lines()  # kept: dropping the iterator closes the response
+            next(lines)
+            # a non-streaming client gives up while queued
+            with httpx.Client(base_url=live.url, timeout=0.3) as impatient, pytest.raises(httpx.ReadTimeout):
+                impatient.post("/v1/completions", json=LONG)
+            wait_until(lambda: app.state.scheduler.queued == 0)  # noticed while A still runs
+            assert app.state.scheduler.running == 1
+        wait_until(lambda: metric(live.url, "dflashkit_generations_total", outcome="cancelled") == 2)
+        # neither ran to its end
+        assert metric(live.url, "dflashkit_generations_total", outcome="length") == 0
+        assert http.post("/v1/completions", json={**LONG, "max_tokens": 4}).json()["usage"]["completion_tokens"] == 4
+
+
+def test_request_timeout() -> None:
+    app = create_app(tiny_generator(), model_id=MODEL, timeout=0.1)
+    with LiveServer(app) as live:
+        r = httpx.post(live.url + "/v1/completions", json=LONG, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt="w5 w6 w7", max_tokens=500, temperature=0, stream=True)
+        with pytest.raises(openai.APIError, match="did not complete within"):
+            for _ in stream:
+                pass
+        wait_until(lambda: metric(live.url, "dflashkit_generations_total", outcome="timeout") == 2)
+        short = client.completions.create(model=MODEL, prompt="w5", max_tokens=3)  # still serving
+        assert short.usage.completion_tokens == 3
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------
+
+
+def test_metrics_are_prometheus_text_and_add_up() -> None:
+    app = create_app(tiny_generator(), model_id=MODEL, proposal="sample")
+    with LiveServer(app) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        usages = [client.completions.create(model=MODEL, prompt="w5 w6 w7", **{**SAMPLED, "seed": s}).usage
+                  for s in (1, 2)]  # fmt: skip
+        httpx.post(live.url + "/v1/completions", json={"model": "nope", "prompt": "w5"})
+        r = httpx.get(live.url + "/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert {"dflashkit_requests", "dflashkit_generations", "dflashkit_prompt_tokens", "dflashkit_completion_tokens",
+            "dflashkit_accepted_tokens", "dflashkit_draft_tokens", "dflashkit_drafting_steps",
+            "dflashkit_accepted_tokens_by_position", "dflashkit_draft_tokens_by_position",
+            "dflashkit_request_latency_seconds", "dflashkit_time_to_first_token_seconds",
+            "dflashkit_queue_wait_seconds", "dflashkit_queue_depth"} <= set(families)
+
+    def total(name: str, **labels: str) -> float:
+        return sum(s.value for s in families[name].samples if s.name == name + "_total"
+                   and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+
+    spec = [u.model_extra["speculative"] for u in usages]
+    assert total("dflashkit_requests", endpoint="/v1/completions", status="200") == 2
+    assert total("dflashkit_requests", endpoint="/v1/completions", status="404") == 1
+    assert total("dflashkit_prompt_tokens") == sum(u.prompt_tokens for u in usages)
+    assert total("dflashkit_completion_tokens") == sum(u.completion_tokens for u in usages)
+    assert total("dflashkit_accepted_tokens") == sum(s["accepted_tokens"] for s in spec) > 0
+    assert total("dflashkit_draft_tokens") == sum(s["draft_tokens"] for s in spec)
+    assert total("dflashkit_drafting_steps") == sum(s["drafting_steps"] for s in spec)
+    for k in (1, 2, 3):
+        assert total("dflashkit_accepted_tokens_by_position", position=str(k)) == sum(
+            s["accepted_per_position"][k - 1] for s in spec)  # fmt: skip
+    latency = {s.name: s.value for s in families["dflashkit_request_latency_seconds"].samples if not s.labels.get("le")}
+    assert latency["dflashkit_request_latency_seconds_count"] == 2 and latency["dflashkit_request_latency_seconds_sum"] > 0
+    assert total("dflashkit_generations") == 2
