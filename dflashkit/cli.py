@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="drafter folder; 'none' for plain decoding; 'untrained' for a random drafter (exercises the "
         "speculative path, τ≈1); default: the drafter shipped for the target, if any",
     )
-    g.add_argument("--block-size", type=int, default=None, help="verify block size (default: the drafter's)")
+    g.add_argument("--block-size", type=_block_size_arg, default=None,
+                   help="verify block size, or 'auto': chosen per step for the most tokens/s (default: the drafter's)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
@@ -67,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)")
     s.add_argument("--drafter", default=None, help="drafter folder, 'none' or 'untrained' (as for generate)")
     s.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
-    s.add_argument("--block-size", type=int, default=None, help="verify block size (default: the drafter's)")
+    s.add_argument("--block-size", type=_block_size_arg, default=None,
+                   help="verify block size, or 'auto': chosen per step for the most tokens/s (default: the drafter's)")
     s.add_argument("--proposal", choices=["argmax", "sample"], default="argmax", help="how drafts are proposed (both exact)")
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one runs")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
@@ -145,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     return parser
+
+
+def _block_size_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def _add_threads_option(parser: argparse.ArgumentParser) -> None:
@@ -349,7 +360,7 @@ def _print_summary(result, speculative: bool) -> None:
     s = result.stats
     t = _phase_times(s)
     line = (
-        f"[{s.new_tokens} tokens | {s.tokens_per_s:.1f} tok/s | τ {s.tau:.2f} | block {s.block_size} | "
+        f"[{s.new_tokens} tokens | {s.tokens_per_s:.1f} tok/s | τ {s.tau:.2f} | block {'≤' if s.adaptive else ''}{s.block_size} | "
         f"prefill {t['prefill']:.2f}s draft {t['draft']:.2f}s verify {t['verify']:.2f}s other {t['other']:.2f}s]"
     )
     if not speculative:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .adaptive import AdaptiveBlockSize
 from .drafter import DFlashDrafter
 from .errors import IncompatibleDrafterError, InvalidInputError
 from .sampling import SamplingParams, propose, sample, verify_greedy, verify_sampled, warp
@@ -64,10 +65,19 @@ def decode(
     options: DecodeOptions,
     stats: DecodeStats | None = None,
     observer: StepObserver | None = None,
+    block_policy: AdaptiveBlockSize | None = None,
 ) -> Iterator[Step]:
-    """Generate after `prompt_ids` (batch 1), yielding each step's tokens as soon as they are verified."""
+    """Generate after `prompt_ids` (batch 1), yielding each step's tokens as soon as they are verified.
+
+    With `block_policy`, each step's block size is chosen by it (at most the block size in force) and the
+    step is reported back to it.
+    """
     prompt_ids = as_token_list(prompt_ids)
     block = _check(target, drafter, prompt_ids, options)
+    if block_policy is not None and drafter is not None and block_policy.max_block > block:
+        raise InvalidInputError(f"the adaptive policy allows blocks of {block_policy.max_block}, more than the "
+                                f"block size in force ({block})")
+    policy = block_policy if drafter is not None else None
     stats = stats if stats is not None else DecodeStats(block_size=block)
     stats.block_size, stats.prompt_tokens = block, len(prompt_ids)
     params = options.sampling
@@ -104,7 +114,9 @@ def decode(
 
     while not finished:
         # ---- draft ------------------------------------------------------------------------------------
-        k = min(block - 1, max_new - produced - 1, target.max_positions - pos - 1) if drafter else 0
+        t_step = time.perf_counter()
+        size = policy.choose() if policy else block
+        k = min(size - 1, max_new - produced - 1, target.max_positions - pos - 1) if drafter else 0
         drafts, q = torch.empty(0, dtype=torch.long, device=device), None
         if k > 0:
             t = time.perf_counter()
@@ -137,6 +149,8 @@ def decode(
         if observer:
             observer(logits, emitted)
         stats.record_step(k, accepted)
+        if policy:
+            policy.observe(size, k, accepted, time.perf_counter() - t_step)
         stop_at = next((i for i, t in enumerate(emitted) if t in options.stop_token_ids), None)
         if stop_at is not None:
             emitted = emitted[: stop_at + 1]

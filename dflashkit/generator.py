@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .adaptive import AdaptiveBlockSize
 from .decode import DecodeOptions, StepObserver, as_token_list, decode
 from .drafter import DFlashDrafter
 from .errors import InvalidInputError
@@ -95,6 +96,9 @@ class SpeculativeGenerator:
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else ())
         self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.block_policy: AdaptiveBlockSize | None = (
+            AdaptiveBlockSize(drafter.block_size) if drafter is not None and drafter.block_size >= 2 else None
+        )  # used by block_size="auto"; its estimates carry over from one request to the next
 
     @classmethod
     def load(
@@ -139,7 +143,7 @@ class SpeculativeGenerator:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        block_size: int | None = None,
+        block_size: int | str | None = None,
         proposal: str = "argmax",
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
@@ -150,8 +154,12 @@ class SpeculativeGenerator:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
         `prompt` may be text, chat messages, or token ids (used as is). Without a drafter (or with
-        use_drafter=False) the same loop decodes autoregressively.
+        use_drafter=False) the same loop decodes autoregressively. ``block_size="auto"`` picks each step's
+        block size (up to the drafter's) for the most tokens per second (see :mod:`dflashkit.adaptive`).
         """
+        adaptive = block_size == "auto"
+        if isinstance(block_size, str) and not adaptive:
+            raise InvalidInputError(f"block_size must be an integer >= 2, None or 'auto', got {block_size!r}")
         if isinstance(prompt, (list, tuple)) and not prompt:
             raise InvalidInputError("the prompt is empty")
         ids = as_token_list(prompt) if _is_token_ids(prompt) else self.encode_prompt(prompt, chat)
@@ -160,23 +168,26 @@ class SpeculativeGenerator:
         options = DecodeOptions(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p),
-            block_size=block_size,
+            block_size=None if adaptive else block_size,
             proposal=proposal,
             seed=seed,
             stop_token_ids=frozenset(self.eos_token_ids) | frozenset(stop_token_ids),
         )
         drafter = self.drafter if use_drafter else None
+        policy = self.block_policy if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))
-        stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream)
+        stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream, policy)
         return stream
 
-    def _run(self, ids, drafter, options, stop, observer, stream: GenerationStream) -> Iterator[TextDelta]:
+    def _run(self, ids, drafter, options, stop, observer, stream: GenerationStream,
+             policy: AdaptiveBlockSize | None = None) -> Iterator[TextDelta]:
         stats = DecodeStats(block_size=1)
         detok = IncrementalDetokenizer(self.tokenizer)
         matcher = StopStringMatcher(stop)
         tokens: list[int] = []
         flags: list[bool] = []
-        steps = decode(self.target, drafter, ids, options, stats, observer)
+        steps = decode(self.target, drafter, ids, options, stats, observer, policy)
+        stats.adaptive = policy is not None
         try:
             for step in steps:
                 start = len(tokens)
@@ -213,7 +224,7 @@ class SpeculativeGenerator:
         When greedy, `result.divergence` locates the first differing token and judges it on the plain
         step's logits (a tie or not; see lossless).
         """
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_drafter", "observer")}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_drafter", "observer", "block_size")}
         greedy = SamplingParams(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0)).greedy
         recorder = DivergenceRecorder(result.token_ids, self.target.dtype) if greedy else None
         result.ar = _drain(self.stream(prompt, **kwargs, use_drafter=False, observer=recorder))

@@ -23,6 +23,7 @@ class DecodeStats:
     verify_s: float = 0.0
     decode_s: float = 0.0  # wall time after prefill, all phases
     finish_reason: str | None = None  # "stop" (eos/stop token/stop string) or "length"
+    adaptive: bool = False  # block size chosen per step (drafted_lengths + 1 gives each step's block)
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.drafted_lengths.append(drafted)
@@ -77,6 +78,7 @@ class DecodeStats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "block_size": self.block_size,
+            "adaptive": self.adaptive,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "tau": self.tau,

@@ -1,0 +1,95 @@
+"""Adaptive block size: the policy's arithmetic, its choices, and that decoding with it stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflashkit.adaptive import AdaptiveBlockSize
+from dflashkit.decode import DecodeOptions, decode
+from dflashkit.errors import InvalidInputError
+from dflashkit.stats import DecodeStats
+from dflashkit.target import TargetAdapter
+
+from conftest import tiny_drafter, tiny_target
+
+
+def test_expected_tokens_follow_the_acceptance_estimates():
+    policy = AdaptiveBlockSize(8, prior=(1.0, 1.0))
+    assert policy.expected_tokens(4) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    policy.observe(8, drafted=7, accepted=2, seconds=0.01)  # drafts 1, 2 accepted, 3 rejected, 4.. not judged
+    assert policy.acceptance(1) == pytest.approx(2 / 3) and policy.acceptance(2) == pytest.approx(2 / 3)
+    assert policy.acceptance(3) == pytest.approx(1 / 3) and policy.acceptance(4) == pytest.approx(1 / 2)
+    policy.observe(8, drafted=7, accepted=7, seconds=0.01)  # all accepted: positions 1..7 judged, none rejected
+    assert policy.acceptance(7) == pytest.approx((1 + 1) / (1 + 2), rel=0.02)
+
+
+def _run(policy, costs, accept, steps=200):
+    """Simulate steps: a block of size b costs costs[b] seconds and accepts min(accept, b-1) drafts."""
+    chosen = []
+    for _ in range(steps):
+        b = policy.choose()
+        chosen.append(b)
+        policy.observe(b, b - 1, min(accept, b - 1), costs[b])
+    return chosen
+
+
+def test_low_acceptance_and_costly_big_blocks_choose_a_small_block():
+    costs = {2: 0.010, 4: 0.012, 8: 0.016, 16: 0.030}
+    chosen = _run(AdaptiveBlockSize(16), costs, accept=1)
+    late = chosen[-64:]
+    assert max(set(late), key=late.count) in (2, 4)
+    assert 16 in late  # still explored now and then
+
+
+def test_high_acceptance_chooses_the_largest_block():
+    costs = {2: 0.010, 4: 0.011, 8: 0.012, 16: 0.014}
+    late = _run(AdaptiveBlockSize(16), costs, accept=15)[-64:]
+    assert late.count(16) == len(late)
+
+
+def test_candidates_stay_within_the_drafter_block():
+    assert AdaptiveBlockSize(8).candidates == [2, 4, 8]
+    assert AdaptiveBlockSize(6).candidates == [2, 4, 6]
+    with pytest.raises(ValueError):
+        AdaptiveBlockSize(1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoding_with_the_policy_is_exact(arch):
+    model = tiny_target(arch)
+    drafter = tiny_drafter(model, block_size=8)
+    options = DecodeOptions(max_new_tokens=40)
+    plain = [t for s in decode(TargetAdapter(model), None, [5, 9, 11, 3], options) for t in s.tokens]
+    policy = AdaptiveBlockSize(8)
+    stats = DecodeStats(8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    for _ in range(2):  # the policy carries over between requests
+        spec = [t for s in decode(target, drafter, [5, 9, 11, 3], options, stats, block_policy=policy) for t in s.tokens]
+        assert spec == plain
+    assert set(policy.step_seconds) == {2, 4, 8}  # every candidate was tried and timed
+    assert {d + 1 for d in stats.drafted_lengths} >= {2, 4, 8}
+
+
+def test_policy_larger_than_the_block_is_refused():
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=4)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    with pytest.raises(InvalidInputError, match="adaptive"):
+        next(decode(target, drafter, [5, 6], DecodeOptions(max_new_tokens=4), block_policy=AdaptiveBlockSize(8)))
+
+
+def test_generator_auto_block_size():
+    from conftest import word_tokenizer
+
+    from dflashkit.generator import SpeculativeGenerator
+
+    model = tiny_target("llama")
+    gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=8))
+    ids = [5, 9, 11, 3]
+    auto = gen.generate(ids, max_new_tokens=30, block_size="auto", compare_ar=True)
+    assert auto.identical and auto.stats.adaptive and auto.stats.as_dict()["adaptive"] is True
+    assert gen.block_policy.steps == auto.stats.steps
+    assert not gen.generate(ids, max_new_tokens=5).stats.adaptive
+    with pytest.raises(InvalidInputError, match="auto"):
+        gen.generate(ids, max_new_tokens=5, block_size="big")
