@@ -122,12 +122,16 @@ def data_folders(data_dir: str | os.PathLike) -> list[Path]:
 
 def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSequence]:
     """Prompt + regenerated response pairs from `dflashkit data` shards (one or comma-separated folders, in
-    order), cut to max_len tokens."""
+    order), cut to max_len tokens; a prompt that appears again (in another folder) is used once."""
     from .data import load_shards
 
-    seqs = []
+    seqs, seen = [], set()
     for folder in data_folders(data_dir):
         for rec in load_shards(folder):
+            key = tuple(rec["prompt_ids"])
+            if key in seen:
+                continue
+            seen.add(key)
             ids = (rec["prompt_ids"] + rec["response_ids"])[:max_len]
             if len(ids) - len(rec["prompt_ids"]) >= 2:
                 seqs.append(TrainingSequence(ids, len(rec["prompt_ids"])))

@@ -255,5 +255,6 @@ def test_load_sequences_from_several_folders(tmp_path):
     a, b = load_sequences(tmp_path / "a", 64), load_sequences(tmp_path / "b", 64)
     both = load_sequences(f"{tmp_path / 'a'},{tmp_path / 'b'}", 64)
     assert a and b and both == a + b
+    assert load_sequences(f"{tmp_path / 'a'},{tmp_path / 'b'},{tmp_path / 'a'}", 64) == a + b  # repeats used once
     with pytest.raises(data.DataError):
         load_sequences(f"{tmp_path / 'a'},{tmp_path / 'missing'}", 64)
