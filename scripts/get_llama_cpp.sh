@@ -20,7 +20,7 @@ for arg in "$@"; do
   case "$arg" in
     --build) BUILD=1 ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
-    *) DEST=$arg ;;
+    *) if [ -n "$arg" ]; then DEST=$arg; fi ;;
   esac
 done
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

