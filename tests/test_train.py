@@ -234,7 +234,7 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
     assert main(train_args) == 0
     assert capsys.readouterr().out.strip().endswith("drafter")
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2, 3, 4] and "tau" in log[1] and len(log[0]["acc"]) == 3
+    assert [r["step"] for r in log] == [1, 2, 3, 4] and "tau" in log[1] and len(log[1]["heldout_acc"]) == 3 and log[1]["heldout_loss"] > 0 and len(log[0]["acc"]) == 3
     assert main(train_args) == 0  # finished run: resumes at step 4 and only re-saves the drafter
     assert "resumed at step 4" in capsys.readouterr().err
     assert main(["generate", "tell me about the sea", "--drafter", str(out / "drafter"), "--max-new-tokens", "6",
