@@ -38,7 +38,7 @@ def questions(tmp_path) -> str:
 def test_bench_command_writes_outputs_and_skips_missing_peers(tiny_load, questions, tmp_path, capsys) -> None:
     out = tmp_path / "out"
     rc = main(["bench", "--datasets", questions, "--limit", "1", "--max-new-tokens", "6", "--temperatures", "0,1",
-               "--drafter", "untrained", "--block-sizes", "2,4", "--out", str(out), "--json", str(tmp_path / "r.json"),
+               "--drafter", "untrained", "--block-sizes", "2,4,auto", "--out", str(out), "--json", str(tmp_path / "r.json"),
                "--no-progress", "--threads", "1"])  # fmt: skip
     stdout, stderr = capsys.readouterr()
     assert rc == 0, stderr
@@ -48,7 +48,8 @@ def test_bench_command_writes_outputs_and_skips_missing_peers(tiny_load, questio
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["settings"]["drafter"].startswith("untrained") and data["settings"]["threads"] == 1
     assert data["command"].startswith("dflashkit bench --datasets")
-    assert {m["name"]: m["status"] for m in data["methods"]}["dflash-b2"] == "ran"
+    status = {m["name"]: m["status"] for m in data["methods"]}
+    assert status["dflash-b2"] == "ran" and status["dflash-auto"] == "ran"
     assert {p.name for p in out.iterdir()} >= {"summary.md", "speedup.png", "accepted_lengths.png", "acceptance.png"}
 
 
@@ -63,10 +64,10 @@ def test_options_quick_preset_and_errors(capsys) -> None:
     parser = bench_parser()
     s = settings_from(parser.parse_args(["--quick", "--limit", "5"]))
     assert s["limit"] == 5 and s["max_new_tokens"] == QUICK["max_new_tokens"] and s["max_turns"] == 1
-    assert s["methods"][0] == "ar" and s["temperatures"] == [0.0, 1.0] and s["block_sizes"] == [4, 8, 16]
+    assert s["methods"][0] == "ar" and s["temperatures"] == [0.0, 1.0] and s["block_sizes"] == [4, 8, 16, "auto"]
     full = settings_from(parser.parse_args(["--methods", "hf,ar", "--temperatures", "0"]))
     assert full["methods"] == ["ar", "hf"] and full["max_turns"] is None and full["limit"] == 10
-    for bad in (["--methods", "vllm"], ["--block-sizes", "1"], ["--temperatures", "x"]):
+    for bad in (["--methods", "vllm"], ["--block-sizes", "1"], ["--block-sizes", "4,big"], ["--temperatures", "x"]):
         with pytest.raises(InvalidInputError):
             settings_from(parser.parse_args(bad))
     assert main(["bench", "--methods", "vllm"]) == 2

@@ -16,10 +16,10 @@ from ..errors import InvalidInputError
 
 METHODS = ("ar", "dflash", "hf", "hf-pld", "hf-assisted", "llama.cpp")
 DEFAULTS = {"datasets": "mt-bench,humaneval,math500", "limit": 10, "max_new_tokens": 256, "max_turns": None,
-            "temperatures": "0,1", "block_sizes": "4,8,16"}  # fmt: skip
+            "temperatures": "0,1", "block_sizes": "4,8,16,auto"}  # fmt: skip
 # --quick: about 5 minutes on a 2-core CPU with the default target (first turns, 2 questions per set)
 QUICK = {"datasets": "mt-bench,humaneval,math500", "limit": 2, "max_new_tokens": 64, "max_turns": 1,
-         "temperatures": "0,1", "block_sizes": "4,8,16"}  # fmt: skip
+         "temperatures": "0,1", "block_sizes": "4,8,16,auto"}  # fmt: skip
 SMOLLM_NO_DRAFT = (
     "no draft model with the target's tokenizer (SmolLM2-135M is the smallest of its family); pass --assistant "
     "PATH, or bench --target qwen2.5-coder-1.5b, whose 0.5B sibling is assembled from packages"
@@ -46,7 +46,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--temperatures", default=None, help="comma-separated; 0 = greedy (default: 0,1)")
     b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}; the "
                    "baseline 'ar' always runs (default: all)")  # fmt: skip
-    b.add_argument("--block-sizes", default=None, help="DFlash block sizes (default: 4,8,16)")
+    b.add_argument("--block-sizes", default=None, help="DFlash block sizes; 'auto' = chosen per step (default: 4,8,16,auto)")
     b.add_argument("--target", default=None, help="HF model id, local folder or qwen2.5-coder-1.5b (assembled from "
                    "packages); default: embedded SmolLM2-135M-Instruct")  # fmt: skip
     b.add_argument("--drafter", default=None, help="drafter folder or 'untrained' (random: τ≈1); default: the "
@@ -91,8 +91,10 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidInputError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     out["methods"] = ["ar"] + [m for m in methods if m != "ar"]
     out["temperatures"] = _floats(out["temperatures"], "temperatures")
-    out["block_sizes"] = _ints(out["block_sizes"], "block-sizes")
-    if any(b < 2 for b in out["block_sizes"]):
+    sizes = [b.strip() for b in str(out["block_sizes"]).split(",") if b.strip()]
+    auto = ["auto"] if "auto" in sizes else []
+    out["block_sizes"] = _ints(",".join(b for b in sizes if b != "auto"), "block-sizes") + auto
+    if any(b < 2 for b in out["block_sizes"] if b != "auto"):
         raise InvalidInputError(f"--block-sizes must be at least 2, got {out['block_sizes']}")
     out["datasets"] = [d.strip() for d in out["datasets"].split(",") if d.strip()]
     return out

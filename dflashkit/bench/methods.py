@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..adaptive import AdaptiveBlockSize
 from ..decode import DecodeOptions, StepObserver, decode
 from ..drafter import DFlashDrafter
 from ..sampling import SamplingParams
@@ -143,6 +144,7 @@ def run_decode_loop(
     request: Request,
     block_size: int | None = None,
     observer: StepObserver | None = None,
+    block_policy: AdaptiveBlockSize | None = None,
 ) -> Record:
     """dflashkit's decode loop on one request (drafter None: autoregressive), timed from outside."""
     session.adapter.set_feature_layers(drafter.config.target_layer_ids if drafter else ())
@@ -150,7 +152,8 @@ def run_decode_loop(
     tokens: list[int] = []
     t0 = time.perf_counter()
     ttft = None
-    for step in decode(session.adapter, drafter, request.prompt_ids, options_for(request, block_size), stats, observer):
+    options = options_for(request, block_size)
+    for step in decode(session.adapter, drafter, request.prompt_ids, options, stats, observer, block_policy):
         if ttft is None:
             ttft = time.perf_counter() - t0
         tokens.extend(step.tokens)
@@ -182,19 +185,28 @@ class Autoregressive(Method):
 
 
 class DFlash(Method):
-    """dflashkit's speculative decode loop with a DFlash drafter at one block size."""
+    """dflashkit's speculative decode loop with a DFlash drafter at one block size, or "auto" (adaptive)."""
 
     family = "dflashkit"
     comparable = EXACT
 
-    def __init__(self, session: TargetSession, drafter: DFlashDrafter, block_size: int, drafter_label: str) -> None:
+    def __init__(self, session: TargetSession, drafter: DFlashDrafter, block_size: int | str, drafter_label: str) -> None:
         self.session, self.drafter, self.block_size = session, drafter, block_size
-        self.name = f"dflash-b{block_size}"
         trained = drafter.block_size
+        self.policy = None
+        if block_size == "auto":  # one policy for the whole run: its estimates carry over between prompts
+            self.policy = AdaptiveBlockSize(trained)
+            self.name = "dflash-auto"
+            self.note = (f"dflashkit decode loop, drafter {drafter_label}, block size chosen per step among "
+                         f"{self.policy.candidates}")
+            return
+        self.name = f"dflash-b{block_size}"
         beyond = f", beyond its trained block size {trained}" if block_size > trained else ""
         self.note = f"dflashkit decode loop, drafter {drafter_label}, block size {block_size}{beyond}"
 
     def generate(self, request: Request) -> Record:
+        if self.policy is not None:
+            return run_decode_loop(self.session, self.drafter, request, block_policy=self.policy)
         return run_decode_loop(self.session, self.drafter, request, self.block_size)
 
 
