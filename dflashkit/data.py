@@ -365,23 +365,28 @@ def prompt_from_record(record: Any) -> Prompt:
     return prompt
 
 
-def jsonl_prompts(path: str | os.PathLike) -> Iterator[Prompt]:
-    """Prompts of a local JSONL file, one record per line (see :func:`prompt_from_record`), in file order."""
+def jsonl_records(path: str | os.PathLike, what: str = "file") -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of each non-blank line of a local JSONL file; clear errors for bad lines."""
     path = pathlib.Path(path).expanduser()
     if not path.is_file():
-        raise InvalidInputError(f"prompt file {path} does not exist")
+        raise InvalidInputError(f"{what} {path} does not exist")
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise InvalidInputError(f"{path}, line {lineno}: invalid JSON ({e.msg})") from None
-            try:
-                yield prompt_from_record(record)
-            except ValueError as e:
-                raise InvalidInputError(f"{path}, line {lineno}: {e}") from None
+
+
+def jsonl_prompts(path: str | os.PathLike) -> Iterator[Prompt]:
+    """Prompts of a local JSONL file, one record per line (see :func:`prompt_from_record`), in file order."""
+    for lineno, record in jsonl_records(path, "prompt file"):
+        try:
+            yield prompt_from_record(record)
+        except ValueError as e:
+            raise InvalidInputError(f"{path}, line {lineno}: {e}") from None
 
 
 def hf_prompts(name: str, split: str = "train", field: str | None = None, *, config: str | None = None,

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..data import EVAL_SOURCES, DataError, _package_file
+from ..data import EVAL_SOURCES, DataError, _package_file, jsonl_records
 from ..errors import InvalidInputError
 from ..evalsets import HUMANEVAL_PREFIX, INSTALL, MATH_SUFFIX
 
@@ -97,22 +97,13 @@ def question_file(path: str | pathlib.Path, dataset: str | None = None) -> list[
     `dataset` names the set (default: the file's stem)."""
     path = pathlib.Path(path)
     dataset = dataset or path.stem
-    if not path.is_file():
-        raise InvalidInputError(f"question file {path} does not exist")
     questions = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InvalidInputError(f"{path}, line {lineno}: invalid JSON ({e.msg})") from None
-            turns = record.get("turns") if isinstance(record, dict) else None
-            if not _valid_turns(turns):
-                raise InvalidInputError(f"{path}, line {lineno}: expected 'turns': a non-empty list of strings")
-            qid = str(record.get("question_id", lineno))
-            questions.append(Question(dataset, qid, tuple(turns), record.get("category")))
+    for lineno, record in jsonl_records(path, "question file"):
+        turns = record.get("turns") if isinstance(record, dict) else None
+        if not _valid_turns(turns):
+            raise InvalidInputError(f"{path}, line {lineno}: expected 'turns': a non-empty list of strings")
+        qid = str(record.get("question_id", lineno))
+        questions.append(Question(dataset, qid, tuple(turns), record.get("category")))
     return questions
 
 
