@@ -5,8 +5,10 @@ target's cost grows with b (its GEMMs are not free at 16 rows), while the tokens
 long as drafts keep being accepted. With α_i = P(draft i accepted | drafts 1..i-1 accepted), a step with
 block b yields E[b] = 1 + Σ_{i<b} Π_{j≤i} α_j tokens. The policy keeps a running estimate of every α_i
 (counts with a Beta prior, decayed so that it follows the text being generated) and of the wall time of a
-step at each candidate size, and chooses argmax_b E[b] / time(b). Every size is tried once first, and the
-largest one is tried again every ``explore_every`` steps so that estimates for deep positions stay current.
+step at each candidate size, and chooses argmax_b E[b] / time(b). Size 1 is a plain autoregressive step (no
+drafting): when no block pays for its drafting and verification, the loop falls back to it. Every size is
+tried once first, and the largest one is tried again every ``explore_every`` steps so that estimates for deep
+positions stay current.
 
 Any block size is exact: this only changes speed, never the output.
 """
@@ -19,9 +21,10 @@ from collections.abc import Sequence
 class AdaptiveBlockSize:
     """Chooses the block size of each decode step among ``candidates`` (all <= the drafter's block size)."""
 
-    def __init__(self, max_block: int, candidates: Sequence[int] = (2, 4, 8, 16), *, prior: tuple[float, float] = (1.0, 1.0),
-                 decay: float = 0.995, time_smoothing: float = 0.2, explore_every: int = 16) -> None:
-        sizes = sorted({int(c) for c in candidates if 2 <= int(c) <= max_block} | {max_block})
+    def __init__(self, max_block: int, candidates: Sequence[int] = (1, 2, 4, 8, 16), *,
+                 prior: tuple[float, float] = (1.0, 1.0), decay: float = 0.995, time_smoothing: float = 0.2,
+                 explore_every: int = 16) -> None:
+        sizes = sorted({int(c) for c in candidates if 1 <= int(c) <= max_block} | {max_block})
         if max_block < 2:
             raise ValueError(f"adaptive block size needs a drafter block size >= 2, got {max_block}")
         self.candidates = sizes

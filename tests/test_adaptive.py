@@ -35,22 +35,28 @@ def _run(policy, costs, accept, steps=200):
 
 
 def test_low_acceptance_and_costly_big_blocks_choose_a_small_block():
-    costs = {2: 0.010, 4: 0.012, 8: 0.016, 16: 0.030}
+    costs = {1: 0.010, 2: 0.010, 4: 0.012, 8: 0.016, 16: 0.030}
     chosen = _run(AdaptiveBlockSize(16), costs, accept=1)
     late = chosen[-64:]
     assert max(set(late), key=late.count) in (2, 4)
     assert 16 in late  # still explored now and then
 
 
+def test_drafting_that_does_not_pay_falls_back_to_plain_steps():
+    costs = {1: 0.010, 2: 0.016, 4: 0.018, 8: 0.020, 16: 0.030}
+    late = _run(AdaptiveBlockSize(16), costs, accept=0)[-64:]
+    assert late.count(1) >= 56 and 16 in late  # plain steps, exploring now and then
+
+
 def test_high_acceptance_chooses_the_largest_block():
-    costs = {2: 0.010, 4: 0.011, 8: 0.012, 16: 0.014}
+    costs = {1: 0.010, 2: 0.010, 4: 0.011, 8: 0.012, 16: 0.014}
     late = _run(AdaptiveBlockSize(16), costs, accept=15)[-64:]
     assert late.count(16) == len(late)
 
 
 def test_candidates_stay_within_the_drafter_block():
-    assert AdaptiveBlockSize(8).candidates == [2, 4, 8]
-    assert AdaptiveBlockSize(6).candidates == [2, 4, 6]
+    assert AdaptiveBlockSize(8).candidates == [1, 2, 4, 8]
+    assert AdaptiveBlockSize(6, candidates=(2, 4)).candidates == [2, 4, 6]
     with pytest.raises(ValueError):
         AdaptiveBlockSize(1)
 
@@ -67,8 +73,8 @@ def test_decoding_with_the_policy_is_exact(arch):
     for _ in range(2):  # the policy carries over between requests
         spec = [t for s in decode(target, drafter, [5, 9, 11, 3], options, stats, block_policy=policy) for t in s.tokens]
         assert spec == plain
-    assert set(policy.step_seconds) == {2, 4, 8}  # every candidate was tried and timed
-    assert {d + 1 for d in stats.drafted_lengths} >= {2, 4, 8}
+    assert set(policy.step_seconds) == {1, 2, 4, 8}  # every candidate was tried and timed
+    assert {d + 1 for d in stats.drafted_lengths} >= {1, 2, 4, 8}
 
 
 def test_policy_larger_than_the_block_is_refused():
