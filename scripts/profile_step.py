@@ -1,0 +1,93 @@
+"""Where the time of one decode step goes: phases of the loop, then operator classes from torch.profiler.
+
+    .venv/bin/python scripts/profile_step.py --drafter PATH [--block-size 16] [--threads 2] [--tokens 96]
+
+Decodes one prompt autoregressively and speculatively (after a warm-up), prints per-step milliseconds of
+each phase (draft, verify, other = acceptance, cache bookkeeping and Python), then profiles a few steps of
+each and groups CPU self time by operator class (GEMM, attention, elementwise/norms, copies/cache, rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from dflashkit.decode import DecodeOptions, decode
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.stats import DecodeStats
+
+PROMPT = "Write a short story about a robot who learns to paint."
+CLASSES = {
+    "GEMM (linear layers, LM head)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "attention (SDPA)": ("scaled_dot_product", "flash_attention"),
+    "copies, cat, cache": ("aten::copy_", "aten::cat", "aten::index", "aten::clone", "aten::contiguous",
+                           "aten::_to_copy", "aten::narrow", "aten::slice"),
+    "elementwise, norms, RoPE, softmax": ("aten::mul", "aten::add", "aten::pow", "aten::rsqrt", "aten::mean",
+                                          "aten::silu", "aten::neg", "aten::softmax", "aten::_softmax", "aten::sub",
+                                          "aten::div", "aten::cos", "aten::sin", "aten::argmax", "aten::exp"),
+}
+
+
+def classify(name: str) -> str:
+    for label, keys in CLASSES.items():
+        if any(k in name for k in keys):
+            return label
+    return "other ops"
+
+
+def run(gen: SpeculativeGenerator, use_drafter: bool, block: int | None, tokens: int) -> DecodeStats:
+    ids = gen.encode_prompt(PROMPT)
+    stats = DecodeStats(1)
+    options = DecodeOptions(max_new_tokens=tokens, block_size=block if use_drafter else None,
+                            stop_token_ids=frozenset())
+    gen.target.set_feature_layers(gen.drafter.config.target_layer_ids if use_drafter else ())
+    for _ in decode(gen.target, gen.drafter if use_drafter else None, ids, options, stats):
+        pass
+    return stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=96)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = SpeculativeGenerator.load(drafter=args.drafter)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16")
+    for use in (False, True, False, True):  # warm-up, then measured
+        run(gen, use, args.block_size, 16)
+    for use, label in ((False, "autoregressive"), (True, "speculative")):
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            s = run(gen, use, args.block_size, args.tokens)
+            times.append((time.perf_counter() - t, s))
+        wall, s = sorted(times, key=lambda x: x[0])[1]  # the median run
+        steps = max(1, s.steps)
+        print(f"\n{label}: {s.new_tokens} tokens, {steps} steps, τ {s.tau:.2f}, {s.new_tokens / wall:.1f} tok/s "
+              f"(prefill included); per step: draft {1e3 * s.draft_s / steps:.2f} ms, verify "
+              f"{1e3 * s.verify_s / steps:.2f} ms, other {1e3 * s.other_s / steps:.2f} ms, "
+              f"total {1e3 * s.decode_s / steps:.2f} ms")
+        with torch.profiler.profile() as prof:
+            s = run(gen, use, args.block_size, args.tokens)
+        per_class: dict[str, float] = defaultdict(float)
+        for e in prof.key_averages():
+            per_class[classify(e.key)] += e.self_cpu_time_total / 1e3
+        total = sum(per_class.values())
+        steps = max(1, s.steps)
+        print(f"  operator self time per step (profiled run: {total / steps:.2f} ms of operators in "
+              f"{1e3 * s.decode_s / steps:.2f} ms per step):")
+        for label_, ms in sorted(per_class.items(), key=lambda x: -x[1]):
+            print(f"    {label_:38s} {ms / steps:7.2f} ms  {100 * ms / total:5.1f}%")
+    print(f"\nmedian of 3 runs each; prompt: {PROMPT!r}. Operator time below the step's wall time is Python and "
+          "framework overhead (the profiler adds some).")
+
+
+if __name__ == "__main__":
+    main()
