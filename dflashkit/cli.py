@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-seq-len", type=int, default=768)
     t.add_argument("--draft-vocab", type=int, default=8192, help="loss vocabulary: most frequent N tokens (0 = all)")
     t.add_argument("--random-init", action="store_true", help="do not initialise from the target's last layers")
+    t.add_argument("--init", default=None, metavar="DRAFTER",
+                   help="start from this drafter's weights (e.g. to continue on more data; same shape)")
     t.add_argument("--eval-every", type=int, default=250, help="steps between τ estimates on held-out prompts (0 = never)")
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
@@ -221,7 +223,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         data_dir=str(data_dir), out_dir=str(out), target=args.target, num_layers=args.layers,
         block_size=args.block_size, gamma=args.gamma, target_layer_ids=layer_ids, mask_token_id=args.mask_token_id,
-        init_from_target=not args.random_init, anchors_per_seq=args.anchors, seqs_per_step=args.seqs_per_step,
+        init_from_target=not args.random_init, init_drafter=args.init, anchors_per_seq=args.anchors, seqs_per_step=args.seqs_per_step,
         grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup,
         max_seq_len=args.max_seq_len, draft_vocab_size=args.draft_vocab or None, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,

@@ -29,7 +29,7 @@ from .drafter import BlockMask, DFlashDrafter
 from .errors import InvalidInputError
 from .features import FeatureStore
 from .fsutil import atomic_dir
-from .identity import drafter_config_for, target_identity
+from .identity import check_compatible, drafter_config_for, target_identity
 from .target import TargetAdapter
 
 # ---- the method's pieces (pure functions, tested element-wise) ----------------------------------------------
@@ -184,6 +184,7 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None  # None: learned mask vector
     init_from_target: bool = True
+    init_drafter: str | None = None  # start from this drafter's weights (same shape; its draft vocabulary is kept)
     anchors_per_seq: int = 32
     seqs_per_step: int = 8
     grad_accum: int = 1
@@ -250,15 +251,20 @@ class Trainer:
         n_eval = min(cfg.eval_prompts, max(0, len(seqs) // 10))
         self.eval_seqs, self.train_seqs = seqs[:n_eval], seqs[n_eval:]
         torch.manual_seed(cfg.seed)
-        self.vocab = (
-            draft_vocabulary(self.train_seqs, cfg.draft_vocab_size).to(cfg.device) if cfg.draft_vocab_size else None
-        )
+        start = self._initial_drafter(model) if cfg.init_drafter else None
+        if start is not None:
+            self.vocab = torch.tensor(start.config.draft_vocab) if start.config.draft_vocab is not None else None
+        else:
+            self.vocab = draft_vocabulary(self.train_seqs, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
+        self.vocab = self.vocab.to(cfg.device) if self.vocab is not None else None
         dcfg = drafter_config_for(
             model, num_layers=cfg.num_layers, block_size=cfg.block_size,
             target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
         ).replace(draft_vocab=self.vocab.tolist() if self.vocab is not None else None)  # fmt: skip
         self.drafter = DFlashDrafter(dcfg).to(cfg.device)  # fp32 master weights; bf16 autocast
-        if cfg.init_from_target:
+        if start is not None:
+            self.drafter.load_state_dict(start.state_dict())
+        elif cfg.init_from_target:
             init_from_target(self.drafter, model)
         self.target = TargetAdapter(model, dcfg.target_layer_ids)
         if self.vocab is not None:  # target token id -> row of the draft vocabulary (-1: not in it)
@@ -279,6 +285,23 @@ class Trainer:
         self.step = 0
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def _initial_drafter(self, model) -> DFlashDrafter:
+        """The drafter named by cfg.init_drafter, checked against the target and this run's shape."""
+        cfg = self.cfg
+        start = load_drafter(cfg.init_drafter, dtype=torch.float32, device=cfg.device)
+        check_compatible(start.config, model)
+        want = drafter_config_for(model, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                                  target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id)
+        got = start.config
+        problems = [f"{name} {getattr(got, name)!r} (this run: {getattr(want, name)!r})"
+                    for name in ("num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
+                                 "learned_mask_embedding")
+                    if getattr(got, name) != getattr(want, name)]
+        if problems:
+            raise InvalidInputError(f"--init {cfg.init_drafter}: not the shape of this run: " + "; ".join(problems)
+                                    + ". Pass the matching --layers/--block-size/--target-layers/--mask-token-id.")
+        return start
 
     # ---- one step -------------------------------------------------------------------------------------
 

@@ -258,3 +258,26 @@ def test_load_sequences_from_several_folders(tmp_path):
     assert load_sequences(f"{tmp_path / 'a'},{tmp_path / 'b'},{tmp_path / 'a'}", 64) == a + b  # repeats used once
     with pytest.raises(data.DataError):
         load_sequences(f"{tmp_path / 'a'},{tmp_path / 'missing'}", 64)
+
+
+def test_init_from_a_trained_drafter_keeps_weights_and_draft_vocabulary(tmp_path):
+    from conftest import tiny_target
+
+    from dflashkit.checkpoint import load_drafter, save_drafter
+    from dflashkit.errors import IncompatibleDrafterError, InvalidInputError
+
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
+    first = make_trainer(tmp_path / "a", model, [*seqs], steps=3, draft_vocab_size=40)
+    first.run(resume=False, progress=False)
+    save_drafter(first.drafter, tmp_path / "d")
+    more = tiny_corpus(model, 8, seed=9, new_tokens=12)  # other data: its own top-40 would differ
+    second = make_trainer(tmp_path / "b", model, [*more], init_drafter=str(tmp_path / "d"), draft_vocab_size=40)
+    assert second.drafter.config.draft_vocab == first.drafter.config.draft_vocab
+    saved = load_drafter(tmp_path / "d", dtype=torch.float32)
+    for (name, p), q in zip(saved.state_dict().items(), second.drafter.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    with pytest.raises(InvalidInputError, match="num_hidden_layers"):
+        make_trainer(tmp_path / "c", model, [*more], init_drafter=str(tmp_path / "d"), num_layers=3)
+    with pytest.raises(IncompatibleDrafterError):
+        make_trainer(tmp_path / "e", tiny_target("llama", seed=7), [*more], init_drafter=str(tmp_path / "d"))
