@@ -28,7 +28,7 @@ from .checkpoint import load_drafter, save_drafter, write_drafter_files
 from .drafter import BlockMask, DFlashDrafter
 from .errors import InvalidInputError
 from .features import FeatureStore
-from .fsutil import atomic_dir
+from .fsutil import atomic_dir, atomic_write
 from .identity import check_compatible, drafter_config_for, target_identity
 from .target import TargetAdapter
 
@@ -113,6 +113,7 @@ def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tens
 class TrainingSequence:
     input_ids: list[int]
     num_prompt: int  # tokens before the response
+    source: int = 0  # index of the data folder it came from
 
 
 def data_folders(data_dir: str | os.PathLike) -> list[Path]:
@@ -126,7 +127,7 @@ def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSe
     from .data import load_shards
 
     seqs, seen = [], set()
-    for folder in data_folders(data_dir):
+    for source, folder in enumerate(data_folders(data_dir)):
         for rec in load_shards(folder):
             key = tuple(rec["prompt_ids"])
             if key in seen:
@@ -134,7 +135,7 @@ def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSe
             seen.add(key)
             ids = (rec["prompt_ids"] + rec["response_ids"])[:max_len]
             if len(ids) - len(rec["prompt_ids"]) >= 2:
-                seqs.append(TrainingSequence(ids, len(rec["prompt_ids"])))
+                seqs.append(TrainingSequence(ids, len(rec["prompt_ids"]), source))
     if not seqs:
         raise InvalidInputError(f"{data_dir}: no training sequences with at least 2 response tokens")
     return seqs
@@ -248,6 +249,8 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         self.ckpt = self.out / "checkpoint"
         seqs = sequences if sequences is not None else load_sequences(cfg.data_dir, cfg.max_seq_len)
+        if sequences is None:
+            self._record_data_used(seqs)
         n_eval = min(cfg.eval_prompts, max(0, len(seqs) // 10))
         self.eval_seqs, self.train_seqs = seqs[:n_eval], seqs[n_eval:]
         torch.manual_seed(cfg.seed)
@@ -285,6 +288,16 @@ class Trainer:
         self.step = 0
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def _record_data_used(self, seqs: list[TrainingSequence]) -> None:
+        """OUT/data_used.json: what each data folder contributed when this process started (for model cards)."""
+        used = []
+        for i, folder in enumerate(data_folders(self.cfg.data_dir)):
+            mine = [s for s in seqs if s.source == i]
+            used.append({"folder": str(folder), "sequences": len(mine),
+                         "response_tokens": sum(len(s.input_ids) - s.num_prompt for s in mine)})
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.out / "data_used.json", lambda f: json.dump(used, f, indent=1))
 
     def _initial_drafter(self, model) -> DFlashDrafter:
         """The drafter named by cfg.init_drafter, checked against the target and this run's shape."""

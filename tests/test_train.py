@@ -252,10 +252,15 @@ def test_load_sequences_from_several_folders(tmp_path):
     for name, seed in (("a", 1), ("b", 2)):
         data.regenerate(model, tok, word_prompts(4, seed=seed), tmp_path / name, batch_size=4, max_new_tokens=6,
                         progress=False)
+    def plain(seqs):
+        return [(s.input_ids, s.num_prompt) for s in seqs]
+
     a, b = load_sequences(tmp_path / "a", 64), load_sequences(tmp_path / "b", 64)
     both = load_sequences(f"{tmp_path / 'a'},{tmp_path / 'b'}", 64)
-    assert a and b and both == a + b
-    assert load_sequences(f"{tmp_path / 'a'},{tmp_path / 'b'},{tmp_path / 'a'}", 64) == a + b  # repeats used once
+    assert a and b and plain(both) == plain(a) + plain(b)
+    assert [s.source for s in both] == [0] * len(a) + [1] * len(b)
+    again = load_sequences(f"{tmp_path / 'a'},{tmp_path / 'b'},{tmp_path / 'a'}", 64)
+    assert plain(again) == plain(a) + plain(b)  # repeats used once
     with pytest.raises(data.DataError):
         load_sequences(f"{tmp_path / 'a'},{tmp_path / 'missing'}", 64)
 
@@ -281,3 +286,23 @@ def test_init_from_a_trained_drafter_keeps_weights_and_draft_vocabulary(tmp_path
         make_trainer(tmp_path / "c", model, [*more], init_drafter=str(tmp_path / "d"), num_layers=3)
     with pytest.raises(IncompatibleDrafterError):
         make_trainer(tmp_path / "e", tiny_target("llama", seed=7), [*more], init_drafter=str(tmp_path / "d"))
+
+
+def test_trainer_records_the_data_it_used(tmp_path):
+    import json
+
+    from dflashkit import data
+    from dflashkit.train import TrainConfig, Trainer
+    from test_data import make_model, make_tokenizer, word_prompts
+
+    model, tok = make_model(), make_tokenizer()
+    for name, n in (("a", 5), ("b", 3)):
+        data.regenerate(model, tok, word_prompts(n, seed=n), tmp_path / name, batch_size=8, max_new_tokens=6,
+                        progress=False)
+    cfg = TrainConfig(data_dir=f"{tmp_path / 'a'},{tmp_path / 'b'}", out_dir=str(tmp_path / "run"), num_layers=1,
+                      block_size=4, draft_vocab_size=None, max_seq_len=64)
+    trainer = Trainer(cfg, model, tok, log=lambda *_: None)
+    used = json.loads((tmp_path / "run" / "data_used.json").read_text())
+    assert [u["folder"] for u in used] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert sum(u["sequences"] for u in used) == len(trainer.eval_seqs) + len(trainer.train_seqs)
+    assert all(u["sequences"] > 0 and u["response_tokens"] >= 2 * u["sequences"] for u in used)

@@ -1,0 +1,134 @@
+"""Package a trained drafter for shipping: copy its files and write a model card from recorded facts only.
+
+    .venv/bin/python scripts/model_card.py --run ~/.cache/dflashkit/runs/RUN --bench BENCH/results.json \
+        --out dflashkit/drafters/smollm2-135m-instruct
+
+Everything in the card comes from files the commands wrote: the data folders' meta.json (how each was made,
+what it holds), the run's checkpoint (training settings) and train_log.jsonl (steps, wall time, held-out
+figures), and a `dflashkit bench` results.json (τ and speedups per data set, divergences, machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import torch
+
+MAX_BYTES = 40 * 1024 * 1024
+DRAFTER_FILES = ("config.json", "model.safetensors", "mask_embedding.pt")
+TRAIN_FLAGS = {  # TrainConfig field -> `dflashkit train` flag (fields at their CLI default are still shown)
+    "data_dir": "--data", "out_dir": "--out", "num_layers": "--layers", "block_size": "--block-size",
+    "gamma": "--gamma", "target_layer_ids": "--target-layers", "mask_token_id": "--mask-token-id",
+    "init_drafter": "--init", "anchors_per_seq": "--anchors", "seqs_per_step": "--seqs-per-step",
+    "grad_accum": "--grad-accum", "steps": "--steps", "lr": "--lr", "warmup_ratio": "--warmup",
+    "max_seq_len": "--max-seq-len", "draft_vocab_size": "--draft-vocab", "eval_every": "--eval-every",
+    "checkpoint_every": "--checkpoint-every", "seed": "--seed",
+}  # fmt: skip
+
+
+def data_command(folder: Path, meta: dict) -> str:
+    collection = meta.get("extra", {}).get("collection", {})
+    settings = meta["settings"]
+    args = ["dflashkit", "data", "--sources", collection.get("sources", "?"),
+            "--num-prompts", str(collection.get("num_prompts", meta.get("num_prompts"))),
+            "--max-new-tokens", str(settings["max_new_tokens"]), "--max-prompt-tokens", str(settings["max_prompt_tokens"]),
+            "--temperature", str(settings["temperature"]), "--seed", str(settings["seed"]), "--out", str(folder)]  # fmt: skip
+    return shlex.join(args)
+
+
+def train_command(config: dict) -> str:
+    args = ["dflashkit", "train"]
+    for field, flag in TRAIN_FLAGS.items():
+        value = config.get(field)
+        if value is None or (field == "init_drafter" and not value):
+            continue
+        args += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    if not config.get("init_from_target", True):
+        args.append("--random-init")
+    return shlex.join(args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", required=True, type=Path, help="training run folder (drafter/, checkpoint/, train_log.jsonl)")
+    ap.add_argument("--bench", required=True, type=Path, help="results.json of a `dflashkit bench` run of this drafter")
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args()
+    run = args.run.expanduser()
+
+    state = torch.load(run / "checkpoint" / "trainer_state.pt", map_location="cpu", weights_only=False)
+    config = state["config"]
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line]
+    bench = json.loads(args.bench.expanduser().read_text())
+    drafter_cfg = json.loads((run / "drafter" / "config.json").read_text())
+
+    size = sum((run / "drafter" / f).stat().st_size for f in DRAFTER_FILES if (run / "drafter" / f).exists())
+    if size > MAX_BYTES:
+        raise SystemExit(f"the drafter is {size / 2**20:.1f} MiB, over the 40 MiB limit for the repository")
+
+    lines = ["# DFlash drafter for SmolLM2-135M-Instruct", ""]
+    dflash = drafter_cfg["dflash_config"]
+    ours = drafter_cfg.get("dflashkit", {})
+    vocab = ours.get("draft_vocab")
+    lines += [
+        f"- Architecture: {drafter_cfg['num_hidden_layers']} Qwen3-style layers, hidden {drafter_cfg['hidden_size']}, "
+        f"block size {dflash['block_size']}, target feature layers {dflash['target_layer_ids']} (0-based), "
+        f"{'learned mask embedding' if ours.get('learned_mask_embedding') else 'mask token ' + str(dflash['mask_token_id'])}, "
+        f"draft vocabulary {len(vocab) if vocab else 'full'} tokens; files {size / 2**20:.1f} MiB (bf16).",
+        "",
+        "## Data",
+        "",
+    ]
+    used_file = run / "data_used.json"
+    used = {u["folder"]: u for u in json.loads(used_file.read_text())} if used_file.exists() else {}
+    for folder in str(config["data_dir"]).split(","):
+        folder = Path(folder).expanduser()
+        meta = json.loads((folder / "meta.json").read_text())
+        shards = meta.get("shards", {}).values()
+        gen_min = sum(s.get("seconds", 0) for s in shards) / 60
+        if str(folder) in used:
+            what = f"{used[str(folder)]['sequences']} answers, {used[str(folder)]['response_tokens']} response tokens used"
+        else:
+            what = f"(not recorded by this run; the folder now holds {sum(s['written'] for s in shards)} answers)"
+        lines += [f"- `{data_command(folder, meta)}`: {what}; the folder's generation time {gen_min:.0f} min "
+                  f"({len(shards)}/{meta['num_shards']} shards now)."]
+    last = log[-1]
+    evals = [r for r in log if "tau" in r]
+    lines += [
+        "",
+        "## Training",
+        "",
+        f"`{train_command(config)}` (threads as the machine allowed; resumable). {last['step']} steps, "
+        f"{last['elapsed_s'] / 60:.1f} min of wall time in the last (or only) process.",
+        "",
+        "| step | held-out τ (decode loop) | held-out top-1 by block position 1, 2, 3 | training top-1, 1, 2, 3 |",
+        "|---:|---:|---|---|",
+    ]
+    lines += [f"| {r['step']} | {r['tau']:.2f} | {', '.join(f'{a:.2f}' for a in r.get('heldout_acc', [])[:3])} | "
+              f"{', '.join(f'{a:.2f}' for a in r['acc'][:3])} |" for r in evals]
+    lines += ["", "## Evaluation", "", f"`{bench['command']}`", "",
+              f"Machine: {bench['machine'].get('cpu')}, {bench['machine'].get('cores')} cores, "
+              f"{bench['machine'].get('torch_threads')} torch threads; dflashkit commit "
+              f"{(bench.get('commit') or {}).get('sha', '?')[:10]}.", "",
+              "| data set | method | τ | speedup (TPOT) | speedup (tok/s) |", "|---|---|---:|---:|---:|"]
+    for row in bench["summary"]:
+        if row.get("temperature", 0) == 0 and row["method"] != bench["baseline"]:
+            lines.append(f"| {row['dataset']} | {row['method']} | {row['tau']:.2f} | "
+                         f"{row['speedup_tpot']:.2f}x | {row['speedup_tokens_per_s']:.2f}x |")
+    lines += ["", f"Greedy divergences from plain decoding: {len(bench['divergences'])}, of which not a bf16 tie: "
+              f"{bench['non_tie_divergences_in_dflashkit']}.", ""]
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for f in DRAFTER_FILES:
+        if (run / "drafter" / f).exists():
+            shutil.copy2(run / "drafter" / f, args.out / f)
+    (args.out / "README.md").write_text("\n".join(lines))
+    print(f"wrote {args.out} ({size / 2**20:.1f} MiB of drafter files + README.md)")
+
+
+if __name__ == "__main__":
+    main()
