@@ -400,3 +400,16 @@ def test_metrics_are_prometheus_text_and_add_up() -> None:
     latency = {s.name: s.value for s in families["dflashkit_request_latency_seconds"].samples if not s.labels.get("le")}
     assert latency["dflashkit_request_latency_seconds_count"] == 2 and latency["dflashkit_request_latency_seconds_sum"] > 0
     assert total("dflashkit_generations") == 2
+
+
+def test_adaptive_block_size_server_gives_the_plain_greedy_output(offline):
+    """`dflashkit serve --block-size auto`: outputs stay those of plain decoding; /health says it is adaptive."""
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, block_size="auto")) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+        got = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=0)
+        health = httpx.get(live.url + "/health").json()
+    plain = offline.generate("w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False)
+    assert got.choices[0].text == plain.text
+    assert health["adaptive_block_size"] is True and health["block_size"] == "auto"
+    with pytest.raises(Exception, match="block_size"):
+        create_app(tiny_generator(), block_size="big")

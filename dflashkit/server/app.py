@@ -43,7 +43,7 @@ class ServerSettings:
     max_queue: int = 16  # requests that may wait while one runs; more are answered 429
     timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     default_max_tokens: int = 256  # when a request gives none (capped by the context)
-    block_size: int | None = None  # verify block size (None: the drafter's)
+    block_size: int | str | None = None  # verify block size (None: the drafter's; "auto": adaptive)
     proposal: str = "argmax"  # how drafts are proposed when sampling ("argmax" or "sample"; both exact)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -56,8 +56,9 @@ class ServerSettings:
             raise InvalidInputError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
-        if self.block_size is not None and self.block_size < 2:
-            raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {self.block_size}")
+        if self.block_size is not None and self.block_size != "auto" and (
+                not isinstance(self.block_size, int) or self.block_size < 2):
+            raise InvalidInputError(f"block_size must be an integer >= 2 or 'auto', got {self.block_size!r}")
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Service:
             "model": self.settings.model_id,
             "speculative": drafter is not None,
             "block_size": (self.settings.block_size or drafter.block_size) if drafter is not None else 1,
+            "adaptive_block_size": drafter is not None and self.settings.block_size == "auto",
             "context_length": self.generator.target.max_positions,
             "queued": self.scheduler.queued,
             "running": self.scheduler.running,
