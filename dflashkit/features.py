@@ -45,7 +45,6 @@ class FeatureStore:
         self.keys = [sequence_key(s) for s in sequences]
         lengths = np.array([len(s) for s in sequences], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
-        self.lengths = lengths
         self.signature = {"format": FORMAT, "width": self.width, "dtype": str(dtype), **signature}
         self.filled = np.zeros(len(self.keys), dtype=bool)
         meta_path, data_path = self.folder / "meta.json", self.folder / "features.bin"

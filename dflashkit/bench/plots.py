@@ -54,7 +54,7 @@ def plot_speedup(data: dict[str, Any], path: pathlib.Path) -> None:
             for d in datasets:
                 s = next((s for s in data["summary"] if (s["temperature"], s["dataset"], s["method"]) == (t, d, m)), None)
                 values.append(s["speedup_tpot"] if s and s["speedup_tpot"] is not None else float("nan"))
-            xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(datasets))]
+            xs = _grouped(range(len(datasets)), j, len(methods), width)
             bars = ax.bar(xs, values, width, label=m)
             ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.2f}" for v in values], fontsize=7, padding=1)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
@@ -63,9 +63,7 @@ def plot_speedup(data: dict[str, Any], path: pathlib.Path) -> None:
         ax.set_title(_temp_label(t))
         ax.legend(fontsize=7)
     fig.suptitle("Speedup by data set and method")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_histograms(data: dict[str, Any], path: pathlib.Path) -> None:
@@ -86,15 +84,13 @@ def plot_histograms(data: dict[str, Any], path: pathlib.Path) -> None:
             for k, s in enumerate(here):
                 hist = s["accepted_histogram"]
                 total = sum(hist) or 1
-                xs = [a + (k - (len(here) - 1) / 2) * width for a in range(len(hist))]
+                xs = _grouped(range(len(hist)), k, len(here), width)
                 ax.bar(xs, [h / total for h in hist], width, label=f"{s['dataset']} (τ {s['tau']:.2f})")
             ax.set_title(f"{m}, {_temp_label(t)}", fontsize=9)
             ax.set_xlabel("accepted drafts per step")
             ax.set_ylabel("fraction of steps")
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_acceptance(data: dict[str, Any], path: pathlib.Path) -> None:
@@ -125,9 +121,7 @@ def plot_acceptance(data: dict[str, Any], path: pathlib.Path) -> None:
         ax.set_ylabel("α_k = P(k accepted | 1..k-1 accepted)")
         ax.set_title(_temp_label(t))
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def write_plots(data: dict[str, Any], out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -138,3 +132,14 @@ def write_plots(data: dict[str, Any], out_dir: pathlib.Path) -> list[pathlib.Pat
     plot_histograms(data, paths[1])
     plot_acceptance(data, paths[2])
     return paths
+
+
+def _grouped(positions: range, member: int, members: int, width: float) -> list[float]:
+    """x positions of bar `member` of `members` side-by-side bars of `width` around each position."""
+    return [x + (member - (members - 1) / 2) * width for x in positions]
+
+
+def _save(plt: Any, fig: Any, path: pathlib.Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
