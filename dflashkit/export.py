@@ -336,6 +336,23 @@ def gguf_rows(tensor: Any, rows: list[int]) -> Any:
     return data.reshape(-1, int(tensor.shape[0]))[rows].astype(np.float32)
 
 
+def export_target_gguf(
+    target: str | None, out_file: str | os.PathLike, *, llama_cpp: str | os.PathLike | None = None,
+    python: str | None = None,
+) -> Path:
+    """The target itself as a bf16 GGUF (llama.cpp's converter on its cached safetensors), written atomically."""
+    root = find_llama_cpp(llama_cpp)
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_file.with_name(f".{out_file.name}.partial")
+    try:
+        run_converter(root, [str(target_folder(target)), "--outtype", "bf16", "--outfile", str(partial)], python)
+        os.replace(partial, out_file)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out_file
+
+
 def export_gguf(
     drafter_path: str | os.PathLike,
     out: str | os.PathLike,
@@ -367,15 +384,7 @@ def export_gguf(
         os.replace(partial, result)
     finally:
         partial.unlink(missing_ok=True)
-    target_file = None
-    if target_gguf:
-        target_file = out / TARGET_GGUF
-        partial = out / f".{TARGET_GGUF}.partial"
-        try:
-            run_converter(root, [str(target_dir), "--outtype", "bf16", "--outfile", str(partial)], python)
-            os.replace(partial, target_file)
-        finally:
-            partial.unlink(missing_ok=True)
+    target_file = export_target_gguf(target, out / TARGET_GGUF, llama_cpp=root, python=python) if target_gguf else None
     server = root / "build" / "bin" / "llama-server"
     command = gguf_command(
         server.resolve() if server.is_file() else "llama-server",

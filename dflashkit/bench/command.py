@@ -6,6 +6,7 @@ import argparse
 import datetime as _dt
 import importlib.util
 import pathlib
+import re
 import shlex
 import sys
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 
 from ..errors import InvalidInputError
 
-METHODS = ("ar", "dflash", "hf", "hf-pld", "hf-assisted", "llama.cpp")
+METHODS = ("ar", "dflash", "hf", "hf-pld", "hf-assisted", "llama.cpp", "llama-server")
 DEFAULTS = {"datasets": "mt-bench,humaneval,math500", "limit": 10, "max_new_tokens": 256, "max_turns": None,
             "temperatures": "0,1", "block_sizes": "4,8,16,auto"}  # fmt: skip
 # --quick: about 5 minutes on a 2-core CPU with the default target (first turns, 2 questions per set)
@@ -33,7 +34,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         help="benchmark DFlash against autoregressive decoding and the alternatives (τ, speed, losslessness)",
         description="Run every method on every prompt, interleaved per prompt after a warm-up: autoregressive "
         "decoding in dflashkit's loop (the baseline), DFlash at several block sizes, transformers' generate "
-        "(plain, prompt lookup, assisted), llama.cpp. Writes results.json, summary.md and PNG plots. Exits 1 "
+        "(plain, prompt lookup, assisted), llama.cpp (llama-cpp-python, and llama-server: plain bf16 and Q4_1 GGUFs, "
+        "and its own DFlash with the drafter exported to GGUF). Writes results.json, summary.md and PNG plots. Exits 1 "
         "if a dflashkit method's greedy output parts from the baseline's other than at a bf16 tie.",
     )
     b.add_argument("--datasets", default=None, help="comma-separated: mt-bench, humaneval, math500, jsonl:PATH "
@@ -54,6 +56,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--assistant", default="auto", help="draft model for transformers' assisted generation: a folder, "
                    "hub id, qwen2.5-coder-0.5b, 'none', or 'auto' (the known sibling of the target)")  # fmt: skip
     b.add_argument("--gguf", default=None, help="GGUF for the llama.cpp peer (default: the target's, when known)")
+    b.add_argument("--llama-server", default=None, help="llama-server binary for the llama-server peers (default: "
+                   "$DFLASHKIT_LLAMA_SERVER, else the one `scripts/get_llama_cpp.sh --build` builds, else on PATH)")
     b.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
     b.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     b.add_argument("--device", default="cpu")
@@ -158,7 +162,7 @@ def resolve_assistant(choice: str, target_label: str, dtype: torch.dtype, device
 
 
 def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespace, target_label: str,
-                  threads: int) -> tuple[list[Any], str]:  # fmt: skip
+                  threads: int, log_dir: pathlib.Path | None = None) -> tuple[list[Any], str]:  # fmt: skip
     """The methods asked for (unavailable ones as placeholders that the runner lists as skipped)."""
     from .assets import target_gguf
     from .methods import KERNELS, Autoregressive, DFlash, Unavailable
@@ -167,8 +171,10 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
     wanted = settings["methods"]
     methods: list[Any] = [Autoregressive(session)]
     drafter_label = "none"
-    if "dflash" in wanted:
+    drafter, label, why = None, None, "not asked for"
+    if "dflash" in wanted or "llama-server" in wanted:
         drafter, label, why = resolve_drafter(args.drafter, args.target, session.model)
+    if "dflash" in wanted:
         if drafter is None:
             methods += [Unavailable(f"dflash-b{b}", "dflashkit", why, note=f"dflashkit decode loop, block size {b}")
                         for b in settings["block_sizes"]]  # fmt: skip
@@ -192,7 +198,43 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
         else:
             gguf, why = (pathlib.Path(args.gguf), "") if args.gguf else target_gguf(args.target)
             methods.append(LlamaCpp(gguf, threads=threads, vocab_size=session.adapter.vocab_size, missing_gguf=why))
+    if "llama-server" in wanted:
+        block = drafter.block_size if drafter is not None else 16
+        methods += llama_server_methods(args, label if drafter is not None else None, why, block, threads, log_dir)
     return methods, drafter_label
+
+
+def llama_server_methods(args: argparse.Namespace, drafter: str | None, no_drafter: str, block_size: int,
+                         threads: int, log_dir: pathlib.Path | None) -> list[Any]:  # fmt: skip
+    """llama-server on the target's bf16 GGUF and on its packaged quantized GGUF (plain decoding), and llama.cpp's
+    DFlash on the bf16 GGUF with the drafter exported to GGUF (all converted once by llama.cpp's converter)."""
+    from ..llama_server import LlamaServerError, find_llama_server
+    from .assets import drafter_gguf, target_bf16_gguf, target_gguf
+    from .methods import KERNELS, OTHER_WEIGHTS
+    from .peers import LlamaServerPeer
+
+    names = ("llama-server-bf16", "llama-server-q", f"llama-server-dflash-b{block_size}")
+    try:
+        binary = find_llama_server(args.llama_server)
+        missing = "" if binary else ("no llama-server binary: build one with `bash scripts/get_llama_cpp.sh --build`, "
+                                     "or pass --llama-server PATH")  # fmt: skip
+    except LlamaServerError as e:
+        binary, missing = None, str(e)
+    if missing:
+        return [LlamaServerPeer(n, None, None, threads=threads, comparable=KERNELS, missing=missing) for n in names]
+    bf16, why_bf16 = target_bf16_gguf(args.target)
+    quant, why_quant = (pathlib.Path(args.gguf), "") if args.gguf else target_gguf(args.target)
+    names = (names[0], f"llama-server-{re.split(r'[-.]', quant.stem)[-1].lower()}" if quant else names[1], names[2])
+    draft, why_draft = drafter_gguf(drafter, args.target) if drafter else (None, no_drafter)
+    if bf16 is None and not why_draft:
+        why_draft = why_bf16
+    common = {"threads": threads, "log_dir": log_dir}
+    return [
+        LlamaServerPeer(names[0], binary, bf16, comparable=KERNELS, missing=why_bf16, **common),
+        LlamaServerPeer(names[1], binary, quant, comparable=OTHER_WEIGHTS, missing=why_quant, **common),
+        LlamaServerPeer(names[2], binary, bf16, drafter_gguf=draft, block_size=block_size, comparable=KERNELS,
+                        missing=why_draft, **common),
+    ]  # fmt: skip
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -220,17 +262,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"Loading {target_label} ({args.dtype})...", file=sys.stderr)
     model, tokenizer = load_target(source, dtype=dtype, device=args.device)
     session = TargetSession(model, tokenizer)
-    methods, drafter_label = build_methods(session, settings, args, target_label, threads)
-    result = run_bench(session, methods, config)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / f"bench-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    methods, drafter_label = build_methods(session, settings, args, target_label, threads, log_dir=out)
+    try:
+        result = run_bench(session, methods, config)
+    finally:
+        for m in methods:  # servers and peers' models go, even when the run fails
+            m.close()
     result.extra["settings"] = {"target": target_label, "drafter": drafter_label, "dtype": args.dtype,
                                 "device": args.device, "threads": threads, "quick": args.quick,
                                 "methods": settings["methods"], "block_sizes": settings["block_sizes"]}  # fmt: skip
     argv = getattr(args, "argv", None)
     result.extra["command"] = "dflashkit " + " ".join(shlex.quote(a) for a in argv) if argv else None
-    for m in methods:
-        m.close()
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / f"bench-{stamp}"
     data = as_json(result)
     paths = write_outputs(data, out, args.json)
     for t in config.temperatures:

@@ -5,7 +5,7 @@ tokens and when they came). Every method is timed the same way, from the call wi
 and to the last new token, so TTFT and TPOT compare across methods. The autoregressive baseline is the
 same decode loop as DFlash with no drafter (block size 1): the speedup convention of the DFlash paper.
 
-Peers (transformers' ``generate``, llama.cpp, later a llama-server over HTTP) are further
+Peers (transformers' ``generate``, llama-cpp-python, llama-server over HTTP) are further
 :class:`Method` subclasses in :mod:`dflashkit.bench.peers`.
 """
 
@@ -60,6 +60,8 @@ class Record:
     total_s: float  # to the last new token
     accepted_lengths: list[int] | None = None  # per verification step: accepted drafts (speculative methods)
     drafted_lengths: list[int] | None = None  # per verification step: drafts proposed (when known)
+    steps_total: int | None = None  # engines reporting only totals: verification passes ...
+    accepted_total: int | None = None  # ... and drafts accepted over the whole generation
     block_size: int | None = None
     phases_s: dict[str, float] = field(default_factory=dict)  # e.g. draft / verify time (dflashkit methods)
 

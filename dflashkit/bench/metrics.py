@@ -39,6 +39,9 @@ class RunRow:
     total_s: float
     accepted_lengths: list[int] | None = None
     drafted_lengths: list[int] | None = None
+    # engines that report only totals (llama-server): verification passes and accepted drafts in all
+    steps_total: int | None = None
+    accepted_total: int | None = None
     block_size: int | None = None
     phases_s: dict[str, float] = field(default_factory=dict)
     identical: bool | None = None  # greedy: same tokens as the baseline (None: not compared)
@@ -128,8 +131,12 @@ def _median(values: Iterable[float]) -> float | None:
 def summarize(rows: Sequence[RunRow], baseline: Sequence[RunRow]) -> dict[str, Any]:
     """Figures of one method on one data set at one temperature, against the baseline's rows there."""
     steps = [a for r in rows if r.accepted_lengths is not None for a in r.accepted_lengths]
+    totals = [r for r in rows if r.accepted_lengths is None and r.steps_total is not None]
+    n_steps = len(steps) + sum(r.steps_total or 0 for r in totals)
+    n_accepted = sum(steps) + sum(r.accepted_total or 0 for r in totals)
     block = max((r.block_size or 1 for r in rows), default=1)
-    speculative = any(r.accepted_lengths is not None and (r.block_size or 2) > 1 for r in rows)
+    speculative = any((r.accepted_lengths is not None or r.steps_total is not None) and (r.block_size or 2) > 1
+                      for r in rows)  # fmt: skip
     with_drafts = [r for r in rows if r.accepted_lengths is not None and r.drafted_lengths is not None]
     acc = [a for r in with_drafts for a in r.accepted_lengths]
     drafted = [d for r in with_drafts for d in r.drafted_lengths]
@@ -142,8 +149,8 @@ def summarize(rows: Sequence[RunRow], baseline: Sequence[RunRow]) -> dict[str, A
         "generations": len(rows),
         "questions": len(tps),
         "new_tokens": sum(r.new_tokens for r in rows),
-        "tau": (tau(steps) if steps else None) if speculative else 1.0,
-        "steps": len(steps),
+        "tau": (1.0 + n_accepted / n_steps if n_steps else None) if speculative else 1.0,
+        "steps": n_steps,
         "block_size": block if speculative else 1,
         "acceptance_per_position": acceptance_per_position(acc, drafted, block) if acc and block > 1 else None,
         "accepted_histogram": accepted_histogram(steps, block) if steps and speculative else None,

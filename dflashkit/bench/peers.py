@@ -1,8 +1,8 @@
 """The alternatives a user would pick, as benchmark methods: transformers' own ``generate`` (plain, prompt
-lookup, assisted by a small draft model) and llama.cpp through ``llama-cpp-python``.
+lookup, assisted by a small draft model), llama.cpp through ``llama-cpp-python``, and llama.cpp's
+``llama-server`` (plain, or its own DFlash with a drafter exported by dflashkit).
 
-Each is a :class:`~dflashkit.bench.methods.Method`; another peer (e.g. a ``llama-server`` driven over HTTP)
-is one more subclass with ``unavailable()`` and ``generate()``. A peer that cannot run here (no draft
+Each is a :class:`~dflashkit.bench.methods.Method` with ``unavailable()`` and ``generate()``. A peer that cannot run here (no draft
 model with the target's tokenizer, llama-cpp-python not installed, no GGUF) says why in ``unavailable()``
 and the runner skips it with that line.
 
@@ -207,3 +207,68 @@ class LlamaCpp(Method):
         if self.llm is not None and hasattr(self.llm, "close"):
             self.llm.close()
         self.llm = None
+
+
+class LlamaServerPeer(Method):
+    """llama.cpp's `llama-server` on a GGUF: plain decoding, or llama.cpp's DFlash with a drafter exported by
+    dflashkit (`drafter_gguf`). Started on loopback at the first request, stopped by `close()`; every figure
+    comes from the server's own `timings` (prompt and generation time, drafted and accepted tokens)."""
+
+    family = "llama.cpp"
+
+    def __init__(
+        self,
+        name: str,
+        binary: str | os.PathLike | None,
+        model_gguf: str | os.PathLike | None,
+        *,
+        threads: int,
+        comparable: str,
+        drafter_gguf: str | os.PathLike | None = None,
+        block_size: int = 16,
+        missing: str = "",
+        log_dir: str | os.PathLike | None = None,
+    ) -> None:
+        self.name, self.comparable, self.threads, self.block_size = name, comparable, threads, block_size
+        self.binary = pathlib.Path(binary) if binary else None
+        self.model_gguf = pathlib.Path(model_gguf) if model_gguf else None
+        self.drafter_gguf = pathlib.Path(drafter_gguf) if drafter_gguf else None
+        self.missing, self.log_dir = missing, log_dir
+        self.server: Any = None
+        model = self.model_gguf.name if self.model_gguf else "?"
+        how = f"DFlash with {self.drafter_gguf.name}, block size {block_size}" if drafter_gguf else "autoregressive"
+        self.note = f"llama-server on {model}, {how}, {threads} thread(s); timed by its own `timings`"
+
+    def unavailable(self) -> str | None:
+        if self.missing:
+            return self.missing
+        for what, path in (("llama-server", self.binary), ("GGUF", self.model_gguf), ("drafter GGUF", self.drafter_gguf)):
+            if path is not None and not path.is_file():
+                return f"{what} {path} does not exist"
+        return None
+
+    def _server(self) -> Any:
+        if self.server is None:
+            from ..llama_server import LlamaServer
+
+            log = pathlib.Path(self.log_dir) / f"{self.name}.log" if self.log_dir else None
+            self.server = LlamaServer(self.binary, self.model_gguf, drafter=self.drafter_gguf,
+                                      block_size=self.block_size, threads=self.threads, log_path=log).start()  # fmt: skip
+        return self.server
+
+    def generate(self, request: Request) -> Record:
+        c = self._server().complete(request.prompt_ids, request.max_new_tokens, temperature=request.temperature,
+                                    seed=request.seed)  # fmt: skip
+        ttft = c.prompt_ms / 1000.0
+        speculative = self.drafter_gguf is not None
+        return Record(
+            tokens=c.tokens, ttft_s=ttft, total_s=ttft + c.predicted_ms / 1000.0,
+            steps_total=c.target_passes if speculative else None,
+            accepted_total=c.draft_n_accepted if speculative else None,
+            block_size=self.block_size if speculative else 1,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.server = None

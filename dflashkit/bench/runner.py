@@ -224,8 +224,8 @@ def _row(
     row = RunRow(
         method=method.name, dataset=dataset, question_id=q.question_id, turn=turn, temperature=request.temperature,
         prompt_tokens=len(request.prompt_ids), new_tokens=rec.new_tokens, ttft_s=rec.ttft_s, total_s=rec.total_s,
-        accepted_lengths=rec.accepted_lengths, drafted_lengths=rec.drafted_lengths, block_size=rec.block_size,
-        phases_s=rec.phases_s, identical=identical, text=_text(session, rec.tokens),
+        accepted_lengths=rec.accepted_lengths, drafted_lengths=rec.drafted_lengths, steps_total=rec.steps_total,
+        accepted_total=rec.accepted_total, block_size=rec.block_size, phases_s=rec.phases_s, identical=identical, text=_text(session, rec.tokens),
     )  # fmt: skip
     if not compare or identical:
         return row, None
