@@ -21,7 +21,7 @@ the head its own int8 copy (the embedding stays bf16 for lookups; 28 MB more mem
 A drafter borrows the target's head, so with a quantized head it drafts through the int8 head too.
 
 Per-layer GEMM time, median µs per call, 1 thread, torch 2.13.0+cpu, 2-core AMD EPYC (AVX-512,
-AVX512-BF16, no AMX), beside a busy second core (``python scripts/bench_int8_gemm.py --threads 1
+AVX512-BF16, no AMX), while other jobs kept both cores busy (``python scripts/bench_int8_gemm.py --threads 1
 --torchao``; torchao 0.18's ``Int8WeightOnlyConfig`` converts the int8 weight to bf16 and runs a bf16
 matmul on every call on a CPU: slower than plain bf16, so dflashkit does not use it):
 
@@ -34,10 +34,12 @@ matmul on every call on a CPU: slower than plain bf16, so dflashkit does not use
 | LM head (49152 x 576) | 3479 / 1435 | 3610 / 1511 | 3727 / 1972 | 4200 / 3885 | 5278 / 7694 |
 
 (bf16 / int8.) torchao at M = 1 / 16: q 86 / 109, gate 187 / 236, LM head 31371 / 33206. The int8
-kernel costs about its M = 1 time per row: 2.5-4x faster than bf16 for one row, even near M = 8, slower
-from there (1.5-1.8x at M = 16). One decoding step's GEMMs at M = 1 (30 layers + head): bf16 ~13.5 ms,
+kernel costs about its M = 1 time per row: 2.5-4x faster than bf16 for one row, about even at M = 8,
+slower from there (1.5-1.8x at M = 16). One decoding step's GEMMs at M = 1 (30 layers + head): bf16 ~13.5 ms,
 int8 ~4.5 ms. Multi-token passes pay: a 16-token verify's GEMMs cost more than in bf16, and so does the
 prefill of a long prompt (time to first token). The LM head is worth quantizing (2 ms of a ~25 ms step).
+With fp32 activations the kernel is exact but unvectorised here (gate at M = 1: 666 µs, ~25x its bf16
+time): use bf16.
 """
 
 from __future__ import annotations
