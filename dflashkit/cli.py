@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    _add_quantize_option(g)
     g.add_argument("--device", default="cpu")
+    _add_threads_option(g)
     g.add_argument("--compare-ar", action="store_true", help="also decode plainly; print speedup and whether outputs match")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    _add_quantize_option(s)
     s.add_argument("--device", default="cpu")
     _add_threads_option(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -173,6 +176,18 @@ def _block_size_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def _add_quantize_option(parser: argparse.ArgumentParser) -> None:
+    from .quantize import METHODS
+
+    parser.add_argument(
+        "--quantize",
+        choices=["none", *METHODS],
+        default="none",
+        help="int8: weight-only int8 target weights, one scale per output channel (CPU). A different target: "
+        "the output is exact with respect to the quantized model, not the --dtype one (default: %(default)s)",
+    )
 
 
 def _add_threads_option(parser: argparse.ArgumentParser) -> None:
@@ -284,7 +299,8 @@ def _load_generator(args: argparse.Namespace, quiet: bool):
     from .generator import SpeculativeGenerator
 
     with _status("Loading target model...", quiet):
-        gen = SpeculativeGenerator.load(args.target, None, dtype=DTYPES[args.dtype], device=args.device)
+        gen = SpeculativeGenerator.load(args.target, None, dtype=DTYPES[args.dtype], device=args.device,
+                                        quantize=args.quantize)
         drafter, drafter_note = _resolve_drafter(args.drafter, args.target, gen)
         if drafter is not None:
             gen = SpeculativeGenerator(gen.model, gen.tokenizer, drafter)
@@ -295,6 +311,7 @@ def _load_generator(args: argparse.Namespace, quiet: bool):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
+    _apply_threads(args.threads)
     gen = _load_generator(args, args.json)
     drafter = gen.drafter
 
@@ -381,6 +398,7 @@ def _as_json(result, args, dtype: torch.dtype, speculative: bool) -> dict[str, A
         "tau": s.tau,
         "tokens_per_s": s.tokens_per_s,
         "dtype": str(dtype).removeprefix("torch."),
+        "target_weights": s.target_weights,
         "block_size": s.block_size,
         "speculative": speculative,
         "finish_reason": result.finish_reason,
@@ -407,6 +425,8 @@ def _print_summary(result, speculative: bool) -> None:
     )
     if not speculative:
         line += " (autoregressive)"
+    if s.target_weights and s.target_weights.startswith("int8"):
+        line += f" (target: {s.target_weights}; exact w.r.t. the quantized target)"
     print(line, file=sys.stderr)
     if result.ar is not None:
         ar = result.ar.stats

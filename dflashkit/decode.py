@@ -80,6 +80,7 @@ def decode(
     policy = block_policy if drafter is not None else None
     stats = stats if stats is not None else DecodeStats(block_size=block)
     stats.block_size, stats.prompt_tokens = block, len(prompt_ids)
+    stats.target_weights = target.weights
     params = options.sampling
     device = target.device
     gen = torch.Generator(device=device).manual_seed(

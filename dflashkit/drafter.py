@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import DrafterConfig
+from .quantize import Int8Linear
 
 KV = tuple[Tensor, Tensor]  # keys, values: [batch, kv_heads, seq, head_dim] each
 
@@ -175,7 +176,7 @@ class DFlashDrafter(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(h)) if config.learned_mask_embedding else None
         vocab = torch.tensor(config.draft_vocab, dtype=torch.long) if config.draft_vocab is not None else None
         self.register_buffer("draft_vocab", vocab, persistent=False)  # [V'] or None
-        self._head_rows: tuple[tuple[int, int], Tensor] | None = None  # (head weight key, its draft-vocab rows)
+        self._head_rows: tuple[tuple, Tensor | Int8Linear] | None = None  # (head weight key, its draft-vocab rows)
 
     @property
     def block_size(self) -> int:
@@ -233,12 +234,18 @@ class DFlashDrafter(nn.Module):
         """Vocabulary logits [..., vocab] of drafter hidden states; outside the draft vocabulary, -inf."""
         if self.draft_vocab is None:
             return lm_head(hidden)
-        weight = lm_head.weight
-        key = (weight.data_ptr(), weight._version)  # recomputed only if the head's weights change
-        if self._head_rows is None or self._head_rows[0] != key:
-            self._head_rows = (key, weight[self.draft_vocab.to(weight.device)].detach())
-        sub = hidden @ self._head_rows[1].T  # [..., V']: only the draft vocabulary's rows are read
-        full = sub.new_full((*sub.shape[:-1], weight.shape[0]), float("-inf"))
+        if isinstance(lm_head, Int8Linear):  # a weight-only int8 target's head: its rows, still int8
+            key, vocab = (id(lm_head), lm_head.qweight.data_ptr(), lm_head.qweight._version), lm_head.out_features
+            if self._head_rows is None or self._head_rows[0] != key:
+                self._head_rows = (key, lm_head.rows(self.draft_vocab))
+            sub = self._head_rows[1](hidden)
+        else:
+            weight = lm_head.weight
+            key, vocab = (weight.data_ptr(), weight._version), weight.shape[0]  # recomputed if the weights change
+            if self._head_rows is None or self._head_rows[0] != key:
+                self._head_rows = (key, weight[self.draft_vocab.to(weight.device)].detach())
+            sub = hidden @ self._head_rows[1].T  # [..., V']: only the draft vocabulary's rows are read
+        full = sub.new_full((*sub.shape[:-1], vocab), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
 
     def forward(

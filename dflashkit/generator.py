@@ -108,13 +108,18 @@ class SpeculativeGenerator:
         *,
         dtype: torch.dtype | str = torch.bfloat16,
         device: str = "cpu",
+        quantize: str | None = None,
     ) -> SpeculativeGenerator:
-        """Load a target (None: the embedded SmolLM2-135M-Instruct) and a drafter folder (None: no drafter)."""
+        """Load a target (None: the embedded SmolLM2-135M-Instruct) and a drafter folder (None: no drafter).
+
+        ``quantize="int8"``: weight-only int8 target weights (:mod:`dflashkit.quantize`); the output is then
+        exact with respect to that quantized target, not the ``dtype`` one.
+        """
         from .checkpoint import load_drafter
         from .models import load_target
 
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        model, tokenizer = load_target(target, dtype=dtype, device=device)
+        model, tokenizer = load_target(target, dtype=dtype, device=device, quantize=quantize)
         draft = load_drafter(drafter, dtype=dtype, device=device) if drafter else None
         return cls(model, tokenizer, draft)
 

@@ -111,13 +111,18 @@ def _load_folder(source: str | pathlib.Path, dtype: torch.dtype) -> tuple[PreTra
 
 
 def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16,
-                device: str | torch.device = "cpu",
-                progress: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+                device: str | torch.device = "cpu", progress: bool = False,
+                quantize: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a target causal LM and its tokenizer, in eval mode with ``requires_grad`` off.
 
     ``None`` or :data:`DEFAULT_TARGET` gives the embedded SmolLM2-135M-Instruct (converted and cached on
-    first use); anything else is a local model folder or a Hugging Face hub id.
+    first use); anything else is a local model folder or a Hugging Face hub id. ``quantize="int8"``
+    makes it a weight-only int8 target (:mod:`dflashkit.quantize`): a different model from the
+    ``dtype`` one, and outputs are exact with respect to it.
     """
+    from .quantize import check_method, quantize_model
+
+    quantize = check_method(quantize)  # an unknown method fails before the (slow) load
     name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
     with _quiet(progress):
         if name == DEFAULT_TARGET:
@@ -143,4 +148,5 @@ def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.d
         except Exception as exc:
             raise ModelLoadError(f"Could not load target model {name!r} ({hint}): {exc}") from exc
     model.to(device).eval().requires_grad_(False)
+    quantize_model(model, quantize)
     return model, tok

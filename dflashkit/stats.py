@@ -24,6 +24,7 @@ class DecodeStats:
     decode_s: float = 0.0  # wall time after prefill, all phases
     finish_reason: str | None = None  # "stop" (eos/stop token/stop string) or "length"
     adaptive: bool = False  # block size chosen per step (drafted_lengths + 1 gives each step's block)
+    target_weights: str | None = None  # what the target computed with: "bfloat16", "int8 weight-only (per-channel)", ...
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.drafted_lengths.append(drafted)
@@ -98,4 +99,5 @@ class DecodeStats:
                 "decode": self.decode_s,
             },
             "finish_reason": self.finish_reason,
+            "target_weights": self.target_weights,
         }

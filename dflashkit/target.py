@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .attention import use_packed_gqa
 from .errors import IncompatibleDrafterError, InvalidInputError
+from .quantize import target_weights
 
 
 class TargetAdapter:
@@ -70,6 +71,11 @@ class TargetAdapter:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def weights(self) -> str:
+        """What the target computes with: its dtype ("bfloat16"), or "int8 weight-only (per-channel)..."."""
+        return target_weights(self.model)
 
     # ---- feature capture -----------------------------------------------------------------------------
 

@@ -13,16 +13,17 @@ from conftest import tiny_target, word_tokenizer
 from dflashkit.bench.command import QUICK, bench_parser, settings_from
 from dflashkit.cli import main
 from dflashkit.errors import InvalidInputError
+from dflashkit.quantize import quantize_model
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
 
 
 @pytest.fixture
 def tiny_load(monkeypatch):
-    def fake_load_target(name_or_path=None, *, dtype=torch.bfloat16, device="cpu", progress=False):
+    def fake_load_target(name_or_path=None, *, dtype=torch.bfloat16, device="cpu", progress=False, quantize=None):
         tok = word_tokenizer()
         tok.chat_template = CHAT_TEMPLATE
-        return tiny_target("llama", dtype=dtype).requires_grad_(False), tok
+        return quantize_model(tiny_target("llama", dtype=dtype).requires_grad_(False), quantize), tok
 
     monkeypatch.setattr(dflashkit.models, "load_target", fake_load_target)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed

@@ -19,6 +19,7 @@ from dflashkit.checkpoint import save_drafter
 from dflashkit.cli import main
 from dflashkit.drafter import DFlashDrafter
 from dflashkit.identity import drafter_config_for
+from dflashkit.quantize import quantize_model
 
 SPECIALS = ["<pad>", "<s>", "<eos>", "<unk>"]
 WORDS = ["user", "assistant", "hello", "world", "the", "a", "story", "tell", "me", "about", "sea", "sky"]
@@ -54,9 +55,9 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     """Replace load_target (looked up in dflashkit.models at call time) by the tiny offline target."""
     calls = []
 
-    def fake_load_target(name_or_path=None, *, dtype=torch.bfloat16, device="cpu", progress=False):
+    def fake_load_target(name_or_path=None, *, dtype=torch.bfloat16, device="cpu", progress=False, quantize=None):
         calls.append((name_or_path, dtype, str(device)))
-        return fake_model(dtype).to(device), make_tokenizer()
+        return quantize_model(fake_model(dtype).to(device), quantize), make_tokenizer()
 
     monkeypatch.setattr(dflashkit.models, "load_target", fake_load_target)
     monkeypatch.setattr(dflashkit, "load_target", fake_load_target)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInputError
+from ..quantize import METHODS as QUANT_METHODS
 
 METHODS = ("ar", "dflash", "hf", "hf-pld", "hf-assisted", "llama.cpp", "llama-server")
 DEFAULTS = {"datasets": "mt-bench,humaneval,math500", "limit": 10, "max_new_tokens": 256, "max_turns": None,
@@ -60,6 +61,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    "$DFLASHKIT_LLAMA_SERVER, else the one `scripts/get_llama_cpp.sh --build` builds, else on PATH)")
     b.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
     b.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    b.add_argument("--quantize", choices=["none", *QUANT_METHODS], default="none",
+                   help="int8: every method runs on a weight-only int8 target (per-channel scales; CPU); "
+                   "tokens are compared with the int8 baseline, never with the bf16 model")  # fmt: skip
     b.add_argument("--device", default="cpu")
     b.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's)")
     quick = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items() if k != "datasets")
@@ -259,8 +263,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     hf_logging.set_verbosity_error()  # transformers' deprecation chatter would break the progress bar
     source, target_label = resolve_target(args.target)
-    print(f"Loading {target_label} ({args.dtype})...", file=sys.stderr)
-    model, tokenizer = load_target(source, dtype=dtype, device=args.device)
+    quantize = getattr(args, "quantize", "none")
+    print(f"Loading {target_label} ({args.dtype}{', weight-only int8' if quantize == 'int8' else ''})...",
+          file=sys.stderr)  # fmt: skip
+    model, tokenizer = load_target(source, dtype=dtype, device=args.device, quantize=quantize)
     session = TargetSession(model, tokenizer)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / f"bench-{stamp}"
@@ -272,6 +278,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for m in methods:  # servers and peers' models go, even when the run fails
             m.close()
     result.extra["settings"] = {"target": target_label, "drafter": drafter_label, "dtype": args.dtype,
+                                "quantize": quantize, "target_weights": session.adapter.weights,
                                 "device": args.device, "threads": threads, "quick": args.quick,
                                 "methods": settings["methods"], "block_sizes": settings["block_sizes"]}  # fmt: skip
     argv = getattr(args, "argv", None)

@@ -132,7 +132,10 @@ def markdown(data: dict[str, Any]) -> str:
          + (f", {m['memory_gib']} GiB" if "memory_gib" in m else "") + (f", GPU {m['gpu']}" if "gpu" in m else "")),
         (f"- **software**: dflashkit {v.get('dflashkit')} @ {sha}, torch {v.get('torch')}, transformers "
          f"{v.get('transformers')}" + (f", llama-cpp-python {v['llama-cpp-python']}" if v.get("llama-cpp-python") else "")),
-        f"- **target**: {st.get('target', '?')} ({st.get('dtype', '?')}); **drafter**: {st.get('drafter', '?')}",
+        (f"- **target**: {st.get('target', '?')} ({st.get('dtype', '?')}"
+         + (f"; weights {st['target_weights']}: every method runs on this quantized target, exact with respect to it"
+            if str(st.get("target_weights", "")).startswith("int8") else "")
+         + f"); **drafter**: {st.get('drafter', '?')}"),
         (f"- **settings**: data sets {', '.join(f'{k} ({n} questions)' for k, n in data['datasets'].items())}; "
          f"max {st['max_new_tokens']} new tokens; turns {st['max_turns'] or 'all'}; seed {st['seed']}; "
          f"baseline `{data['baseline']}`; run took {data['wall_s'] / 60:.1f} min"),

@@ -157,6 +157,7 @@ class Service:
             "block_size": (self.settings.block_size or drafter.block_size) if drafter is not None else 1,
             "adaptive_block_size": drafter is not None and self.settings.block_size == "auto",
             "context_length": self.generator.target.max_positions,
+            "target_weights": self.generator.target.weights,
             "queued": self.scheduler.queued,
             "running": self.scheduler.running,
             "max_queue": self.settings.max_queue,
