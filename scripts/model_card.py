@@ -52,11 +52,40 @@ def train_command(config: dict) -> str:
     return shlex.join(args)
 
 
+def wall_minutes(log: list[dict]) -> float:
+    """Training wall time over every process of a resumed run: `elapsed_s` restarts at 0 in each process."""
+    total, last = 0.0, 0.0
+    for r in log:
+        if r["elapsed_s"] < last:  # a new process
+            total += last
+        last = r["elapsed_s"]
+    return (total + last) / 60
+
+
+def lineage(config: dict) -> list[str]:
+    """Lines for the runs this one started from (`--init` of a run's drafter folder), oldest first."""
+    init = config.get("init_drafter")
+    if not init:
+        return []
+    parent = Path(init).expanduser().parent
+    state_file = parent / "checkpoint" / "trainer_state.pt"
+    if not state_file.exists():
+        return [f"- Initialised from `{init}` (not a run folder of this machine: its history is not recorded here)."]
+    state = torch.load(state_file, map_location="cpu", weights_only=False)
+    log = [json.loads(line) for line in (parent / "train_log.jsonl").read_text().splitlines() if line]
+    evals = [r for r in log if "tau" in r]
+    last_eval = f"; its last held-out τ {evals[-1]['tau']:.2f}" if evals else ""
+    return [*lineage(state["config"]),
+            f"- `{train_command(state['config'])}`: {log[-1]['step']} steps, {wall_minutes(log):.0f} min{last_eval}."]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", required=True, type=Path, help="training run folder (drafter/, checkpoint/, train_log.jsonl)")
     ap.add_argument("--bench", required=True, type=Path, help="results.json of a `dflashkit bench` run of this drafter")
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--data-note", action="append", default=[], help="a line on how the data was made that no file "
+                    "records (e.g. where a prompt file came from); repeatable, shown as written")  # fmt: skip
     args = ap.parse_args()
     run = args.run.expanduser()
 
@@ -96,14 +125,17 @@ def main() -> None:
             what = f"(not recorded by this run; the folder now holds {sum(s['written'] for s in shards)} answers)"
         lines += [f"- `{data_command(folder, meta)}`: {what}; the folder's generation time {gen_min:.0f} min "
                   f"({len(shards)}/{meta['num_shards']} shards now)."]
+    lines += [f"- {note}" for note in args.data_note]
     last = log[-1]
     evals = [r for r in log if "tau" in r]
+    earlier = lineage(config)
+    lines += ["", "## Training", ""]
+    if earlier:
+        lines += ["Earlier stages (each continued from the previous one's drafter with `--init`):", "", *earlier, "",
+                  "Last stage:", ""]  # fmt: skip
     lines += [
-        "",
-        "## Training",
-        "",
         f"`{train_command(config)}` (threads as the machine allowed; resumable). {last['step']} steps, "
-        f"{last['elapsed_s'] / 60:.1f} min of wall time in the last (or only) process.",
+        f"{wall_minutes(log):.1f} min of wall time over all its processes.",
         "",
         "| step | held-out τ (decode loop) | held-out top-1 by block position 1, 2, 3 | training top-1, 1, 2, 3 |",
         "|---:|---:|---|---|",
@@ -114,11 +146,17 @@ def main() -> None:
               f"Machine: {bench['machine'].get('cpu')}, {bench['machine'].get('cores')} cores, "
               f"{bench['machine'].get('torch_threads')} torch threads; dflashkit commit "
               f"{(bench.get('commit') or {}).get('sha', '?')[:10]}.", "",
-              "| data set | method | τ | speedup (TPOT) | speedup (tok/s) |", "|---|---|---:|---:|---:|"]
+              "| temperature | data set | method | τ | tok/s | speedup (TPOT) | speedup (tok/s) |",
+              "|---:|---|---|---:|---:|---:|---:|"]  # fmt: skip
+
+    def fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
+        return "–" if value is None else f"{value:{spec}}{unit}"
+
     for row in bench["summary"]:
-        if row.get("temperature", 0) == 0 and row["method"] != bench["baseline"]:
-            lines.append(f"| {row['dataset']} | {row['method']} | {row['tau']:.2f} | "
-                         f"{row['speedup_tpot']:.2f}x | {row['speedup_tokens_per_s']:.2f}x |")
+        if row["family"] == "dflashkit":
+            lines.append(f"| {row['temperature']:g} | {row['dataset']} | {row['method']} | {fmt(row['tau'])} | "
+                         f"{fmt(row['tokens_per_s'], '.1f')} | {fmt(row['speedup_tpot'], '.2f', 'x')} | "
+                         f"{fmt(row['speedup_tokens_per_s'], '.2f', 'x')} |")  # fmt: skip
     lines += ["", f"Greedy divergences from plain decoding: {len(bench['divergences'])}, of which not a bf16 tie: "
               f"{bench['non_tie_divergences_in_dflashkit']}.", ""]
 
