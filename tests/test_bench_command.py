@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import dflashkit.llama_server
 import dflashkit.models
 from conftest import tiny_target, word_tokenizer
 from dflashkit.bench.command import QUICK, bench_parser, settings_from
@@ -27,6 +28,7 @@ def tiny_load(monkeypatch):
 
     monkeypatch.setattr(dflashkit.models, "load_target", fake_load_target)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
+    monkeypatch.setattr(dflashkit.llama_server, "find_llama_server", lambda explicit=None: None)  # nor llama-server
 
 
 @pytest.fixture
@@ -45,6 +47,7 @@ def test_bench_command_writes_outputs_and_skips_missing_peers(tiny_load, questio
     assert rc == 0, stderr
     assert "skipped hf-assisted: no draft model with the target's tokenizer" in stderr
     assert "skipped llama.cpp: llama-cpp-python is not installed" in stderr
+    assert "skipped llama-server-bf16: no llama-server binary" in stderr
     assert "| qs | dflash-b4 |" in stdout and "| qs | hf-prompt-lookup |" in stdout and "temperature 1:" in stdout
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["settings"]["drafter"].startswith("untrained") and data["settings"]["threads"] == 1
