@@ -10,6 +10,7 @@ import torch
 
 import dflashkit.llama_server
 import dflashkit.models
+import dflashkit.registry
 from conftest import tiny_target, word_tokenizer
 from dflashkit.bench.command import QUICK, bench_parser, settings_from
 from dflashkit.cli import main
@@ -57,7 +58,8 @@ def test_bench_command_writes_outputs_and_skips_missing_peers(tiny_load, questio
     assert {p.name for p in out.iterdir()} >= {"summary.md", "speedup.png", "accepted_lengths.png", "acceptance.png"}
 
 
-def test_without_a_drafter_dflash_is_skipped_with_a_reason(tiny_load, questions, tmp_path, capsys) -> None:
+def test_without_a_drafter_dflash_is_skipped_with_a_reason(tiny_load, questions, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(dflashkit.registry, "DRAFTERS_DIR", tmp_path / "none-shipped")  # a target with no drafter
     rc = main(["bench", "--datasets", questions, "--limit", "1", "--max-new-tokens", "4", "--temperatures", "0",
                "--methods", "ar,dflash", "--max-turns", "1", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
     _, stderr = capsys.readouterr()

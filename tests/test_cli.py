@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 import dflashkit
 import dflashkit.models
+import dflashkit.registry
 from conftest import VOCAB, tiny_target
 from dflashkit.checkpoint import save_drafter
 from dflashkit.cli import main
@@ -61,6 +62,7 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
     monkeypatch.setattr(dflashkit.models, "load_target", fake_load_target)
     monkeypatch.setattr(dflashkit, "load_target", fake_load_target)
+    monkeypatch.setattr(dflashkit.registry, "DRAFTERS_DIR", Path("/nonexistent"))  # no shipped drafter for it
     return calls
 
 
