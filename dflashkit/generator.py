@@ -104,13 +104,14 @@ class SpeculativeGenerator:
     def load(
         cls,
         target: str | None = None,
-        drafter: str | None = None,
+        drafter: str | None = "auto",
         *,
         dtype: torch.dtype | str = torch.bfloat16,
         device: str = "cpu",
         quantize: str | None = None,
     ) -> SpeculativeGenerator:
-        """Load a target (None: the embedded SmolLM2-135M-Instruct) and a drafter folder (None: no drafter).
+        """Load a target (None: the embedded SmolLM2-135M-Instruct) and a drafter: a folder, "auto" (the drafter
+        shipped with dflashkit for that target, if there is one; otherwise none) or None (no drafter).
 
         ``quantize="int8"``: weight-only int8 target weights (:mod:`dflashkit.quantize`); the output is then
         exact with respect to that quantized target, not the ``dtype`` one.
@@ -120,6 +121,11 @@ class SpeculativeGenerator:
 
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         model, tokenizer = load_target(target, dtype=dtype, device=device, quantize=quantize)
+        if drafter == "auto":
+            from .registry import shipped_drafter
+
+            found = shipped_drafter(target)
+            drafter = str(found) if found is not None else None
         draft = load_drafter(drafter, dtype=dtype, device=device) if drafter else None
         return cls(model, tokenizer, draft)
 

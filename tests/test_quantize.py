@@ -4,6 +4,7 @@ to the quantized target, and the opt-in surfaces (errors, stats, CLI, server, be
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,7 +230,7 @@ def test_generator_load_passes_quantize(monkeypatch):
         return quantize_model(tiny_target("llama", dtype=dtype), quantize), make_tokenizer()
 
     monkeypatch.setattr(dflashkit.models, "load_target", fake_load_target)
-    gen = SpeculativeGenerator.load(dtype="float32", quantize="int8")
+    gen = SpeculativeGenerator.load(drafter=None, dtype="float32", quantize="int8")
     assert seen["quantize"] == "int8" and gen.target.weights.startswith("int8")
     result = gen.generate("tell me a story", max_new_tokens=5)
     assert result.stats.target_weights.startswith("int8")
@@ -240,12 +241,14 @@ def test_cli_generate_quantize_int8_declares_it(capsys, monkeypatch):
 
     import dflashkit
     import dflashkit.models
+    import dflashkit.registry
     from dflashkit.cli import main
 
     def fake_load_target(name=None, *, dtype=torch.bfloat16, device="cpu", progress=False, quantize=None):
         return quantize_model(fake_model(dtype), quantize), make_tokenizer()
 
     monkeypatch.setattr(dflashkit.models, "load_target", fake_load_target)
+    monkeypatch.setattr(dflashkit.registry, "DRAFTERS_DIR", Path("/nonexistent"))  # no shipped drafter for it
     rc = main(["generate", PROMPT, "--max-new-tokens", "8", "--dtype", "float32", "--quantize", "int8",
                "--drafter", "untrained", "--block-size", "4", "--compare-ar", "--json", "--threads", "1"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)

@@ -220,7 +220,7 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
 
     torch.set_num_threads(1)
     monkeypatch.setattr(
-        dflashkit.models, "load_target", lambda name=None, *, dtype=torch.bfloat16, device="cpu", progress=False: (
+        dflashkit.models, "load_target", lambda name=None, *, dtype=torch.bfloat16, device="cpu", progress=False, quantize=None: (
             make_model(dtype), make_tokenizer())
     )  # fmt: skip
     monkeypatch.setattr(data, "evaluation_prompts", lambda: EVAL)
