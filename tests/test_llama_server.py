@@ -133,3 +133,27 @@ def test_bench_lists_llama_server_peers_as_skipped_without_a_binary(tmp_path, mo
     methods = llama_server_methods(args, None, "no drafter", 16, 1, None)
     assert [m.name for m in methods] == ["llama-server-bf16", "llama-server-q", "llama-server-dflash-b16"]
     assert all("get_llama_cpp.sh --build" in m.unavailable() for m in methods)
+
+
+def test_bench_dflash_peer_is_skipped_without_a_drafter_whatever_else_runs(binary, ggufs, monkeypatch) -> None:
+    """--drafter none must leave llama-server's DFlash skipped even when other peers are built first
+    (a shared variable once let it run as plain decoding under the DFlash name)."""
+    import dflashkit.bench.assets as assets
+    import dflashkit.llama_server as ls
+    from dflashkit.bench.command import bench_parser, build_methods, settings_from
+
+    monkeypatch.setattr(ls, "find_llama_server", lambda explicit=None: binary)
+    monkeypatch.setattr(assets, "target_bf16_gguf", lambda target, llama_cpp=None: (ggufs[0], ""))
+    monkeypatch.setattr(assets, "target_gguf", lambda target: (ggufs[0], ""))
+    args = bench_parser().parse_args(["--drafter", "none", "--methods", "ar,llama.cpp,llama-server"])
+
+    class Session:  # what build_methods reads of the target session
+        model = None
+
+        class adapter:
+            vocab_size = 100
+
+    methods, _ = build_methods(Session(), settings_from(args), args, "t", 1)
+    reasons = {m.name: m.unavailable() for m in methods}
+    assert reasons["llama-server-bf16"] is None
+    assert "disabled" in reasons["llama-server-dflash-b16"]

@@ -175,16 +175,16 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
     wanted = settings["methods"]
     methods: list[Any] = [Autoregressive(session)]
     drafter_label = "none"
-    drafter, label, why = None, None, "not asked for"
+    drafter, drafter_path, no_drafter = None, None, "not asked for"
     if "dflash" in wanted or "llama-server" in wanted:
-        drafter, label, why = resolve_drafter(args.drafter, args.target, session.model)
+        drafter, drafter_path, no_drafter = resolve_drafter(args.drafter, args.target, session.model)
     if "dflash" in wanted:
         if drafter is None:
-            methods += [Unavailable(f"dflash-b{b}", "dflashkit", why, note=f"dflashkit decode loop, block size {b}")
+            methods += [Unavailable(f"dflash-b{b}", "dflashkit", no_drafter, note=f"dflashkit decode loop, block size {b}")
                         for b in settings["block_sizes"]]  # fmt: skip
         else:
-            drafter_label = label
-            methods += [DFlash(session, drafter, b, label) for b in settings["block_sizes"]]
+            drafter_label = drafter_path
+            methods += [DFlash(session, drafter, b, drafter_path) for b in settings["block_sizes"]]
     if "hf" in wanted:
         methods.append(TransformersGenerate(session, "plain"))
     if "hf-pld" in wanted:
@@ -204,7 +204,8 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
             methods.append(LlamaCpp(gguf, threads=threads, vocab_size=session.adapter.vocab_size, missing_gguf=why))
     if "llama-server" in wanted:
         block = drafter.block_size if drafter is not None else 16
-        methods += llama_server_methods(args, label if drafter is not None else None, why, block, threads, log_dir)
+        path = drafter_path if drafter is not None else None
+        methods += llama_server_methods(args, path, no_drafter, block, threads, log_dir)
     return methods, drafter_label
 
 
