@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VOCAB, tiny_drafter, tiny_target
-from test_decode import OracleDrafter, prompts, run
+from test_decode import OracleDrafter, assert_bf16_parts_only_at_ties, prompts, run
 from torch import nn
 
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.drafter import DFlashDrafter
 from dflashkit.errors import InvalidInputError
-from dflashkit.lossless import DivergenceRecorder
 from dflashkit.quantize import INT8_WEIGHTS, Int8Linear, check_method, check_supported, quantize_model, quantize_weight
 from dflashkit.sampling import SamplingParams
 from dflashkit.stats import DecodeStats
@@ -160,15 +159,7 @@ def test_draft_vocabulary_reads_the_int8_head(arch):
 
 def test_bf16_int8_target_parts_from_plain_decoding_only_at_ties(arch):
     model = int8_target(arch, dtype=torch.bfloat16)
-    drafter = tiny_drafter(model, block_size=8)
-    target = TargetAdapter(model, drafter.config.target_layer_ids)
-    for prompt in prompts(6, seed=3):
-        spec = run(target, drafter, prompt)
-        recorder = DivergenceRecorder(spec, torch.bfloat16)
-        options = DecodeOptions(max_new_tokens=24)
-        plain = [t for s in decode(TargetAdapter(model), None, prompt, options, observer=recorder) for t in s.tokens]
-        divergence = recorder.result(plain)
-        assert divergence is None or divergence.tie, divergence
+    assert_bf16_parts_only_at_ties(model, tiny_drafter(model, block_size=8), prompts(6, seed=3))
 
 
 def test_seeded_sampling_is_reproducible_on_the_int8_target():
