@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checkpoint import load_drafter, save_drafter, write_drafter_files
+from .config import DrafterConfig
 from .drafter import BlockMask, DFlashDrafter
 from .errors import InvalidInputError
 from .features import FeatureStore
@@ -254,16 +255,17 @@ class Trainer:
         n_eval = min(cfg.eval_prompts, max(0, len(seqs) // 10))
         self.eval_seqs, self.train_seqs = seqs[:n_eval], seqs[n_eval:]
         torch.manual_seed(cfg.seed)
-        start = self._initial_drafter(model) if cfg.init_drafter else None
-        if start is not None:
-            self.vocab = torch.tensor(start.config.draft_vocab) if start.config.draft_vocab is not None else None
+        shape = drafter_config_for(
+            model, num_layers=cfg.num_layers, block_size=cfg.block_size,
+            target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
+        )  # fmt: skip
+        start = self._initial_drafter(model, shape) if cfg.init_drafter else None
+        if start is not None:  # continuing: keep its draft vocabulary
+            self.vocab = start.draft_vocab
         else:
             self.vocab = draft_vocabulary(self.train_seqs, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
         self.vocab = self.vocab.to(cfg.device) if self.vocab is not None else None
-        dcfg = drafter_config_for(
-            model, num_layers=cfg.num_layers, block_size=cfg.block_size,
-            target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
-        ).replace(draft_vocab=self.vocab.tolist() if self.vocab is not None else None)  # fmt: skip
+        dcfg = shape.replace(draft_vocab=self.vocab.tolist() if self.vocab is not None else None)
         self.drafter = DFlashDrafter(dcfg).to(cfg.device)  # fp32 master weights; bf16 autocast
         if start is not None:
             self.drafter.load_state_dict(start.state_dict())
@@ -299,13 +301,11 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write(self.out / "data_used.json", lambda f: json.dump(used, f, indent=1))
 
-    def _initial_drafter(self, model) -> DFlashDrafter:
-        """The drafter named by cfg.init_drafter, checked against the target and this run's shape."""
+    def _initial_drafter(self, model, want: DrafterConfig) -> DFlashDrafter:
+        """The drafter named by cfg.init_drafter, checked against the target and this run's shape `want`."""
         cfg = self.cfg
         start = load_drafter(cfg.init_drafter, dtype=torch.float32, device=cfg.device)
         check_compatible(start.config, model)
-        want = drafter_config_for(model, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                                  target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id)
         got = start.config
         problems = [f"{name} {getattr(got, name)!r} (this run: {getattr(want, name)!r})"
                     for name in ("num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
