@@ -12,6 +12,7 @@ target's head. Parameter names follow the published checkpoint layout (`layers.0
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +177,7 @@ class DFlashDrafter(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(h)) if config.learned_mask_embedding else None
         vocab = torch.tensor(config.draft_vocab, dtype=torch.long) if config.draft_vocab is not None else None
         self.register_buffer("draft_vocab", vocab, persistent=False)  # [V'] or None
-        self._head_rows: tuple[tuple, Tensor | Int8Linear] | None = None  # (head weight key, its draft-vocab rows)
+        self._head_rows: tuple[tuple, Callable[[Tensor], Tensor], int] | None = None  # see _draft_head
 
     @property
     def block_size(self) -> int:
@@ -234,19 +235,25 @@ class DFlashDrafter(nn.Module):
         """Vocabulary logits [..., vocab] of drafter hidden states; outside the draft vocabulary, -inf."""
         if self.draft_vocab is None:
             return lm_head(hidden)
-        if isinstance(lm_head, Int8Linear):  # a weight-only int8 target's head: its rows, still int8
-            key, vocab = (id(lm_head), lm_head.qweight.data_ptr(), lm_head.qweight._version), lm_head.out_features
-            if self._head_rows is None or self._head_rows[0] != key:
-                self._head_rows = (key, lm_head.rows(self.draft_vocab))
-            sub = self._head_rows[1](hidden)
-        else:
-            weight = lm_head.weight
-            key, vocab = (weight.data_ptr(), weight._version), weight.shape[0]  # recomputed if the weights change
-            if self._head_rows is None or self._head_rows[0] != key:
-                self._head_rows = (key, weight[self.draft_vocab.to(weight.device)].detach())
-            sub = hidden @ self._head_rows[1].T  # [..., V']: only the draft vocabulary's rows are read
+        head, vocab = self._draft_head(lm_head)
+        sub = head(hidden)  # [..., V']: only the draft vocabulary's rows are read
         full = sub.new_full((*sub.shape[:-1], vocab), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
+
+    def _draft_head(self, lm_head: nn.Module) -> tuple[Callable[[Tensor], Tensor], int]:
+        """The target's head restricted to the draft vocabulary's rows, and the full vocabulary size; rebuilt
+        only when the head (or its weights) change. A weight-only int8 head keeps its rows in int8."""
+        weight = lm_head.qweight if isinstance(lm_head, Int8Linear) else lm_head.weight  # [vocab, hidden]
+        key = (id(lm_head), weight.data_ptr(), weight._version)
+        if self._head_rows is None or self._head_rows[0] != key:
+            ids = self.draft_vocab.to(weight.device)
+            if isinstance(lm_head, Int8Linear):
+                head = lm_head.rows(ids)
+            else:
+                rows = weight[ids].detach()  # [V', hidden]
+                head = lambda h: h @ rows.T  # noqa: E731
+            self._head_rows = (key, head, weight.shape[0])
+        return self._head_rows[1], self._head_rows[2]
 
     def forward(
         self,
