@@ -231,14 +231,12 @@ def llama_server_methods(args: argparse.Namespace, drafter: str | None, no_draft
     quant, why_quant = (pathlib.Path(args.gguf), "") if args.gguf else target_gguf(args.target)
     names = (names[0], f"llama-server-{re.split(r'[-.]', quant.stem)[-1].lower()}" if quant else names[1], names[2])
     draft, why_draft = drafter_gguf(drafter, args.target) if drafter else (None, no_drafter)
-    if bf16 is None and not why_draft:
-        why_draft = why_bf16
     common = {"threads": threads, "log_dir": log_dir}
     return [
         LlamaServerPeer(names[0], binary, bf16, comparable=KERNELS, missing=why_bf16, **common),
         LlamaServerPeer(names[1], binary, quant, comparable=OTHER_WEIGHTS, missing=why_quant, **common),
         LlamaServerPeer(names[2], binary, bf16, drafter_gguf=draft, block_size=block_size, comparable=KERNELS,
-                        missing=why_draft, **common),
+                        missing=why_bf16 or why_draft, **common),  # llama.cpp's DFlash runs on the bf16 GGUF
     ]  # fmt: skip
 
 
@@ -264,7 +262,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     hf_logging.set_verbosity_error()  # transformers' deprecation chatter would break the progress bar
     source, target_label = resolve_target(args.target)
-    quantize = getattr(args, "quantize", "none")
+    quantize = args.quantize
     print(f"Loading {target_label} ({args.dtype}{', weight-only int8' if quantize == 'int8' else ''})...",
           file=sys.stderr)  # fmt: skip
     model, tokenizer = load_target(source, dtype=dtype, device=args.device, quantize=quantize)

@@ -242,6 +242,8 @@ class LlamaServerPeer(Method):
     def unavailable(self) -> str | None:
         if self.missing:
             return self.missing
+        if self.binary is None or self.model_gguf is None:
+            return "no llama-server binary or GGUF given"
         for what, path in (("llama-server", self.binary), ("GGUF", self.model_gguf), ("drafter GGUF", self.drafter_gguf)):
             if path is not None and not path.is_file():
                 return f"{what} {path} does not exist"
