@@ -420,6 +420,8 @@ def _as_json(result, args, dtype: torch.dtype, speculative: bool) -> dict[str, A
 
 
 def _print_summary(result, speculative: bool) -> None:
+    from .quantize import is_quantized
+
     s = result.stats
     t = _phase_times(s)
     line = (
@@ -428,7 +430,7 @@ def _print_summary(result, speculative: bool) -> None:
     )
     if not speculative:
         line += " (autoregressive)"
-    if s.target_weights and s.target_weights.startswith("int8"):
+    if is_quantized(s.target_weights):
         line += f" (target: {s.target_weights}; exact w.r.t. the quantized target)"
     print(line, file=sys.stderr)
     if result.ar is not None:

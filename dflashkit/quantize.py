@@ -169,6 +169,11 @@ def quantize_model(model: nn.Module, method: str | None = "int8", *, lm_head: bo
     return model
 
 
+def is_quantized(weights: str | None) -> bool:
+    """Whether a `target_weights` description (stats, bench settings) names a quantized target."""
+    return bool(weights) and weights.startswith(INT8_WEIGHTS)
+
+
 def target_weights(model: nn.Module) -> str:
     """What the target computes with: "int8 weight-only (per-channel)..." or its floating dtype ("bfloat16")."""
     quant = getattr(model, "dflashkit_quantization", None)

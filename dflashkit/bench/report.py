@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..fsutil import atomic_write
+from ..quantize import is_quantized
 from . import environment
 from .methods import EXACT, KERNELS, OTHER_WEIGHTS
 from .metrics import __doc__ as METRICS_DOC
@@ -134,7 +135,7 @@ def markdown(data: dict[str, Any]) -> str:
          f"{v.get('transformers')}" + (f", llama-cpp-python {v['llama-cpp-python']}" if v.get("llama-cpp-python") else "")),
         (f"- **target**: {st.get('target', '?')} ({st.get('dtype', '?')}"
          + (f"; weights {st['target_weights']}: every method runs on this quantized target, exact with respect to it"
-            if str(st.get("target_weights", "")).startswith("int8") else "")
+            if is_quantized(st.get("target_weights")) else "")
          + f"); **drafter**: {st.get('drafter', '?')}"),
         (f"- **settings**: data sets {', '.join(f'{k} ({n} questions)' for k, n in data['datasets'].items())}; "
          f"max {st['max_new_tokens']} new tokens; turns {st['max_turns'] or 'all'}; seed {st['seed']}; "
