@@ -63,7 +63,13 @@ class RunRow:
 def tau(accepted_lengths: Iterable[int]) -> float | None:
     """Mean tokens per verification step (accepted drafts + 1); None without steps."""
     acc = list(accepted_lengths)
-    return sum(acc) / len(acc) + 1.0 if acc else None
+    return tau_pooled(len(acc), sum(acc))
+
+
+def tau_pooled(steps: int, accepted: int) -> float | None:
+    """τ from totals: `accepted` drafts over `steps` verification steps, + 1 (what engines such as
+    llama-server report); None without steps."""
+    return 1.0 + accepted / steps if steps else None
 
 
 def accepted_histogram(accepted_lengths: Iterable[int], block_size: int) -> list[int]:
@@ -149,7 +155,7 @@ def summarize(rows: Sequence[RunRow], baseline: Sequence[RunRow]) -> dict[str, A
         "generations": len(rows),
         "questions": len(tps),
         "new_tokens": sum(r.new_tokens for r in rows),
-        "tau": (1.0 + n_accepted / n_steps if n_steps else None) if speculative else 1.0,
+        "tau": tau_pooled(n_steps, n_accepted) if speculative else 1.0,
         "steps": n_steps,
         "block_size": block if speculative else 1,
         "acceptance_per_position": acceptance_per_position(acc, drafted, block) if acc and block > 1 else None,
