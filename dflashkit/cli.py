@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     _add_quantize_option(g)
+    _add_eager_option(g)
     g.add_argument("--device", default="cpu")
     _add_threads_option(g)
     g.add_argument("--compare-ar", action="store_true", help="also decode plainly; print speedup and whether outputs match")
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     _add_quantize_option(s)
+    _add_eager_option(s)
     s.add_argument("--device", default="cpu")
     _add_threads_option(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -187,6 +189,17 @@ def _add_quantize_option(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="int8: weight-only int8 target weights, one scale per output channel (CPU). A different target: "
         "the output is exact with respect to the quantized model, not the --dtype one (default: %(default)s)",
+    )
+
+
+def _add_eager_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--eager",
+        "--no-compile",
+        dest="eager",
+        action="store_true",
+        help="the eager path, for debugging and comparisons: plain nn.Linear layers instead of the fast path's "
+        "weights prepacked for oneDNN (same bf16 results, slower)",
     )
 
 
@@ -300,10 +313,10 @@ def _load_generator(args: argparse.Namespace, quiet: bool):
 
     with _status("Loading target model...", quiet):
         gen = SpeculativeGenerator.load(args.target, None, dtype=DTYPES[args.dtype], device=args.device,
-                                        quantize=args.quantize)
+                                        quantize=args.quantize, fast=not args.eager)
         drafter, drafter_note = _resolve_drafter(args.drafter, args.target, gen)
         if drafter is not None:
-            gen = SpeculativeGenerator(gen.model, gen.tokenizer, drafter)
+            gen = SpeculativeGenerator(gen.model, gen.tokenizer, drafter, fast=not args.eager)
     if drafter_note:
         print(drafter_note, file=sys.stderr)
     return gen
@@ -402,6 +415,7 @@ def _as_json(result, args, dtype: torch.dtype, speculative: bool) -> dict[str, A
         "tokens_per_s": s.tokens_per_s,
         "dtype": str(dtype).removeprefix("torch."),
         "target_weights": s.target_weights,
+        "fast_path": not args.eager,
         "block_size": s.block_size,
         "speculative": speculative,
         "finish_reason": result.finish_reason,

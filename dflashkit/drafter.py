@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import DrafterConfig
+from .linear import PackedLinear
 from .quantize import Int8Linear
 
 KV = tuple[Tensor, Tensor]  # keys, values: [batch, kv_heads, seq, head_dim] each
@@ -242,7 +243,8 @@ class DFlashDrafter(nn.Module):
 
     def _draft_head(self, lm_head: nn.Module) -> tuple[Callable[[Tensor], Tensor], int]:
         """The target's head restricted to the draft vocabulary's rows, and the full vocabulary size; rebuilt
-        only when the head (or its weights) change. A weight-only int8 head keeps its rows in int8."""
+        only when the head (or its weights) change. A weight-only int8 head keeps its rows in int8; other
+        heads' rows are prepacked for oneDNN where that runs (:mod:`dflashkit.linear`)."""
         weight = lm_head.qweight if isinstance(lm_head, Int8Linear) else lm_head.weight  # [vocab, hidden]
         key = (id(lm_head), weight.data_ptr(), weight._version)
         if self._head_rows is None or self._head_rows[0] != key:
@@ -250,8 +252,7 @@ class DFlashDrafter(nn.Module):
             if isinstance(lm_head, Int8Linear):
                 head = lm_head.rows(ids)
             else:
-                rows = weight[ids].detach()  # [V', hidden]
-                head = lambda h: h @ rows.T  # noqa: E731
+                head = PackedLinear(weight[ids].detach())  # [V', hidden] rows
             self._head_rows = (key, head, weight.shape[0])
         return self._head_rows[1], self._head_rows[2]
 

@@ -16,21 +16,26 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .attention import use_packed_gqa
 from .errors import IncompatibleDrafterError, InvalidInputError
+from .linear import has_packed_linears, pack_linears, unpack_linears
 from .quantize import target_weights
 
 
 class TargetAdapter:
     """Wraps an `AutoModelForCausalLM` (Llama family incl. SmolLM2, Qwen2, Qwen3, ...).
 
-    A model on transformers' "sdpa" attention is switched to the packed grouped-query form of
-    :mod:`dflashkit.attention` (same maths, several times faster on a CPU); ``packed_attention=False``
-    leaves it alone.
+    Two in-place speed-ups, each with a switch to leave the model alone: a model on transformers' "sdpa"
+    attention is switched to the packed grouped-query form of :mod:`dflashkit.attention` (same maths,
+    several times faster on a CPU; ``packed_attention``), and its ``nn.Linear`` layers (LM head included)
+    get weights prepacked for oneDNN (:mod:`dflashkit.linear`; bf16 products bitwise unchanged, ~1.5x faster
+    per decoding step; ``packed_weights``, a no-op off the CPU).
     """
 
     def __init__(self, model: PreTrainedModel, feature_layer_ids: Sequence[int] = (), *,
-                 packed_attention: bool = True) -> None:
+                 packed_attention: bool = True, packed_weights: bool = True) -> None:
         if packed_attention:
             use_packed_gqa(model)
+        if packed_weights:
+            pack_linears(model)
         self.model = model.eval()
         self.config = model.config
         decoder = model.get_decoder()
@@ -40,7 +45,6 @@ class TargetAdapter:
                 f"{type(model).__name__}: its decoder has no `layers` list, so feature layers cannot be hooked"
             )
         self.embed_tokens: nn.Module = model.get_input_embeddings()
-        self.lm_head: nn.Module = model.get_output_embeddings()
         self._captured: dict[int, Tensor] = {}
         self._hooks: list = []
         self.feature_layer_ids: list[int] = []
@@ -76,6 +80,19 @@ class TargetAdapter:
     def weights(self) -> str:
         """What the target computes with: its dtype ("bfloat16"), or "int8 weight-only (per-channel)..."."""
         return target_weights(self.model)
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def packed_weights(self) -> bool:
+        """Whether the model's linear layers run on prepacked oneDNN weights (see :mod:`dflashkit.linear`)."""
+        return has_packed_linears(self.model)
+
+    def use_packed_weights(self, on: bool) -> None:
+        """Switch the prepacked linear layers on (packing is kept, so switching back is cheap) or off."""
+        (pack_linears if on else unpack_linears)(self.model)
 
     # ---- feature capture -----------------------------------------------------------------------------
 

@@ -21,7 +21,8 @@ from dflashkit.stats import DecodeStats
 
 PROMPT = "Write a short story about a robot who learns to paint."
 CLASSES = {
-    "GEMM (linear layers, LM head)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "GEMM (linear layers, LM head)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+                                      "mkldnn::_linear_pointwise"),
     "attention (SDPA)": ("scaled_dot_product", "flash_attention"),
     "copies, cat, cache": ("aten::copy_", "aten::cat", "aten::index", "aten::clone", "aten::contiguous",
                            "aten::_to_copy", "aten::narrow", "aten::slice"),
@@ -55,11 +56,13 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--eager", action="store_true", help="eager linear layers (no prepacked oneDNN weights)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    gen = SpeculativeGenerator.load(drafter=args.drafter)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16")
+    gen = SpeculativeGenerator.load(drafter=args.drafter, fast=not args.eager)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, "
+          f"{'eager linear layers' if args.eager else 'prepacked oneDNN linear layers (fast path)'}")
     for use in (False, True, False, True):  # warm-up, then measured
         run(gen, use, args.block_size, 16)
     for use, label in ((False, "autoregressive"), (True, "speculative")):

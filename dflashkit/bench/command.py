@@ -64,6 +64,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--quantize", choices=["none", *QUANT_METHODS], default="none",
                    help="int8: every method runs on a weight-only int8 target (per-channel scales; CPU); "
                    "tokens are compared with the int8 baseline, never with the bf16 model")  # fmt: skip
+    b.add_argument("--eager", "--no-compile", dest="eager", action="store_true",
+                   help="dflashkit methods on the eager path (plain nn.Linear layers, no prepacked oneDNN weights)")
     b.add_argument("--device", default="cpu")
     b.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's)")
     quick = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items() if k != "datasets")
@@ -266,7 +268,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"Loading {target_label} ({args.dtype}{', weight-only int8' if quantize == 'int8' else ''})...",
           file=sys.stderr)  # fmt: skip
     model, tokenizer = load_target(source, dtype=dtype, device=args.device, quantize=quantize)
-    session = TargetSession(model, tokenizer)
+    session = TargetSession(model, tokenizer, fast=not args.eager)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / f"bench-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
@@ -278,6 +280,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             m.close()
     result.extra["settings"] = {"target": target_label, "drafter": drafter_label, "dtype": args.dtype,
                                 "quantize": quantize, "target_weights": session.adapter.weights,
+                                "linear_layers": "eager" if args.eager else "prepacked oneDNN (fast path)",
                                 "device": args.device, "threads": threads, "quick": args.quick,
                                 "methods": settings["methods"], "block_sizes": settings["block_sizes"]}  # fmt: skip
     argv = getattr(args, "argv", None)

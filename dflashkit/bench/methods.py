@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..adaptive import AdaptiveBlockSize
 from ..decode import DecodeOptions, StepObserver, decode
 from ..drafter import DFlashDrafter
+from ..linear import pack_linears, unpack_linears
 from ..sampling import SamplingParams
 from ..stats import DecodeStats
 from ..target import TargetAdapter
@@ -101,14 +102,16 @@ class Method(ABC):
 class TargetSession:
     """The target shared by every method: the model, its tokenizer, and dflashkit's adapter over it.
 
-    The adapter switches the model to dflashkit's packed grouped-query attention; :meth:`transformers_mode`
-    gives transformers' own "sdpa" attention (and no feature hooks) back for the peers' `generate` calls.
+    The adapter switches the model to dflashkit's packed grouped-query attention and (``fast``, the default)
+    prepacked oneDNN linear layers; :meth:`transformers_mode` gives transformers' own "sdpa" attention and
+    ``nn.Linear`` layers (and no feature hooks) back for the peers' `generate` calls.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, fast: bool = True) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.original_attention = getattr(model.config, "_attn_implementation", None)
-        self.adapter = TargetAdapter(model, ())
+        self.fast = fast
+        self.adapter = TargetAdapter(model, (), packed_weights=fast)
         self.engine_attention = getattr(model.config, "_attn_implementation", None)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
 
@@ -123,9 +126,11 @@ class TargetSession:
         switch = self.original_attention is not None and self.original_attention != self.engine_attention
         if switch:
             self.model.set_attn_implementation(self.original_attention)
+        self.adapter.use_packed_weights(False)
         try:
             yield self.model
         finally:
+            self.adapter.use_packed_weights(self.fast)
             if switch:
                 self.model.set_attn_implementation(self.engine_attention)
 
@@ -194,6 +199,7 @@ class DFlash(Method):
 
     def __init__(self, session: TargetSession, drafter: DFlashDrafter, block_size: int | str, drafter_label: str) -> None:
         self.session, self.drafter, self.block_size = session, drafter, block_size
+        (pack_linears if session.fast else unpack_linears)(drafter)  # the target's fast path or eager path
         trained = drafter.block_size
         self.policy = None
         if block_size == "auto":  # one policy for the whole run: its estimates carry over between prompts
