@@ -415,7 +415,7 @@ def _as_json(result, args, dtype: torch.dtype, speculative: bool) -> dict[str, A
         "tokens_per_s": s.tokens_per_s,
         "dtype": str(dtype).removeprefix("torch."),
         "target_weights": s.target_weights,
-        "fast_path": not args.eager,
+        "engine": result.stats.engine,
         "block_size": s.block_size,
         "speculative": speculative,
         "finish_reason": result.finish_reason,

@@ -80,7 +80,7 @@ def decode(
     policy = block_policy if drafter is not None else None
     stats = stats if stats is not None else DecodeStats(block_size=block)
     stats.block_size, stats.prompt_tokens = block, len(prompt_ids)
-    stats.target_weights = target.weights
+    stats.target_weights, stats.engine = target.weights, target.engine
     params = options.sampling
     device = target.device
     gen = torch.Generator(device=device).manual_seed(
@@ -93,7 +93,7 @@ def decode(
 
     # ---- prefill ----------------------------------------------------------------------------------------
     t_start = time.perf_counter()
-    cache = target.new_cache()
+    cache = target.new_cache(capacity=len(prompt_ids) + max_new + block)
     prompt = torch.tensor([prompt_ids], device=device)
     logits, features = target.forward(prompt, 0, cache, logits_rows=1)
     token = choose(logits[-1])

@@ -90,9 +90,10 @@ class SpeculativeGenerator:
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter | None = None,
         *, fast: bool = True,
     ) -> None:
-        """``fast`` (default): the CPU fast path, linear layers of target and drafter on prepacked oneDNN weights
-        (:mod:`dflashkit.linear`; same bf16 products, ~1.5x faster steps); False keeps the eager modules, for
-        debugging and comparisons. Either way the model is changed in place (see :class:`TargetAdapter`)."""
+        """``fast`` (default): the fast path: the target decodes through dflashkit's fast forward where its
+        architecture is covered (fused prepacked GEMMs, static KV cache; see :class:`TargetAdapter`) and the
+        drafter's linear layers run on prepacked oneDNN weights; False: the eager path (transformers' forward,
+        plain ``nn.Linear``), for debugging and comparisons."""
         if drafter is not None:
             check_compatible(drafter.config, model)
             param = next(drafter.parameters())
@@ -100,8 +101,9 @@ class SpeculativeGenerator:
                 drafter = drafter.to(device=model.device, dtype=model.dtype)
             (pack_linears if fast else unpack_linears)(drafter)
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
-        self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else ())
-        self.target.use_packed_weights(fast)
+        self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else (), fast=fast)
+        if not fast:
+            self.target.use_packed_linears(False)  # an earlier fast adapter may have packed them
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.block_policy: AdaptiveBlockSize | None = (
             AdaptiveBlockSize(drafter.block_size) if drafter is not None and drafter.block_size >= 2 else None

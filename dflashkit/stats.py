@@ -25,6 +25,7 @@ class DecodeStats:
     finish_reason: str | None = None  # "stop" (eos/stop token/stop string) or "length"
     adaptive: bool = False  # block size chosen per step (drafted_lengths + 1 gives each step's block)
     target_weights: str | None = None  # what the target computed with: "bfloat16", "int8 weight-only (per-channel)", ...
+    engine: str | None = None  # which target forward decoded (TargetAdapter.engine): the fast path or eager
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.drafted_lengths.append(drafted)
@@ -100,4 +101,5 @@ class DecodeStats:
             },
             "finish_reason": self.finish_reason,
             "target_weights": self.target_weights,
+            "engine": self.engine,
         }

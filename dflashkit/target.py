@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .attention import use_packed_gqa
 from .errors import IncompatibleDrafterError, InvalidInputError
+from .fast_target import FastTargetForward, StaticKVCache, unsupported_reason
 from .linear import has_packed_linears, pack_linears, unpack_linears
 from .quantize import target_weights
 
@@ -23,19 +24,25 @@ from .quantize import target_weights
 class TargetAdapter:
     """Wraps an `AutoModelForCausalLM` (Llama family incl. SmolLM2, Qwen2, Qwen3, ...).
 
-    Two in-place speed-ups, each with a switch to leave the model alone: a model on transformers' "sdpa"
-    attention is switched to the packed grouped-query form of :mod:`dflashkit.attention` (same maths,
-    several times faster on a CPU; ``packed_attention``), and its ``nn.Linear`` layers (LM head included)
-    get weights prepacked for oneDNN (:mod:`dflashkit.linear`; bf16 products bitwise unchanged, ~1.5x faster
-    per decoding step; ``packed_weights``, a no-op off the CPU).
+    The fast path (``fast=True``, the default): decoding runs through :class:`FastTargetForward` (fused,
+    prepacked GEMMs over a preallocated KV cache; :mod:`dflashkit.fast_target`) where the architecture is
+    covered, else through transformers' forward with ``nn.Linear`` layers swapped in place for prepacked
+    ones (:mod:`dflashkit.linear`). ``fast=False`` leaves the linear layers alone and uses transformers'
+    forward: the eager path, for debugging and comparisons. Independently, a model on transformers' "sdpa"
+    attention is switched to the packed grouped-query form of :mod:`dflashkit.attention` (same maths, several
+    times faster on a CPU); ``packed_attention=False`` leaves it alone.
     """
 
     def __init__(self, model: PreTrainedModel, feature_layer_ids: Sequence[int] = (), *,
-                 packed_attention: bool = True, packed_weights: bool = True) -> None:
+                 packed_attention: bool = True, fast: bool = True) -> None:
         if packed_attention:
             use_packed_gqa(model)
-        if packed_weights:
-            pack_linears(model)
+        self.fast_forward: FastTargetForward | None = None
+        if fast:
+            if unsupported_reason(model) is None:
+                self.fast_forward = FastTargetForward(model)
+            else:
+                pack_linears(model)
         self.model = model.eval()
         self.config = model.config
         decoder = model.get_decoder()
@@ -83,16 +90,26 @@ class TargetAdapter:
 
     @property
     def lm_head(self) -> nn.Module:
-        return self.model.get_output_embeddings()
+        """The target's LM head (the fast forward's prepacked one when that runs; same weights)."""
+        return self.fast_forward.head if self.fast_forward is not None else self.model.get_output_embeddings()
 
     @property
-    def packed_weights(self) -> bool:
-        """Whether the model's linear layers run on prepacked oneDNN weights (see :mod:`dflashkit.linear`)."""
-        return has_packed_linears(self.model)
+    def engine(self) -> str:
+        """Which forward decodes: the fast one, transformers' with prepacked linear layers, or the eager one."""
+        if self.fast_forward is not None:
+            return "dflashkit fast forward (fused prepacked GEMMs, static KV cache)"
+        if has_packed_linears(self.model):
+            return "transformers forward, prepacked linear layers"
+        return "transformers forward (eager)"
 
-    def use_packed_weights(self, on: bool) -> None:
-        """Switch the prepacked linear layers on (packing is kept, so switching back is cheap) or off."""
-        (pack_linears if on else unpack_linears)(self.model)
+    @property
+    def fast(self) -> bool:
+        return self.fast_forward is not None or has_packed_linears(self.model)
+
+    def use_packed_linears(self, on: bool) -> None:
+        """Swap the model's own linear layers for prepacked ones or back (transformers' forward only; kept
+        packed, so switching back is cheap). Used to hand transformers' `generate` its original modules."""
+        (pack_linears if on and self.fast_forward is None else unpack_linears)(self.model)
 
     # ---- feature capture -----------------------------------------------------------------------------
 
@@ -118,12 +135,15 @@ class TargetAdapter:
 
     # ---- running the target --------------------------------------------------------------------------
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self, capacity: int | None = None) -> DynamicCache | StaticKVCache:
+        """An empty KV cache for one generation; `capacity`: the positions it will likely need (it grows)."""
+        if self.fast_forward is not None:
+            return self.fast_forward.new_cache(capacity or 256)
         return DynamicCache(config=self.config)
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: Tensor, start: int, cache: DynamicCache, logits_rows: int
+        self, input_ids: Tensor, start: int, cache: DynamicCache | StaticKVCache, logits_rows: int
     ) -> tuple[Tensor, Tensor | None]:
         """Run tokens input_ids [1, n] at positions start..start+n-1, appending them to `cache`.
 
@@ -135,6 +155,10 @@ class TargetAdapter:
             raise InvalidInputError(
                 f"context of {start + n} tokens exceeds the target's maximum of {self.max_positions} positions"
             )
+        if isinstance(cache, StaticKVCache):
+            if self.fast_forward is None:
+                raise InvalidInputError("a StaticKVCache needs the fast forward (TargetAdapter(..., fast=True))")
+            return self.fast_forward(input_ids, start, cache, logits_rows, self.feature_layer_ids)
         positions = torch.arange(start, start + n, device=input_ids.device)
         out = self.model(
             input_ids=input_ids,
@@ -162,11 +186,21 @@ class TargetAdapter:
         return features
 
     @staticmethod
-    def crop(cache: DynamicCache, length: int) -> None:
+    def crop(cache: DynamicCache | StaticKVCache, length: int) -> None:
         """Keep the first `length` positions of the cache (drops rejected draft positions)."""
+        if isinstance(cache, StaticKVCache):
+            cache.crop(length)
+            return
         surplus = cache.get_seq_length() - length
         if surplus > 0:
             cache.crop(-surplus)  # transformers >= 5.23 takes the number of tokens to remove, negated
+
+    @staticmethod
+    def cached_key_values(cache: DynamicCache | StaticKVCache) -> list[tuple[Tensor, Tensor]]:
+        """Per layer, the cached keys and values [kv_heads, length, head_dim] (batch 1; for checks and tests)."""
+        if isinstance(cache, StaticKVCache):
+            return [cache.layer(i) for i in range(cache.keys.shape[0])]
+        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
 
     @torch.inference_mode()
     def embed(self, input_ids: Tensor) -> Tensor:

@@ -56,13 +56,12 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--eager", action="store_true", help="eager linear layers (no prepacked oneDNN weights)")
+    ap.add_argument("--eager", action="store_true", help="the eager path (transformers' forward, plain nn.Linear)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load(drafter=args.drafter, fast=not args.eager)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, "
-          f"{'eager linear layers' if args.eager else 'prepacked oneDNN linear layers (fast path)'}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, target: {gen.target.engine}")
     for use in (False, True, False, True):  # warm-up, then measured
         run(gen, use, args.block_size, 16)
     for use, label in ((False, "autoregressive"), (True, "speculative")):

@@ -115,8 +115,8 @@ def test_caches_equal_a_fresh_prefill_after_every_step(arch):
     checked = {"target": 0, "context": 0}
 
     class CheckingTarget(TargetAdapter):
-        def new_cache(self):
-            self.cache = super().new_cache()
+        def new_cache(self, capacity=None):
+            self.cache = super().new_cache(capacity)
             return self.cache
 
     target = CheckingTarget(model, base.config.target_layer_ids)
@@ -153,9 +153,10 @@ def test_caches_equal_a_fresh_prefill_after_every_step(arch):
         verified = len(prompt) + len(emitted) - 1  # the last emitted token is not yet in the target
         assert target.cache.get_seq_length() == verified
         expected_cache, _ = fresh(full_seq[:verified])
-        for layer_got, layer_exp in zip(target.cache.layers, expected_cache.layers):
-            torch.testing.assert_close(layer_got.keys, layer_exp.keys, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(layer_got.values, layer_exp.values, rtol=1e-4, atol=1e-4)
+        got, exp = TargetAdapter.cached_key_values(target.cache), TargetAdapter.cached_key_values(expected_cache)
+        for (k_got, v_got), (k_exp, v_exp) in zip(got, exp):
+            torch.testing.assert_close(k_got, k_exp, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v_got, v_exp, rtol=1e-4, atol=1e-4)
         checked["target"] += 1
 
     out = [t for s in decode(target, drafter, prompt, DecodeOptions(max_new_tokens=40), stats, observer) for t in s.tokens]

@@ -10,10 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_drafter, tiny_target
-from dflashkit.adaptive import AdaptiveBlockSize
-from dflashkit.decode import DecodeOptions, decode
 from dflashkit.linear import PackedLinear, has_packed_linears, pack_linears, packing_supported, unpack_linears
-from dflashkit.sampling import SamplingParams
 from dflashkit.target import TargetAdapter
 
 needs_bf16 = pytest.mark.skipif(not packing_supported("cpu", torch.bfloat16), reason="no oneDNN bf16 on this CPU")
@@ -101,81 +98,21 @@ def test_nothing_is_packed_where_it_cannot_run():
     assert pack_linears(model) == 0 and not has_packed_linears(model)
 
 
-def _decode(target, drafter, prompt, **kw):
-    policy = kw.pop("policy", None)
-    options = DecodeOptions(**{"max_new_tokens": 24, **kw})
-    return [t for s in decode(target, drafter, prompt, options, block_policy=policy) for t in s.tokens]
-
-
-def _fast_and_eager(arch, dtype=torch.float32, block_size=8):
-    """The same tiny target + drafter twice: on packed linears (fast path) and on eager nn.Linear layers."""
-    model = tiny_target(arch, dtype=dtype)
-    drafter = tiny_drafter(model, block_size=block_size).to(dtype)
-    eager_model, eager_drafter = copy.deepcopy(model), copy.deepcopy(drafter)
-    fast = TargetAdapter(model, drafter.config.target_layer_ids)
-    pack_linears(drafter)
-    eager = TargetAdapter(eager_model, drafter.config.target_layer_ids, packed_weights=False)
-    assert fast.packed_weights and not eager.packed_weights and not has_packed_linears(eager_drafter)
-    return (fast, drafter), (eager, eager_drafter)
-
-
-PROMPTS = [[5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6], [42], list(range(10, 40))]
-
-
 @needs_fp32
-def test_fast_and_eager_paths_decode_the_same_tokens_in_fp32(arch):
-    (fast, fast_drafter), (eager, eager_drafter) = _fast_and_eager(arch)
-    for prompt in PROMPTS:
-        plain = _decode(eager, None, prompt)
-        assert _decode(fast, None, prompt) == plain
-        assert _decode(fast, fast_drafter, prompt) == _decode(eager, eager_drafter, prompt) == plain
-        sampling = SamplingParams(temperature=1.0)
-        assert (_decode(fast, fast_drafter, prompt, sampling=sampling, seed=7)
-                == _decode(eager, eager_drafter, prompt, sampling=sampling, seed=7))  # fmt: skip
-
-
-@needs_fp32
-def test_fast_and_eager_paths_agree_when_the_block_size_changes_mid_generation():
-    """The adaptive policy changes the block size from step to step: both paths follow the same sizes."""
-    (fast, fast_drafter), (eager, eager_drafter) = _fast_and_eager("llama", block_size=8)
-    for prompt in PROMPTS:
-        runs = []
-        for target, drafter in ((fast, fast_drafter), (eager, eager_drafter)):
-            policy = AdaptiveBlockSize(8, explore_every=3)
-            sizes: list[int] = []
-            choose = policy.choose
-            policy.choose = lambda: sizes.append(choose()) or sizes[-1]
-            runs.append((_decode(target, drafter, prompt, max_new_tokens=40, policy=policy), sizes))
-        (fast_out, fast_sizes), (eager_out, _) = runs
-        assert fast_out == eager_out == _decode(eager, None, prompt, max_new_tokens=40)
-        assert len(set(fast_sizes)) >= 3, fast_sizes  # the size really changed
-
-
-@needs_bf16
-def test_bf16_fast_path_gives_the_eager_logits_bitwise(arch):
-    """In bf16 packing changes nothing in the numbers: a verify pass gives the eager path's logits exactly."""
-    (fast, _), (eager, _) = _fast_and_eager(arch, dtype=torch.bfloat16)
-    ids = torch.tensor([PROMPTS[3]])
-    got, got_feats = fast.forward(ids, 0, fast.new_cache(), logits_rows=ids.shape[1])
-    expected, exp_feats = eager.forward(ids, 0, eager.new_cache(), logits_rows=ids.shape[1])
-    assert torch.equal(got, expected) and torch.equal(got_feats, exp_feats)
-
-
-@needs_fp32
-def test_use_packed_weights_switches_both_ways():
+def test_use_packed_linears_switches_transformers_forward_both_ways():
     model = tiny_target("llama")
-    target = TargetAdapter(model)
-    assert target.packed_weights
-    target.use_packed_weights(False)
-    assert not target.packed_weights and type(target.lm_head) is nn.Linear
-    target.use_packed_weights(True)
-    assert target.packed_weights and isinstance(target.lm_head, PackedLinear)
+    target = TargetAdapter(model, fast=False)
+    assert target.engine == "transformers forward (eager)" and not target.fast
+    target.use_packed_linears(True)
+    assert target.engine == "transformers forward, prepacked linear layers" and isinstance(target.lm_head, PackedLinear)
+    target.use_packed_linears(False)
+    assert not has_packed_linears(model) and type(target.lm_head) is nn.Linear
 
 
 @needs_fp32
 def test_a_packed_model_can_be_copied_and_converted():
     model = tiny_target("llama")
-    TargetAdapter(model)
+    pack_linears(model)
     ids = torch.tensor([[5, 6, 7]])
     with torch.inference_mode():
         expected = model(ids).logits

@@ -280,7 +280,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             m.close()
     result.extra["settings"] = {"target": target_label, "drafter": drafter_label, "dtype": args.dtype,
                                 "quantize": quantize, "target_weights": session.adapter.weights,
-                                "linear_layers": "eager" if args.eager else "prepacked oneDNN (fast path)",
+                                "engine": session.adapter.engine,
                                 "device": args.device, "threads": threads, "quick": args.quick,
                                 "methods": settings["methods"], "block_sizes": settings["block_sizes"]}  # fmt: skip
     argv = getattr(args, "argv", None)

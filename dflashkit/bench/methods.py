@@ -103,7 +103,7 @@ class TargetSession:
     """The target shared by every method: the model, its tokenizer, and dflashkit's adapter over it.
 
     The adapter switches the model to dflashkit's packed grouped-query attention and (``fast``, the default)
-    prepacked oneDNN linear layers; :meth:`transformers_mode` gives transformers' own "sdpa" attention and
+    decodes through the fast path; :meth:`transformers_mode` gives transformers' own "sdpa" attention and
     ``nn.Linear`` layers (and no feature hooks) back for the peers' `generate` calls.
     """
 
@@ -111,7 +111,7 @@ class TargetSession:
         self.model, self.tokenizer = model, tokenizer
         self.original_attention = getattr(model.config, "_attn_implementation", None)
         self.fast = fast
-        self.adapter = TargetAdapter(model, (), packed_weights=fast)
+        self.adapter = TargetAdapter(model, (), fast=fast)
         self.engine_attention = getattr(model.config, "_attn_implementation", None)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
 
@@ -126,11 +126,11 @@ class TargetSession:
         switch = self.original_attention is not None and self.original_attention != self.engine_attention
         if switch:
             self.model.set_attn_implementation(self.original_attention)
-        self.adapter.use_packed_weights(False)
+        self.adapter.use_packed_linears(False)
         try:
             yield self.model
         finally:
-            self.adapter.use_packed_weights(self.fast)
+            self.adapter.use_packed_linears(self.fast)
             if switch:
                 self.model.set_attn_implementation(self.engine_attention)
 

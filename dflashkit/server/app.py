@@ -158,7 +158,7 @@ class Service:
             "adaptive_block_size": drafter is not None and self.settings.block_size == "auto",
             "context_length": self.generator.target.max_positions,
             "target_weights": self.generator.target.weights,
-            "fast_path": self.generator.target.packed_weights,
+            "engine": self.generator.target.engine,
             "queued": self.scheduler.queued,
             "running": self.scheduler.running,
             "max_queue": self.settings.max_queue,

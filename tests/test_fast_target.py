@@ -1,0 +1,197 @@
+"""The fast target forward: transformers' numbers, the same decoded tokens as the eager path, a static KV cache
+whose bookkeeping after every accepted length equals a fresh prefill."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_drafter, tiny_target
+from dflashkit.adaptive import AdaptiveBlockSize
+from dflashkit.decode import DecodeOptions, decode
+from dflashkit.errors import InvalidInputError
+from dflashkit.fast_target import FastTargetForward, StaticKVCache, unsupported_reason
+from dflashkit.linear import has_packed_linears, pack_linears
+from dflashkit.sampling import SamplingParams
+from dflashkit.stats import DecodeStats
+from dflashkit.target import TargetAdapter
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+PROMPTS = [[5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6], [42], list(range(10, 40))]
+
+
+@pytest.fixture(params=ARCHS)
+def any_arch(request) -> str:
+    return request.param
+
+
+def engines(arch: str, dtype=torch.float32, block_size: int = 8, **overrides):
+    """The same tiny target + drafter three times: fast forward, transformers + prepacked linears, eager."""
+    model = tiny_target(arch, dtype=dtype, **overrides)
+    drafter = tiny_drafter(model, block_size=block_size).to(dtype)
+    layers = drafter.config.target_layer_ids
+    packed_model, eager_model = copy.deepcopy(model), copy.deepcopy(model)
+    packed_drafter, eager_drafter = copy.deepcopy(drafter), copy.deepcopy(drafter)
+    fast = TargetAdapter(model, layers)
+    pack_linears(drafter)
+    packed = TargetAdapter(packed_model, layers, fast=False)
+    packed.use_packed_linears(True)
+    pack_linears(packed_drafter)
+    eager = TargetAdapter(eager_model, layers, fast=False)
+    assert fast.fast_forward is not None and packed.fast_forward is None and has_packed_linears(packed_model)
+    assert not eager.fast and not has_packed_linears(eager_drafter)
+    return {"fast": (fast, drafter), "packed": (packed, packed_drafter), "eager": (eager, eager_drafter)}
+
+
+def run(target, drafter, prompt, stats=None, policy=None, **kw) -> list[int]:
+    options = DecodeOptions(**{"max_new_tokens": 24, **kw})
+    return [t for s in decode(target, drafter, prompt, options, stats, block_policy=policy) for t in s.tokens]
+
+
+def test_supported_architectures(any_arch):
+    assert unsupported_reason(tiny_target(any_arch)) is None
+
+
+def test_unsupported_models_keep_transformers_forward():
+    model = tiny_target("llama", hidden_act="gelu")
+    assert "activation" in unsupported_reason(model)
+    target = TargetAdapter(model)
+    assert target.fast_forward is None and target.engine == "transformers forward, prepacked linear layers"
+    with pytest.raises(InvalidInputError, match="does not cover"):
+        FastTargetForward(model)
+
+
+def test_logits_and_features_equal_transformers_in_fp32(any_arch):
+    """One prefill and a few multi-token passes: logits and feature-layer states equal transformers' forward."""
+    model = tiny_target(any_arch)
+    reference = TargetAdapter(copy.deepcopy(model), [0, 2, 5], fast=False)
+    fast = TargetAdapter(model, [0, 2, 5])
+    ids = torch.tensor([list(range(4, 40))])
+    ref_cache, fast_cache = reference.new_cache(), fast.new_cache(capacity=8)  # small: the buffers must grow
+    for start, end in ((0, 20), (20, 21), (21, 29), (29, 36)):
+        chunk = ids[:, start:end]
+        ref_logits, ref_feats = reference.forward(chunk, start, ref_cache, logits_rows=end - start)
+        got_logits, got_feats = fast.forward(chunk, start, fast_cache, logits_rows=end - start)
+        torch.testing.assert_close(got_logits, ref_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_feats, ref_feats, rtol=1e-4, atol=1e-4)
+    for (k_got, v_got), (k_ref, v_ref) in zip(fast.cached_key_values(fast_cache), reference.cached_key_values(ref_cache)):
+        torch.testing.assert_close(k_got, k_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v_got, v_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_rotary_variants_follow_the_models_own_rotary_module(rope):
+    overrides = {}
+    if rope == "llama3":
+        overrides["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 64}  # fmt: skip
+    model = tiny_target("llama", **overrides)
+    reference = TargetAdapter(copy.deepcopy(model), fast=False)
+    fast = TargetAdapter(model)
+    ids = torch.tensor([list(range(4, 90))])
+    ref, _ = reference.forward(ids, 0, reference.new_cache(), logits_rows=86)
+    got, _ = fast.forward(ids, 0, fast.new_cache(), logits_rows=86)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fast_packed_and_eager_paths_decode_the_same_tokens_in_fp32(any_arch):
+    paths = engines(any_arch)
+    for prompt in PROMPTS:
+        plain = run(*paths["eager"][:1], None, prompt)
+        sampling = SamplingParams(temperature=1.0)
+        for name, (target, drafter) in paths.items():
+            assert run(target, None, prompt) == plain, name
+            assert run(target, drafter, prompt) == plain, name
+            sampled = [run(t, d, prompt, sampling=sampling, seed=7) for t, d in paths.values()]
+            assert sampled[0] == sampled[1] == sampled[2]
+
+
+def test_paths_agree_when_the_block_size_changes_mid_generation():
+    """The adaptive policy changes the block size from step to step; every path gives the plain output."""
+    paths = engines("llama", block_size=8)
+    for prompt in PROMPTS:
+        plain = run(paths["eager"][0], None, prompt, max_new_tokens=40)
+        for name, (target, drafter) in paths.items():
+            policy = AdaptiveBlockSize(8, explore_every=3)
+            sizes: list[int] = []
+            choose = policy.choose
+            policy.choose = lambda choose=choose, sizes=sizes: sizes.append(choose()) or sizes[-1]
+            assert run(target, drafter, prompt, policy=policy, max_new_tokens=40) == plain, name
+            assert len(set(sizes)) >= 3, sizes  # the size really changed
+
+
+def test_bf16_speculative_parts_from_plain_only_at_ties(arch):
+    from test_decode import assert_bf16_parts_only_at_ties
+
+    model = tiny_target(arch, dtype=torch.bfloat16)
+    drafter = tiny_drafter(model, block_size=8)
+    assert TargetAdapter(model).fast_forward is not None
+    assert_bf16_parts_only_at_ties(model, drafter, [p for p in PROMPTS])
+
+
+def test_static_cache_after_every_accepted_length_equals_a_fresh_prefill(any_arch):
+    """After each step (every accepted length 0..B-1 occurs), the static cache's valid rows equal a fresh
+    prefill of the verified text, and its length is the verified length."""
+    from test_decode import OracleDrafter
+
+    model = tiny_target(any_arch)
+    base = tiny_drafter(model, block_size=6)
+    target = TargetAdapter(model, base.config.target_layer_ids)
+    caches: list[StaticKVCache] = []
+    new_cache = target.new_cache
+    target.new_cache = lambda capacity=None: caches.append(new_cache(capacity)) or caches[-1]
+    prompt = [7, 3, 9, 12, 5]
+    plain = run(TargetAdapter(copy.deepcopy(model), fast=False), None, prompt, max_new_tokens=40)
+    oracle = OracleDrafter(base.config, {})
+    oracle.load_state_dict(base.state_dict())
+    oracle.current = full = prompt + plain
+    emitted: list[int] = []
+    checked = 0
+
+    def observer(_logits, tokens):
+        nonlocal checked
+        emitted.extend(tokens)
+        verified = len(prompt) + len(emitted) - 1  # the last emitted token is not yet in the target
+        cache = caches[-1]
+        assert cache.length == verified
+        fresh = new_cache()
+        target.forward(torch.tensor([full[:verified]]), 0, fresh, logits_rows=1)
+        for (k, v), (k_exp, v_exp) in zip(target.cached_key_values(cache), target.cached_key_values(fresh)):
+            torch.testing.assert_close(k, k_exp, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v, v_exp, rtol=1e-4, atol=1e-4)
+        checked += 1
+
+    stats = DecodeStats(6)
+    out = [t for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=40), stats, observer) for t in s.tokens]
+    assert out == plain
+    assert set(stats.accepted_lengths) == set(range(6)), stats.accepted_lengths
+    assert checked == stats.steps + 1
+
+
+def test_the_cache_must_hold_exactly_the_positions_before_the_tokens():
+    target = TargetAdapter(tiny_target("llama"))
+    cache = target.new_cache()
+    target.forward(torch.tensor([[5, 6, 7]]), 0, cache, logits_rows=1)
+    with pytest.raises(InvalidInputError, match="holds 3 positions"):
+        target.forward(torch.tensor([[8]]), 5, cache, logits_rows=1)
+    target.crop(cache, 1)
+    assert cache.length == 1
+    logits, _ = target.forward(torch.tensor([[6]]), 1, cache, logits_rows=1)
+    assert logits.shape == (1, VOCAB)
+
+
+def test_a_static_cache_needs_the_fast_forward():
+    fast, eager = TargetAdapter(tiny_target("llama")), TargetAdapter(tiny_target("llama"), fast=False)
+    with pytest.raises(InvalidInputError, match="fast forward"):
+        eager.forward(torch.tensor([[5]]), 0, fast.new_cache(), logits_rows=1)
+
+
+def test_engine_is_reported_in_the_stats():
+    target = TargetAdapter(tiny_target("llama"))
+    stats = DecodeStats(1)
+    run(target, None, [5, 6], stats)
+    assert stats.engine == target.engine and "fast forward" in stats.engine
+    assert stats.as_dict()["engine"] == stats.engine
