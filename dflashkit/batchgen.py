@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .attention import use_packed_gqa
-from .sampling import SamplingParams, sample, warp
+from .sampling import SamplingParams, argmax, sample, warp
 
 
 @torch.inference_mode()
@@ -50,7 +50,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
     for step in range(max_new_tokens):
         logits = lm_head(hidden.contiguous())  # [alive, vocab]
         if sampling.greedy:
-            tokens = logits.argmax(-1)
+            tokens = argmax(logits)
         else:
             tokens = sample(warp(logits, sampling), generator)
         for r, t in zip(alive.tolist(), tokens.tolist()):

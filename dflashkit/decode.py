@@ -25,7 +25,7 @@ from torch import Tensor
 from .adaptive import AdaptiveBlockSize
 from .drafter import DFlashDrafter
 from .errors import IncompatibleDrafterError, InvalidInputError
-from .sampling import SamplingParams, propose, sample, verify_greedy, verify_sampled, warp
+from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
 from .stats import DecodeStats
 from .target import TargetAdapter
 
@@ -89,7 +89,7 @@ def decode(
     max_new = min(options.max_new_tokens, target.max_positions - len(prompt_ids))
 
     def choose(logits: Tensor) -> int:  # target's token from one row of logits
-        return int(logits.argmax(-1)) if params.greedy else int(sample(warp(logits, params), gen))
+        return int(argmax(logits)) if params.greedy else int(sample(warp(logits, params), gen))
 
     # ---- prefill ----------------------------------------------------------------------------------------
     t_start = time.perf_counter()

@@ -219,8 +219,9 @@ class FastTargetForward:
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, head_dim]: broadcast over heads
         mask = None
         if n > 1:  # query i (position start+i) sees keys 0..start+i; packed query rows repeat per group
-            causal = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start)
-            mask = causal[None].expand(group, n, end).reshape(1, 1, group * n, end)
+            hidden = torch.ones(n, end, dtype=torch.bool, device=x.device).triu(start + 1)
+            mask = x.new_zeros(n, end).masked_fill_(hidden, float("-inf"))  # additive: SDPA's fastest form here
+            mask = mask[None].expand(group, n, end).reshape(1, 1, group * n, end)
         wanted = {i: None for i in feature_layers}
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)

@@ -59,6 +59,15 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     return logits.softmax(-1)
 
 
+def argmax(logits: Tensor) -> Tensor:
+    """Index of the largest logit per row [..., vocab] -> [...]; the first one on ties, as ``Tensor.argmax``.
+
+    Computed in fp32: the conversion is exact and keeps the order, and torch's CPU argmax is 4-5x faster on
+    fp32 than on bf16 (16 x 49152 logits: 1.6 ms in bf16, 0.33 ms with the conversion).
+    """
+    return logits.float().argmax(-1)
+
+
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One token per row of probs [..., vocab] -> [...] (long)."""
     flat = probs.reshape(-1, probs.shape[-1])
@@ -72,7 +81,7 @@ def propose(draft_logits: Tensor, params: SamplingParams, mode: str, generator: 
     mode "sample": x ~ q independently per position from the drafter's warped distribution.
     """
     if mode == "argmax" or params.greedy:
-        return draft_logits.argmax(-1), None
+        return argmax(draft_logits), None
     if mode != "sample":
         raise InvalidInputError(f"proposal mode must be 'argmax' or 'sample', got {mode!r}")
     q = warp(draft_logits, params)
@@ -84,7 +93,7 @@ def verify_greedy(target_logits: Tensor, drafts: Tensor) -> tuple[int, int]:
 
     target_logits [k+1, vocab]: row j predicts the token after the j-th verified input.
     """
-    best = target_logits.argmax(-1)  # [k+1]
+    best = argmax(target_logits)  # [k+1]
     k = drafts.shape[0]
     accepted = int(torch.cumprod((drafts == best[:k]).int(), 0).sum()) if k else 0
     return accepted, int(best[accepted])
