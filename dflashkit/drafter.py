@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
 from .config import DrafterConfig
+from .kernels import Matmul, rotate
 from .linear import PackedLinear
 from .quantize import Int8Linear
 
@@ -179,6 +181,8 @@ class DFlashDrafter(nn.Module):
         vocab = torch.tensor(config.draft_vocab, dtype=torch.long) if config.draft_vocab is not None else None
         self.register_buffer("draft_vocab", vocab, persistent=False)  # [V'] or None
         self._head_rows: tuple[tuple, Callable[[Tensor], Tensor], int] | None = None  # see _draft_head
+        self.fast = False  # see use_fast_path
+        self._fast: tuple[int, FastDrafterForward] | None = None
 
     @property
     def block_size(self) -> int:
@@ -224,13 +228,35 @@ class DFlashDrafter(nn.Module):
         in `context`; they are appended first (the context grows only by verified tokens).
         """
         device = self.fc.weight.device
+        fast = self._fast_forward() if self.fast else None
         if new_features is not None and new_features.shape[1]:
             positions = torch.arange(new_start, new_start + new_features.shape[1], device=device)
-            context.append(self.context_key_values(new_features, positions))
+            kv = fast.context_key_values if fast is not None else self.context_key_values
+            context.append(kv(new_features, positions))
         block_ids = torch.full((1, k + 1), self.config.mask_token_id, device=device)
         block_ids[0, 0] = anchor
-        hidden = self(self.embed(block_ids, embed_tokens), torch.arange(pos, pos + k + 1, device=device), context.layers())
+        run = fast if fast is not None else self
+        hidden = run(self.embed(block_ids, embed_tokens), torch.arange(pos, pos + k + 1, device=device), context.layers())
         return self.logits(hidden[0, 1:], lm_head)  # [k, vocab]: row j predicts the token at position pos+1+j
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the inference caches out (packed oneDNN tensors cannot be copied); they are
+        rebuilt on first use."""
+        state = super().__getstate__().copy()
+        state["_fast"], state["_head_rows"] = None, None
+        return state
+
+    def use_fast_path(self, on: bool = True) -> None:
+        """Draft through :class:`FastDrafterForward` (fused prepacked products, plain callables; rebuilt when the
+        parameters change) or through the modules (the eager path). Training always uses the modules."""
+        self.fast = on
+        self._fast = None
+
+    def _fast_forward(self) -> FastDrafterForward:
+        version = sum(p._version for p in self.parameters() if not p.is_inference())
+        if self._fast is None or self._fast[0] != version:
+            self._fast = (version, FastDrafterForward(self))
+        return self._fast[1]
 
     def logits(self, hidden: Tensor, lm_head: nn.Module) -> Tensor:
         """Vocabulary logits [..., vocab] of drafter hidden states; outside the draft vocabulary, -inf."""
@@ -273,6 +299,67 @@ class DFlashDrafter(nn.Module):
         for layer, ctx in zip(self.layers, context):
             h = layer(h, cos, sin, ctx, attn_mask)
         return self.norm(h)
+
+
+class FastDrafterForward:
+    """The drafter's inference forward (batch 1, no mask) on plain callables: q/k/v and gate/up fused into one
+    product each, every product prepacked for oneDNN (:mod:`dflashkit.kernels`). Same maths as the modules;
+    built from the drafter's parameters as they are now."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        first = drafter.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = first.n_heads, first.n_kv, first.head_dim
+        self.fc = Matmul.of(drafter.fc)
+        self.hidden_norm, self.norm = _plain(drafter.hidden_norm), _plain(drafter.norm)
+        self.rotary = drafter.rotary
+        self.layers = [_FastDrafterLayer(layer) for layer in drafter.layers]
+
+    def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
+        ctx = self.hidden_norm(self.fc(target_features))  # [1, n, hidden]
+        cos, sin = self.rotary(positions, ctx.dtype)
+        n, kv, d = ctx.shape[1], self.kv_heads, self.head_dim
+        out = []
+        for layer in self.layers:
+            k, v = layer.kv(ctx).split(kv * d, dim=-1)
+            k = rotate(layer.k_norm(k.view(1, n, kv, d)).transpose(1, 2), cos, sin)  # [1, kv_heads, n, d]
+            out.append((k, v.view(1, n, kv, d).transpose(1, 2)))
+        return out
+
+    def __call__(self, block_embeddings: Tensor, positions: Tensor, context: list[KV]) -> Tensor:
+        """Final-normed hidden states [1, q_len, hidden] of the block (see DFlashDrafter.forward)."""
+        cos, sin = self.rotary(positions, block_embeddings.dtype)
+        h, (heads, kv, d) = block_embeddings, (self.heads, self.kv_heads, self.head_dim)
+        s = h.shape[1]
+        for layer, (k_ctx, v_ctx) in zip(self.layers, context):
+            q, k, v = layer.qkv(layer.input_norm(h)).split(layer.splits, dim=-1)
+            q = rotate(layer.q_norm(q.view(1, s, heads, d)).transpose(1, 2), cos, sin)  # [1, heads, s, d]
+            k = rotate(layer.k_norm(k.view(1, s, kv, d)).transpose(1, 2), cos, sin)  # [1, kv_heads, s, d]
+            keys = torch.cat((k_ctx, k), dim=2)  # [1, kv_heads, ctx+s, d]
+            values = torch.cat((v_ctx, v.view(1, s, kv, d).transpose(1, 2)), dim=2)
+            packed = q.reshape(1, kv, (heads // kv) * s, d)  # query heads per K/V head, no K/V copy
+            out = F.scaled_dot_product_attention(packed, keys, values).view(1, heads, s, d)
+            h = h + layer.o(out.transpose(1, 2).reshape(1, s, heads * d))
+            gate_up = layer.gate_up(layer.post_norm(h))
+            h = h + layer.down(F.silu(gate_up[..., : layer.intermediate]) * gate_up[..., layer.intermediate :])
+        return self.norm(h)
+
+
+class _FastDrafterLayer:
+    def __init__(self, layer: DrafterLayer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = Matmul.fused([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.splits = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
+        self.kv = Matmul.fused([attn.k_proj, attn.v_proj])
+        self.o = Matmul.of(attn.o_proj)
+        self.gate_up = Matmul.fused([mlp.gate_proj, mlp.up_proj])
+        self.intermediate = mlp.gate_proj.weight.shape[0]
+        self.down = Matmul.of(mlp.down_proj)
+        self.input_norm, self.post_norm = _plain(layer.input_layernorm), _plain(layer.post_attention_layernorm)
+        self.q_norm, self.k_norm = _plain(attn.q_norm), _plain(attn.k_norm)
+
+
+def _plain(norm: RMSNorm) -> kernels.RMSNorm:
+    return kernels.RMSNorm(norm.weight, norm.eps)
 
 
 class ContextCache:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from .errors import InvalidInputError
+from .kernels import Matmul, RMSNorm, rotate
 from .linear import PackedLinear, packing_supported
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -106,48 +107,9 @@ class StaticKVCache:
         return self.keys[i, :, : self.length], self.values[i, :, : self.length]
 
 
-class _Matmul:
-    """``x @ weight.T + bias`` with the weight prepacked for oneDNN where that runs: a plain callable, not a
-    module, so that a decoding step pays no module-call overhead for its ~200 products."""
-
-    __slots__ = ("weight", "bias", "packed")
-
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        self.weight = weight.detach()  # [out, in]
-        self.bias = bias.detach() if bias is not None else None
-        self.packed = None
-        if packing_supported(self.weight.device, self.weight.dtype):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
-
-    @classmethod
-    def fused(cls, linears: list[nn.Module]) -> _Matmul:
-        """One product for several layers that read the same input: weights (and biases) stacked by rows."""
-        weight = torch.cat([m.weight.detach() for m in linears])
-        bias = None
-        if any(m.bias is not None for m in linears):
-            bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
-                              for m in linears])  # fmt: skip
-        return cls(weight, bias)
-
-    def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-class _Norm:
-    """transformers' LlamaRMSNorm / Qwen3RMSNorm: normalise in fp32, scale in the input dtype."""
-
-    __slots__ = ("weight", "eps")
-
-    def __init__(self, norm: nn.Module) -> None:
-        self.weight = norm.weight.detach()
-        self.eps = float(norm.variance_epsilon)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+def _norm(norm: nn.Module) -> RMSNorm:
+    """transformers' LlamaRMSNorm / Qwen3RMSNorm as a plain callable (same maths)."""
+    return RMSNorm(norm.weight, norm.variance_epsilon)
 
 
 class _Layer:
@@ -155,22 +117,17 @@ class _Layer:
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _Matmul.fused([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv = Matmul.fused([attn.q_proj, attn.k_proj, attn.v_proj])
         self.splits = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
-        self.o = _Matmul(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up = _Matmul.fused([mlp.gate_proj, mlp.up_proj])
+        self.o = Matmul.of(attn.o_proj)
+        self.gate_up = Matmul.fused([mlp.gate_proj, mlp.up_proj])
         self.intermediate = mlp.gate_proj.weight.shape[0]
-        self.down = _Matmul(mlp.down_proj.weight, mlp.down_proj.bias)
-        self.input_norm, self.post_norm = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
+        self.down = Matmul.of(mlp.down_proj)
+        self.input_norm, self.post_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = _Norm(q_norm) if q_norm is not None else None
-        self.k_norm = _Norm(k_norm) if k_norm is not None else None
+        self.q_norm = _norm(q_norm) if q_norm is not None else None
+        self.k_norm = _norm(k_norm) if k_norm is not None else None
         self.scaling = float(attn.scaling)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class FastTargetForward:
@@ -188,7 +145,7 @@ class FastTargetForward:
         self.head_dim = int(decoder.layers[0].self_attn.head_dim)
         self.embed = model.get_input_embeddings()
         self.rotary = decoder.rotary_emb
-        self.final_norm = _Norm(decoder.norm)
+        self.final_norm = _norm(decoder.norm)
         head = model.get_output_embeddings()
         self.head = PackedLinear(head.weight, head.bias)  # a module: the drafter borrows it as the LM head
         if packing_supported(head.weight.device, head.weight.dtype):
@@ -225,13 +182,16 @@ class FastTargetForward:
         wanted = {i: None for i in feature_layers}
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
-            q, k, v = layer.qkv(h).split(layer.splits, dim=-1)
-            q = q.view(1, n, heads, d)
-            k = k.view(1, n, kv_heads, d)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q = _rotate(q.transpose(1, 2), cos, sin)  # [1, heads, n, d]
-            k = _rotate(k.transpose(1, 2), cos, sin)  # [1, kv_heads, n, d]
+            qkv = layer.qkv(h)  # [1, n, (heads + 2*kv_heads) * d]
+            v = qkv[..., heads * d + kv_heads * d :]
+            if layer.q_norm is None:  # rotate queries and keys in one go (fewer small ops: they dominate here)
+                qk = qkv[..., : (heads + kv_heads) * d].view(1, n, heads + kv_heads, d).transpose(1, 2)
+                qk = rotate(qk, cos, sin)  # [1, heads + kv_heads, n, d]
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:  # Qwen3: per-head RMSNorm of queries and keys before the rotation
+                q, k, _ = qkv.split(layer.splits, dim=-1)
+                q = rotate(layer.q_norm(q.view(1, n, heads, d)).transpose(1, 2), cos, sin)  # [1, heads, n, d]
+                k = rotate(layer.k_norm(k.view(1, n, kv_heads, d)).transpose(1, 2), cos, sin)  # [1, kv_heads, n, d]
             cache.keys[i, :, start:end] = k[0]
             cache.values[i, :, start:end] = v.view(n, kv_heads, d).transpose(0, 1)
             packed = q.reshape(1, kv_heads, group * n, d)  # query heads sharing a K/V head, one block each

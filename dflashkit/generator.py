@@ -22,7 +22,6 @@ from .decode import DecodeOptions, StepObserver, as_token_list, decode
 from .drafter import DFlashDrafter
 from .errors import InvalidInputError
 from .identity import check_compatible
-from .linear import pack_linears, unpack_linears
 from .lossless import Divergence, DivergenceRecorder
 from .sampling import SamplingParams
 from .stats import DecodeStats
@@ -99,7 +98,7 @@ class SpeculativeGenerator:
             param = next(drafter.parameters())
             if param.dtype != model.dtype or param.device != model.device:
                 drafter = drafter.to(device=model.device, dtype=model.dtype)
-            (pack_linears if fast else unpack_linears)(drafter)
+            drafter.use_fast_path(fast)
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else (), fast=fast)
         if not fast:

@@ -35,13 +35,13 @@ def engines(arch: str, dtype=torch.float32, block_size: int = 8, **overrides):
     packed_model, eager_model = copy.deepcopy(model), copy.deepcopy(model)
     packed_drafter, eager_drafter = copy.deepcopy(drafter), copy.deepcopy(drafter)
     fast = TargetAdapter(model, layers)
-    pack_linears(drafter)
+    drafter.use_fast_path(True)
     packed = TargetAdapter(packed_model, layers, fast=False)
     packed.use_packed_linears(True)
-    pack_linears(packed_drafter)
+    pack_linears(packed_drafter)  # transformers' forward + packed modules, drafter's modules packed too
     eager = TargetAdapter(eager_model, layers, fast=False)
     assert fast.fast_forward is not None and packed.fast_forward is None and has_packed_linears(packed_model)
-    assert not eager.fast and not has_packed_linears(eager_drafter)
+    assert not eager.fast and not has_packed_linears(eager_drafter) and not eager_drafter.fast
     return {"fast": (fast, drafter), "packed": (packed, packed_drafter), "eager": (eager, eager_drafter)}
 
 
@@ -189,9 +189,47 @@ def test_a_static_cache_needs_the_fast_forward():
         eager.forward(torch.tensor([[5]]), 0, fast.new_cache(), logits_rows=1)
 
 
+def test_fast_drafter_forward_equals_the_modules_in_fp32(any_arch):
+    model = tiny_target(any_arch)
+    drafter = tiny_drafter(model, block_size=8)
+    feats = torch.randn(1, 11, drafter.config.num_features * model.config.hidden_size)
+    with torch.inference_mode():
+        ref_ctx = drafter.context_key_values(feats, torch.arange(11))
+        drafter.use_fast_path(True)
+        fast = drafter._fast_forward()
+        got_ctx = fast.context_key_values(feats, torch.arange(11))
+        for (k, v), (k_ref, v_ref) in zip(got_ctx, ref_ctx):
+            torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+        block = torch.randn(1, 8, model.config.hidden_size)
+        torch.testing.assert_close(fast(block, torch.arange(11, 19), got_ctx), drafter(block, torch.arange(11, 19), ref_ctx),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_fast_drafter_forward_follows_changed_weights():
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=4)
+    drafter.use_fast_path(True)
+    first = drafter._fast_forward()
+    assert drafter._fast_forward() is first
+    with torch.no_grad():
+        drafter.fc.weight.mul_(0.5)
+    assert drafter._fast_forward() is not first
+
+
 def test_engine_is_reported_in_the_stats():
     target = TargetAdapter(tiny_target("llama"))
     stats = DecodeStats(1)
     run(target, None, [5, 6], stats)
     assert stats.engine == target.engine and "fast forward" in stats.engine
     assert stats.as_dict()["engine"] == stats.engine
+
+
+def test_a_drafter_on_the_fast_path_can_be_copied():
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=4)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    drafter.use_fast_path(True)
+    out = run(target, drafter, [5, 6, 7])
+    twin = copy.deepcopy(drafter)
+    assert twin.fast and run(target, twin, [5, 6, 7]) == out

@@ -24,7 +24,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..adaptive import AdaptiveBlockSize
 from ..decode import DecodeOptions, StepObserver, decode
 from ..drafter import DFlashDrafter
-from ..linear import pack_linears, unpack_linears
 from ..sampling import SamplingParams
 from ..stats import DecodeStats
 from ..target import TargetAdapter
@@ -199,7 +198,7 @@ class DFlash(Method):
 
     def __init__(self, session: TargetSession, drafter: DFlashDrafter, block_size: int | str, drafter_label: str) -> None:
         self.session, self.drafter, self.block_size = session, drafter, block_size
-        (pack_linears if session.fast else unpack_linears)(drafter)  # the target's fast path or eager path
+        drafter.use_fast_path(session.fast)  # the target's fast path, or the eager path
         trained = drafter.block_size
         self.policy = None
         if block_size == "auto":  # one policy for the whole run: its estimates carry over between prompts
