@@ -4,11 +4,17 @@ A block of size b costs one drafter pass over b positions plus one target pass o
 target's cost grows with b (its GEMMs are not free at 16 rows), while the tokens a step yields grow only as
 long as drafts keep being accepted. With α_i = P(draft i accepted | drafts 1..i-1 accepted), a step with
 block b yields E[b] = 1 + Σ_{i<b} Π_{j≤i} α_j tokens. The policy keeps a running estimate of every α_i
-(counts with a Beta prior, decayed so that it follows the text being generated) and of the wall time of a
-step at each candidate size, and chooses argmax_b E[b] / time(b). Size 1 is a plain autoregressive step (no
-drafting): when no block pays for its drafting and verification, the loop falls back to it. Every size is
-tried once first, and the largest one is tried again every ``explore_every`` steps so that estimates for deep
-positions stay current.
+(counts decayed so that it follows the text being generated) and of the wall time of a step at each
+candidate size (the fastest of its last few steps: on a shared machine noise only adds time), and chooses argmax_b E[b] / time(b). Size 1 is a plain
+autoregressive step (no drafting): when no block pays for its drafting and verification, the loop falls
+back to it.
+
+Three guards against wrong estimates (each seen on the 2-core CPU): (1) the first step at a size is not
+timed, since a new shape pays one-time costs (oneDNN creates its kernels for it: a 2-token step measured
+45 ms once, 13 ms after); (2) every ``explore_every`` steps the size whose timing is oldest is tried again
+(the largest one first), and a size's time is the fastest of its last steps, so a size judged on a bad
+moment gets another chance and deep positions keep being observed; (3) a position rarely reached borrows its prior from the position before it (acceptance falls
+with depth), instead of a flat 1/2 that makes long blocks look better than they are.
 
 Any block size is exact: this only changes speed, never the output.
 """
@@ -19,10 +25,14 @@ from collections.abc import Sequence
 
 
 class AdaptiveBlockSize:
-    """Chooses the block size of each decode step among ``candidates`` (all <= the drafter's block size)."""
+    """Chooses the block size of each decode step among ``candidates`` (all <= the drafter's block size).
+
+    ``prior`` = (a, b): a Beta prior of strength a + b; at position 1 its mean is a / (a + b), deeper it is the
+    estimate at the position before.
+    """
 
     def __init__(self, max_block: int, candidates: Sequence[int] = (1, 2, 4, 8, 16), *,
-                 prior: tuple[float, float] = (1.0, 1.0), decay: float = 0.995, time_smoothing: float = 0.2,
+                 prior: tuple[float, float] = (1.0, 1.0), decay: float = 0.995, time_window: int = 5,
                  explore_every: int = 16) -> None:
         sizes = sorted({int(c) for c in candidates if 1 <= int(c) <= max_block} | {max_block})
         if max_block < 2:
@@ -30,32 +40,41 @@ class AdaptiveBlockSize:
         self.candidates = sizes
         self.max_block = max_block
         self.prior = prior
-        self.decay, self.time_smoothing, self.explore_every = decay, time_smoothing, explore_every
+        self.decay, self.time_window, self.explore_every = decay, time_window, explore_every
         self.reached = [0.0] * max_block  # index i: steps that proposed draft i+1 with drafts 1..i accepted
         self.accepted = [0.0] * max_block  # ... and accepted it
-        self.step_seconds: dict[int, float] = {}  # block size -> smoothed wall time of a step
+        self.step_seconds: dict[int, float] = {}  # block size -> wall time of a step (fastest of recent ones)
+        self.recent: dict[int, list[float]] = {}  # block size -> its last `time_window` timed steps
+        self.full_steps: dict[int, int] = {}  # block size -> full-size steps seen (the first is not timed)
+        self.timed_at: dict[int, int] = {}  # block size -> step count when it was last timed
         self.steps = 0
 
     def acceptance(self, position: int) -> float:
         """Estimated α at draft position ``position`` (1-based)."""
         a, b = self.prior
+        mean = a / (a + b) if position == 1 else self.acceptance(position - 1)
         i = position - 1
-        return (self.accepted[i] + a) / (self.reached[i] + a + b)
+        return (self.accepted[i] + (a + b) * mean) / (self.reached[i] + a + b)
 
     def expected_tokens(self, block: int) -> float:
         """Expected tokens per step with this block size (accepted drafts + the target's own token)."""
-        total, survive = 1.0, 1.0
-        for position in range(1, block):
-            survive *= self.acceptance(position)
+        total, survive, alpha = 1.0, 1.0, None
+        a, b = self.prior
+        for position in range(1, block):  # acceptance(position), computed incrementally
+            mean = a / (a + b) if alpha is None else alpha
+            i = position - 1
+            alpha = (self.accepted[i] + (a + b) * mean) / (self.reached[i] + a + b)
+            survive *= alpha
             total += survive
         return total
 
     def choose(self) -> int:
-        untried = [c for c in self.candidates if c not in self.step_seconds]
-        if untried:
-            return untried[0]
+        untimed = [c for c in self.candidates if c not in self.step_seconds]
+        if untimed:
+            return untimed[0]
         if self.explore_every and self.steps % self.explore_every == self.explore_every - 1:
-            return self.max_block
+            stalest = min(self.candidates, key=lambda c: (self.timed_at[c], -c))
+            return stalest
         return max(self.candidates, key=lambda c: self.expected_tokens(c) / self.step_seconds[c])
 
     def observe(self, block: int, drafted: int, accepted: int, seconds: float) -> None:
@@ -68,9 +87,14 @@ class AdaptiveBlockSize:
             self.reached[i] += 1
             if i < accepted:
                 self.accepted[i] += 1
-        if drafted == block - 1:  # a full-size step (not cut short by max_new_tokens): a fair timing
-            old = self.step_seconds.get(block)
-            self.step_seconds[block] = seconds if old is None else old + self.time_smoothing * (seconds - old)
+        if drafted == block - 1:  # a full-size step (not cut short by max_new_tokens): a fair timing ...
+            self.full_steps[block] = self.full_steps.get(block, 0) + 1
+            if self.full_steps[block] > 1:  # ... except the first one at this size (one-time costs)
+                recent = self.recent.setdefault(block, [])
+                recent.append(seconds)
+                del recent[: -self.time_window]
+                self.step_seconds[block] = min(recent)  # noise on a shared machine only adds time: take the floor
+                self.timed_at[block] = self.steps
 
     def summary(self) -> dict:
         return {

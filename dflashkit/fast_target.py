@@ -17,9 +17,10 @@ stream after those layers, exactly what hooks on the decoder layers capture.
 It covers the architectures whose layers are pre-norm RMSNorm + grouped-query attention (optionally with
 q/k/v biases, as Qwen2, or per-head q/k RMSNorm, as Qwen3) + SwiGLU MLP: ``llama`` (SmolLM2), ``mistral``
 without sliding windows, ``qwen2``, ``qwen3``. :func:`unsupported_reason` says why another model is not
-covered; the adapter then keeps transformers' forward. The numbers are the model's up to float rounding
-(fused GEMMs and the attention kernel may round differently from transformers' path); both the plain and
-the speculative decode loop run through the same forward, so losslessness is unaffected.
+covered; the adapter then keeps transformers' forward. Weight-only int8 targets (:mod:`dflashkit.quantize`)
+are covered too: their products stay int8 (fused rows keep their own scales). The numbers are the model's
+up to float rounding (fused GEMMs and the attention kernel may round differently from transformers' path);
+both the plain and the speculative decode loop run through the same forward, so losslessness is unaffected.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from transformers import PreTrainedModel
 from .errors import InvalidInputError
 from .kernels import Matmul, RMSNorm, rotate
 from .linear import PackedLinear, packing_supported
+from .quantize import Int8Linear
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -49,8 +51,6 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         return "sliding-window attention"
     if getattr(cfg, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
-    if getattr(model, "dflashkit_quantization", None):
-        return "quantized weights (the int8 path runs through transformers' forward)"
     decoder = model.get_decoder()
     if not hasattr(decoder, "rotary_emb") or not hasattr(decoder, "norm") or not hasattr(decoder, "layers"):
         return "its decoder has no rotary_emb / norm / layers"
@@ -60,8 +60,8 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         if attn is None or mlp is None or not all(hasattr(attn, n) for n in names) \
                 or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return "a decoder layer without the usual q/k/v/o and gate/up/down projections"
-        if not all(isinstance(getattr(attn, n), (nn.Linear, PackedLinear)) for n in names):
-            return "projections that are not plain linear layers"
+        if not all(isinstance(getattr(attn, n), (nn.Linear, PackedLinear, Int8Linear)) for n in names):
+            return "projections that are not plain (or dflashkit int8) linear layers"
         if not hasattr(attn, "scaling") or not hasattr(attn, "head_dim"):
             return "attention without `scaling` / `head_dim`"
     return None
@@ -118,10 +118,10 @@ class _Layer:
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = Matmul.fused([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.splits = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
+        self.splits = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         self.o = Matmul.of(attn.o_proj)
         self.gate_up = Matmul.fused([mlp.gate_proj, mlp.up_proj])
-        self.intermediate = mlp.gate_proj.weight.shape[0]
+        self.intermediate = mlp.gate_proj.out_features
         self.down = Matmul.of(mlp.down_proj)
         self.input_norm, self.post_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -147,9 +147,12 @@ class FastTargetForward:
         self.rotary = decoder.rotary_emb
         self.final_norm = _norm(decoder.norm)
         head = model.get_output_embeddings()
-        self.head = PackedLinear(head.weight, head.bias)  # a module: the drafter borrows it as the LM head
-        if packing_supported(head.weight.device, head.weight.dtype):
-            self.head.packed_weight()
+        if isinstance(head, Int8Linear):
+            self.head: nn.Module = head  # weight-only int8 head: the drafter drafts through it too
+        else:
+            self.head = PackedLinear(head.weight, head.bias)  # a module: the drafter borrows it as the LM head
+            if packing_supported(head.weight.device, head.weight.dtype):
+                self.head.packed_weight()
         self.dtype, self.device = self.embed.weight.dtype, self.embed.weight.device
 
     def new_cache(self, capacity: int = 256) -> StaticKVCache:

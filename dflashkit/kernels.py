@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .linear import packing_supported
+from .quantize import Int8Linear
 
 
 class Matmul:
@@ -29,23 +30,48 @@ class Matmul:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
     @classmethod
-    def of(cls, linear: nn.Module) -> Matmul:
-        return cls(linear.weight, linear.bias)
+    def of(cls, linear: nn.Module) -> Matmul | Int8Matmul:
+        """The product of an ``nn.Linear`` (or PackedLinear), or of an :class:`Int8Linear` (kept in int8)."""
+        return cls.fused([linear])
 
     @classmethod
-    def fused(cls, linears: list[nn.Module]) -> Matmul:
-        """One product for several layers that read the same input: weights (and biases) stacked by rows."""
-        weight = torch.cat([m.weight.detach() for m in linears])
+    def fused(cls, linears: list[nn.Module]) -> Matmul | Int8Matmul:
+        """One product for several layers that read the same input: weights (and biases) stacked by rows.
+        Weight-only int8 layers stay int8 (their scales are per output row, so stacking changes nothing)."""
+        int8 = [isinstance(m, Int8Linear) for m in linears]
+        if any(int8) and not all(int8):
+            raise ValueError("cannot fuse int8 and floating-point layers into one product")
+        rows = [m.qweight.shape[0] if int8[0] else m.weight.shape[0] for m in linears]
         bias = None
         if any(m.bias is not None for m in linears):
-            bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
-                              for m in linears])  # fmt: skip
-        return cls(weight, bias)
+            like = linears[0].scale if int8[0] else linears[0].weight
+            bias = torch.cat([m.bias.detach() if m.bias is not None else like.new_zeros(r)
+                              for m, r in zip(linears, rows)])  # fmt: skip
+        if int8[0]:
+            return Int8Matmul(torch.cat([m.qweight for m in linears]), torch.cat([m.scale for m in linears]), bias)
+        return cls(torch.cat([m.weight.detach() for m in linears]), bias)
 
     def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class Int8Matmul:
+    """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it."""
+
+    __slots__ = ("qweight", "scale", "bias")
+
+    def __init__(self, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+        self.qweight, self.scale = qweight.contiguous(), scale.contiguous()  # [out, in] int8, [out]
+        self.bias = bias.detach() if bias is not None else None
+
+    def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.qweight.shape[0])
 
 
 class RMSNorm:

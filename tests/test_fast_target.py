@@ -233,3 +233,23 @@ def test_a_drafter_on_the_fast_path_can_be_copied():
     out = run(target, drafter, [5, 6, 7])
     twin = copy.deepcopy(drafter)
     assert twin.fast and run(target, twin, [5, 6, 7]) == out
+
+
+def test_int8_targets_run_on_the_fast_forward(arch):
+    """A weight-only int8 target: the fast forward keeps the int8 products and gives transformers' int8 logits."""
+    from dflashkit.quantize import quantize_model
+
+    model = quantize_model(tiny_target(arch), "int8")
+    reference = TargetAdapter(copy.deepcopy(model), [1, 4], fast=False)
+    fast = TargetAdapter(model, [1, 4])
+    assert fast.fast_forward is not None and fast.weights.startswith("int8")
+    ids = torch.tensor([list(range(4, 30))])
+    ref, ref_feats = reference.forward(ids, 0, reference.new_cache(), logits_rows=26)
+    got, got_feats = fast.forward(ids, 0, fast.new_cache(), logits_rows=26)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_feats, ref_feats, rtol=1e-4, atol=1e-4)
+    drafter = tiny_drafter(model, block_size=4)
+    drafter.use_fast_path(True)
+    fast.set_feature_layers(drafter.config.target_layer_ids)
+    for prompt in PROMPTS[:2]:
+        assert run(fast, drafter, prompt) == run(reference, None, prompt)
