@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drafter", default=None, help="drafter folder, 'none' or 'untrained' (as for generate)")
     s.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
     s.add_argument("--block-size", type=_block_size_arg, default=None,
-                   help="verify block size, or 'auto': chosen per step for the most tokens/s (default: the drafter's)")
+                   help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)")
     s.add_argument("--proposal", choices=["argmax", "sample"], default="argmax", help="how drafts are proposed (both exact)")
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one runs")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
@@ -366,8 +366,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
     settings = ServerSettings(  # checked before the (slow) model load
         model_id=args.model_name or (args.target or DEFAULT_TARGET), max_queue=args.max_queue,
-        timeout=args.timeout or None, default_max_tokens=args.default_max_tokens, block_size=args.block_size,
-        proposal=args.proposal,
+        timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
+        block_size=args.block_size if args.block_size is not None else "auto", proposal=args.proposal,
     )  # fmt: skip
     _apply_threads(args.threads)
     gen = _load_generator(args, False)

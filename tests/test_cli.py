@@ -240,7 +240,9 @@ def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     assert rc == 0, err
     assert served["host"] == "127.0.0.1" and served["port"] == 8123
     assert served["models"] == [dflashkit.DEFAULT_TARGET]
-    assert served["usage"].completion_tokens == 5 and served["usage"].model_extra["speculative"]["block_size"] == 16
+    speculative = served["usage"].model_extra["speculative"]
+    assert served["usage"].completion_tokens == 5 and speculative["block_size"] == 16
+    assert speculative["adaptive_block_size"]  # serve's default: --block-size auto
     assert "Serving" in err and "UNTRAINED" in err
 
 

@@ -33,6 +33,7 @@ def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int) -> dic
             "accepted_per_position": stats.accepted_per_position,
             "drafted_per_position": stats.drafted_per_position,
             "block_size": stats.block_size,
+            "adaptive_block_size": stats.adaptive,
             "tokens_per_s": stats.tokens_per_s,
         },
     }
