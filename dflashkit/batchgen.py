@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .attention import use_packed_gqa
+from .linear import pack_linears
 from .sampling import SamplingParams, argmax, sample, warp
 
 
@@ -29,6 +30,7 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
     Prompts are left-padded into one batch; a row leaves the batch as soon as it ends.
     """
     use_packed_gqa(model)
+    pack_linears(model)  # bf16 products unchanged, ~2x faster GEMMs at these batch sizes (dflashkit.linear)
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
     device = lm_head.weight.device
     rows, width = len(prompts), max(len(p) for p in prompts)
