@@ -124,19 +124,32 @@ def data_folders(data_dir: str | os.PathLike) -> list[Path]:
 
 def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSequence]:
     """Prompt + regenerated response pairs from `dflashkit data` shards (one or comma-separated folders, in
-    order), cut to max_len tokens; a prompt that appears again (in another folder) is used once."""
+    order), cut to max_len tokens.
+
+    A prompt may come with several responses (e.g. sampled regenerations at a temperature): each distinct one
+    is kept. A response that repeats one already kept for the same prompt, or is a prefix of it (the same greedy
+    answer with a shorter length limit), is used once; a longer one replaces the shorter it extends.
+    """
     from .data import load_shards
 
-    seqs, seen = [], set()
+    kept: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}  # prompt -> [(response, source)]
     for source, folder in enumerate(data_folders(data_dir)):
         for rec in load_shards(folder):
-            key = tuple(rec["prompt_ids"])
-            if key in seen:
-                continue
-            seen.add(key)
-            ids = (rec["prompt_ids"] + rec["response_ids"])[:max_len]
-            if len(ids) - len(rec["prompt_ids"]) >= 2:
-                seqs.append(TrainingSequence(ids, len(rec["prompt_ids"]), source))
+            prompt, response = tuple(rec["prompt_ids"]), tuple(rec["response_ids"])
+            answers = kept.setdefault(prompt, [])
+            if any(old[: len(response)] == response for old, _ in answers):
+                continue  # the same answer, or a prefix of one already kept
+            extended = [i for i, (old, _) in enumerate(answers) if response[: len(old)] == old]
+            if extended:
+                answers[extended[0]] = (response, answers[extended[0]][1])
+            else:
+                answers.append((response, source))
+    seqs = []
+    for prompt, answers in kept.items():
+        for response, source in answers:
+            ids = list(prompt + response)[:max_len]
+            if len(ids) - len(prompt) >= 2:
+                seqs.append(TrainingSequence(ids, len(prompt), source))
     if not seqs:
         raise InvalidInputError(f"{data_dir}: no training sequences with at least 2 response tokens")
     return seqs
@@ -253,7 +266,9 @@ class Trainer:
         if sequences is None:
             self._record_data_used(seqs)
         n_eval = min(cfg.eval_prompts, max(0, len(seqs) // 10))
-        self.eval_seqs, self.train_seqs = seqs[:n_eval], seqs[n_eval:]
+        self.eval_seqs = seqs[:n_eval]
+        held_out = {tuple(s.input_ids[: s.num_prompt]) for s in self.eval_seqs}  # no other answer of them trains
+        self.train_seqs = [s for s in seqs[n_eval:] if tuple(s.input_ids[: s.num_prompt]) not in held_out]
         torch.manual_seed(cfg.seed)
         shape = drafter_config_for(
             model, num_layers=cfg.num_layers, block_size=cfg.block_size,

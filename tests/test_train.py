@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -306,3 +307,36 @@ def test_trainer_records_the_data_it_used(tmp_path):
     assert [u["folder"] for u in used] == [str(tmp_path / "a"), str(tmp_path / "b")]
     assert sum(u["sequences"] for u in used) == len(trainer.eval_seqs) + len(trainer.train_seqs)
     assert all(u["sequences"] > 0 and u["response_tokens"] >= 2 * u["sequences"] for u in used)
+
+
+def test_several_answers_to_a_prompt_are_kept_once_each(monkeypatch):
+    """Sampled regenerations give a prompt several answers: each distinct one trains; repeats and prefixes of a
+    kept answer do not; a longer answer replaces the prefix it extends."""
+    from dflashkit import data
+    from dflashkit.train import load_sequences
+
+    folders = {
+        "a": [{"prompt_ids": [1, 2], "response_ids": [5, 6, 7]}, {"prompt_ids": [3], "response_ids": [8, 9]}],
+        "b": [{"prompt_ids": [1, 2], "response_ids": [5, 6, 7]},  # the same answer again
+              {"prompt_ids": [1, 2], "response_ids": [5, 6]},  # a prefix of it (shorter length limit)
+              {"prompt_ids": [1, 2], "response_ids": [6, 6, 6]},  # another (sampled) answer
+              {"prompt_ids": [3], "response_ids": [8, 9, 10, 11]}],  # extends a kept answer
+    }
+    monkeypatch.setattr(data, "load_shards", lambda folder: iter(folders[Path(folder).name]))
+    seqs = load_sequences("a,b", 64)
+    assert [(s.input_ids, s.num_prompt, s.source) for s in seqs] == [
+        ([1, 2, 5, 6, 7], 2, 0), ([1, 2, 6, 6, 6], 2, 1), ([3, 8, 9, 10, 11], 1, 0)]
+
+
+def test_held_out_prompts_never_train_with_another_answer(tmp_path):
+    from conftest import tiny_target, word_tokenizer
+    from dflashkit.train import TrainConfig, Trainer, TrainingSequence
+
+    seqs = [TrainingSequence([4, 5, 6, 7, 8, 9], 2), TrainingSequence([10, 11, 12, 13], 1)] * 6
+    seqs += [TrainingSequence([4, 5, 20, 21, 22], 2)]  # another answer to the first (held-out) prompt
+    cfg = TrainConfig(data_dir="unused", out_dir=str(tmp_path / "run"), steps=1, eval_prompts=1,
+                      num_layers=1, block_size=4)  # fmt: skip
+    trainer = Trainer(cfg, tiny_target("llama"), word_tokenizer(), sequences=seqs, log=lambda *a: None)
+    held_out = {tuple(s.input_ids[: s.num_prompt]) for s in trainer.eval_seqs}
+    assert held_out == {(4, 5)}
+    assert trainer.train_seqs and all(tuple(s.input_ids[: s.num_prompt]) not in held_out for s in trainer.train_seqs)
