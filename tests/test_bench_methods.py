@@ -67,3 +67,14 @@ def test_sampling_is_seeded() -> None:
 def test_unavailable_placeholder() -> None:
     m = Unavailable("dflash-b4", "dflashkit", "no drafter")
     assert m.unavailable() == "no drafter" and m.describe()["name"] == "dflash-b4"
+
+
+def test_eager_session_runs_dflashkit_methods_on_the_eager_path_with_the_same_tokens() -> None:
+    fast, eager = session(), TargetSession(tiny_target("llama"), word_tokenizer(), fast=False)
+    assert "fast forward" in fast.adapter.engine and eager.adapter.engine == "transformers forward (eager)"
+    drafters = [tiny_drafter(s.model, block_size=4) for s in (fast, eager)]
+    methods = [DFlash(s, d, 4, "tiny") for s, d in zip((fast, eager), drafters)]
+    assert drafters[0].fast and not drafters[1].fast
+    assert methods[0].generate(request()).tokens == methods[1].generate(request()).tokens
+    with fast.transformers_mode() as model:  # transformers' own modules for the peers
+        assert not any(type(m).__name__ == "PackedLinear" for m in model.modules())
