@@ -85,9 +85,9 @@ class RMSNorm:
         self.eps = float(eps)
 
     def __call__(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # torch's rms_norm computes in fp32 and rounds once to x's dtype: the same numbers as the spelled-out
+        # x.float() * rsqrt(mean(x²) + eps) then .to(dtype) (bitwise, checked in bf16), in 1 op instead of 7.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

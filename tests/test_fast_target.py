@@ -253,3 +253,15 @@ def test_int8_targets_run_on_the_fast_forward(arch):
     fast.set_feature_layers(drafter.config.target_layer_ids)
     for prompt in PROMPTS[:2]:
         assert run(fast, drafter, prompt) == run(reference, None, prompt)
+
+
+def test_rms_norm_kernel_equals_the_spelled_out_formula():
+    from dflashkit.kernels import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = torch.randn(64, generator=g).to(dtype)
+        x = (torch.randn(3, 7, 64, generator=g) * 5).to(dtype)
+        xf = x.float()
+        expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        torch.testing.assert_close(RMSNorm(weight, 1e-6)(x), expected, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
