@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from . import kernels
 from .config import DrafterConfig
-from .kernels import Matmul, rotate
+from .kernels import Matmul, rotate, signed_sin
 from .linear import PackedLinear
 from .quantize import Int8Linear
 
@@ -317,6 +317,7 @@ class FastDrafterForward:
     def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
         ctx = self.hidden_norm(self.fc(target_features))  # [1, n, hidden]
         cos, sin = self.rotary(positions, ctx.dtype)
+        sin = signed_sin(sin)
         n, kv, d = ctx.shape[1], self.kv_heads, self.head_dim
         out = []
         for layer in self.layers:
@@ -328,6 +329,7 @@ class FastDrafterForward:
     def __call__(self, block_embeddings: Tensor, positions: Tensor, context: list[KV]) -> Tensor:
         """Final-normed hidden states [1, q_len, hidden] of the block (see DFlashDrafter.forward)."""
         cos, sin = self.rotary(positions, block_embeddings.dtype)
+        sin = signed_sin(sin)
         h, (heads, kv, d) = block_embeddings, (self.heads, self.kv_heads, self.head_dim)
         s = h.shape[1]
         for layer, (k_ctx, v_ctx) in zip(self.layers, context):

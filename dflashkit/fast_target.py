@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from .errors import InvalidInputError
-from .kernels import Matmul, RMSNorm, rotate
+from .kernels import Matmul, RMSNorm, rotate, signed_sin
 from .linear import PackedLinear, packing_supported
 from .quantize import Int8Linear
 
@@ -176,7 +176,7 @@ class FastTargetForward:
         x = self.embed(input_ids)  # [1, n, hidden]
         positions = torch.arange(start, end, device=x.device)
         cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim] each, in x's dtype
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, head_dim]: broadcast over heads
+        cos, sin = cos[:, None], signed_sin(sin[:, None])  # [1, 1, n, head_dim]: broadcast over heads
         mask = None
         if n > 1:  # query i (position start+i) sees keys 0..start+i; packed query rows repeat per group
             hidden = torch.ones(n, end, dtype=torch.bool, device=x.device).triu(start + 1)

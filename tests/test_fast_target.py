@@ -265,3 +265,15 @@ def test_rms_norm_kernel_equals_the_spelled_out_formula():
         xf = x.float()
         expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
         torch.testing.assert_close(RMSNorm(weight, 1e-6)(x), expected, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_rotate_equals_rotate_half_bitwise():
+    from dflashkit.kernels import rotate, signed_sin
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(1, 5, 7, 16, generator=g).to(dtype)
+        angle = torch.randn(1, 1, 7, 16, generator=g)
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+        expected = x * cos + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * sin
+        assert torch.equal(rotate(x, cos, signed_sin(sin)), expected)
