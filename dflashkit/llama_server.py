@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,19 @@ from typing import Any
 from .errors import DFlashError
 
 LLAMA_SERVER_ENV = "DFLASHKIT_LLAMA_SERVER"
+
+
+def _stop(proc: subprocess.Popen, log_file: Any) -> None:
+    """Stop a llama-server process (SIGTERM, then SIGKILL after 10 s) and close its log file."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    if log_file is not None:
+        log_file.close()
 
 
 class LlamaServerError(DFlashError, RuntimeError):
@@ -124,6 +138,7 @@ class LlamaServer:
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self._log_file: Any = None
+        self._finalizer: weakref.finalize | None = None  # stops a forgotten server (GC or interpreter exit)
 
     def command(self, port: int) -> list[str]:
         cmd = [str(self.binary), "-m", str(self.model), "-t", str(self.threads), "-tb", str(self.threads),
@@ -154,6 +169,7 @@ class LlamaServer:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         self.proc = subprocess.Popen(self.command(self.port), stdout=self._log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env)  # fmt: skip
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self._log_file)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -202,19 +218,13 @@ class LlamaServer:
         return Completion.from_response(answer)
 
     def close(self) -> None:
-        """Stop the process (SIGTERM, then SIGKILL after 10 s)."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
-            self.proc = None
-        if self._log_file is not None:
+        """Stop the process (SIGTERM, then SIGKILL after 10 s) and close its log."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _stop once; a later GC or exit does nothing more
+            self._finalizer = None
+        elif self._log_file is not None:
             self._log_file.close()
-            self._log_file = None
+        self.proc, self._log_file = None, None
 
     def __enter__(self) -> LlamaServer:
         return self.start()
@@ -222,8 +232,3 @@ class LlamaServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:  # a forgotten server must not outlive the process that started it
-        try:
-            self.close()
-        except Exception:
-            pass

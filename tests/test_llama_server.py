@@ -48,6 +48,16 @@ def test_server_starts_completes_and_stops(binary, ggufs, tmp_path) -> None:
     assert "-t 2" in " ".join(server.command(1)) and "fake llama-server" in log.read_text()
 
 
+def test_a_forgotten_server_is_stopped_when_collected(binary, ggufs, tmp_path) -> None:
+    import gc
+
+    server = LlamaServer(binary, ggufs[0], log_path=tmp_path / "server.log").start()
+    proc, log_file = server.proc, server._log_file
+    del server
+    gc.collect()
+    assert proc.poll() is not None and log_file.closed
+
+
 def test_speculative_server_reports_drafts(binary, ggufs) -> None:
     server = LlamaServer(binary, ggufs[0], drafter=ggufs[1], block_size=8)
     cmd = server.command(1234)
