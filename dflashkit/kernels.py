@@ -20,7 +20,7 @@ from .quantize import Int8Linear
 class Matmul:
     """``x @ weight.T + bias`` with the weight prepacked for oneDNN where that runs (else ``F.linear``)."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("bias", "packed", "weight")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         self.weight = weight.detach()  # [out, in]
@@ -60,7 +60,7 @@ class Matmul:
 class Int8Matmul:
     """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it."""
 
-    __slots__ = ("qweight", "scale", "bias")
+    __slots__ = ("bias", "qweight", "scale")
 
     def __init__(self, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
         self.qweight, self.scale = qweight.contiguous(), scale.contiguous()  # [out, in] int8, [out]
@@ -78,7 +78,7 @@ class RMSNorm:
     """RMS norm as transformers' Llama/Qwen3 and the drafter compute it: normalise in fp32, scale in the input
     dtype (``weight * (x / rms(x)).to(dtype)``)."""
 
-    __slots__ = ("weight", "eps")
+    __slots__ = ("eps", "weight")
 
     def __init__(self, weight: Tensor, eps: float) -> None:
         self.weight = weight.detach()

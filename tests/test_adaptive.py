@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import tiny_drafter, tiny_target
 
 from dflashkit.adaptive import AdaptiveBlockSize
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.errors import InvalidInputError
 from dflashkit.stats import DecodeStats
 from dflashkit.target import TargetAdapter
-
-from conftest import tiny_drafter, tiny_target
 
 
 def test_expected_tokens_follow_the_acceptance_estimates():

@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-
 from conftest import VOCAB, tiny_drafter, tiny_target
+
 from dflashkit.adaptive import AdaptiveBlockSize
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.errors import InvalidInputError

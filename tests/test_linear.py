@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_target
 from torch import nn
 
-from conftest import tiny_drafter, tiny_target
 from dflashkit.linear import PackedLinear, has_packed_linears, pack_linears, packing_supported, unpack_linears
 from dflashkit.target import TargetAdapter
 
