@@ -49,21 +49,23 @@ class AdaptiveBlockSize:
         self.timed_at: dict[int, int] = {}  # block size -> step count when it was last timed
         self.steps = 0
 
+    def acceptances(self, positions: int) -> list[float]:
+        """Estimated α at draft positions 1..positions; a position's prior mean is the estimate before it."""
+        a, b = self.prior
+        alphas, mean = [], a / (a + b)
+        for i in range(positions):
+            mean = (self.accepted[i] + (a + b) * mean) / (self.reached[i] + a + b)
+            alphas.append(mean)
+        return alphas
+
     def acceptance(self, position: int) -> float:
         """Estimated α at draft position ``position`` (1-based)."""
-        a, b = self.prior
-        mean = a / (a + b) if position == 1 else self.acceptance(position - 1)
-        i = position - 1
-        return (self.accepted[i] + (a + b) * mean) / (self.reached[i] + a + b)
+        return self.acceptances(position)[-1]
 
     def expected_tokens(self, block: int) -> float:
         """Expected tokens per step with this block size (accepted drafts + the target's own token)."""
-        total, survive, alpha = 1.0, 1.0, None
-        a, b = self.prior
-        for position in range(1, block):  # acceptance(position), computed incrementally
-            mean = a / (a + b) if alpha is None else alpha
-            i = position - 1
-            alpha = (self.accepted[i] + (a + b) * mean) / (self.reached[i] + a + b)
+        total, survive = 1.0, 1.0
+        for alpha in self.acceptances(block - 1):
             survive *= alpha
             total += survive
         return total
