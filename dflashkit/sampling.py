@@ -45,7 +45,9 @@ class SamplingParams:
 
 def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     """Probabilities [..., vocab] after temperature, then top-k, then top-p (transformers' order)."""
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    if params.temperature != 1.0:  # dividing by 1 is exact: skip the pass over [rows, vocab]
+        logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
