@@ -13,6 +13,7 @@ sequence's tokens: a data folder that changes (e.g. grows by more shards) only r
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -47,22 +48,53 @@ class FeatureStore:
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
         self.signature = {"format": FORMAT, "width": self.width, "dtype": str(dtype), **signature}
         self.filled = np.zeros(len(self.keys), dtype=bool)
-        meta_path, data_path = self.folder / "meta.json", self.folder / "features.bin"
-        if meta_path.is_file() and data_path.is_file():
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            if meta.get("signature") == self.signature:
-                old_keys, old_filled = meta.get("keys", []), meta.get("filled", [])
-                same = 0  # offsets stay valid up to the first changed sequence
-                while same < min(len(old_keys), len(self.keys)) and old_keys[same] == self.keys[same]:
-                    same += 1
-                self.filled[:same] = np.asarray(old_filled[:same], dtype=bool)
-        item = np.dtype(_STORAGE[dtype]).itemsize
-        needed = int(self.offsets[-1]) * self.width * item
-        with open(data_path, "ab") as f:
-            if f.tell() < needed:
-                f.truncate(needed)
+        self.data_file = "features.bin"
+        meta_path = self.folder / "meta.json"
+        old = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else None
+        if old is not None and old.get("signature") == self.signature:
+            self._reuse(old, lengths)
+        self._open()
+
+    def _open(self) -> None:
+        item = np.dtype(_STORAGE[self.dtype]).itemsize
         rows = int(self.offsets[-1])
-        self._array = np.memmap(data_path, dtype=_STORAGE[dtype], mode="r+", shape=(max(rows, 1), self.width))
+        data_path = self.folder / self.data_file
+        with open(data_path, "ab") as f:
+            if f.tell() < rows * self.width * item:
+                f.truncate(rows * self.width * item)
+        self._array = np.memmap(data_path, dtype=_STORAGE[self.dtype], mode="r+", shape=(max(rows, 1), self.width))
+
+    def _reuse(self, old: dict, lengths: np.ndarray) -> None:
+        """Mark the committed entries of the previous store that this sequence list still uses.
+
+        Entries at the same place stay where they are; if sequences moved (a data folder added or
+        reordered), the reusable entries are copied into a new file laid out for this list.
+        """
+        old_keys, old_file = old.get("keys", []), old.get("data_file", "features.bin")
+        old_lengths = old.get("lengths")
+        if old_lengths is None:  # written before lengths were recorded: known for the sequences still used
+            by_key = dict(zip(self.keys, lengths.tolist()))
+            old_lengths = list(itertools.takewhile(lambda n: n is not None, (by_key.get(k) for k in old_keys)))
+        old_offsets = np.concatenate([[0], np.cumsum(old_lengths, dtype=np.int64)])
+        committed = {k: j for j, (k, f) in enumerate(zip(old_keys[: len(old_lengths)], old.get("filled", []))) if f}
+        matches = [(i, committed[k]) for i, k in enumerate(self.keys) if k in committed]  # (new index, old index)
+        if all(old_offsets[j] == self.offsets[i] for i, j in matches):
+            self.data_file = old_file
+            for i, _ in matches:
+                self.filled[i] = True
+            return
+        old_path = self.folder / old_file
+        self.data_file = "features-" + hashlib.sha1("".join(self.keys).encode()).hexdigest()[:12] + ".bin"
+        self._open()
+        rows = int(old_offsets[-1])
+        source = np.memmap(old_path, dtype=_STORAGE[self.dtype], mode="r", shape=(max(rows, 1), self.width))
+        for i, j in matches:
+            self._array[int(self.offsets[i]) : int(self.offsets[i + 1])] = source[old_offsets[j] : old_offsets[j + 1]]
+            self.filled[i] = True
+        del source
+        self.commit()  # meta.json now names the new file; only then the old one goes
+        if old_path.name != self.data_file:
+            old_path.unlink(missing_ok=True)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -93,5 +125,6 @@ class FeatureStore:
     def commit(self) -> None:
         """Flush the file, then record which entries are filled (atomic)."""
         self._array.flush()
-        meta = {"signature": self.signature, "keys": self.keys, "filled": self.filled.astype(int).tolist()}
+        meta = {"signature": self.signature, "data_file": self.data_file, "keys": self.keys,
+                "lengths": np.diff(self.offsets).tolist(), "filled": self.filled.astype(int).tolist()}
         atomic_write(self.folder / "meta.json", lambda f: json.dump(meta, f))
