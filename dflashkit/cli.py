@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--proposal", choices=["argmax", "sample"], default="argmax", help="how drafts are proposed (both exact)")
+    _add_lookup_option(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=_block_size_arg, default=None,
                    help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)")
     s.add_argument("--proposal", choices=["argmax", "sample"], default="argmax", help="how drafts are proposed (both exact)")
+    _add_lookup_option(s)
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one runs")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
@@ -190,6 +192,19 @@ def _add_quantize_option(parser: argparse.ArgumentParser) -> None:
         help="int8: weight-only int8 target weights, one scale per output channel (CPU). A different target: "
         "the output is exact with respect to the quantized model, not the --dtype one (default: %(default)s)",
     )
+
+
+def _add_lookup_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lookup", action=argparse.BooleanOptionalAction, default=None,
+        help="prompt lookup: where the text ends with a 2-4-gram seen before, draft the tokens that followed it "
+        "instead of running the drafter (lossless; default: on when there is a drafter; --lookup without a "
+        "drafter: prompt lookup alone)",
+    )
+
+
+def _lookup_wanted(args: argparse.Namespace, has_drafter: bool) -> bool:
+    return args.lookup if args.lookup is not None else has_drafter
 
 
 def _add_eager_option(parser: argparse.ArgumentParser) -> None:
@@ -334,6 +349,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,
+        lookup=_lookup_wanted(args, drafter is not None),
     )  # fmt: skip
     gen.warmup()
     stream = gen.stream(args.prompt, **kwargs)
@@ -371,6 +387,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     _apply_threads(args.threads)
     gen = _load_generator(args, False)
+    settings.lookup = _lookup_wanted(args, gen.drafter is not None)
     app = create_app(gen, settings)
     gen.warmup()
     print(f"Serving {settings.model_id!r} at http://{args.host}:{args.port} (playground: /, API: /v1, "
@@ -442,7 +459,11 @@ def _print_summary(result, speculative: bool) -> None:
         f"[{s.new_tokens} tokens | {s.tokens_per_s:.1f} tok/s | τ {s.tau:.2f} | block {'≤' if s.adaptive else ''}{s.block_size} | "
         f"prefill {t['prefill']:.2f}s draft {t['draft']:.2f}s verify {t['verify']:.2f}s other {t['other']:.2f}s]"
     )
-    if not speculative:
+    if s.lookup:
+        lk = s.lookup_summary()
+        line += (f" (prompt lookup: {lk['copied_steps']} of {s.steps} steps copied"
+                 + (f", τ {lk['copied_tau']:.2f} on those" if lk["copied_steps"] else "") + ")")
+    elif not speculative:
         line += " (autoregressive)"
     if is_quantized(s.target_weights):
         line += f" (target: {s.target_weights}; exact w.r.t. the quantized target)"

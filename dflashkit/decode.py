@@ -8,7 +8,10 @@ State between steps:
   cache    target KV cache over positions < pos
   context  drafter's injected K/V over the positions whose target features have been consumed
   pending  target features of processed positions not yet in the drafter's context (prompt, then the
-           anchor + accepted drafts of the last step)
+           anchor + accepted drafts of the steps since the drafter last ran)
+
+With ``lookup`` on, a step whose text so far ends with an n-gram seen before drafts the tokens that followed
+it (:mod:`dflashkit.lookup`) instead of running the drafter; verification is the same either way.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from torch import Tensor
 from .adaptive import AdaptiveBlockSize
 from .drafter import DFlashDrafter
 from .errors import IncompatibleDrafterError, InvalidInputError
+from .lookup import NgramLookup
 from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
 from .stats import DecodeStats
 from .target import TargetAdapter
+
+LOOKUP_ONLY_BLOCK = 8  # block size of prompt lookup without a drafter, unless given
 
 # Called after every target pass with its logits rows and the tokens the step emitted.
 StepObserver = Callable[[Tensor, list[int]], None]
@@ -41,6 +47,7 @@ class DecodeOptions:
     proposal: str = "argmax"  # "argmax" (one-hot q) or "sample" (x ~ q); both exact
     seed: int | None = None
     stop_token_ids: frozenset[int] = frozenset()  # eos ids included by the caller
+    lookup: bool = False  # draft by copying after a repeated n-gram where one exists (prompt lookup)
 
     def __post_init__(self) -> None:
         if self.proposal not in ("argmax", "sample"):
@@ -81,6 +88,7 @@ def decode(
     stats = stats if stats is not None else DecodeStats(block_size=block)
     stats.block_size, stats.prompt_tokens = block, len(prompt_ids)
     stats.target_weights, stats.engine = target.weights, target.engine
+    stats.lookup = options.lookup
     params = options.sampling
     device = target.device
     gen = torch.Generator(device=device).manual_seed(
@@ -107,6 +115,7 @@ def decode(
     produced = 1
     context = drafter.new_context(capacity=pos + max_new + block) if drafter else None
     pending, pending_start = features, 0
+    lookup = NgramLookup(prompt_ids + [token]) if options.lookup else None
 
     finished = token in options.stop_token_ids or produced >= max_new
     stats.new_tokens = produced
@@ -116,10 +125,15 @@ def decode(
     while not finished:
         # ---- draft ------------------------------------------------------------------------------------
         t_step = time.perf_counter()
-        size = policy.choose() if policy else block
-        k = min(size - 1, max_new - produced - 1, target.max_positions - pos - 1) if drafter else 0
+        room = min(max_new - produced - 1, target.max_positions - pos - 1)
+        copied = lookup.propose(min(block - 1, room)) if lookup is not None else []
+        size = policy.choose() if policy and not copied else block
+        k = min(size - 1, room) if drafter or copied else 0
         drafts, q = torch.empty(0, dtype=torch.long, device=device), None
-        if k > 0:
+        if copied:
+            drafts = torch.tensor(copied, dtype=torch.long, device=device)  # a fixed function of the text: one-hot q
+            k = len(copied)
+        elif k > 0:
             t = time.perf_counter()
             draft_logits = drafter.draft_logits(
                 context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
@@ -147,10 +161,12 @@ def decode(
         pos += accepted + 1
 
         emitted = drafts[:accepted].tolist() + [token]
+        if lookup is not None:
+            lookup.extend(emitted)
         if observer:
             observer(logits, emitted)
-        stats.record_step(k, accepted)
-        if policy:
+        stats.record_step(k, accepted, copied=bool(copied))
+        if policy and not copied:  # the policy models the drafter's acceptance and cost
             policy.observe(size, k, accepted, time.perf_counter() - t_step)
         stop_at = next((i for i, t in enumerate(emitted) if t in options.stop_token_ids), None)
         if stop_at is not None:
@@ -204,6 +220,8 @@ def _check(target: TargetAdapter, drafter: DFlashDrafter | None, prompt_ids: lis
             f"prompt of {len(prompt_ids)} tokens leaves no room in the target's context of {target.max_positions}"
         )
     if drafter is None:
+        if options.lookup:  # prompt lookup alone: blocks of options.block_size (default 8)
+            return options.block_size if options.block_size is not None else LOOKUP_ONLY_BLOCK
         return 1
     block = options.block_size if options.block_size is not None else drafter.block_size
     if block < 2:

@@ -171,12 +171,16 @@ class SpeculativeGenerator:
         use_drafter: bool = True,
         chat: bool = True,
         observer: StepObserver | None = None,
+        lookup: bool = False,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
         `prompt` may be text, chat messages, or token ids (used as is). Without a drafter (or with
         use_drafter=False) the same loop decodes autoregressively. ``block_size="auto"`` picks each step's
         block size (up to the drafter's) for the most tokens per second (see :mod:`dflashkit.adaptive`).
+        ``lookup=True``: where the text so far ends with an n-gram seen before, a step drafts the tokens that
+        followed it instead of running the drafter (:mod:`dflashkit.lookup`; with no drafter, prompt lookup
+        alone). Still lossless.
         """
         adaptive = block_size == "auto"
         if isinstance(block_size, str) and not adaptive:
@@ -193,6 +197,7 @@ class SpeculativeGenerator:
             proposal=proposal,
             seed=seed,
             stop_token_ids=frozenset(self.eos_token_ids) | frozenset(stop_token_ids),
+            lookup=lookup,
         )
         drafter = self.drafter if use_drafter else None
         policy = self.block_policy if adaptive and drafter is not None else None
@@ -245,7 +250,7 @@ class SpeculativeGenerator:
         When greedy, `result.divergence` locates the first differing token and judges it on the plain
         step's logits (a tie or not; see lossless).
         """
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_drafter", "observer", "block_size")}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_drafter", "observer", "block_size", "lookup")}
         greedy = SamplingParams(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0)).greedy
         recorder = DivergenceRecorder(result.token_ids, self.target.dtype) if greedy else None
         result.ar = _drain(self.stream(prompt, **kwargs, use_drafter=False, observer=recorder))

@@ -26,10 +26,13 @@ class DecodeStats:
     adaptive: bool = False  # block size chosen per step (drafted_lengths + 1 gives each step's block)
     target_weights: str | None = None  # what the target computed with: "bfloat16", "int8 weight-only (per-channel)", ...
     engine: str | None = None  # which target forward decoded (TargetAdapter.engine): the fast path or eager
+    lookup: bool = False  # prompt lookup on: some steps' drafts were copied from earlier text
+    copied_steps: list[bool] = field(default_factory=list)  # per step: drafts copied (True) or the drafter's
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, copied: bool = False) -> None:
         self.drafted_lengths.append(drafted)
         self.accepted_lengths.append(accepted)
+        self.copied_steps.append(copied)
 
     @property
     def steps(self) -> int:
@@ -102,4 +105,14 @@ class DecodeStats:
             "finish_reason": self.finish_reason,
             "target_weights": self.target_weights,
             "engine": self.engine,
+            "lookup": self.lookup_summary() if self.lookup else None,
         }
+
+    def lookup_summary(self) -> dict[str, Any]:
+        """Steps whose drafts were copied by prompt lookup vs drafted by the drafter, with each one's τ."""
+        out = {}
+        for name, want in (("copied", True), ("drafter", False)):
+            acc = [a for a, c in zip(self.accepted_lengths, self.copied_steps) if c == want]
+            out[f"{name}_steps"] = len(acc)
+            out[f"{name}_tau"] = sum(acc) / len(acc) + 1.0 if acc else None
+        return out

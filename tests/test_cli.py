@@ -113,6 +113,21 @@ def test_drafter_none_is_autoregressive(loads, capsys) -> None:
     assert rc == 0 and "autoregressive" in err and out.strip()
 
 
+def test_prompt_lookup_flags(loads, capsys) -> None:
+    """Prompt lookup is on by default with a drafter, off with --no-lookup, and alone with --drafter none --lookup."""
+    runs = {}
+    for name, args in {"default": ["--drafter", "untrained"], "off": ["--drafter", "untrained", "--no-lookup"],
+                       "alone": ["--drafter", "none", "--lookup"], "plain": ["--drafter", "none"]}.items():
+        rc, out, err = cli(capsys, *args, "--json", "--dtype", "float32", "--compare-ar")
+        assert rc == 0, err
+        runs[name] = json.loads(out)
+        assert runs[name]["identical"] is True
+    assert runs["default"]["stats"]["lookup"] is not None and runs["off"]["stats"]["lookup"] is None
+    alone = runs["alone"]["stats"]
+    assert alone["lookup"]["drafter_steps"] + alone["lookup"]["copied_steps"] == alone["steps"]
+    assert runs["alone"]["block_size"] > 1 and runs["plain"]["block_size"] == 1 and runs["plain"]["stats"]["lookup"] is None
+
+
 class RecordingStdout:
     """Stands in for sys.stdout and keeps every write, to see the text arrive in pieces."""
 

@@ -359,7 +359,13 @@ def test_request_timeout() -> None:
             for _ in stream:
                 pass
         wait_until(lambda: metric(live.url, "dflashkit_generations_total", outcome="timeout") == 2)
-        short = client.completions.create(model=MODEL, prompt="w5", max_tokens=3)  # still serving
+        for attempt in range(5):  # still serving (a busy machine may take a 3-token request past 0.1 s once)
+            try:
+                short = client.completions.create(model=MODEL, prompt="w5", max_tokens=3)
+                break
+            except openai.APIError:
+                if attempt == 4:
+                    raise
         assert short.usage.completion_tokens == 3
 
 

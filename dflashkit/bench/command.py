@@ -16,7 +16,7 @@ import torch
 from ..errors import InvalidInputError
 from ..quantize import METHODS as QUANT_METHODS
 
-METHODS = ("ar", "dflash", "hf", "hf-pld", "hf-assisted", "llama.cpp", "llama-server")
+METHODS = ("ar", "dflash", "dflash-lookup", "lookup", "hf", "hf-pld", "hf-assisted", "llama.cpp", "llama-server")
 DEFAULTS = {"datasets": "mt-bench,humaneval,math500", "limit": 10, "max_new_tokens": 256, "max_turns": None,
             "temperatures": "0,1", "block_sizes": "4,8,16,auto"}  # fmt: skip
 # --quick: about 5 minutes on a 2-core CPU with the default target (first turns, 2 questions per set)
@@ -171,22 +171,26 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
                   threads: int, log_dir: pathlib.Path | None = None) -> tuple[list[Any], str]:  # fmt: skip
     """The methods asked for (unavailable ones as placeholders that the runner lists as skipped)."""
     from .assets import target_gguf
-    from .methods import KERNELS, Autoregressive, DFlash, Unavailable
+    from .methods import KERNELS, Autoregressive, DFlash, PromptLookup, Unavailable
     from .peers import LlamaCpp, TransformersGenerate
 
     wanted = settings["methods"]
     methods: list[Any] = [Autoregressive(session)]
     drafter_label = "none"
     drafter, drafter_path, no_drafter = None, None, "not asked for"
-    if "dflash" in wanted or "llama-server" in wanted:
+    if {"dflash", "dflash-lookup", "llama-server"} & set(wanted):
         drafter, drafter_path, no_drafter = resolve_drafter(args.drafter, args.target, session.model)
-    if "dflash" in wanted:
+    for family, lookup in (("dflash", False), ("dflash-lookup", True)):
+        if family not in wanted:
+            continue
         if drafter is None:
-            methods += [Unavailable(f"dflash-b{b}", "dflashkit", no_drafter, note=f"dflashkit decode loop, block size {b}")
+            methods += [Unavailable(f"{family}-b{b}", "dflashkit", no_drafter, note=f"dflashkit decode loop, block size {b}")
                         for b in settings["block_sizes"]]  # fmt: skip
         else:
             drafter_label = drafter_path
-            methods += [DFlash(session, drafter, b, drafter_path) for b in settings["block_sizes"]]
+            methods += [DFlash(session, drafter, b, drafter_path, lookup=lookup) for b in settings["block_sizes"]]
+    if "lookup" in wanted:
+        methods.append(PromptLookup(session))
     if "hf" in wanted:
         methods.append(TransformersGenerate(session, "plain"))
     if "hf-pld" in wanted:

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..adaptive import AdaptiveBlockSize
-from ..decode import DecodeOptions, StepObserver, decode
+from ..decode import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
 from ..drafter import DFlashDrafter
 from ..sampling import SamplingParams
 from ..stats import DecodeStats
@@ -134,13 +134,14 @@ class TargetSession:
                 self.model.set_attn_implementation(self.engine_attention)
 
 
-def options_for(request: Request, block_size: int | None = None) -> DecodeOptions:
+def options_for(request: Request, block_size: int | None = None, lookup: bool = False) -> DecodeOptions:
     return DecodeOptions(
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingParams(temperature=request.temperature),
         block_size=block_size,
         seed=request.seed,
         stop_token_ids=request.stop_token_ids,
+        lookup=lookup,
     )
 
 
@@ -151,14 +152,16 @@ def run_decode_loop(
     block_size: int | None = None,
     observer: StepObserver | None = None,
     block_policy: AdaptiveBlockSize | None = None,
+    lookup: bool = False,
 ) -> Record:
-    """dflashkit's decode loop on one request (drafter None: autoregressive), timed from outside."""
+    """dflashkit's decode loop on one request (drafter None: autoregressive, or prompt lookup alone), timed
+    from outside."""
     session.adapter.set_feature_layers(drafter.config.target_layer_ids if drafter else ())
     stats = DecodeStats(block_size=1)
     tokens: list[int] = []
     t0 = time.perf_counter()
     ttft = None
-    options = options_for(request, block_size)
+    options = options_for(request, block_size, lookup)
     for step in decode(session.adapter, drafter, request.prompt_ids, options, stats, observer, block_policy):
         if ttft is None:
             ttft = time.perf_counter() - t0
@@ -191,30 +194,48 @@ class Autoregressive(Method):
 
 
 class DFlash(Method):
-    """dflashkit's speculative decode loop with a DFlash drafter at one block size, or "auto" (adaptive)."""
+    """dflashkit's speculative decode loop with a DFlash drafter at one block size, or "auto" (adaptive);
+    with ``lookup``, steps that can copy a repeated n-gram's continuation do so instead of drafting."""
 
     family = "dflashkit"
     comparable = EXACT
 
-    def __init__(self, session: TargetSession, drafter: DFlashDrafter, block_size: int | str, drafter_label: str) -> None:
-        self.session, self.drafter, self.block_size = session, drafter, block_size
+    def __init__(self, session: TargetSession, drafter: DFlashDrafter, block_size: int | str, drafter_label: str,
+                 lookup: bool = False) -> None:
+        self.session, self.drafter, self.block_size, self.lookup = session, drafter, block_size, lookup
+        prefix, with_lookup = ("dflash-lookup", " + prompt lookup") if lookup else ("dflash", "")
         drafter.use_fast_path(session.fast)  # the target's fast path, or the eager path
         trained = drafter.block_size
         self.policy = None
         if block_size == "auto":  # one policy for the whole run: its estimates carry over between prompts
             self.policy = AdaptiveBlockSize(trained)
-            self.name = "dflash-auto"
-            self.note = (f"dflashkit decode loop, drafter {drafter_label}, block size chosen per step among "
-                         f"{self.policy.candidates}")
+            self.name = f"{prefix}-auto"
+            self.note = (f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, block size chosen per step "
+                         f"among {self.policy.candidates}")
             return
-        self.name = f"dflash-b{block_size}"
+        self.name = f"{prefix}-b{block_size}"
         beyond = f", beyond its trained block size {trained}" if block_size > trained else ""
-        self.note = f"dflashkit decode loop, drafter {drafter_label}, block size {block_size}{beyond}"
+        self.note = f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, block size {block_size}{beyond}"
 
     def generate(self, request: Request) -> Record:
         if self.policy is not None:
-            return run_decode_loop(self.session, self.drafter, request, block_policy=self.policy)
-        return run_decode_loop(self.session, self.drafter, request, self.block_size)
+            return run_decode_loop(self.session, self.drafter, request, block_policy=self.policy, lookup=self.lookup)
+        return run_decode_loop(self.session, self.drafter, request, self.block_size, lookup=self.lookup)
+
+
+class PromptLookup(Method):
+    """Prompt lookup alone in dflashkit's decode loop: drafts copied after a repeated n-gram, no drafter."""
+
+    name = "lookup"
+    family = "dflashkit"
+    comparable = EXACT
+
+    def __init__(self, session: TargetSession, block_size: int = LOOKUP_ONLY_BLOCK) -> None:
+        self.session, self.block_size = session, block_size
+        self.note = f"dflashkit decode loop, prompt lookup (2-4-grams), no drafter, block size {block_size}"
+
+    def generate(self, request: Request) -> Record:
+        return run_decode_loop(self.session, None, request, self.block_size, lookup=True)
 
 
 class Unavailable(Method):

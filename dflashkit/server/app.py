@@ -45,6 +45,7 @@ class ServerSettings:
     default_max_tokens: int = 256  # when a request gives none (capped by the context)
     block_size: int | str | None = None  # verify block size (None: the drafter's; "auto": adaptive)
     proposal: str = "argmax"  # how drafts are proposed when sampling ("argmax" or "sample"; both exact)
+    lookup: bool = False  # prompt lookup: copy the continuation of a repeated n-gram instead of drafting
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -156,6 +157,7 @@ class Service:
             "speculative": drafter is not None,
             "block_size": (self.settings.block_size or drafter.block_size) if drafter is not None else 1,
             "adaptive_block_size": drafter is not None and self.settings.block_size == "auto",
+            "prompt_lookup": self.settings.lookup,
             "context_length": self.generator.target.max_positions,
             "target_weights": self.generator.target.weights,
             "engine": self.generator.target.engine,
@@ -250,7 +252,7 @@ class Service:
         return self.generator.stream(
             plan.prompt_ids, max_new_tokens=plan.max_new_tokens, temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=b.seed, stop=b.stop_strings, block_size=self.settings.block_size,
-            proposal=self.settings.proposal,
+            proposal=self.settings.proposal, lookup=self.settings.lookup,
         )  # fmt: skip
 
     async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:
