@@ -14,8 +14,11 @@ import json
 import math
 import os
 import random
+import signal
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -478,7 +481,24 @@ class Trainer:
 
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
         t0 = time.perf_counter()
+        self.stop_requested = False
+        with _graceful_stop(self):
+            self._loop(batch_iter, bar, log_file, t0)
+        bar.close()
+        log_file.close()
+        final = self.drafter.to(torch.bfloat16)
+        save_drafter(final, self.out / "drafter")
+        return self.out / "drafter"
+
+    def _loop(self, batch_iter, bar, log_file, t0: float) -> None:
+        cfg = self.cfg
         while self.step < cfg.steps:
+            if self.stop_requested:  # Ctrl-C / SIGTERM: keep this step's work, then stop
+                self.save()
+                bar.close()
+                log_file.close()
+                self.log(f"stopped at step {self.step}; checkpoint saved: the same command resumes here")
+                raise KeyboardInterrupt
             rec = self.train_step(batch_iter)
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                 rec["tau"] = self.estimate_tau()
@@ -493,8 +513,25 @@ class Trainer:
             bar.set_postfix(shown)
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                 self.save()
-        bar.close()
-        log_file.close()
-        final = self.drafter.to(torch.bfloat16)
-        save_drafter(final, self.out / "drafter")
-        return self.out / "drafter"
+
+
+@contextmanager
+def _graceful_stop(trainer: Trainer) -> Iterator[None]:
+    """While training in the main thread, the first SIGINT/SIGTERM asks the loop to checkpoint at the end of the
+    current step and stop (nothing computed is lost); a second SIGINT interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request(signum, frame) -> None:
+        if trainer.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        trainer.stop_requested = True
+        trainer.log("stopping after this step (checkpointing; Ctrl-C again to stop at once)")
+
+    previous = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

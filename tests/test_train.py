@@ -161,6 +161,34 @@ def test_tiny_training_raises_tau(tmp_path):
     assert (tmp_path / "drafter" / "model.safetensors").is_file()
 
 
+def test_stop_signal_checkpoints_the_step_in_progress(tmp_path):
+    """SIGINT/SIGTERM during training: the current step finishes, is checkpointed, and the run resumes there."""
+    import os
+    import signal
+
+    from conftest import tiny_target
+
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 12, seed=2, new_tokens=16)
+    trainer = make_trainer(tmp_path / "run", model, seqs, steps=8, checkpoint_every=100)
+    real_step = trainer.train_step
+
+    def signalled_during_step_5(batch_iter):
+        if trainer.step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the step
+        return real_step(batch_iter)
+
+    trainer.train_step = signalled_during_step_5
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(resume=False, progress=False)
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored
+    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 5  # no checkpoint was due before step 100: the stop saved it
+    resumed = make_trainer(tmp_path / "run", model, seqs, steps=8, checkpoint_every=100)
+    assert resumed.resume() and resumed.step == 5
+
+
 def test_resume_continues_with_the_same_state(tmp_path):
     from conftest import tiny_target
 
