@@ -157,6 +157,11 @@ def main() -> None:
             lines.append(f"| {row['temperature']:g} | {row['dataset']} | {row['method']} | {fmt(row['tau'])} | "
                          f"{fmt(row['tokens_per_s'], '.1f')} | {fmt(row['speedup_tpot'], '.2f', 'x')} | "
                          f"{fmt(row['speedup_tokens_per_s'], '.2f', 'x')} |")  # fmt: skip
+    names = {row["method"] for row in bench["summary"]}
+    if any(n.startswith("dflash-lookup") or n == "lookup" for n in names):
+        lines += ["", "`dflash-lookup-*`: this drafter plus prompt lookup (steps whose text ends with a repeated "
+                  "2-4-gram copy its continuation instead of drafting; their tokens count in τ); `lookup`: prompt "
+                  "lookup alone, no drafter. The drafter's own τ is that of the `dflash-*` rows."]
     lines += ["", f"Greedy divergences from plain decoding: {len(bench['divergences'])}, of which not a bf16 tie: "
               f"{bench['non_tie_divergences_in_dflashkit']}.", ""]
 
