@@ -125,22 +125,23 @@ def decode(
     while not finished:
         # ---- draft ------------------------------------------------------------------------------------
         t_step = time.perf_counter()
-        room = min(max_new - produced - 1, target.max_positions - pos - 1)
+        room = min(max_new - produced - 1, target.max_positions - pos - 1)  # drafts that can still be emitted
         copied = lookup.propose(min(block - 1, room)) if lookup is not None else []
-        size = policy.choose() if policy and not copied else block
-        k = min(size - 1, room) if drafter or copied else 0
         drafts, q = torch.empty(0, dtype=torch.long, device=device), None
-        if copied:
-            drafts = torch.tensor(copied, dtype=torch.long, device=device)  # a fixed function of the text: one-hot q
-            k = len(copied)
-        elif k > 0:
-            t = time.perf_counter()
-            draft_logits = drafter.draft_logits(
-                context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
-            )  # [k, vocab]
-            pending = None
-            drafts, q = propose(draft_logits, params, options.proposal, gen)
-            stats.draft_s += time.perf_counter() - t
+        if copied:  # a fixed function of the text: a one-hot proposal
+            size, k = block, len(copied)
+            drafts = torch.tensor(copied, dtype=torch.long, device=device)
+        else:
+            size = policy.choose() if policy else block
+            k = min(size - 1, room) if drafter else 0
+            if k > 0:
+                t = time.perf_counter()
+                draft_logits = drafter.draft_logits(
+                    context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
+                )  # [k, vocab]
+                pending = None
+                drafts, q = propose(draft_logits, params, options.proposal, gen)
+                stats.draft_s += time.perf_counter() - t
 
         # ---- verify -----------------------------------------------------------------------------------
         t = time.perf_counter()

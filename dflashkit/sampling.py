@@ -80,7 +80,7 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """
     flat = probs.reshape(-1, probs.shape[-1])
     cdf = flat.cumsum(-1, dtype=torch.float64)  # [rows, vocab]
-    u = (1 - torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device))
+    u = 1 - torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
     u = u * cdf[:, -1:]  # [rows, 1], in (0, total]
     index = torch.searchsorted(cdf, u).clamp_max(flat.shape[-1] - 1)  # clamp: only a sum rounding past u
     return index.view(probs.shape[:-1])

@@ -306,6 +306,7 @@ class Trainer:
                 signature={"target_layer_ids": list(dcfg.target_layer_ids), "target": target_identity(model)},
             )  # fmt: skip
         self.step = 0
+        self.stop_requested = False  # set by a SIGINT/SIGTERM during run(): checkpoint, then stop
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -482,10 +483,12 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
         t0 = time.perf_counter()
         self.stop_requested = False
-        with _graceful_stop(self):
-            self._loop(batch_iter, bar, log_file, t0)
-        bar.close()
-        log_file.close()
+        try:
+            with _graceful_stop(self):
+                self._loop(batch_iter, bar, log_file, t0)
+        finally:
+            bar.close()
+            log_file.close()
         final = self.drafter.to(torch.bfloat16)
         save_drafter(final, self.out / "drafter")
         return self.out / "drafter"
@@ -495,8 +498,6 @@ class Trainer:
         while self.step < cfg.steps:
             if self.stop_requested:  # Ctrl-C / SIGTERM: keep this step's work, then stop
                 self.save()
-                bar.close()
-                log_file.close()
                 self.log(f"stopped at step {self.step}; checkpoint saved: the same command resumes here")
                 raise KeyboardInterrupt
             rec = self.train_step(batch_iter)

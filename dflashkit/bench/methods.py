@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..adaptive import AdaptiveBlockSize
 from ..decode import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
 from ..drafter import DFlashDrafter
+from ..lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from ..sampling import SamplingParams
 from ..stats import DecodeStats
 from ..target import TargetAdapter
@@ -232,7 +233,8 @@ class PromptLookup(Method):
 
     def __init__(self, session: TargetSession, block_size: int = LOOKUP_ONLY_BLOCK) -> None:
         self.session, self.block_size = session, block_size
-        self.note = f"dflashkit decode loop, prompt lookup (2-4-grams), no drafter, block size {block_size}"
+        self.note = (f"dflashkit decode loop, prompt lookup ({DEFAULT_MIN_NGRAM}-{DEFAULT_MAX_NGRAM}-grams), no "
+                     f"drafter, block size {block_size}")
 
     def generate(self, request: Request) -> Record:
         return run_decode_loop(self.session, None, request, self.block_size, lookup=True)
