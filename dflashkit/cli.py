@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--proposal", choices=["argmax", "sample"], default="argmax", help="how drafts are proposed (both exact)")
+    g.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
     _add_lookup_option(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
     s.add_argument("--block-size", type=_block_size_arg, default=None,
                    help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)")
-    s.add_argument("--proposal", choices=["argmax", "sample"], default="argmax", help="how drafts are proposed (both exact)")
+    s.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
     _add_lookup_option(s)
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one runs")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")

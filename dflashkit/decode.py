@@ -44,7 +44,7 @@ class DecodeOptions:
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     block_size: int | None = None  # None: the drafter's trained block size
-    proposal: str = "argmax"  # "argmax" (one-hot q) or "sample" (x ~ q); both exact
+    proposal: str = "sample"  # when sampling: "sample" (x ~ q, more accepted at T=1) or "argmax" (one-hot q); both exact
     seed: int | None = None
     stop_token_ids: frozenset[int] = frozenset()  # eos ids included by the caller
     lookup: bool = False  # draft by copying after a repeated n-gram where one exists (prompt lookup)
@@ -136,11 +136,11 @@ def decode(
             k = min(size - 1, room) if drafter else 0
             if k > 0:
                 t = time.perf_counter()
-                draft_logits = drafter.draft_logits(
+                scores, columns = drafter.draft_scores(
                     context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
-                )  # [k, vocab]
+                )  # [k, V'] over the draft vocabulary `columns` (None: the whole vocabulary)
                 pending = None
-                drafts, q = propose(draft_logits, params, options.proposal, gen)
+                drafts, q = propose(scores, params, options.proposal, gen, columns, target.vocab_size)
                 stats.draft_s += time.perf_counter() - t
 
         # ---- verify -----------------------------------------------------------------------------------

@@ -222,7 +222,26 @@ class DFlashDrafter(nn.Module):
         embed_tokens: nn.Module,
         lm_head: nn.Module,
     ) -> Tensor:
-        """One drafting step: logits [k, vocab] for the k tokens after `anchor` (at position pos).
+        """One drafting step: logits [k, vocab] for the k tokens after `anchor` (at position pos); -inf outside
+        the draft vocabulary. See :meth:`draft_scores` for the arguments (and the cheaper draft-vocabulary form)."""
+        scores, token_ids = self.draft_scores(context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head)
+        return scores if token_ids is None else self._scatter(scores, token_ids, lm_head)
+
+    @torch.inference_mode()
+    def draft_scores(
+        self,
+        context: ContextCache,
+        new_features: Tensor | None,
+        new_start: int,
+        anchor: int,
+        pos: int,
+        k: int,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+    ) -> tuple[Tensor, Tensor | None]:
+        """One drafting step over the draft vocabulary: logits [k, V'] and the token id of each column [V']
+        (None: no draft vocabulary, the columns are the whole vocabulary). Row j predicts the token at position
+        pos+1+j. Proposing from these (argmax, or sampling over V' columns) skips the [k, vocab] scatter.
 
         new_features [1, n, n_feat*hidden]: verified target features at positions new_start.. not yet
         in `context`; they are appended first (the context grows only by verified tokens).
@@ -237,7 +256,10 @@ class DFlashDrafter(nn.Module):
         block_ids[0, 0] = anchor
         run = fast if fast is not None else self
         hidden = run(self.embed(block_ids, embed_tokens), torch.arange(pos, pos + k + 1, device=device), context.layers())
-        return self.logits(hidden[0, 1:], lm_head)  # [k, vocab]: row j predicts the token at position pos+1+j
+        if self.draft_vocab is None:
+            return lm_head(hidden[0, 1:]), None  # [k, vocab]
+        head, _ = self._draft_head(lm_head)
+        return head(hidden[0, 1:]), self.draft_vocab  # [k, V'], [V']
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the inference caches out (packed oneDNN tensors cannot be copied); they are
@@ -262,10 +284,14 @@ class DFlashDrafter(nn.Module):
         """Vocabulary logits [..., vocab] of drafter hidden states; outside the draft vocabulary, -inf."""
         if self.draft_vocab is None:
             return lm_head(hidden)
-        head, vocab = self._draft_head(lm_head)
-        sub = head(hidden)  # [..., V']: only the draft vocabulary's rows are read
+        head, _ = self._draft_head(lm_head)
+        return self._scatter(head(hidden), self.draft_vocab, lm_head)  # only the draft vocabulary's rows are read
+
+    def _scatter(self, sub: Tensor, token_ids: Tensor, lm_head: nn.Module) -> Tensor:
+        """Draft-vocabulary logits [..., V'] placed in a [..., vocab] row of -inf."""
+        _, vocab = self._draft_head(lm_head)
         full = sub.new_full((*sub.shape[:-1], vocab), float("-inf"))
-        return full.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
+        return full.index_copy_(-1, token_ids.to(sub.device), sub)
 
     def _draft_head(self, lm_head: nn.Module) -> tuple[Callable[[Tensor], Tensor], int]:
         """The target's head restricted to the draft vocabulary's rows, and the full vocabulary size; rebuilt

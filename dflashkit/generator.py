@@ -165,7 +165,7 @@ class SpeculativeGenerator:
         top_p: float = 1.0,
         seed: int | None = None,
         block_size: int | str | None = None,
-        proposal: str = "argmax",
+        proposal: str = "sample",
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         use_drafter: bool = True,

@@ -40,8 +40,8 @@ class OracleDrafter(DFlashDrafter):
         self.current: list[int] = []
         self.calls = 0
 
-    def draft_logits(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
-        super().draft_logits(context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head)
+    def draft_scores(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
+        super().draft_scores(context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head)
         logits = torch.zeros(k, VOCAB)
         wrong_at = self.calls % (k + 3)
         self.calls += 1
@@ -51,7 +51,7 @@ class OracleDrafter(DFlashDrafter):
             if j == wrong_at:
                 token = (token + 1) % VOCAB
             logits[j, token] = 10.0
-        return logits
+        return logits, None  # over the whole vocabulary
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,8 +128,8 @@ def test_caches_equal_a_fresh_prefill_after_every_step(arch):
         return cache, feats
 
     class CheckingOracle(OracleDrafter):
-        def draft_logits(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
-            out = super().draft_logits(context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head)
+        def draft_scores(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
+            out = super().draft_scores(context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head)
             assert context.length == pos  # context holds exactly the verified positions before the block
             _, feats = fresh(self.current[:pos])
             with torch.no_grad():

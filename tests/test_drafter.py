@@ -144,3 +144,29 @@ def test_block_sparse_training_attention_equals_the_dense_mask():
     rows = keep.repeat_interleave(B, 1)  # padding blocks: dense rows are empty (NaN), sparse rows see their block
     torch.testing.assert_close(sparse[rows], dense[rows], rtol=1e-4, atol=1e-5)
     assert torch.isfinite(sparse).all()
+
+
+def test_draft_scores_are_the_draft_vocabulary_columns_of_draft_logits():
+    """The decode loop proposes from draft_scores ([k, V'] + token ids); draft_logits is the same block scattered
+    into a [k, vocab] row of -inf, and without a draft vocabulary the two are the same tensor values."""
+    model = tiny_target("llama")
+    base = tiny_drafter(model, block_size=4)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    feats = torch.randn(1, 6, base.fc.in_features, generator=torch.Generator().manual_seed(4))
+    vocab = model.config.vocab_size
+    ids = list(range(1, vocab, 5))
+    restricted = DFlashDrafter(base.config.replace(draft_vocab=ids))
+    restricted.load_state_dict(base.state_dict())
+    for drafter, columns in ((base, None), (restricted, torch.tensor(ids))):
+        scores, token_ids = drafter.draft_scores(drafter.new_context(), feats, 0, 7, 6, 3, embed, head)
+        full = drafter.draft_logits(drafter.new_context(), feats, 0, 7, 6, 3, embed, head)
+        assert full.shape == (3, vocab)
+        if columns is None:
+            assert token_ids is None
+            torch.testing.assert_close(scores, full)
+        else:
+            assert torch.equal(token_ids, columns) and scores.shape == (3, len(ids))
+            torch.testing.assert_close(full[:, columns], scores)
+            outside = torch.ones(vocab, dtype=torch.bool)
+            outside[columns] = False
+            assert torch.isinf(full[:, outside]).all()

@@ -247,6 +247,35 @@ def test_sampling_params_accept_good_values_and_greedy_flag():
         propose(torch.zeros(2, 5), SamplingParams(1.0), "beam", None)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8),
+                                    SamplingParams(0.0)])
+def test_propose_over_a_draft_vocabulary_equals_proposing_over_the_scattered_row(params):
+    """Columns [k, V'] of token ids [V'] give the same drafts (argmax) and the same q as the [k, vocab] row with
+    -inf outside; sampled drafts are always inside the draft vocabulary and follow q."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor(sorted(torch.randperm(VOCAB, generator=gen)[:20].tolist()))
+    sub = torch.randn(4, len(ids), generator=gen) * 2
+    full = torch.full((4, VOCAB), float("-inf")).index_copy_(1, ids, sub)
+    if params.greedy:
+        drafts, q = propose(sub, params, "sample", gen, ids, VOCAB)
+        assert q is None and torch.equal(drafts, propose(full, params, "sample", gen)[0])
+        return
+    assert torch.equal(propose(sub, params, "argmax", gen, ids, VOCAB)[0], propose(full, params, "argmax", gen)[0])
+    counts = torch.zeros(4, VOCAB)
+    for _ in range(3000):
+        drafts, q = propose(sub, params, "sample", gen, ids, VOCAB)
+        counts[torch.arange(4), drafts] += 1
+    torch.testing.assert_close(q, warp(full, params))
+    assert counts[:, [i for i in range(VOCAB) if i not in ids.tolist()]].sum() == 0
+    for row in range(4):
+        support = q[row] > 0
+        expected = q[row][support].double().numpy()
+        expected *= 3000 / expected.sum()
+        assert sps.chisquare(counts[row][support].numpy(), expected).pvalue > 1e-4
+    with pytest.raises(InvalidInputError):
+        propose(sub, params, "sample", gen, ids)  # the vocabulary size is needed to scatter q
+
+
 # ---- b. the rejection step against its analytic distribution -------------------------------------------
 
 V = 8
@@ -467,6 +496,7 @@ class NoisyOracleDrafter(DFlashDrafter):
         self.world = world
         self.bias = torch.randn(VOCAB, generator=torch.Generator().manual_seed(BASE_SEED + 5)) * 0.7
         self.tokens: list[int] = []
+        self.columns: torch.Tensor | None = None  # draft vocabulary (None: the whole vocabulary)
 
     def start(self, prompt: list[int]) -> None:
         self.tokens = list(prompt)
@@ -474,14 +504,27 @@ class NoisyOracleDrafter(DFlashDrafter):
     def observe(self, _logits: torch.Tensor, emitted: list[int]) -> None:
         self.tokens += emitted
 
-    def draft_logits(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
+    def draft_scores(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
         assert len(self.tokens) == pos + 1 and self.tokens[pos] == anchor
         prefix, rows = tuple(self.tokens), []
         for _ in range(k):
             logits = self.world.logits(prefix)
             rows.append(0.8 * logits + self.bias)
             prefix += (int(logits.argmax()),)
-        return torch.stack(rows)
+        scores = torch.stack(rows)  # [k, VOCAB]
+        if self.columns is None:
+            return scores, None
+        return scores[:, self.columns], self.columns  # [k, V'] over a draft vocabulary
+
+
+class NoisyOracleVocabDrafter(NoisyOracleDrafter):
+    """The noisy oracle restricted to a draft vocabulary (every third token, plus the greedy first token):
+    proposals are sampled over those columns and q is 0 elsewhere."""
+
+    def start(self, prompt: list[int]) -> None:
+        super().start(prompt)
+        first = int(self.world.logits(tuple(prompt)).argmax())
+        self.columns = torch.tensor(sorted(set(range(0, VOCAB, 3)) | {first}))
 
 
 def sample_sequences(
@@ -556,12 +599,15 @@ SPECULATIVE_CASES = [
     # 4 new tokens: the first step drafts 2, so t2 and t3 can both be accepted drafts of one block, and a
     # rejection of the 2nd draft crops the caches in the middle of the block
     ("t1.0", "sample", "oracle-4"),
+    ("t1.0", "sample", "oracle-vocab"),  # proposals sampled over a draft vocabulary, scattered back for q
+    ("t0.7_k10", "sample", "oracle-vocab"),
 ]
 
 
 @pytest.mark.parametrize("setting,proposal,kind", SPECULATIVE_CASES)
 def test_speculative_decode_matches_target_distribution(world, setting, proposal, kind):
-    drafter = NoisyOracleDrafter(world) if kind.startswith("oracle") else world.drafter
+    oracle = NoisyOracleVocabDrafter if kind == "oracle-vocab" else NoisyOracleDrafter
+    drafter = oracle(world) if kind.startswith("oracle") else world.drafter
     max_new = 4 if kind == "oracle-4" else N_TOKENS
     counts, accepted, drafted, sequences = sample_sequences(
         world, drafter, SETTINGS[setting], proposal, N_E2E, seed0=BASE_SEED * 10_000 + 1, max_new=max_new

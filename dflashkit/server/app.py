@@ -44,7 +44,7 @@ class ServerSettings:
     timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     default_max_tokens: int = 256  # when a request gives none (capped by the context)
     block_size: int | str | None = None  # verify block size (None: the drafter's; "auto": adaptive)
-    proposal: str = "argmax"  # how drafts are proposed when sampling ("argmax" or "sample"; both exact)
+    proposal: str = "sample"  # how drafts are proposed when sampling ("sample" or "argmax"; both exact)
     lookup: bool = False  # prompt lookup: copy the continuation of a repeated n-gram instead of drafting
     created: int = field(default_factory=lambda: int(time.time()))
 
