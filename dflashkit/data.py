@@ -17,8 +17,10 @@ Evaluation prompts (MT-Bench, HumanEval, MMATH/MATH-500, when their packages are
 training data: :func:`collect_prompts` drops any prompt that matches one of them.
 
 Output folder of :func:`regenerate`: ``prompts.jsonl`` (the fixed, ordered prompt list), ``meta.json``
-(target, settings, per-shard counts) and ``shard-00000.jsonl``, ... each written atomically once complete,
-so an interrupted run resumes after losing at most the shard in progress.
+(target, settings, per-shard counts) and ``shard-00000.jsonl``, ... each written atomically once complete.
+While a shard is generated, every finished batch is appended (and flushed to disk) to
+``shard-00000.partial.jsonl``, so an interrupted run, even killed with SIGKILL, resumes after losing at most the
+batch in progress.
 """
 
 from __future__ import annotations
@@ -673,6 +675,26 @@ def shard_path(out_dir: str | os.PathLike, index: int) -> pathlib.Path:
     return pathlib.Path(out_dir) / f"shard-{index:05d}.jsonl"
 
 
+def partial_shard_path(out_dir: str | os.PathLike, index: int) -> pathlib.Path:
+    """Batches of shard ``index`` finished so far (one record per line), until the shard itself is written."""
+    return pathlib.Path(out_dir) / f"shard-{index:05d}.partial.jsonl"
+
+
+def _read_partial(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The complete records of a partial shard; a line torn by a kill (the last one) is dropped."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and {"id", "prompt_ids", "response_ids", "finished"} <= set(record):
+            records.append(record)
+    return records
+
+
 def _tokenizer_identity(tokenizer: Any, eos_ids: list[int], pad_id: int) -> dict[str, Any]:
     template = getattr(tokenizer, "chat_template", None) or ""
     if not isinstance(template, str):
@@ -807,28 +829,39 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                     encoded.append((i, ids))
             if skipped:
                 bar.update(skipped)
-            encoded.sort(key=lambda x: (len(x[1]), x[0]))
-            records: list[dict[str, Any]] = []
+            # batches finished by an interrupted run: kept, and their prompts not generated again
+            partial = partial_shard_path(out, k)
+            wanted = {i: ids for i, ids in encoded}
+            records = [r for r in _read_partial(partial) if wanted.get(r["id"]) == r["prompt_ids"]]
+            atomic_write(partial, lambda f: f.writelines(json.dumps(r) + "\n" for r in records))  # drop a torn line
+            have = {r["id"] for r in records}
+            bar.update(len(have))
+            encoded = sorted(((i, ids) for i, ids in encoded if i not in have), key=lambda x: (len(x[1]), x[0]))
             t_shard = time.perf_counter()
-            shard_tokens = 0
-            with torch.random.fork_rng(devices=fork_devices), torch.inference_mode():
-                torch.manual_seed(seed * 1_000_003 + k)
+            with open(partial, "a", encoding="utf-8") as log, torch.random.fork_rng(devices=fork_devices), \
+                    torch.inference_mode():
                 for b in range(0, len(encoded), batch_size):
                     batch = encoded[b : b + batch_size]
+                    torch.manual_seed((seed * 1_000_003 + k) * 1_000_033 + batch[0][0])  # per batch: resumable
                     responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
                                                eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
-                    for (i, ids), response in zip(batch, responses):
-                        finished = bool(response) and response[-1] in eos_ids
-                        records.append({"id": i, "prompt_ids": ids, "response_ids": response, "finished": finished})
-                        shard_tokens += len(response)
-                    run_tokens += sum(len(r["response_ids"]) for r in records[-len(batch):])
+                    new = [{"id": i, "prompt_ids": ids, "response_ids": response,
+                            "finished": bool(response) and response[-1] in eos_ids}
+                           for (i, ids), response in zip(batch, responses)]  # fmt: skip
+                    log.writelines(json.dumps(r) + "\n" for r in new)
+                    log.flush()
+                    os.fsync(log.fileno())
+                    records += new
+                    run_tokens += sum(len(r["response_ids"]) for r in new)
                     elapsed = run_seconds + time.perf_counter() - t_shard
                     bar.update(len(batch))
                     bar.set_postfix_str(f"{run_tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
             seconds = time.perf_counter() - t_shard
             run_seconds += seconds
             records.sort(key=lambda r: r["id"])
+            shard_tokens = sum(len(r["response_ids"]) for r in records)
             atomic_write(shard_path(out, k), lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
+            partial.unlink()
             meta["shards"][f"{k:05d}"] = {
                 "prompts": hi - lo, "written": len(records), "skipped_too_long": skipped,
                 "response_tokens": shard_tokens, "finished": sum(r["finished"] for r in records),

@@ -360,6 +360,46 @@ def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path, monkeypatch) 
     assert counter.calls == []
 
 
+def test_a_kill_mid_shard_loses_at_most_the_batch_in_progress(tmp_path: Path, monkeypatch) -> None:
+    """Finished batches are on disk before the shard is: a run killed in its 2nd batch resumes with the 1st
+    batch's records as they were and generates only the rest; a torn last line is dropped."""
+    model, tok = make_model(), make_tokenizer()
+    prompts = word_prompts(7, seed=6)
+    kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=7, temperature=1.0, seed=2, progress=False)
+    reference = data.regenerate(model, tok, prompts, tmp_path / "ref", **kwargs)
+    counter = CountingGenerate(monkeypatch)
+
+    class Killed(BaseException):
+        pass
+
+    def dies_on_second_batch(model_, prompts_, **kw):
+        if len(counter.calls) == 1:
+            raise Killed
+        return counter(model_, prompts_, **kw)
+
+    monkeypatch.setattr(data, "generate_batch", dies_on_second_batch)
+    out = tmp_path / "out"
+    with pytest.raises(Killed):
+        data.regenerate(model, tok, prompts, out, **kwargs)
+    partial = data.partial_shard_path(out, 0)
+    first_batch = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert len(first_batch) == 3 and not data.shard_path(out, 0).exists()
+    with partial.open("a") as f:
+        f.write('{"id": 6, "prompt_ids": [1, 2')  # torn by the kill
+
+    monkeypatch.setattr(data, "generate_batch", counter)
+    counter.calls.clear()
+    summary = data.regenerate(model, tok, prompts, out, **kwargs)
+    assert counter.calls == [3, 1]  # the 4 prompts left, in batches of 3
+    assert summary["written"] == 7 == reference["written"] and not partial.exists()
+    records = data.load_shards(out, require_complete=True)
+    assert [r["id"] for r in records] == list(range(7))
+    assert all(r in records for r in first_batch)
+    check_records(records, 6)
+    # batches are seeded by their own content, so the resumed run sampled what an uninterrupted one did
+    assert records == data.load_shards(tmp_path / "ref")
+
+
 def test_regenerate_sampling_is_seeded_and_skips_long_prompts(tmp_path: Path) -> None:
     model, tok = make_model(), make_tokenizer()
     prompts = word_prompts(6, seed=2) + [" ".join(["sea"] * 40)]
