@@ -339,18 +339,24 @@ class FastDrafterForward:
         self.hidden_norm, self.norm = _plain(drafter.hidden_norm), _plain(drafter.norm)
         self.rotary = drafter.rotary
         self.layers = [_FastDrafterLayer(layer) for layer in drafter.layers]
+        attns = [layer.self_attn for layer in drafter.layers]
+        # the injected context's keys and values of every layer in one product: [k_0 v_0 k_1 v_1 ...] rows
+        self.context_kv = Matmul.fused([proj for a in attns for proj in (a.k_proj, a.v_proj)])
+        # every layer's k_norm in one call: its weight per (layer, kv head) row of the context's keys
+        self.context_k_norm = kernels.RMSNorm(
+            torch.stack([a.k_norm.weight.detach()[None].expand(self.kv_heads, -1) for a in attns]).flatten(0, 1),
+            attns[0].k_norm.eps)  # [layers * kv_heads, head_dim]  # fmt: skip
 
     def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
         ctx = self.hidden_norm(self.fc(target_features))  # [1, n, hidden]
         cos, sin = self.rotary(positions, ctx.dtype)
         sin = signed_sin(sin)
-        n, kv, d = ctx.shape[1], self.kv_heads, self.head_dim
-        out = []
-        for layer in self.layers:
-            k, v = layer.kv(ctx).split(kv * d, dim=-1)
-            k = rotate(layer.k_norm(k.view(1, n, kv, d)).transpose(1, 2), cos, sin)  # [1, kv_heads, n, d]
-            out.append((k, v.view(1, n, kv, d).transpose(1, 2)))
-        return out
+        n, kv, d, layers = ctx.shape[1], self.kv_heads, self.head_dim, len(self.layers)
+        kvs = self.context_kv(ctx).view(1, n, layers, 2, kv, d)  # every layer's keys and values, one product
+        k = self.context_k_norm(kvs[:, :, :, 0].reshape(1, n, layers * kv, d))  # [1, n, layers*kv_heads, d]
+        k = rotate(k.transpose(1, 2), cos, sin)  # [1, layers*kv_heads, n, d]
+        v = kvs[:, :, :, 1].transpose(1, 3)  # [1, kv_heads, layers, n, d]
+        return [(k[:, i * kv : (i + 1) * kv], v[:, :, i]) for i in range(layers)]
 
     def __call__(self, block_embeddings: Tensor, positions: Tensor, context: list[KV]) -> Tensor:
         """Final-normed hidden states [1, q_len, hidden] of the block (see DFlashDrafter.forward)."""
@@ -359,9 +365,12 @@ class FastDrafterForward:
         h, (heads, kv, d) = block_embeddings, (self.heads, self.kv_heads, self.head_dim)
         s = h.shape[1]
         for layer, (k_ctx, v_ctx) in zip(self.layers, context):
-            q, k, v = layer.qkv(layer.input_norm(h)).split(layer.splits, dim=-1)
-            q = rotate(layer.q_norm(q.view(1, s, heads, d)).transpose(1, 2), cos, sin)  # [1, heads, s, d]
-            k = rotate(layer.k_norm(k.view(1, s, kv, d)).transpose(1, 2), cos, sin)  # [1, kv_heads, s, d]
+            qkv = layer.qkv(layer.input_norm(h))  # [1, s, (heads + 2*kv_heads) * d]
+            # q_norm and k_norm in one call (a weight per head row), then one rotation of queries and keys
+            qk = layer.qk_norm(qkv[..., : (heads + kv) * d].view(1, s, heads + kv, d))
+            qk = rotate(qk.transpose(1, 2), cos, sin)  # [1, heads + kv_heads, s, d]
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[..., (heads + kv) * d :]
             keys = torch.cat((k_ctx, k), dim=2)  # [1, kv_heads, ctx+s, d]
             values = torch.cat((v_ctx, v.view(1, s, kv, d).transpose(1, 2)), dim=2)
             packed = q.reshape(1, kv, (heads // kv) * s, d)  # query heads per K/V head, no K/V copy
@@ -376,14 +385,17 @@ class _FastDrafterLayer:
     def __init__(self, layer: DrafterLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = Matmul.fused([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.splits = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
-        self.kv = Matmul.fused([attn.k_proj, attn.v_proj])
         self.o = Matmul.of(attn.o_proj)
         self.gate_up = Matmul.fused([mlp.gate_proj, mlp.up_proj])
         self.intermediate = mlp.gate_proj.weight.shape[0]
         self.down = Matmul.of(mlp.down_proj)
         self.input_norm, self.post_norm = _plain(layer.input_layernorm), _plain(layer.post_attention_layernorm)
-        self.q_norm, self.k_norm = _plain(attn.q_norm), _plain(attn.k_norm)
+        heads, kv = attn.n_heads, attn.n_kv
+        weight = torch.cat((attn.q_norm.weight.detach()[None].expand(heads, -1),
+                            attn.k_norm.weight.detach()[None].expand(kv, -1)))  # [heads + kv_heads, head_dim]
+        self.qk_norm = kernels.RMSNorm(weight, attn.q_norm.eps)
+        if attn.k_norm.eps != attn.q_norm.eps:
+            raise ValueError("q_norm and k_norm with different eps")
 
 
 def _plain(norm: RMSNorm) -> kernels.RMSNorm:

@@ -260,11 +260,17 @@ def test_rms_norm_kernel_equals_the_spelled_out_formula():
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
-        weight = torch.randn(64, generator=g).to(dtype)
-        x = (torch.randn(3, 7, 64, generator=g) * 5).to(dtype)
-        xf = x.float()
-        expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-        torch.testing.assert_close(RMSNorm(weight, 1e-6)(x), expected, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
+        for width, scale in ((64, 5.0), (576, 1.0), (576, 300.0)):
+            weight = torch.randn(width, generator=g).to(dtype)
+            x = torch.randn(3, 7, width, generator=g) * scale
+            x[..., 3] *= 40  # a massive activation, as in real residual streams
+            x = x.to(dtype)
+            xf = x.float()
+            expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+            got = RMSNorm(weight, 1e-6)(x)
+            assert got.dtype == dtype and got.shape == x.shape
+            torch.testing.assert_close(got, expected, rtol=0 if dtype == torch.bfloat16 else 1e-5,
+                                       atol=0 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_rotate_equals_rotate_half_bitwise():
