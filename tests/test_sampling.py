@@ -415,7 +415,7 @@ class World:
         self.drafter = tiny_drafter(self.model, block_size=4, num_layers=1)
         self.target = TargetAdapter(self.model, self.drafter.config.target_layer_ids)
         self._logits: dict[tuple[int, ...], torch.Tensor] = {}
-        self._exact: dict[str, Exact] = {}
+        self._exact: dict[tuple, Exact] = {}
 
     @torch.inference_mode()
     def logits(self, ids: tuple[int, ...]) -> torch.Tensor:
@@ -425,10 +425,10 @@ class World:
         return self._logits[ids]
 
     @torch.inference_mode()
-    def exact(self, setting: str) -> Exact:
-        if setting not in self._exact:
-            self._exact[setting] = Exact(self.model, SETTINGS[setting])
-        return self._exact[setting]
+    def exact(self, setting: str, prompt: tuple[int, ...] = tuple(PROMPT)) -> Exact:
+        if (setting, prompt) not in self._exact:
+            self._exact[setting, prompt] = Exact(self.model, SETTINGS[setting], list(prompt))
+        return self._exact[setting, prompt]
 
 
 RANK_EDGES = [1, 2, 3, 5, 10]  # rank bins under the exact conditional: 0, 1, 2, 3-4, 5-9, >= 10
@@ -444,11 +444,11 @@ class Exact:
     move mass between the drafted (likely) tokens and the others.
     """
 
-    def __init__(self, model, params: SamplingParams) -> None:
+    def __init__(self, model, params: SamplingParams, prompt: list[int] = PROMPT) -> None:
         def next_probs(prefixes: list[tuple[int, ...]]) -> torch.Tensor:
             out = []
             for i in range(0, len(prefixes), 2048):
-                batch = torch.tensor([PROMPT + list(pre) for pre in prefixes[i : i + 2048]])
+                batch = torch.tensor([prompt + list(pre) for pre in prefixes[i : i + 2048]])
                 out.append(warp(model(batch).logits[:, -1].float(), params).double())
             return torch.cat(out)
 
@@ -528,25 +528,28 @@ class NoisyOracleVocabDrafter(NoisyOracleDrafter):
 
 
 def sample_sequences(
-    world: World, drafter, params: SamplingParams, proposal: str, n: int, seed0: int, max_new: int = N_TOKENS
+    world: World, drafter, params: SamplingParams, proposal: str, n: int, seed0: int, max_new: int = N_TOKENS,
+    prompt: list[int] = PROMPT, lookup: bool = False, copied: list[bool] | None = None,
 ):
     """Decode max_new tokens for seeds seed0..seed0+n-1; counts [V, V, V] of the first N_TOKENS, and the
-    decode statistics."""
+    decode statistics (per step; `copied`, when given, gets each step's copied flag)."""
     counts = np.zeros((VOCAB,) * N_TOKENS)
     accepted, drafted, sequences = [], [], []
     for s in range(seed0, seed0 + n):
         stats = DecodeStats(block_size=1)
         observer = None
         if isinstance(drafter, NoisyOracleDrafter):
-            drafter.start(PROMPT)
+            drafter.start(prompt)
             observer = drafter.observe
-        options = DecodeOptions(max_new_tokens=max_new, sampling=params, seed=s, proposal=proposal)
-        tokens = [t for step in decode(world.target, drafter, PROMPT, options, stats, observer) for t in step.tokens]
+        options = DecodeOptions(max_new_tokens=max_new, sampling=params, seed=s, proposal=proposal, lookup=lookup)
+        tokens = [t for step in decode(world.target, drafter, prompt, options, stats, observer) for t in step.tokens]
         assert len(tokens) == max_new
         counts[tuple(tokens[:N_TOKENS])] += 1
         sequences.append(tokens)
         accepted += stats.accepted_lengths
         drafted += stats.drafted_lengths
+        if copied is not None:
+            copied += stats.copied_steps
     return counts, accepted, drafted, sequences
 
 
@@ -622,6 +625,29 @@ def test_speculative_decode_matches_target_distribution(world, setting, proposal
         assert all(outcomes[(a, 2)] >= 20 for a in range(3)), outcomes
         check_last_token_rank(world, SETTINGS[setting], sequences, f"{setting}/{proposal}/{kind}")
     check_sequences(counts, world.exact(setting), f"{setting}/{proposal}/{kind}")
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_prompt_lookup_decode_matches_target_distribution(world, with_drafter):
+    """Copied drafts (prompt lookup) are one-hot proposals: sampled output keeps the target's distribution.
+
+    The prompt repeats the 2-gram (5, 17), followed the first time by the target's likely next tokens, so the
+    first step often copies (when t1 continues the 2-gram as before) and the copy is sometimes accepted,
+    sometimes rejected (its residual exercised); elsewhere the drafter drafts (or, without one, a plain step)."""
+    a, b = 5, 17
+    c1 = int(world.logits((a, b)).argmax())
+    c2 = int(world.logits((a, b, c1)).argmax())
+    prompt = [a, b, c1, c2, 60, 8, a, b]
+    setting = "t1.0"
+    copied: list[bool] = []
+    counts, accepted, drafted, _ = sample_sequences(
+        world, world.drafter if with_drafter else None, SETTINGS[setting], "sample", N_E2E,
+        seed0=BASE_SEED * 10_000 + 70_001, prompt=prompt, lookup=True, copied=copied,
+    )  # fmt: skip
+    steps = [(acc, d) for acc, d, c in zip(accepted, drafted, copied) if c and d > 0]
+    assert len(steps) >= 0.1 * N_E2E, len(steps)
+    assert sum(acc for acc, _ in steps) >= 0.05 * len(steps) and sum(acc < d for acc, d in steps) >= 0.05 * len(steps)
+    check_sequences(counts, world.exact(setting, tuple(prompt)), f"{setting}/lookup/drafter={with_drafter}")
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
