@@ -22,6 +22,8 @@ from .config import DrafterConfig
 from .drafter import DFlashDrafter
 from .errors import CheckpointError
 from .fsutil import atomic_dir
+from .ngram_store import FILENAME as NGRAM_STORE_FILE
+from .ngram_store import NgramStore, find_store
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 
@@ -68,6 +70,8 @@ def load_drafter(
     drafter = DFlashDrafter(config)
     state = {}
     for f in sorted(path.glob("*.safetensors")):
+        if f.name == NGRAM_STORE_FILE:  # the drafter's n-gram store (token ids), loaded below
+            continue
         try:
             state.update(load_file(f))
         except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -85,6 +89,8 @@ def load_drafter(
         raise CheckpointError(f"{path}: weights do not match the config: {e}") from e
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    store = find_store(path)
+    drafter.ngram_store = NgramStore.load(store) if store is not None else None
     return drafter.to(device=device, dtype=dtype).eval()
 
 

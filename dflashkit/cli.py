@@ -153,6 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT has a checkpoint")
     t.set_defaults(func=cmd_train)
 
+    n = sub.add_parser(
+        "ngram-store",
+        help="build a drafter's n-gram store from `dflashkit data` folders (drafts from the target's past answers)",
+        description="Count, in the target's regenerated answers, the most frequent next token after every n-gram "
+        "and write it into the drafter folder as ngram_store.safetensors. With prompt lookup on, generate/serve "
+        "draft from it where the text has no repeat of its own (lossless; --no-ngram-store turns it off).",
+    )
+    n.add_argument("--data", required=True, help="data folder, or several separated by commas")
+    n.add_argument("--out", required=True, help="drafter folder to write ngram_store.safetensors into")
+    n.add_argument("--n", type=int, default=3, help="context length in tokens (default: %(default)s)")
+    n.add_argument("--min-count", type=int, default=2, help="keep n-grams seen at least this often (default: %(default)s)")
+    n.add_argument("--max-draft", type=int, default=7, help="longest draft it proposes (default: %(default)s)")
+    n.set_defaults(func=cmd_ngram_store)
+
     from .bench.command import add_bench_parser
 
     add_bench_parser(sub)
@@ -196,11 +210,49 @@ def _add_quantize_option(parser: argparse.ArgumentParser) -> None:
 
 def _add_lookup_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--ngram-store", action=argparse.BooleanOptionalAction, default=True,
+        help="with prompt lookup: where the text has no repeat of its own, draft from the drafter's n-gram store of "
+        "the target's past answers, if its folder has one (default: on)",
+    )
+    parser.add_argument(
         "--lookup", action=argparse.BooleanOptionalAction, default=None,
         help="prompt lookup: where the text ends with a 2-4-gram seen before, draft the tokens that followed it "
         "instead of running the drafter (lossless; default: on when there is a drafter; --lookup without a "
         "drafter: prompt lookup alone)",
     )
+
+
+def cmd_ngram_store(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from tqdm.auto import tqdm
+
+    from .data import load_shards
+    from .errors import InvalidInputError
+    from .ngram_store import FILENAME, NgramStore
+    from .train import data_folders
+
+    if args.n < 1 or args.min_count < 1 or args.max_draft < 1:
+        raise InvalidInputError("--n, --min-count and --max-draft must be at least 1")
+    out = pathlib.Path(args.out).expanduser()
+    if not (out / "config.json").is_file():
+        raise InvalidInputError(f"{out}: not a drafter folder (no config.json)")
+    sequences = []
+    for folder in tqdm(data_folders(args.data), desc="reading answers", unit="folder", disable=not sys.stderr.isatty()):
+        seen = set()
+        for rec in load_shards(folder):
+            key = (tuple(rec["prompt_ids"]), tuple(rec["response_ids"]))
+            if key not in seen:  # a prompt answered twice the same way counts once
+                seen.add(key)
+                sequences.append(rec["prompt_ids"][-args.n :] + rec["response_ids"])
+    if not sequences:
+        raise InvalidInputError(f"no answers in {args.data}")
+    with _status(f"Counting {args.n}-grams of {len(sequences)} answers...", False):
+        store = NgramStore.build(sequences, n=args.n, min_count=args.min_count, max_draft=args.max_draft)
+    store.save(out / FILENAME)
+    print(f"{len(store)} {args.n}-grams (seen >= {args.min_count} times) from {len(sequences)} answers -> "
+          f"{out / FILENAME}", file=sys.stderr)
+    return 0
 
 
 def _lookup_wanted(args: argparse.Namespace, has_drafter: bool) -> bool:
@@ -349,7 +401,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,
-        lookup=_lookup_wanted(args, drafter is not None),
+        lookup=_lookup_wanted(args, drafter is not None), ngram_store=args.ngram_store,
     )  # fmt: skip
     gen.warmup()
     stream = gen.stream(args.prompt, **kwargs)
@@ -462,7 +514,8 @@ def _print_summary(result, speculative: bool) -> None:
     if s.lookup:
         lk = s.lookup_summary()
         line += (f" (prompt lookup: {lk['copied_steps']} of {s.steps} steps copied"
-                 + (f", τ {lk['copied_tau']:.2f} on those" if lk["copied_steps"] else "") + ")")
+                 + (f", τ {lk['copied_tau']:.2f} on those" if lk["copied_steps"] else "")
+                 + (f"; {lk['store_steps']} of them from the n-gram store" if lk["store_steps"] else "") + ")")
     elif not speculative:
         line += " (autoregressive)"
     if is_quantized(s.target_weights):

@@ -29,6 +29,7 @@ from .adaptive import AdaptiveBlockSize
 from .drafter import DFlashDrafter
 from .errors import IncompatibleDrafterError, InvalidInputError
 from .lookup import NgramLookup
+from .ngram_store import NgramStore
 from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
 from .stats import DecodeStats
 from .target import TargetAdapter
@@ -48,6 +49,7 @@ class DecodeOptions:
     seed: int | None = None
     stop_token_ids: frozenset[int] = frozenset()  # eos ids included by the caller
     lookup: bool = False  # draft by copying after a repeated n-gram where one exists (prompt lookup)
+    lookup_store: NgramStore | None = None  # with lookup: the target's past answers, where the text has no repeat
 
     def __post_init__(self) -> None:
         if self.proposal not in ("argmax", "sample"):
@@ -115,7 +117,7 @@ def decode(
     produced = 1
     context = drafter.new_context(capacity=pos + max_new + block) if drafter else None
     pending, pending_start = features, 0
-    lookup = NgramLookup(prompt_ids + [token]) if options.lookup else None
+    lookup = NgramLookup(prompt_ids + [token], store=options.lookup_store) if options.lookup else None
 
     finished = token in options.stop_token_ids or produced >= max_new
     stats.new_tokens = produced
@@ -166,7 +168,7 @@ def decode(
             lookup.extend(emitted)
         if observer:
             observer(logits, emitted)
-        stats.record_step(k, accepted, copied=bool(copied))
+        stats.record_step(k, accepted, copied=bool(copied), from_store=bool(copied) and lookup.from_store)
         if policy and not copied:  # the policy models the drafter's acceptance and cost
             policy.observe(size, k, accepted, time.perf_counter() - t_step)
         stop_at = next((i for i, t in enumerate(emitted) if t in options.stop_token_ids), None)
@@ -214,6 +216,8 @@ def _check(target: TargetAdapter, drafter: DFlashDrafter | None, prompt_ids: lis
     vocab = target.vocab_size
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
         raise InvalidInputError(f"prompt token ids must be in [0, {vocab}), got {min(prompt_ids)}..{max(prompt_ids)}")
+    if options.lookup and options.lookup_store is not None:
+        options.lookup_store.check_vocab(vocab)
     if options.max_new_tokens < 1:
         raise InvalidInputError(f"max_new_tokens must be at least 1, got {options.max_new_tokens}")
     if len(prompt_ids) >= target.max_positions:

@@ -23,6 +23,7 @@ from . import kernels
 from .config import DrafterConfig
 from .kernels import Matmul, rotate, signed_sin
 from .linear import PackedLinear
+from .ngram_store import NgramStore
 from .quantize import Int8Linear
 
 KV = tuple[Tensor, Tensor]  # keys, values: [batch, kv_heads, seq, head_dim] each
@@ -182,6 +183,7 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_vocab", vocab, persistent=False)  # [V'] or None
         self._head_rows: tuple[tuple, Callable[[Tensor], Tensor], int] | None = None  # see _draft_head
         self.fast = False  # see use_fast_path
+        self.ngram_store: NgramStore | None = None  # drafts from the target's past answers (see ngram_store)
         self._fast: tuple[int, FastDrafterForward] | None = None
 
     @property

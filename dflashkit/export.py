@@ -37,6 +37,7 @@ from .drafter import DFlashDrafter
 from .errors import DFlashError, IncompatibleDrafterError
 from .fsutil import atomic_dir
 from .identity import check_compatible
+from .ngram_store import FILENAME as NGRAM_STORE_FILE
 
 LLAMA_CPP_ENV = "DFLASHKIT_LLAMA_CPP"
 DRAFTER_GGUF = "drafter-bf16.gguf"
@@ -122,6 +123,8 @@ def engine_notes(config: DrafterConfig, fmt: str) -> list[str]:
 def stored_dtype(drafter_path: Path) -> torch.dtype:
     """dtype of the drafter's stored weights (bf16 if unknown)."""
     for f in sorted(drafter_path.glob("*.safetensors")):
+        if f.name == NGRAM_STORE_FILE:  # token ids, not weights
+            continue
         with safe_open(f, framework="pt") as st:
             for key in st.keys():
                 dtype = st.get_slice(key).get_dtype()

@@ -172,6 +172,7 @@ class SpeculativeGenerator:
         chat: bool = True,
         observer: StepObserver | None = None,
         lookup: bool = False,
+        ngram_store: bool = True,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
@@ -180,7 +181,9 @@ class SpeculativeGenerator:
         block size (up to the drafter's) for the most tokens per second (see :mod:`dflashkit.adaptive`).
         ``lookup=True``: where the text so far ends with an n-gram seen before, a step drafts the tokens that
         followed it instead of running the drafter (:mod:`dflashkit.lookup`; with no drafter, prompt lookup
-        alone). Still lossless.
+        alone). With lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
+        past answers drafts, if the drafter folder has one (:mod:`dflashkit.ngram_store`; ``ngram_store=False``
+        turns it off). Still lossless.
         """
         adaptive = block_size == "auto"
         if isinstance(block_size, str) and not adaptive:
@@ -190,6 +193,8 @@ class SpeculativeGenerator:
         ids = as_token_list(prompt) if _is_token_ids(prompt) else self.encode_prompt(prompt, chat)
         if isinstance(stop, str):
             stop = [stop]
+        drafter = self.drafter if use_drafter else None
+        store = getattr(drafter, "ngram_store", None) if lookup and ngram_store else None
         options = DecodeOptions(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p),
@@ -198,8 +203,8 @@ class SpeculativeGenerator:
             seed=seed,
             stop_token_ids=frozenset(self.eos_token_ids) | frozenset(stop_token_ids),
             lookup=lookup,
+            lookup_store=store,
         )
-        drafter = self.drafter if use_drafter else None
         policy = self.block_policy if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))
         stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream, policy)
@@ -250,7 +255,8 @@ class SpeculativeGenerator:
         When greedy, `result.divergence` locates the first differing token and judges it on the plain
         step's logits (a tie or not; see lossless).
         """
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_drafter", "observer", "block_size", "lookup")}
+        kwargs = {k: v for k, v in kwargs.items()
+                  if k not in ("use_drafter", "observer", "block_size", "lookup", "ngram_store")}
         greedy = SamplingParams(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0)).greedy
         recorder = DivergenceRecorder(result.token_ids, self.target.dtype) if greedy else None
         result.ar = _drain(self.stream(prompt, **kwargs, use_drafter=False, observer=recorder))

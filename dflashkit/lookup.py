@@ -10,12 +10,17 @@ target as usual, and a draft that is a fixed function of the emitted text is an 
 so output stays lossless at any temperature.
 
 The index is incremental: appending a token registers the n-grams that now have a continuation, so a lookup
-costs a few dictionary probes however long the text is.
+costs a few dictionary probes however long the text is. Where the text has no repeat of its own, an optional
+:class:`~dflashkit.ngram_store.NgramStore` (the target's past answers) proposes instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .ngram_store import NgramStore
 
 DEFAULT_MIN_NGRAM = 2
 DEFAULT_MAX_NGRAM = 4
@@ -25,10 +30,12 @@ class NgramLookup:
     """Latest position of every n-gram (min_n <= n <= max_n) of a growing token list, for prompt lookup."""
 
     def __init__(self, tokens: Iterable[int] = (), min_ngram: int = DEFAULT_MIN_NGRAM,
-                 max_ngram: int = DEFAULT_MAX_NGRAM) -> None:
+                 max_ngram: int = DEFAULT_MAX_NGRAM, store: NgramStore | None = None) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.store = store  # fallback where the text has no repeat of its own
+        self.from_store = False  # whether the last proposal came from the store
         self.tokens: list[int] = []
         self._end: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token, latest occurrence with a successor
         self.extend(tokens)
@@ -43,13 +50,18 @@ class NgramLookup:
                 self._end[tuple(toks[end - n + 1 : end + 1])] = end
 
     def propose(self, max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the longest suffix n-gram
-        ([] when no suffix of min_ngram tokens or more occurred before)."""
+        """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the longest suffix n-gram;
+        without one, the store's proposal if there is a store ([] when neither has one)."""
         toks = self.tokens
+        self.from_store = False
         if max_tokens <= 0:
             return []
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
             end = self._end.get(tuple(toks[len(toks) - n :]))
             if end is not None:
                 return toks[end + 1 : end + 1 + max_tokens]
+        if self.store is not None:
+            proposal = self.store.propose(toks, max_tokens)
+            self.from_store = bool(proposal)
+            return proposal
         return []

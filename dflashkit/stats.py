@@ -28,11 +28,13 @@ class DecodeStats:
     engine: str | None = None  # which target forward decoded (TargetAdapter.engine): the fast path or eager
     lookup: bool = False  # prompt lookup on: some steps' drafts were copied from earlier text
     copied_steps: list[bool] = field(default_factory=list)  # per step: drafts copied (True) or the drafter's
+    store_steps: list[bool] = field(default_factory=list)  # per step: copied from the n-gram store of past answers
 
-    def record_step(self, drafted: int, accepted: int, copied: bool = False) -> None:
+    def record_step(self, drafted: int, accepted: int, copied: bool = False, from_store: bool = False) -> None:
         self.drafted_lengths.append(drafted)
         self.accepted_lengths.append(accepted)
         self.copied_steps.append(copied)
+        self.store_steps.append(from_store)
 
     @property
     def steps(self) -> int:
@@ -109,10 +111,12 @@ class DecodeStats:
         }
 
     def lookup_summary(self) -> dict[str, Any]:
-        """Steps whose drafts were copied by prompt lookup vs drafted by the drafter, with each one's τ."""
+        """Steps whose drafts were copied (by prompt lookup from the text, or from the n-gram store of past
+        answers) vs drafted by the drafter, with each one's τ."""
         out = {}
-        for name, want in (("copied", True), ("drafter", False)):
-            acc = [a for a, c in zip(self.accepted_lengths, self.copied_steps) if c == want]
+        kinds = {"copied": lambda c, st: c, "store": lambda c, st: st, "drafter": lambda c, st: not c}
+        for name, want in kinds.items():
+            acc = [a for a, c, st in zip(self.accepted_lengths, self.copied_steps, self.store_steps) if want(c, st)]
             out[f"{name}_steps"] = len(acc)
             out[f"{name}_tau"] = sum(acc) / len(acc) + 1.0 if acc else None
         return out

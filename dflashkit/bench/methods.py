@@ -11,6 +11,7 @@ Peers (transformers' ``generate``, llama-cpp-python, llama-server over HTTP) are
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -163,6 +164,8 @@ def run_decode_loop(
     t0 = time.perf_counter()
     ttft = None
     options = options_for(request, block_size, lookup)
+    if lookup and drafter is not None and drafter.ngram_store is not None:  # the drafter's store of past answers
+        options = dataclasses.replace(options, lookup_store=drafter.ngram_store)
     for step in decode(session.adapter, drafter, request.prompt_ids, options, stats, observer, block_policy):
         if ttft is None:
             ttft = time.perf_counter() - t0

@@ -158,6 +158,8 @@ class Service:
             "block_size": (self.settings.block_size or drafter.block_size) if drafter is not None else 1,
             "adaptive_block_size": drafter is not None and self.settings.block_size == "auto",
             "prompt_lookup": self.settings.lookup,
+            "ngram_store_entries": (len(drafter.ngram_store) if self.settings.lookup and drafter is not None
+                                    and drafter.ngram_store is not None else None),
             "context_length": self.generator.target.max_positions,
             "target_weights": self.generator.target.weights,
             "engine": self.generator.target.engine,

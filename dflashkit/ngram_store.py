@@ -1,0 +1,126 @@
+"""A datastore of the target's own answers (REST-style retrieval drafts): the most frequent next token after
+every n-gram of the regenerated training answers.
+
+Prompt lookup (:mod:`dflashkit.lookup`) copies from the text of the current generation only. Small chat models
+also repeat themselves *across* answers ("Here's a step-by-step...", code idioms, the phrasing of math steps),
+so where the text so far has no repeat of its own, the store chains the most frequent continuation of its last
+n tokens in the target's regenerated answers. Measured offline (``scripts/lookup_tau.py``-style walk over
+greedy answers to 24 evaluation prompts, a 3-gram store of 8,050 training answers, drafts of up to 7 tokens):
+the store drafts on 24% of the steps, τ 1.76 on those, and raises the τ of prompt lookup alone from 1.77 to
+2.08, with no drafter pass (a dictionary probe per drafted token).
+
+A draft that is a fixed function of the emitted text is an exact proposal (a one-hot q), so the output stays
+lossless at any temperature; the store changes speed only. It is saved next to a drafter as
+``ngram_store.safetensors`` (int32 tensors ``contexts`` [M, n] and ``next`` [M], plus ``counts`` [M]).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+
+from .errors import CheckpointError
+from .fsutil import atomic_write
+
+FILENAME = "ngram_store.safetensors"
+DEFAULT_N = 3
+DEFAULT_MIN_COUNT = 2
+DEFAULT_MAX_DRAFT = 7  # longer chains of most-frequent tokens are rarely accepted (offline: τ 1.70 at 3, 1.76 at 7)
+
+
+class NgramStore:
+    """Most frequent next token after each n-gram seen at least ``min_count`` times in a corpus."""
+
+    def __init__(self, table: dict[tuple[int, ...], int], n: int, counts: dict[tuple[int, ...], int] | None = None,
+                 max_draft: int = DEFAULT_MAX_DRAFT) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.n = n
+        self.table = table
+        self.counts = counts or {}
+        self.max_draft = max_draft
+        self.max_token = max((t for key, nxt in table.items() for t in (*key, nxt)), default=-1)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @classmethod
+    def build(cls, sequences: Iterable[Sequence[int]], n: int = DEFAULT_N, min_count: int = DEFAULT_MIN_COUNT,
+              max_draft: int = DEFAULT_MAX_DRAFT) -> NgramStore:
+        """The store of ``sequences`` (e.g. the last prompt tokens + the response of every regenerated answer)."""
+        if min_count < 1:
+            raise ValueError(f"min_count must be >= 1, got {min_count}")
+        followers: defaultdict[tuple[int, ...], Counter] = defaultdict(Counter)
+        for seq in sequences:
+            seq = [int(t) for t in seq]
+            for i in range(n, len(seq)):
+                followers[tuple(seq[i - n : i])][seq[i]] += 1
+        table, counts = {}, {}
+        for key, c in followers.items():
+            token, count = max(c.items(), key=lambda kv: (kv[1], -kv[0]))  # most frequent; the smaller id on ties
+            if count >= min_count:
+                table[key], counts[key] = token, count
+        return cls(table, n, counts, max_draft)
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` (and ``max_draft``) tokens: the most frequent continuation of the last n tokens,
+        then of the last n tokens with it appended, and so on ([] when the text's last n-gram is not stored)."""
+        if len(tokens) < self.n:
+            return []
+        out: list[int] = []
+        ctx = list(tokens[-self.n :])
+        for _ in range(min(max_tokens, self.max_draft)):
+            token = self.table.get(tuple(ctx))
+            if token is None:
+                break
+            out.append(token)
+            ctx = ctx[1:] + [token]
+        return out
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a store whose token ids do not fit the target's vocabulary (made for another tokenizer)."""
+        if self.max_token >= vocab_size:
+            raise CheckpointError(f"the n-gram store holds token id {self.max_token}, outside the target's "
+                                  f"vocabulary of {vocab_size}: it was built for another tokenizer")
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the store as safetensors (atomically)."""
+        keys = sorted(self.table)
+        contexts = torch.tensor(keys, dtype=torch.int32).reshape(len(keys), self.n)
+        nxt = torch.tensor([self.table[k] for k in keys], dtype=torch.int32)
+        counts = torch.tensor([self.counts.get(k, 0) for k in keys], dtype=torch.int32)
+        blob = save({"contexts": contexts, "next": nxt, "counts": counts},
+                    metadata={"format": "dflashkit-ngram-store", "n": str(self.n), "max_draft": str(self.max_draft)})
+        atomic_write(path, lambda f: f.write(blob), binary=True)  # a kill never leaves a torn store
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> NgramStore:
+        try:
+            tensors = load_file(str(path))
+            contexts, nxt = tensors["contexts"], tensors["next"]
+        except Exception as e:  # a torn or foreign file: say which file
+            raise CheckpointError(f"{path} is not a readable n-gram store: {e}") from e
+        if contexts.dim() != 2 or nxt.shape != contexts.shape[:1]:
+            raise CheckpointError(f"{path}: contexts {tuple(contexts.shape)} and next {tuple(nxt.shape)} do not match")
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        keys = [tuple(row) for row in contexts.tolist()]
+        counts = tensors.get("counts")
+        return cls(dict(zip(keys, nxt.tolist())), contexts.shape[1],
+                   dict(zip(keys, counts.tolist())) if counts is not None else None,
+                   int(meta.get("max_draft", DEFAULT_MAX_DRAFT)))  # fmt: skip
+
+
+def find_store(folder: str | os.PathLike | None) -> Path | None:
+    """The store saved in a drafter folder, if any."""
+    if folder is None:
+        return None
+    path = Path(folder) / FILENAME
+    return path if path.is_file() else None

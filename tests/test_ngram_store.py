@@ -1,0 +1,120 @@
+"""The n-gram store of past answers: counting, chained proposals, files, and lossless decoding with it."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_drafter, tiny_target
+from dflashkit.checkpoint import load_drafter, save_drafter
+from dflashkit.cli import main
+from dflashkit.decode import DecodeOptions, decode
+from dflashkit.errors import CheckpointError
+from dflashkit.ngram_store import FILENAME, NgramStore
+from dflashkit.stats import DecodeStats
+from dflashkit.target import TargetAdapter
+
+
+def brute_force_next(sequences: list[list[int]], key: tuple[int, ...], min_count: int) -> int | None:
+    counts = Counter(seq[i] for seq in sequences for i in range(len(key), len(seq)) if tuple(seq[i - len(key) : i]) == key)
+    if not counts or max(counts.values()) < min_count:
+        return None
+    top = max(counts.values())
+    return min(t for t, c in counts.items() if c == top)
+
+
+def corpus(seed: int, n_seqs: int = 40, vocab: int = 6) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(0, 30))] for _ in range(n_seqs)]
+
+
+@pytest.mark.parametrize("n,min_count", [(1, 1), (2, 2), (3, 2), (3, 4)])
+def test_build_keeps_the_most_frequent_next_token_of_every_frequent_ngram(n, min_count):
+    seqs = corpus(n * 10 + min_count)
+    store = NgramStore.build(seqs, n=n, min_count=min_count)
+    keys = {tuple(s[i - n : i]) for s in seqs for i in range(n, len(s))}
+    for key in keys:
+        assert store.table.get(key) == brute_force_next(seqs, key, min_count), key
+    assert set(store.table) <= keys and len(store) == len(store.table)
+
+
+def test_propose_chains_the_most_frequent_continuations():
+    store = NgramStore({(1, 2): 3, (2, 3): 4, (3, 4): 1, (4, 1): 2}, n=2, max_draft=7)
+    assert store.propose([9, 1, 2], 5) == [3, 4, 1, 2, 3]
+    assert store.propose([1, 2], 20) == [3, 4, 1, 2, 3, 4, 1]  # capped at max_draft
+    assert store.propose([2, 1], 5) == [] and store.propose([2], 5) == [] and store.propose([1, 2], 0) == []
+    assert NgramStore({(1, 2): 3}, n=2).propose([1, 2], 4) == [3]  # (2, 3) unknown: the chain stops
+
+
+def test_save_and_load_round_trip_and_bad_files(tmp_path: Path):
+    store = NgramStore.build(corpus(3), n=3, min_count=1, max_draft=5)
+    store.save(tmp_path / FILENAME)
+    loaded = NgramStore.load(tmp_path / FILENAME)
+    assert loaded.table == store.table and loaded.n == 3 and loaded.max_draft == 5 and loaded.counts == store.counts
+    assert not list(tmp_path.glob(".*"))  # written atomically: no temp file left
+    (tmp_path / "bad.safetensors").write_bytes(b"not a store")
+    with pytest.raises(CheckpointError, match="not a readable n-gram store"):
+        NgramStore.load(tmp_path / "bad.safetensors")
+
+
+def run(target, drafter, prompt, store, **kw):
+    stats = DecodeStats(block_size=1)
+    options = DecodeOptions(max_new_tokens=kw.pop("max_new_tokens", 40), lookup=store is not False,
+                            lookup_store=store or None, **kw)  # fmt: skip
+    tokens = [t for step in decode(target, drafter, prompt, options, stats) for t in step.tokens]
+    return tokens, stats
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_greedy_with_the_store_equals_plain_decoding(with_drafter):
+    """Store drafts are verified like any other: greedy output is plain greedy output, token for token (fp32),
+    whether the store's drafts are right (a store of the target's own answers) or wrong (a random store)."""
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=4) if with_drafter else None
+    target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else ())
+    plain = TargetAdapter(model)
+    prompts = [[5, 6, 7], [11, 3, 3, 40], [60]]
+    answers = [run(plain, None, p, False, max_new_tokens=60)[0] for p in prompts]
+    own = NgramStore.build([p[-3:] + a for p, a in zip(prompts, answers)], n=3, min_count=1)
+    noise = NgramStore.build(corpus(7, vocab=VOCAB), n=1, min_count=1)
+    for store in (own, noise):
+        used = 0
+        for prompt, answer in zip(prompts, answers):
+            tokens, stats = run(target, drafter, prompt, store)
+            assert tokens == answer[:40]
+            used += sum(stats.store_steps)
+            assert all(c for c, s in zip(stats.copied_steps, stats.store_steps) if s)  # store steps are copied steps
+        assert used > 0
+    lookup = stats.lookup_summary()
+    assert lookup["store_steps"] == sum(stats.store_steps) and lookup["copied_steps"] >= lookup["store_steps"]
+
+
+def test_a_store_for_another_vocabulary_is_refused():
+    model = tiny_target("llama")
+    store = NgramStore({(1, 2, 3): VOCAB + 5}, n=3)
+    with pytest.raises(CheckpointError, match="another tokenizer"):
+        run(TargetAdapter(model), None, [1, 2, 3], store)
+
+
+def test_cli_builds_the_store_into_a_drafter_folder_that_loads_with_it(tmp_path: Path, capsys):
+    model = tiny_target("llama")
+    folder = tmp_path / "drafter"
+    save_drafter(tiny_drafter(model, block_size=4), folder)
+    data = tmp_path / "data"
+    data.mkdir()
+    records = [{"id": i, "prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7] * 2, "finished": True} for i in range(3)]
+    (data / "meta.json").write_text(json.dumps({"num_shards": 1}))
+    (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["ngram-store", "--data", str(data), "--out", str(folder), "--n", "2", "--min-count", "1"]) == 0
+    assert "from 1 answers" in capsys.readouterr().err  # the same answer to the same prompt counts once
+    drafter = load_drafter(folder, dtype=torch.float32)  # the store is not read as weights
+    assert drafter.ngram_store is not None and drafter.ngram_store.propose([2, 3], 3) == [4, 5, 6]
+    assert load_drafter(tmp_path / "drafter", dtype=torch.float32).ngram_store.n == 2
+    with pytest.raises(SystemExit):
+        main(["ngram-store", "--data", str(data)])  # --out is required
+    assert main(["ngram-store", "--data", str(data), "--out", str(tmp_path)]) == 2  # not a drafter folder
