@@ -37,13 +37,14 @@ class NgramStore:
     """Most frequent next token after each n-gram seen at least ``min_count`` times in a corpus."""
 
     def __init__(self, table: dict[tuple[int, ...], int], n: int, counts: dict[tuple[int, ...], int] | None = None,
-                 max_draft: int = DEFAULT_MAX_DRAFT) -> None:
+                 max_draft: int = DEFAULT_MAX_DRAFT, min_count: int | None = None) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self.n = n
         self.table = table
         self.counts = counts or {}
         self.max_draft = max_draft
+        self.min_count = min_count  # the count an n-gram needed to be kept (None: not recorded)
         self.max_token = max((t for key, nxt in table.items() for t in (*key, nxt)), default=-1)
 
     def __len__(self) -> int:
@@ -65,7 +66,7 @@ class NgramStore:
             token, count = max(c.items(), key=lambda kv: (kv[1], -kv[0]))  # most frequent; the smaller id on ties
             if count >= min_count:
                 table[key], counts[key] = token, count
-        return cls(table, n, counts, max_draft)
+        return cls(table, n, counts, max_draft, min_count)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` (and ``max_draft``) tokens: the most frequent continuation of the last n tokens,
@@ -95,7 +96,8 @@ class NgramStore:
         nxt = torch.tensor([self.table[k] for k in keys], dtype=torch.int32)
         counts = torch.tensor([self.counts.get(k, 0) for k in keys], dtype=torch.int32)
         blob = save({"contexts": contexts, "next": nxt, "counts": counts},
-                    metadata={"format": "dflashkit-ngram-store", "n": str(self.n), "max_draft": str(self.max_draft)})
+                    metadata={"format": "dflashkit-ngram-store", "n": str(self.n), "max_draft": str(self.max_draft),
+                              **({"min_count": str(self.min_count)} if self.min_count is not None else {})})
         atomic_write(path, lambda f: f.write(blob), binary=True)  # a kill never leaves a torn store
 
     @classmethod
@@ -115,7 +117,8 @@ class NgramStore:
         counts = tensors.get("counts")
         return cls(dict(zip(keys, nxt.tolist())), contexts.shape[1],
                    dict(zip(keys, counts.tolist())) if counts is not None else None,
-                   int(meta.get("max_draft", DEFAULT_MAX_DRAFT)))  # fmt: skip
+                   int(meta.get("max_draft", DEFAULT_MAX_DRAFT)),
+                   int(meta["min_count"]) if "min_count" in meta else None)  # fmt: skip
 
 
 def find_store(folder: str | os.PathLike | None) -> Path | None:

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.ngram_store import FILENAME as NGRAM_STORE
+from dflashkit.ngram_store import NgramStore
+
 MAX_BYTES = 40 * 1024 * 1024
 DRAFTER_FILES = ("config.json", "model.safetensors", "mask_embedding.pt")
 TRAIN_FLAGS = {  # TrainConfig field -> `dflashkit train` flag (fields at their CLI default are still shown)
@@ -86,6 +89,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--data-note", action="append", default=[], help="a line on how the data was made that no file "
                     "records (e.g. where a prompt file came from); repeatable, shown as written")  # fmt: skip
+    ap.add_argument("--store-note", action="append", default=[], help="a line on the n-gram store in OUT (the "
+                    "`dflashkit ngram-store` command that made it); repeatable, shown as written")  # fmt: skip
     args = ap.parse_args()
     run = args.run.expanduser()
 
@@ -96,6 +101,9 @@ def main() -> None:
     drafter_cfg = json.loads((run / "drafter" / "config.json").read_text())
 
     size = sum((run / "drafter" / f).stat().st_size for f in DRAFTER_FILES if (run / "drafter" / f).exists())
+    store_file = args.out / NGRAM_STORE  # built into OUT by `dflashkit ngram-store`, shipped with the drafter
+    store = NgramStore.load(store_file) if store_file.is_file() else None
+    size += store_file.stat().st_size if store is not None else 0
     if size > MAX_BYTES:
         raise SystemExit(f"the drafter is {size / 2**20:.1f} MiB, over the 40 MiB limit for the repository")
 
@@ -162,6 +170,14 @@ def main() -> None:
         lines += ["", "`dflash-lookup-*`: this drafter plus prompt lookup (steps whose text ends with a repeated "
                   "2-4-gram copy its continuation instead of drafting; their tokens count in τ); `lookup`: prompt "
                   "lookup alone, no drafter. The drafter's own τ is that of the `dflash-*` rows."]
+    if store is not None:
+        lines += ["", "## N-gram store", "",
+                  f"`{NGRAM_STORE}`: the most frequent next token after {len(store)} {store.n}-grams "
+                  + (f"(each seen at least {store.min_count} times) " if store.min_count else "")
+                  + f"of the target's regenerated answers, proposing up to {store.max_draft} tokens where the "
+                  f"text has no repeat of its own ({store_file.stat().st_size / 2**20:.1f} MiB; used with prompt "
+                  "lookup, so in the `dflash-lookup-*` rows above; `--no-ngram-store` turns it off).",
+                  *[f"- {note}" for note in args.store_note]]  # fmt: skip
     lines += ["", f"Greedy divergences from plain decoding: {len(bench['divergences'])}, of which not a bf16 tie: "
               f"{bench['non_tie_divergences_in_dflashkit']}.", ""]
 

@@ -56,6 +56,7 @@ def test_save_and_load_round_trip_and_bad_files(tmp_path: Path):
     store.save(tmp_path / FILENAME)
     loaded = NgramStore.load(tmp_path / FILENAME)
     assert loaded.table == store.table and loaded.n == 3 and loaded.max_draft == 5 and loaded.counts == store.counts
+    assert loaded.min_count == store.min_count == 1
     assert not list(tmp_path.glob(".*"))  # written atomically: no temp file left
     (tmp_path / "bad.safetensors").write_bytes(b"not a store")
     with pytest.raises(CheckpointError, match="not a readable n-gram store"):
