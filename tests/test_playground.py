@@ -71,7 +71,9 @@ def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
     colours = {page.eval_on_selector(sel, "e => getComputedStyle(e).backgroundColor")
                for sel in ("#output .tok.draft", "#output .tok.target")}  # fmt: skip
     assert len(colours) == 2  # drawn differently
-    assert page.evaluate("window.updates") > 3  # the reply arrived in pieces
+    # the reply was rendered in pieces; events that arrive in one network read are rendered in one task and
+    # observed as one update, so on a loaded machine fewer updates than steps are seen (it once saw <= 3)
+    assert page.evaluate("window.updates") >= 2
     assert page.inner_text("#tau") == f"{expected.stats.tau:.2f}"
     assert int(page.inner_text("#ntokens")) == len(expected.token_ids)
     assert int(page.inner_text("#nsteps")) == expected.stats.steps
