@@ -72,7 +72,8 @@ def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
                for sel in ("#output .tok.draft", "#output .tok.target")}  # fmt: skip
     assert len(colours) == 2  # drawn differently
     # the reply was rendered in pieces; events that arrive in one network read are rendered in one task and
-    # observed as one update, so on a loaded machine fewer updates than steps are seen (it once saw <= 3)
+    # observed as one update, so a loaded machine sees fewer updates than steps (a full run failed this test once
+    # under load, assertion not captured; this is the load-sensitive check)
     assert page.evaluate("window.updates") >= 2
     assert page.inner_text("#tau") == f"{expected.stats.tau:.2f}"
     assert int(page.inner_text("#ntokens")) == len(expected.token_ids)
