@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from . import ngram_store
 from .errors import DFlashError
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -162,9 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument("--data", required=True, help="data folder, or several separated by commas")
     n.add_argument("--out", required=True, help="drafter folder to write ngram_store.safetensors into")
-    n.add_argument("--n", type=int, default=3, help="context length in tokens (default: %(default)s)")
-    n.add_argument("--min-count", type=int, default=2, help="keep n-grams seen at least this often (default: %(default)s)")
-    n.add_argument("--max-draft", type=int, default=7, help="longest draft it proposes (default: %(default)s)")
+    n.add_argument("--n", type=int, default=ngram_store.DEFAULT_N, help="context length in tokens (default: %(default)s)")
+    n.add_argument("--min-count", type=int, default=ngram_store.DEFAULT_MIN_COUNT,
+                   help="keep n-grams seen at least this often (default: %(default)s)")
+    n.add_argument("--max-draft", type=int, default=ngram_store.DEFAULT_MAX_DRAFT,
+                   help="longest draft it proposes (default: %(default)s)")
     n.set_defaults(func=cmd_ngram_store)
 
     from .bench.command import add_bench_parser
@@ -225,28 +228,17 @@ def _add_lookup_option(parser: argparse.ArgumentParser) -> None:
 def cmd_ngram_store(args: argparse.Namespace) -> int:
     import pathlib
 
-    from tqdm.auto import tqdm
-
-    from .data import load_shards
     from .errors import InvalidInputError
     from .ngram_store import FILENAME, NgramStore
-    from .train import data_folders
+    from .train import load_sequences
 
     if args.n < 1 or args.min_count < 1 or args.max_draft < 1:
         raise InvalidInputError("--n, --min-count and --max-draft must be at least 1")
     out = pathlib.Path(args.out).expanduser()
     if not (out / "config.json").is_file():
         raise InvalidInputError(f"{out}: not a drafter folder (no config.json)")
-    sequences = []
-    for folder in tqdm(data_folders(args.data), desc="reading answers", unit="folder", disable=not sys.stderr.isatty()):
-        seen = set()
-        for rec in load_shards(folder):
-            key = (tuple(rec["prompt_ids"]), tuple(rec["response_ids"]))
-            if key not in seen:  # a prompt answered twice the same way counts once
-                seen.add(key)
-                sequences.append(rec["prompt_ids"][-args.n :] + rec["response_ids"])
-    if not sequences:
-        raise InvalidInputError(f"no answers in {args.data}")
+    with _status(f"Reading answers from {args.data}...", False):  # distinct answers, as training counts them
+        sequences = [s.input_ids[max(0, s.num_prompt - args.n) :] for s in load_sequences(args.data, sys.maxsize)]
     with _status(f"Counting {args.n}-grams of {len(sequences)} answers...", False):
         store = NgramStore.build(sequences, n=args.n, min_count=args.min_count, max_draft=args.max_draft)
     store.save(out / FILENAME)

@@ -680,6 +680,11 @@ def partial_shard_path(out_dir: str | os.PathLike, index: int) -> pathlib.Path:
     return pathlib.Path(out_dir) / f"shard-{index:05d}.partial.jsonl"
 
 
+def _write_records(f: Any, records: Iterable[dict[str, Any]]) -> None:
+    """Records as JSON lines (the format of shards and partial shards)."""
+    f.writelines(json.dumps(r) + "\n" for r in records)
+
+
 def _read_partial(path: pathlib.Path) -> list[dict[str, Any]]:
     """The complete records of a partial shard; a line torn by a kill (the last one) is dropped."""
     if not path.is_file():
@@ -833,7 +838,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
             partial = partial_shard_path(out, k)
             wanted = {i: ids for i, ids in encoded}
             records = [r for r in _read_partial(partial) if wanted.get(r["id"]) == r["prompt_ids"]]
-            atomic_write(partial, lambda f: f.writelines(json.dumps(r) + "\n" for r in records))  # drop a torn line
+            atomic_write(partial, lambda f: _write_records(f, records))  # drops a torn line
             have = {r["id"] for r in records}
             bar.update(len(have))
             encoded = sorted(((i, ids) for i, ids in encoded if i not in have), key=lambda x: (len(x[1]), x[0]))
@@ -848,7 +853,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                     new = [{"id": i, "prompt_ids": ids, "response_ids": response,
                             "finished": bool(response) and response[-1] in eos_ids}
                            for (i, ids), response in zip(batch, responses)]  # fmt: skip
-                    log.writelines(json.dumps(r) + "\n" for r in new)
+                    _write_records(log, new)
                     log.flush()
                     os.fsync(log.fileno())
                     records += new
@@ -860,7 +865,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
             run_seconds += seconds
             records.sort(key=lambda r: r["id"])
             shard_tokens = sum(len(r["response_ids"]) for r in records)
-            atomic_write(shard_path(out, k), lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
+            atomic_write(shard_path(out, k), lambda f: _write_records(f, records))
             partial.unlink()
             meta["shards"][f"{k:05d}"] = {
                 "prompts": hi - lo, "written": len(records), "skipped_too_long": skipped,

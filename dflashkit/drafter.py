@@ -213,23 +213,6 @@ class DFlashDrafter(nn.Module):
         return ContextCache(len(self.layers), capacity)
 
     @torch.inference_mode()
-    def draft_logits(
-        self,
-        context: ContextCache,
-        new_features: Tensor | None,
-        new_start: int,
-        anchor: int,
-        pos: int,
-        k: int,
-        embed_tokens: nn.Module,
-        lm_head: nn.Module,
-    ) -> Tensor:
-        """One drafting step: logits [k, vocab] for the k tokens after `anchor` (at position pos); -inf outside
-        the draft vocabulary. See :meth:`draft_scores` for the arguments (and the cheaper draft-vocabulary form)."""
-        scores, token_ids = self.draft_scores(context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head)
-        return scores if token_ids is None else self._scatter(scores, token_ids, lm_head)
-
-    @torch.inference_mode()
     def draft_scores(
         self,
         context: ContextCache,
@@ -345,9 +328,7 @@ class FastDrafterForward:
         # the injected context's keys and values of every layer in one product: [k_0 v_0 k_1 v_1 ...] rows
         self.context_kv = Matmul.fused([proj for a in attns for proj in (a.k_proj, a.v_proj)])
         # every layer's k_norm in one call: its weight per (layer, kv head) row of the context's keys
-        self.context_k_norm = kernels.RMSNorm(
-            torch.stack([a.k_norm.weight.detach()[None].expand(self.kv_heads, -1) for a in attns]).flatten(0, 1),
-            attns[0].k_norm.eps)  # [layers * kv_heads, head_dim]  # fmt: skip
+        self.context_k_norm = _per_head_norm([(a.k_norm, self.kv_heads) for a in attns])
 
     def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
         ctx = self.hidden_norm(self.fc(target_features))  # [1, n, hidden]
@@ -392,16 +373,20 @@ class _FastDrafterLayer:
         self.intermediate = mlp.gate_proj.weight.shape[0]
         self.down = Matmul.of(mlp.down_proj)
         self.input_norm, self.post_norm = _plain(layer.input_layernorm), _plain(layer.post_attention_layernorm)
-        heads, kv = attn.n_heads, attn.n_kv
-        weight = torch.cat((attn.q_norm.weight.detach()[None].expand(heads, -1),
-                            attn.k_norm.weight.detach()[None].expand(kv, -1)))  # [heads + kv_heads, head_dim]
-        self.qk_norm = kernels.RMSNorm(weight, attn.q_norm.eps)
-        if attn.k_norm.eps != attn.q_norm.eps:
-            raise ValueError("q_norm and k_norm with different eps")
+        self.qk_norm = _per_head_norm([(attn.q_norm, attn.n_heads), (attn.k_norm, attn.n_kv)])
 
 
 def _plain(norm: RMSNorm) -> kernels.RMSNorm:
     return kernels.RMSNorm(norm.weight, norm.eps)
+
+
+def _per_head_norm(norms: list[tuple[RMSNorm, int]]) -> kernels.RMSNorm:
+    """Several per-head RMS norms as one call over stacked heads: norm i's weight repeated for its `count` head
+    rows ([sum of counts, head_dim]), so x [..., sum of counts, head_dim] is normed head by head."""
+    if len({norm.eps for norm, _ in norms}) != 1:
+        raise ValueError("per-head norms with different eps cannot be stacked")
+    weight = torch.cat([norm.weight.detach()[None].expand(count, -1) for norm, count in norms])
+    return kernels.RMSNorm(weight, norms[0][0].eps)
 
 
 class ContextCache:

@@ -4,7 +4,8 @@
     .venv/bin/python scripts/compare_ngram_store.py --drafter DRAFTER [--temperatures 0,1] [--limit 4]
 
 Prints, per evaluation set and temperature, each configuration's speedup (plain decode time per token / its
-own, prefill excluded, means over the prompts) and τ, and how many copied steps the store drafted.
+own, prefill excluded, means over the prompts) and τ, how many copied steps the store drafted, and (block 4 with
+the store) the τ of the store's steps against the τ of the drafter's own steps.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
             tpot = {m: [] for m in names}
             tau = {m: [] for m in names}
             store_steps = copied_steps = 0
+            kinds = {"store": [0, 0.0], "drafter": [0, 0.0]}  # block 4 + store: steps, tokens of each kind
             for i, prompt in enumerate(prompts):
                 for seed in range(2 if temperature > 0 else 1):
                     turn = (i + seed) % len(names)
@@ -54,14 +56,19 @@ def main() -> None:
                                          seed=seed, **CONFIGS[name])  # fmt: skip
                         tpot[name].append(r.stats.decode_s / max(1, r.stats.new_tokens - 1))
                         tau[name].append(r.stats.tau)
+                        summary = r.stats.lookup_summary()
                         if name == "lookup-auto+store":
-                            summary = r.stats.lookup_summary()
                             store_steps += summary["store_steps"]
                             copied_steps += summary["copied_steps"]
+                        if name == "lookup-b4+store":
+                            for kind, acc in kinds.items():
+                                acc[0] += summary[f"{kind}_steps"]
+                                acc[1] += summary[f"{kind}_steps"] * (summary[f"{kind}_tau"] or 0.0)
             plain = statistics.mean(tpot["plain"])
             cells = [f"{m} {plain / statistics.mean(tpot[m]):.2f}x τ {statistics.mean(tau[m]):.2f}" for m in names[1:]]
+            taus = ", ".join(f"{kind} steps τ {tok / steps:.2f}" for kind, (steps, tok) in kinds.items() if steps)
             print(f"{dataset} T={temperature:g}: " + " | ".join(cells)
-                  + f" | store drafted {store_steps} of {copied_steps} copied steps", flush=True)
+                  + f" | store drafted {store_steps} of {copied_steps} copied steps | block 4: {taus}", flush=True)
 
 
 if __name__ == "__main__":

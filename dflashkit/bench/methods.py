@@ -11,7 +11,6 @@ Peers (transformers' ``generate``, llama-cpp-python, llama-server over HTTP) are
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from ..adaptive import AdaptiveBlockSize
 from ..decode import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
 from ..drafter import DFlashDrafter
 from ..lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from ..ngram_store import NgramStore
 from ..sampling import SamplingParams
 from ..stats import DecodeStats
 from ..target import TargetAdapter
@@ -136,7 +136,8 @@ class TargetSession:
                 self.model.set_attn_implementation(self.engine_attention)
 
 
-def options_for(request: Request, block_size: int | None = None, lookup: bool = False) -> DecodeOptions:
+def options_for(request: Request, block_size: int | None = None, lookup: bool = False,
+                lookup_store: NgramStore | None = None) -> DecodeOptions:
     return DecodeOptions(
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingParams(temperature=request.temperature),
@@ -144,6 +145,7 @@ def options_for(request: Request, block_size: int | None = None, lookup: bool = 
         seed=request.seed,
         stop_token_ids=request.stop_token_ids,
         lookup=lookup,
+        lookup_store=lookup_store,
     )
 
 
@@ -163,9 +165,8 @@ def run_decode_loop(
     tokens: list[int] = []
     t0 = time.perf_counter()
     ttft = None
-    options = options_for(request, block_size, lookup)
-    if lookup and drafter is not None and drafter.ngram_store is not None:  # the drafter's store of past answers
-        options = dataclasses.replace(options, lookup_store=drafter.ngram_store)
+    store = drafter.ngram_store if lookup and drafter is not None else None  # the drafter's store of past answers
+    options = options_for(request, block_size, lookup, store)
     for step in decode(session.adapter, drafter, request.prompt_ids, options, stats, observer, block_policy):
         if ttft is None:
             ttft = time.perf_counter() - t0
