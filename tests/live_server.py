@@ -18,7 +18,10 @@ class LiveServer:
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        # log_config=None: uvicorn's default dictConfig closes every existing logging handler, and a handler
+        # made while pytest captured stderr (absl's, imported by mathematics_dataset in test_data) would close
+        # pytest's capture stream with it ("I/O operation on closed file" at the end of the session).
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", log_config=None))
         self.thread: threading.Thread | None = None
         self.url = ""
 
