@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--sources",
         default="sharegpt:0.8,math:0.2",
-        help="comma-separated prompt sources with relative weights: sharegpt[:W], math[:W], jsonl:PATH[:W], "
+        help="comma-separated prompt sources with relative weights: sharegpt[:W] (first turns), "
+        "sharegpt-turns[:W] (later turns with the exchange before them), math[:W], jsonl:PATH[:W], "
         "hf:NAME[:SPLIT[:FIELD]][:W] (default: %(default)s)",
     )
     d.add_argument("--num-prompts", type=int, default=1024)

@@ -99,6 +99,48 @@ def test_sharegpt_truncated_file_streamed(tmp_path: Path, monkeypatch: pytest.Mo
     assert shuffled == list(data.sharegpt_prompts(min_chars=1, max_chars=100, seed=3))
 
 
+def test_sharegpt_followups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Later human turns come with the exchange before them; broken windows (two human turns in a row, an
+    empty reply, a non-text value, a system turn) are skipped; the length limits apply to the last turn."""
+    def turn(who: str, value) -> dict:
+        return {"from": who, "value": value}
+
+    convs = [
+        {"id": "a", "conversations": [turn("human", "q1"), turn("gpt", " a1 "), turn("human", "follow-up one"),
+                                      turn("gpt", "a2"), turn("human", "follow-up two"), turn("gpt", "a3")]},
+        {"id": "b", "conversations": [turn("human", "q1"), turn("human", "doubled turn"), turn("gpt", "a"),
+                                      turn("human", "after doubled")]},
+        {"id": "c", "conversations": [turn("human", "q1"), turn("gpt", "  "), turn("human", "empty reply before")]},
+        {"id": "d", "conversations": [turn("human", "q1"), turn("gpt", 3), turn("human", "numeric reply before")]},
+        {"id": "e", "conversations": [turn("system", "s"), turn("gpt", "a"), turn("human", "system first")]},
+        {"id": "f", "conversations": [turn("human", "q"), turn("chatgpt", "a"), turn("user", "x" * 60)]},
+        {"id": "g", "conversations": "not a list"},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs), encoding="utf-8")
+    monkeypatch.setattr(data, "sharegpt_path", lambda: path)
+
+    def chat(*texts: str) -> list[dict]:
+        return [{"role": r, "content": t} for r, t in zip(("user", "assistant", "user"), texts)]
+
+    got = list(data.sharegpt_followups(min_chars=3, max_chars=40))
+    assert got == [chat("q1", "a1", "follow-up one"), chat("follow-up one", "a2", "follow-up two"),
+                   chat("doubled turn", "a", "after doubled")]
+    assert chat("q", "a", "x" * 60) in list(data.sharegpt_followups(min_chars=3, max_chars=100))
+    shuffled = list(data.sharegpt_followups(min_chars=1, max_chars=100, seed=3))
+    assert sorted(map(str, shuffled)) == sorted(map(str, data.sharegpt_followups(min_chars=1, max_chars=100)))
+    assert shuffled == list(data.sharegpt_followups(min_chars=1, max_chars=100, seed=3))
+    # As a source: parsed with a weight, mixed, chats counted whole by the length filter, eval prompts dropped.
+    assert data.parse_sources("sharegpt-turns:0.5")[0].kind == "sharegpt-turns"
+    with pytest.raises(data.InvalidInputError, match="only a weight"):
+        data.parse_sources("sharegpt-turns:x:1")
+    picked = data.collect_prompts("sharegpt-turns", n=10, seed=0, min_chars=1, max_chars=40,
+                                  eval_sets={"mt": ["follow-up two"]})
+    assert sorted(map(str, picked.prompts)) == sorted(map(str, [chat("q1", "a1", "follow-up one"),
+                                                                chat("doubled turn", "a", "after doubled")]))
+    assert picked.excluded == {"mt": 1}
+
+
 def test_json_array_edge_cases(tmp_path: Path) -> None:
     path = tmp_path / "a.json"
     path.write_text('[{"a": 1}, {"b": 2}]', encoding="utf-8")
