@@ -202,7 +202,7 @@ class DFlashDrafter(nn.Module):
         With a learned mask vector, it replaces the row of `mask_token_id` wherever that id occurs (the
         convention vLLM and llama.cpp follow for `mask_embedding.pt`).
         """
-        emb = embed_tokens(token_ids)
+        emb = embed_tokens(token_ids).detach()  # the target's table is frozen: no gradient into it
         if self.mask_embedding is None:
             return emb
         is_mask = (token_ids == self.config.mask_token_id)[..., None]

@@ -351,7 +351,8 @@ class Trainer:
         mask = BlockMask(context_mask(anchors, keep, L, B), B)  # padding blocks see only themselves: no NaN
         labels, weights = block_targets(ids, loss_mask, lengths, anchors, keep, B, cfg.gamma)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16):
-            emb = d.embed(block_ids.flatten(1), self.target.embed_tokens).detach()  # [S, N*B, H]
+            # [S, N*B, H]; the mask vector is learned (the target's token rows are detached inside embed)
+            emb = d.embed(block_ids.flatten(1), self.target.embed_tokens)
             context = d.context_key_values(features, torch.arange(L, device=ids.device))
             hidden = d(emb, positions, context, mask).view(S, N, B, -1)[:, :, 1:]  # [S, N, B-1, H]
             head = self.target.lm_head.weight.detach()

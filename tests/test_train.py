@@ -161,6 +161,25 @@ def test_tiny_training_raises_tau(tmp_path):
     assert (tmp_path / "drafter" / "model.safetensors").is_file()
 
 
+def test_every_trainable_parameter_gets_a_gradient(tmp_path):
+    """The learned mask vector included: it was once cut off by a detach of the whole block embedding and
+    stayed at its initial value through every training run."""
+    from conftest import tiny_target
+
+    model = tiny_target("llama")
+    trainer = make_trainer(tmp_path, model, tiny_corpus(model, 6, seed=3, new_tokens=12))
+    assert trainer.drafter.mask_embedding is not None and trainer.drafter.mask_embedding.requires_grad
+    loss, _ = trainer.loss_on(trainer.train_seqs[:3])
+    loss.backward()
+    missing = [n for n, p in trainer.drafter.named_parameters()
+               if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]  # fmt: skip
+    assert missing == []
+    assert model.get_input_embeddings().weight.grad is None  # the target's table stays frozen
+    before = trainer.drafter.mask_embedding.detach().clone()
+    trainer.opt.step()
+    assert not torch.equal(before, trainer.drafter.mask_embedding.detach())
+
+
 def test_stop_signal_checkpoints_the_step_in_progress(tmp_path):
     """SIGINT/SIGTERM during training: the current step finishes, is checkpointed, and the run resumes there."""
     import os
