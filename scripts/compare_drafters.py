@@ -1,0 +1,97 @@
+"""Compare drafters on the same prompts by acceptance alone (no timing: the figures do not depend on the machine).
+
+    .venv/bin/python scripts/compare_drafters.py DRAFTER [DRAFTER ...] [--limit 12] [--max-new-tokens 128]
+
+For each drafter and evaluation set, without prompt lookup (the drafter's own drafts only):
+  greedy τ at block 16 and at block 4 (tokens per target pass, deterministic),
+  T=1 τ at block 4 over --seeds seeds, and the mean probability that its first draft is accepted at T=1,
+  sum_x min(p(x), q(x)) with p the target's and q the drafter's distribution at that position.
+Use it to decide whether a newly trained drafter is better than the shipped one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from dflashkit.evalsets import load_set
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.sampling import SamplingParams, warp
+
+T1 = SamplingParams(temperature=1.0)
+
+
+def first_draft_acceptance(gen: SpeculativeGenerator, prompts: list, seeds: int, max_new: int) -> tuple[float, float]:
+    """(T=1 τ at block 4, mean sum min(p, q) of the first draft position) over prompts x seeds."""
+    drafter = gen.drafter
+    inner = drafter.draft_scores
+    pending: list = []  # [scores [k, V'], columns] of the step whose verify pass comes next
+    overlaps: list[float] = []
+
+    def recording_draft_scores(*args, **kwargs):
+        scores, columns = inner(*args, **kwargs)
+        pending[:] = [scores.float(), columns]
+        return scores, columns
+
+    def observer(logits, emitted) -> None:  # after every target pass
+        if pending and logits.shape[0] == pending[0].shape[0] + 1:
+            scores, columns = pending
+            p = warp(logits[0:1].float(), T1)[0]  # the target at the first draft position
+            q = warp(scores[0:1], T1)[0]
+            overlaps.append(float(torch.minimum(p[columns] if columns is not None else p, q).sum()))
+        pending.clear()
+
+    drafter.draft_scores = recording_draft_scores
+    tokens = passes = 0
+    try:
+        for prompt in prompts:
+            for seed in range(seeds):
+                stats = gen.generate(prompt, max_new_tokens=max_new, temperature=1.0, seed=seed, block_size=4,
+                                     lookup=False, observer=observer).stats
+                tokens, passes = tokens + stats.new_tokens - 1, passes + stats.target_forwards - 1
+    finally:
+        del drafter.draft_scores
+    return tokens / max(passes, 1), sum(overlaps) / max(len(overlaps), 1)
+
+
+def greedy_tau(gen: SpeculativeGenerator, prompts: list, block: int, max_new: int) -> float:
+    tokens = passes = 0
+    for prompt in prompts:
+        stats = gen.generate(prompt, max_new_tokens=max_new, temperature=0, block_size=block, lookup=False).stats
+        tokens, passes = tokens + stats.new_tokens - 1, passes + stats.target_forwards - 1  # after the prefill
+    return tokens / max(passes, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("drafters", nargs="+")
+    ap.add_argument("--sets", default="mt-bench,humaneval,math500")
+    ap.add_argument("--limit", type=int, default=12, help="prompts per set (seeded subset, as the bench)")
+    ap.add_argument("--seeds", type=int, default=3, help="sampling seeds per prompt at T=1")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sets = {name: load_set(name, limit=args.limit, seed=0) for name in args.sets.split(",")}
+    results: dict = {}
+    for path in args.drafters:
+        gen = SpeculativeGenerator.load(drafter=path)
+        gen.warmup()
+        for name, prompts in sets.items():
+            t1_tau, overlap = first_draft_acceptance(gen, prompts, args.seeds, args.max_new_tokens)
+            row = {"greedy_tau_b16": greedy_tau(gen, prompts, 16, args.max_new_tokens),
+                   "greedy_tau_b4": greedy_tau(gen, prompts, 4, args.max_new_tokens),
+                   "t1_tau_b4": t1_tau, "t1_first_draft_acceptance": overlap}  # fmt: skip
+            results.setdefault(path, {})[name] = row
+            print(f"{path}  {name:10s}  " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
