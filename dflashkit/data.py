@@ -180,7 +180,8 @@ def sharegpt_prompts(min_chars: int = 10, max_chars: int = 2000, *, seed: int | 
     yield from texts
 
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+_SHAREGPT_ROLES = {"human": "user", "user": "user",
+                   "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
 
 
 def sharegpt_followups(min_chars: int = 10, max_chars: int = 2000, *, seed: int | None = None,
@@ -555,7 +556,8 @@ class SourceSpec:
 
 
 def parse_sources(spec: str) -> list[SourceSpec]:
-    """Parse "sharegpt:0.7,math:0.3", "sharegpt-turns[:WEIGHT]", "jsonl:PATH[:WEIGHT]", "hf:NAME[:SPLIT[:FIELD]][:WEIGHT]" or a bare
+    """Parse "sharegpt:0.7,math:0.3", "sharegpt-turns[:WEIGHT]", "jsonl:PATH[:WEIGHT]",
+    "hf:NAME[:SPLIT[:FIELD]][:WEIGHT]" or a bare
     path ending in .jsonl; weights default to 1 and are relative."""
     out: list[SourceSpec] = []
     for item in (s.strip() for s in spec.split(",")):
@@ -566,7 +568,8 @@ def parse_sources(spec: str) -> list[SourceSpec]:
             if item.endswith(".jsonl") or pathlib.Path(item).expanduser().is_file():
                 kind, rest = "jsonl", item
             else:
-                raise InvalidInputError(f"unknown prompt source {item!r} in {spec!r}: use sharegpt, sharegpt-turns, math, "
+                raise InvalidInputError(f"unknown prompt source {item!r} in {spec!r}: use sharegpt, sharegpt-turns, "
+                                        "math, "
                                         "jsonl:PATH or hf:NAME[:SPLIT[:FIELD]], each optionally ':WEIGHT'")
         weight = 1.0
         head, sep, tail = rest.rpartition(":")

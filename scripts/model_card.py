@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--data-note", action="append", default=[], help="a line on how the data was made that no file "
                     "records (e.g. where a prompt file came from); repeatable, shown as written")  # fmt: skip
+    ap.add_argument("--training-note", action="append", default=[], help="a line on the training that no file "
+                    "records (e.g. a trainer bug found after the run); repeatable, shown as written")  # fmt: skip
     ap.add_argument("--store-note", action="append", default=[], help="a line on the n-gram store in OUT (the "
                     "`dflashkit ngram-store` command that made it); repeatable, shown as written")  # fmt: skip
     args = ap.parse_args()
@@ -150,6 +152,8 @@ def main() -> None:
     ]
     lines += [f"| {r['step']} | {r['tau']:.2f} | {', '.join(f'{a:.2f}' for a in r.get('heldout_acc', [])[:3])} | "
               f"{', '.join(f'{a:.2f}' for a in r['acc'][:3])} |" for r in evals]
+    if args.training_note:
+        lines += ["", *[f"- {note}" for note in args.training_note]]
     lines += ["", "## Evaluation", "", f"`{bench['command']}`", "",
               f"Machine: {bench['machine'].get('cpu')}, {bench['machine'].get('cores')} cores, "
               f"{bench['machine'].get('torch_threads')} torch threads; dflashkit commit "
