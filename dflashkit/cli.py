@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
+        if getattr(args, "device", None) is not None:
+            from .models import resolve_device
+
+            resolve_device(args.device)  # a bad or absent device fails before any (slow) load
         return args.func(args)
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from .errors import DFlashError
+from .errors import DFlashError, InvalidInputError
 from .fsutil import atomic_dir
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -110,6 +110,28 @@ def _load_folder(source: str | pathlib.Path, dtype: torch.dtype) -> tuple[PreTra
     return model, tok
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``; a malformed name, or a device this machine does not have, is refused
+    with a message that says so (instead of an assertion deep inside torch at the first tensor moved)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidInputError(f"device {device!r} is not a device name torch knows (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise InvalidInputError(f"device {str(device)!r}: {why} (torch {torch.__version__}); use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidInputError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidInputError(f"device {str(device)!r}: MPS is not available on this machine; use cpu")
+    elif dev.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise InvalidInputError(f"device {str(device)!r}: only cpu, cuda (and mps / xpu where torch has them) run here")
+    elif dev.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise InvalidInputError(f"device {str(device)!r}: no XPU is available on this machine; use cpu")
+    return dev
+
+
 def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16,
                 device: str | torch.device = "cpu", progress: bool = False,
                 quantize: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -122,7 +144,8 @@ def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.d
     """
     from .quantize import check_method, quantize_model
 
-    quantize = check_method(quantize)  # an unknown method fails before the (slow) load
+    quantize = check_method(quantize)  # an unknown method or device fails before the (slow) load
+    device = resolve_device(device)
     name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
     with _quiet(progress):
         if name == DEFAULT_TARGET:

