@@ -172,12 +172,17 @@ def sharegpt_prompts(min_chars: int = 10, max_chars: int = 2000, *, seed: int | 
             if min_chars <= len(text) <= max_chars:
                 yield text
 
+    yield from _in_seeded_order(in_order(), seed)  # ~11k strings when shuffled: small next to the file
+
+
+def _in_seeded_order(items: Iterator[Any], seed: int | None) -> Iterator[Any]:
+    """``items`` as they come (streamed) when ``seed`` is None, else all of them shuffled by ``seed``."""
     if seed is None:
-        yield from in_order()
+        yield from items
         return
-    texts = list(in_order())  # ~11k strings: small next to the file
-    random.Random(seed).shuffle(texts)
-    yield from texts
+    pool = list(items)
+    random.Random(seed).shuffle(pool)
+    yield from pool
 
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user",
@@ -211,12 +216,7 @@ def sharegpt_followups(min_chars: int = 10, max_chars: int = 2000, *, seed: int 
                 if min_chars <= len(texts[2]) <= max_chars:
                     yield [{"role": r, "content": c} for r, c in zip(roles, texts)]
 
-    if seed is None:
-        yield from in_order()
-        return
-    prompts = list(in_order())  # ~44k small chats
-    random.Random(seed).shuffle(prompts)
-    yield from prompts
+    yield from _in_seeded_order(in_order(), seed)  # ~44k small chats when shuffled
 
 
 # ---- mathematics_dataset -----------------------------------------------------------------------------------
@@ -569,8 +569,7 @@ def parse_sources(spec: str) -> list[SourceSpec]:
                 kind, rest = "jsonl", item
             else:
                 raise InvalidInputError(f"unknown prompt source {item!r} in {spec!r}: use sharegpt, sharegpt-turns, "
-                                        "math, "
-                                        "jsonl:PATH or hf:NAME[:SPLIT[:FIELD]], each optionally ':WEIGHT'")
+                                        "math, jsonl:PATH or hf:NAME[:SPLIT[:FIELD]], each optionally ':WEIGHT'")
         weight = 1.0
         head, sep, tail = rest.rpartition(":")
         if sep:

@@ -194,7 +194,7 @@ class SpeculativeGenerator:
         if isinstance(stop, str):
             stop = [stop]
         drafter = self.drafter if use_drafter else None
-        store = getattr(drafter, "ngram_store", None) if lookup and ngram_store else None
+        store = drafter.ngram_store if drafter is not None and lookup and ngram_store else None
         options = DecodeOptions(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p),

@@ -117,18 +117,18 @@ def resolve_device(device: str | torch.device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise InvalidInputError(f"device {device!r} is not a device name torch knows (e.g. cpu, cuda, cuda:1)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise InvalidInputError(f"device {str(device)!r}: {why} (torch {torch.__version__}); use cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise InvalidInputError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise InvalidInputError(f"device {str(device)!r}: MPS is not available on this machine; use cpu")
-    elif dev.type not in ("cpu", "cuda", "mps", "xpu"):
-        raise InvalidInputError(f"device {str(device)!r}: only cpu, cuda (and mps / xpu where torch has them) run here")
-    elif dev.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        raise InvalidInputError(f"device {str(device)!r}: no XPU is available on this machine; use cpu")
+    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
+                 "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
+    name = str(device)
+    if dev.type not in available:
+        raise InvalidInputError(f"device {name!r}: only cpu, cuda (and mps / xpu where torch has them) run here")
+    if not available[dev.type]():
+        why = f"no {dev.type.upper()} device is available on this machine"
+        if dev.type == "cuda" and torch.version.cuda is None:
+            why = "this torch build has no CUDA support"
+        raise InvalidInputError(f"device {name!r}: {why} (torch {torch.__version__}); use cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidInputError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
     return dev
 
 

@@ -123,9 +123,7 @@ class NgramStore:
                    int(meta["min_count"]) if "min_count" in meta else None)  # fmt: skip
 
 
-def find_store(folder: str | os.PathLike | None) -> Path | None:
+def find_store(folder: str | os.PathLike) -> Path | None:
     """The store saved in a drafter folder, if any."""
-    if folder is None:
-        return None
     path = Path(folder) / FILENAME
     return path if path.is_file() else None
