@@ -33,6 +33,7 @@ from .ngram_store import NgramStore
 from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
 from .stats import DecodeStats
 from .target import TargetAdapter
+from .tree import build_tree
 
 LOOKUP_ONLY_BLOCK = 8  # block size of prompt lookup without a drafter, unless given
 
@@ -50,8 +51,11 @@ class DecodeOptions:
     stop_token_ids: frozenset[int] = frozenset()  # eos ids included by the caller
     lookup: bool = False  # draft by copying after a repeated n-gram where one exists (prompt lookup)
     lookup_store: NgramStore | None = None  # with lookup: the target's past answers, where the text has no repeat
+    tree: int | None = None  # drafter steps verify a token tree of this many nodes instead of a chain (dflashkit.tree)
 
     def __post_init__(self) -> None:
+        if self.tree is not None and (not isinstance(self.tree, numbers.Integral) or self.tree < 1):
+            raise InvalidInputError(f"tree must be a number of nodes >= 1 (or None for a chain), got {self.tree!r}")
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         if self.block_size is not None and self.block_size < 2:
@@ -118,6 +122,8 @@ def decode(
     context = drafter.new_context(capacity=pos + max_new + block) if drafter else None
     pending, pending_start = features, 0
     lookup = NgramLookup(prompt_ids + [token], store=options.lookup_store) if options.lookup else None
+    use_trees = options.tree is not None and drafter is not None and target.supports_trees
+    stats.tree = options.tree if use_trees else None
 
     finished = token in options.stop_token_ids or produced >= max_new
     stats.new_tokens = produced
@@ -129,7 +135,7 @@ def decode(
         t_step = time.perf_counter()
         room = min(max_new - produced - 1, target.max_positions - pos - 1)  # drafts that can still be emitted
         copied = lookup.propose(min(block - 1, room)) if lookup is not None else []
-        drafts, q = torch.empty(0, dtype=torch.long, device=device), None
+        drafts, q, tree = torch.empty(0, dtype=torch.long, device=device), None, None
         if copied:  # a fixed function of the text: a one-hot proposal
             size, k = block, len(copied)
             drafts = torch.tensor(copied, dtype=torch.long, device=device)
@@ -142,33 +148,50 @@ def decode(
                     context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
                 )  # [k, V'] over the draft vocabulary `columns` (None: the whole vocabulary)
                 pending = None
-                drafts, q = propose(scores, params, options.proposal, gen, columns, target.vocab_size)
+                if use_trees:
+                    tree = build_tree(scores, columns, options.tree)
+                    drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+                else:
+                    drafts, q = propose(scores, params, options.proposal, gen, columns, target.vocab_size)
                 stats.draft_s += time.perf_counter() - t
 
         # ---- verify -----------------------------------------------------------------------------------
         t = time.perf_counter()
-        block_ids = torch.cat((torch.tensor([token], device=device), drafts))[None]  # [1, k+1]
-        logits, features = target.forward(block_ids, pos, cache, logits_rows=k + 1)  # [k+1, vocab]
-        if params.greedy:
+        block_ids = torch.cat((torch.tensor([token], device=device), drafts))[None]  # [1, rows]
+        rows = block_ids.shape[1]
+        shape = (tree.position_offsets(device), tree.attention_mask(device)) if tree is not None else None
+        logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)  # [rows, vocab]
+        if tree is not None:  # walk down the tree with the target's own tokens
+            best = argmax(logits).tolist() if params.greedy else None
+            path, token = tree.walk((lambda r: best[r]) if params.greedy else (lambda r: choose(logits[r])))
+            kept = [0] + path  # rows of the anchor and the accepted nodes
+            accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
+        elif params.greedy:
             accepted, token = verify_greedy(logits, drafts)
         else:
             accepted, token = verify_sampled(warp(logits, params), drafts, q, gen)
+        if tree is None:
+            kept, accepted_drafts = list(range(accepted + 1)), drafts[:accepted].tolist()
         stats.verify_s += time.perf_counter() - t
         stats.target_forwards += 1
 
         # ---- accept: keep the anchor + accepted drafts in both caches ----------------------------------
-        TargetAdapter.crop(cache, pos + accepted + 1)
+        if tree is not None:
+            TargetAdapter.keep_rows(cache, pos, kept)
+        else:
+            TargetAdapter.crop(cache, pos + accepted + 1)
         if drafter:
-            new = features[:, : accepted + 1]
+            new = features[:, kept] if tree is not None else features[:, : accepted + 1]
             pending, pending_start = (new, pos) if pending is None else (torch.cat((pending, new), 1), pending_start)
         pos += accepted + 1
 
-        emitted = drafts[:accepted].tolist() + [token]
+        emitted = accepted_drafts + [token]
         if lookup is not None:
             lookup.extend(emitted)
         if observer:
-            observer(logits, emitted)
-        stats.record_step(k, accepted, copied=bool(copied), from_store=bool(copied) and lookup.from_store)
+            observer(logits[kept] if tree is not None else logits, emitted)
+        stats.record_step(tree.depth if tree is not None else k, accepted, copied=bool(copied),
+                          from_store=bool(copied) and lookup.from_store, tree_nodes=len(tree) if tree else 0)
         if policy and not copied:  # the policy models the drafter's acceptance and cost
             policy.observe(size, k, accepted, time.perf_counter() - t_step)
         stop_at = next((i for i, t in enumerate(emitted) if t in options.stop_token_ids), None)

@@ -102,6 +102,19 @@ class StaticKVCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(0, length))
 
+    @torch.inference_mode()  # the buffers may be inference tensors (grown inside the forward)
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """Keep, of the positions written from `start`, the rows `rows` (increasing, relative to start), moved
+        to start, start+1, ...; the length becomes start + len(rows). Used after a token tree's verify pass:
+        the accepted path's keys and values become the next positions (their rotary phase is already right:
+        a node at depth d was run at position start + d, where it now lies)."""
+        if start + len(rows) > self.length or any(r < 0 or start + r >= self.length for r in rows):
+            raise InvalidInputError(f"rows {rows} after {start} are not all in the cache (length {self.length})")
+        index = torch.tensor(rows, device=self.keys.device) + start
+        self.keys[:, :, start : start + len(rows)] = self.keys[:, :, index]  # advanced indexing copies first
+        self.values[:, :, start : start + len(rows)] = self.values[:, :, index]
+        self.length = start + len(rows)
+
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Valid keys and values of layer i, [kv_heads, length, head_dim] each (views)."""
         return self.keys[i, :, : self.length], self.values[i, :, : self.length]
@@ -160,11 +173,15 @@ class FastTargetForward:
 
     @torch.inference_mode()
     def __call__(self, input_ids: Tensor, start: int, cache: StaticKVCache, logits_rows: int,
-                 feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+                 feature_layers: list[int], tree: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """Run input_ids [1, n] at positions start..start+n-1 (the cache must hold exactly positions < start).
 
         Returns logits of the last `logits_rows` rows [logits_rows, vocab] and the feature layers' outputs
         concatenated [1, n, n_feat*hidden] (None without feature layers).
+
+        ``tree`` = (position offsets [n], visibility bool [n, n]): the rows are a token tree instead of a
+        sequence (:mod:`dflashkit.tree`): row i runs at position start + offsets[i] and sees the cache and the
+        rows that visibility[i] marks (its ancestors and itself) instead of the rows before it.
         """
         if cache.length != start:
             raise InvalidInputError(f"the KV cache holds {cache.length} positions, but the tokens start at {start}")
@@ -174,12 +191,22 @@ class FastTargetForward:
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads
         x = self.embed(input_ids)  # [1, n, hidden]
-        positions = torch.arange(start, end, device=x.device)
+        if tree is None:
+            positions = torch.arange(start, end, device=x.device)
+        else:
+            offsets, visible = tree
+            if offsets.shape != (n,) or visible.shape != (n, n):
+                raise InvalidInputError(f"a tree of {n} rows needs offsets [{n}] and visibility [{n}, {n}]")
+            positions = offsets.to(x.device) + start
         cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim] each, in x's dtype
         cos, sin = cos[:, None], signed_sin(sin[:, None])  # [1, 1, n, head_dim]: broadcast over heads
         mask = None
         if n > 1:  # query i (position start+i) sees keys 0..start+i; packed query rows repeat per group
-            hidden = torch.ones(n, end, dtype=torch.bool, device=x.device).triu(start + 1)
+            if tree is None:
+                hidden = torch.ones(n, end, dtype=torch.bool, device=x.device).triu(start + 1)
+            else:  # the cache, then the tree's own visibility
+                hidden = torch.zeros(n, end, dtype=torch.bool, device=x.device)
+                hidden[:, start:] = ~visible.to(x.device)
             mask = x.new_zeros(n, end).masked_fill_(hidden, float("-inf"))  # additive: SDPA's fastest form here
             mask = mask[None].expand(group, n, end).reshape(1, 1, group * n, end)
         wanted = {i: None for i in feature_layers}

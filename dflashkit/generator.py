@@ -173,6 +173,7 @@ class SpeculativeGenerator:
         observer: StepObserver | None = None,
         lookup: bool = False,
         ngram_store: bool = True,
+        tree: int | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
@@ -183,7 +184,9 @@ class SpeculativeGenerator:
         followed it instead of running the drafter (:mod:`dflashkit.lookup`; with no drafter, prompt lookup
         alone). With lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
         past answers drafts, if the drafter folder has one (:mod:`dflashkit.ngram_store`; ``ngram_store=False``
-        turns it off). Still lossless.
+        turns it off). ``tree=N``: drafter steps verify a token tree of up to N nodes (the drafter's likeliest
+        alternatives, :mod:`dflashkit.tree`) instead of a chain; on the fast forward only (elsewhere: chains).
+        Still lossless.
         """
         adaptive = block_size == "auto"
         if isinstance(block_size, str) and not adaptive:
@@ -204,6 +207,7 @@ class SpeculativeGenerator:
             stop_token_ids=frozenset(self.eos_token_ids) | frozenset(stop_token_ids),
             lookup=lookup,
             lookup_store=store,
+            tree=tree,
         )
         policy = self.block_policy if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))
@@ -256,7 +260,7 @@ class SpeculativeGenerator:
         step's logits (a tie or not; see lossless).
         """
         kwargs = {k: v for k, v in kwargs.items()
-                  if k not in ("use_drafter", "observer", "block_size", "lookup", "ngram_store")}
+                  if k not in ("use_drafter", "observer", "block_size", "lookup", "ngram_store", "tree")}
         greedy = SamplingParams(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0)).greedy
         recorder = DivergenceRecorder(result.token_ids, self.target.dtype) if greedy else None
         result.ar = _drain(self.stream(prompt, **kwargs, use_drafter=False, observer=recorder))

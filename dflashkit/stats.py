@@ -29,12 +29,17 @@ class DecodeStats:
     lookup: bool = False  # prompt lookup on: some steps' drafts were copied from earlier text
     copied_steps: list[bool] = field(default_factory=list)  # per step: drafts copied (True) or the drafter's
     store_steps: list[bool] = field(default_factory=list)  # per step: copied from the n-gram store of past answers
+    tree: int | None = None  # drafter steps verified token trees of up to this many nodes (None: chains)
+    tree_nodes: list[int] = field(default_factory=list)  # per step: nodes of its tree (0: a chain)
 
-    def record_step(self, drafted: int, accepted: int, copied: bool = False, from_store: bool = False) -> None:
+    def record_step(self, drafted: int, accepted: int, copied: bool = False, from_store: bool = False,
+                    tree_nodes: int = 0) -> None:
+        """`drafted`: block positions proposed (a tree's depth); `accepted`: drafts kept (a tree's path length)."""
         self.drafted_lengths.append(drafted)
         self.accepted_lengths.append(accepted)
         self.copied_steps.append(copied)
         self.store_steps.append(from_store)
+        self.tree_nodes.append(tree_nodes)
 
     @property
     def steps(self) -> int:
@@ -108,7 +113,16 @@ class DecodeStats:
             "target_weights": self.target_weights,
             "engine": self.engine,
             "lookup": self.lookup_summary() if self.lookup else None,
+            "tree": self.tree_summary() if self.tree else None,
         }
+
+    def tree_summary(self) -> dict[str, Any]:
+        """Token-tree steps: the node budget, how many steps verified a tree, their mean nodes and τ."""
+        acc = [a for a, n in zip(self.accepted_lengths, self.tree_nodes) if n]
+        nodes = [n for n in self.tree_nodes if n]
+        return {"budget": self.tree, "tree_steps": len(acc),
+                "mean_nodes": sum(nodes) / len(nodes) if nodes else None,
+                "tree_tau": sum(acc) / len(acc) + 1.0 if acc else None}
 
     def lookup_summary(self) -> dict[str, Any]:
         """Steps whose drafts were copied (by prompt lookup from the text, or from the n-gram store of past

@@ -141,24 +141,36 @@ class TargetAdapter:
             return self.fast_forward.new_cache(capacity or 256)
         return DynamicCache(config=self.config)
 
+    @property
+    def supports_trees(self) -> bool:
+        """Whether :meth:`forward` takes a token tree (the fast forward does; transformers' forward is not used so)."""
+        return self.fast_forward is not None
+
     @torch.inference_mode()
     def forward(
-        self, input_ids: Tensor, start: int, cache: DynamicCache | StaticKVCache, logits_rows: int
+        self, input_ids: Tensor, start: int, cache: DynamicCache | StaticKVCache, logits_rows: int,
+        tree: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Run tokens input_ids [1, n] at positions start..start+n-1, appending them to `cache`.
 
         Returns the logits of the last `logits_rows` rows [logits_rows, vocab] (in the model's dtype) and
         the concatenated feature-layer outputs [1, n, n_feat*hidden] (None without feature layers).
+        ``tree`` = (position offsets [n], visibility bool [n, n]): the tokens are a token tree
+        (:mod:`dflashkit.tree`; fast forward only, see :attr:`supports_trees`); keep the accepted path with
+        :meth:`keep_rows`.
         """
         n = input_ids.shape[1]
-        if start + n > self.max_positions:
+        depth = n if tree is None else int(tree[0].max()) + 1
+        if start + depth > self.max_positions:
             raise InvalidInputError(
-                f"context of {start + n} tokens exceeds the target's maximum of {self.max_positions} positions"
+                f"context of {start + depth} tokens exceeds the target's maximum of {self.max_positions} positions"
             )
+        if tree is not None and not (self.supports_trees and isinstance(cache, StaticKVCache)):
+            raise InvalidInputError("token trees need the fast forward and its StaticKVCache")
         if isinstance(cache, StaticKVCache):
             if self.fast_forward is None:
                 raise InvalidInputError("a StaticKVCache needs the fast forward (TargetAdapter(..., fast=True))")
-            return self.fast_forward(input_ids, start, cache, logits_rows, self.feature_layer_ids)
+            return self.fast_forward(input_ids, start, cache, logits_rows, self.feature_layer_ids, tree)
         positions = torch.arange(start, start + n, device=input_ids.device)
         out = self.model(
             input_ids=input_ids,
@@ -194,6 +206,12 @@ class TargetAdapter:
         surplus = cache.get_seq_length() - length
         if surplus > 0:
             cache.crop(-surplus)  # transformers >= 5.23 takes the number of tokens to remove, negated
+
+    @staticmethod
+    def keep_rows(cache: StaticKVCache, start: int, rows: list[int]) -> None:
+        """After a tree's verify pass from `start`: keep the rows of the accepted path (relative to start,
+        increasing, the anchor's 0 first) as positions start, start+1, ...; drop the rest."""
+        cache.keep_rows(start, rows)
 
     @staticmethod
     def cached_key_values(cache: DynamicCache | StaticKVCache) -> list[tuple[Tensor, Tensor]]:

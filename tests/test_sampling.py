@@ -529,7 +529,7 @@ class NoisyOracleVocabDrafter(NoisyOracleDrafter):
 
 def sample_sequences(
     world: World, drafter, params: SamplingParams, proposal: str, n: int, seed0: int, max_new: int = N_TOKENS,
-    prompt: list[int] = PROMPT, lookup: bool = False, copied: list[bool] | None = None,
+    prompt: list[int] = PROMPT, lookup: bool = False, copied: list[bool] | None = None, tree: int | None = None,
 ):
     """Decode max_new tokens for seeds seed0..seed0+n-1; counts [V, V, V] of the first N_TOKENS, and the
     decode statistics (per step; `copied`, when given, gets each step's copied flag)."""
@@ -541,7 +541,8 @@ def sample_sequences(
         if isinstance(drafter, NoisyOracleDrafter):
             drafter.start(prompt)
             observer = drafter.observe
-        options = DecodeOptions(max_new_tokens=max_new, sampling=params, seed=s, proposal=proposal, lookup=lookup)
+        options = DecodeOptions(max_new_tokens=max_new, sampling=params, seed=s, proposal=proposal, lookup=lookup,
+                                tree=tree)
         tokens = [t for step in decode(world.target, drafter, prompt, options, stats, observer) for t in step.tokens]
         assert len(tokens) == max_new
         counts[tuple(tokens[:N_TOKENS])] += 1
@@ -625,6 +626,24 @@ def test_speculative_decode_matches_target_distribution(world, setting, proposal
         assert all(outcomes[(a, 2)] >= 20 for a in range(3)), outcomes
         check_last_token_rank(world, SETTINGS[setting], sequences, f"{setting}/{proposal}/{kind}")
     check_sequences(counts, world.exact(setting), f"{setting}/{proposal}/{kind}")
+
+
+@pytest.mark.parametrize("setting", ["t1.0", "t0.7_k10"])
+def test_token_tree_decode_matches_target_distribution(world, setting):
+    """Token trees (dflashkit.tree): the target samples at each node it reaches and the walk follows its token.
+
+    4 new tokens: the first step drafts a tree over 2 block positions (up to 4 choices each, 6 nodes), so t2 and
+    t3 can be nodes of one tree, reached through the drafter's first or later choices, or samples where the
+    target's token is not a child."""
+    drafter = NoisyOracleDrafter(world)
+    counts, accepted, drafted, sequences = sample_sequences(
+        world, drafter, SETTINGS[setting], "sample", N_E2E, seed0=BASE_SEED * 10_000 + 90_001, max_new=4, tree=6
+    )
+    steps = [(a, d) for a, d in zip(accepted, drafted) if d > 0]
+    outcomes = Counter(a for a, _ in steps)
+    assert all(outcomes[a] >= 0.03 * len(steps) for a in range(3)), outcomes  # 0, 1 and 2 nodes accepted
+    check_last_token_rank(world, SETTINGS[setting], sequences, f"{setting}/tree")
+    check_sequences(counts, world.exact(setting), f"{setting}/tree")
 
 
 @pytest.mark.parametrize("with_drafter", [True, False])

@@ -1,0 +1,233 @@
+"""Token trees: best-first construction, the ancestor mask, the tree verify pass against fresh forwards, the
+cache after keeping a path, and tree decoding == plain greedy decoding (fp32, token for token)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_drafter, tiny_target
+
+from dflashkit.decode import DecodeOptions, decode
+from dflashkit.drafter import DFlashDrafter
+from dflashkit.errors import InvalidInputError
+from dflashkit.stats import DecodeStats
+from dflashkit.target import TargetAdapter
+from dflashkit.tree import DraftTree, build_tree
+
+# ---- construction -------------------------------------------------------------------------------------
+
+
+def all_node_values(probs: torch.Tensor, top: int) -> dict[tuple[int, ...], float]:
+    """Every node (ranks r1..rd of the drafter's sorted rows) and the product of its probabilities."""
+    sorted_probs = probs.sort(-1, descending=True).values
+    out = {}
+    for depth in range(1, probs.shape[0] + 1):
+        for ranks in itertools.product(range(top), repeat=depth):
+            out[ranks] = math.prod(float(sorted_probs[d, r]) for d, r in enumerate(ranks))
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 3, 6, 10, 20])
+def test_build_tree_keeps_the_nodes_of_largest_path_probability(budget):
+    g = torch.Generator().manual_seed(budget)
+    scores = torch.randn(3, 12, generator=g) * 2  # 3 block positions, 12 columns
+    tree = build_tree(scores, None, budget, top=3)
+    probs = scores.softmax(-1)
+    order = probs.argsort(-1, descending=True)
+    # each node's rank path, read back from its tokens and parents
+    rank_of = [{int(t): r for r, t in enumerate(order[d])} for d in range(3)]
+    paths: list[tuple[int, ...]] = []
+    for token, parent, depth in zip(tree.tokens, tree.parents, tree.depths):
+        prefix = paths[parent - 1] if parent else ()
+        assert len(prefix) == depth - 1
+        paths.append(prefix + (rank_of[depth - 1][token],))
+    values = all_node_values(probs, 3)
+    best = sorted(values.values(), reverse=True)[:budget]
+    assert len(tree) == budget and len(set(paths)) == budget
+    assert sorted((values[p] for p in paths), reverse=True) == pytest.approx(best)
+
+
+def test_build_tree_maps_columns_to_token_ids_and_is_a_chain_for_a_confident_drafter():
+    scores = torch.full((4, 5), -20.0)
+    scores[torch.arange(4), torch.tensor([1, 3, 0, 2])] = 20.0  # certain of one column per position
+    columns = torch.tensor([40, 41, 42, 43, 44])
+    tree = build_tree(scores, columns, budget=4)
+    assert tree.tokens == [41, 43, 40, 42] and tree.parents == [0, 1, 2, 3] and tree.depths == [1, 2, 3, 4]
+    unsure = build_tree(torch.zeros(4, 5), columns, budget=4)  # uniform: the anchor's 4 children first
+    assert unsure.depths == [1, 1, 1, 1] and unsure.parents == [0, 0, 0, 0]
+
+
+def test_ancestor_mask_offsets_and_walk():
+    # anchor -> a(1) -> c(3); anchor -> b(2) -> d(4) -> e(5)
+    tree = DraftTree(tokens=[10, 11, 12, 13, 14], parents=[0, 0, 1, 2, 4], depths=[1, 1, 2, 2, 3])
+    mask = tree.attention_mask()
+    ancestors = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 2, 4}, 5: {0, 2, 4, 5}}
+    expected = torch.tensor([[c in ancestors[r] for c in range(6)] for r in range(6)])
+    assert torch.equal(mask, expected)
+    assert tree.position_offsets().tolist() == [0, 1, 1, 2, 2, 3]
+    assert tree.depth == 3
+    follow = {0: 11, 2: 13, 4: 14, 5: 99}  # the target's token after each row
+    assert tree.walk(follow.__getitem__) == ([2, 4, 5], 99)
+    assert tree.walk({0: 77}.__getitem__) == ([], 77)
+
+
+def test_bad_trees_are_refused():
+    with pytest.raises(InvalidInputError, match="before it"):
+        DraftTree(tokens=[1, 2], parents=[0, 2], depths=[1, 2])
+    with pytest.raises(InvalidInputError, match="already has a child"):
+        DraftTree(tokens=[1, 1], parents=[0, 0], depths=[1, 1])
+    with pytest.raises(InvalidInputError, match="at least one node"):
+        build_tree(torch.zeros(2, 4), None, 0)
+    with pytest.raises(InvalidInputError, match="tree must be"):
+        DecodeOptions(tree=0)
+
+
+# ---- the tree verify pass --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3"])
+def test_tree_pass_rows_equal_fresh_forwards_and_kept_path_equals_a_fresh_prefill(arch_name):
+    model = tiny_target(arch_name)
+    target = TargetAdapter(model, [1, 4])
+    assert target.supports_trees
+    prefix = [5, 9, 14, 3, 22, 7]
+    tree = DraftTree(tokens=[30, 31, 32, 33, 34, 35], parents=[0, 0, 1, 1, 3, 2], depths=[1, 1, 2, 2, 3, 2])
+    cache = target.new_cache()
+    target.forward(torch.tensor([prefix]), 0, cache, logits_rows=1)
+    ids = torch.tensor([[prefix[-1]] + tree.tokens])
+    start = len(prefix) - 1
+    cache.crop(start)  # the anchor (last prefix token) is verified again as row 0
+    shape = (tree.position_offsets(), tree.attention_mask())
+    logits, features = target.forward(ids, start, cache, logits_rows=len(tree) + 1, tree=shape)
+
+    def path_tokens(row: int) -> list[int]:
+        out = []
+        while row:
+            out.append(tree.tokens[row - 1])
+            row = tree.parents[row - 1]
+        return out[::-1]
+
+    for row in range(len(tree) + 1):
+        seq = prefix + path_tokens(row)
+        fresh = target.new_cache()
+        exp_logits, exp_features = target.forward(torch.tensor([seq]), 0, fresh, logits_rows=1)
+        torch.testing.assert_close(logits[row], exp_logits[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(features[0, row], exp_features[0, -1], rtol=1e-4, atol=1e-4)
+    # keep anchor -> node 1 (row 1) -> node 3 (row 3) -> node 5 (row 5)
+    TargetAdapter.keep_rows(cache, start, [0, 1, 3, 5])
+    seq = prefix + path_tokens(5)
+    fresh = target.new_cache()
+    target.forward(torch.tensor([seq]), 0, fresh, logits_rows=1)
+    assert cache.length == len(seq)
+    for (k, v), (k_exp, v_exp) in zip(target.cached_key_values(cache), target.cached_key_values(fresh)):
+        torch.testing.assert_close(k, k_exp, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v, v_exp, rtol=1e-4, atol=1e-4)
+
+
+def test_trees_need_the_fast_forward():
+    target = TargetAdapter(tiny_target("llama"), fast=False)
+    assert not target.supports_trees
+    tree = DraftTree(tokens=[3], parents=[0], depths=[1])
+    with pytest.raises(InvalidInputError, match="fast forward"):
+        target.forward(torch.tensor([[5, 3]]), 0, target.new_cache(), 2,
+                       tree=(tree.position_offsets(), tree.attention_mask()))
+
+
+# ---- decoding with trees -------------------------------------------------------------------------------
+
+
+class RankedOracle(DFlashDrafter):
+    """Knows the target's greedy continuation and puts its token at a cycling rank per block position (mostly
+    first; else second, third, fourth or below the decoys), so trees accept through other choices too."""
+
+    def __init__(self, config, continuation: list[int]) -> None:
+        super().__init__(config)
+        self.current = continuation
+        self.calls = 0
+
+    def draft_scores(self, context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head):
+        super().draft_scores(context, new_features, new_start, anchor, pos, k, embed_tokens, lm_head)
+        scores = torch.zeros(k, VOCAB)
+        for j in range(k):
+            i = pos + 1 + j
+            true = self.current[i] if i < len(self.current) else 0
+            rank = (0, 0, 1, 0, 2, 4, 3)[(self.calls + j) % 7]
+            decoys = [t for t in range(4, VOCAB) if t != true][(7 * i) % 50 :][:4]
+            for r, t in enumerate(decoys):
+                scores[j, t] = 6.0 - r
+            scores[j, true] = 6.5 - rank if rank < 4 else -5.0
+        self.calls += 1
+        return scores, None
+
+
+def test_tree_decoding_equals_plain_greedy_and_accepts_more_than_a_chain(arch):
+    model = tiny_target(arch)
+    base = tiny_drafter(model, block_size=6)
+    target = TargetAdapter(model, base.config.target_layer_ids)
+    plain_target = TargetAdapter(model)
+    taus = {"tree": [], "chain": []}
+    for seed in range(6):
+        prompt = torch.randint(3, VOCAB, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        options = DecodeOptions(max_new_tokens=30)
+        plain = [t for s in decode(plain_target, None, prompt, options) for t in s.tokens]
+        for kind, tree in (("tree", 10), ("chain", None)):
+            oracle = RankedOracle(base.config, prompt + plain)
+            oracle.load_state_dict(base.state_dict())
+            stats = DecodeStats(6)
+            out = [t for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=30, tree=tree), stats)
+                   for t in s.tokens]
+            assert out == plain, (kind, seed)
+            taus[kind].append(stats.tau)
+            if tree:
+                assert stats.tree == 10 and all(n <= 10 for n in stats.tree_nodes) and sum(map(bool, stats.tree_nodes)) > 5
+    assert sum(taus["tree"]) > sum(taus["chain"]) * 1.2, taus
+
+
+def test_tree_decoding_keeps_the_caches_equal_to_a_fresh_prefill():
+    model = tiny_target("llama")
+    base = tiny_drafter(model, block_size=5)
+
+    class CheckingTarget(TargetAdapter):
+        def new_cache(self, capacity=None):
+            self.cache = super().new_cache(capacity)
+            return self.cache
+
+    target = CheckingTarget(model, base.config.target_layer_ids)
+    fresh_target = TargetAdapter(model)
+    prompt = [7, 3, 9, 12, 5]
+    plain = [t for s in decode(TargetAdapter(model), None, prompt, DecodeOptions(max_new_tokens=40)) for t in s.tokens]
+    oracle = RankedOracle(base.config, prompt + plain)
+    oracle.load_state_dict(base.state_dict())
+    full, emitted, lengths = prompt + plain, [], set()
+
+    def observer(logits, tokens):
+        assert logits.shape[0] == len(tokens)  # one logits row per emitted token: the accepted path's rows
+        emitted.extend(tokens)
+        lengths.add(len(tokens))
+        verified = len(prompt) + len(emitted) - 1
+        assert target.cache.length == verified
+        fresh = fresh_target.new_cache()
+        fresh_target.forward(torch.tensor([full[:verified]]), 0, fresh, logits_rows=1)
+        for (k, v), (k_exp, v_exp) in zip(target.cached_key_values(target.cache), target.cached_key_values(fresh)):
+            torch.testing.assert_close(k, k_exp, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v, v_exp, rtol=1e-4, atol=1e-4)
+
+    out = [t for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=40, tree=12), observer=observer)
+           for t in s.tokens]
+    assert out == plain
+    assert len(lengths) >= 3, lengths  # several accepted path lengths occurred
+
+
+def test_tree_on_an_eager_target_falls_back_to_chains():
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=4)
+    eager = TargetAdapter(model, drafter.config.target_layer_ids, fast=False)
+    stats = DecodeStats(4)
+    prompt = [4, 8, 15, 16]
+    out = [t for s in decode(eager, drafter, prompt, DecodeOptions(max_new_tokens=12, tree=6), stats) for t in s.tokens]
+    plain = [t for s in decode(TargetAdapter(model), None, prompt, DecodeOptions(max_new_tokens=12)) for t in s.tokens]
+    assert out == plain
+    assert stats.tree is None and not any(stats.tree_nodes)
