@@ -16,6 +16,7 @@ it (:mod:`dflashkit.lookup`) instead of running the drafter; verification is the
 
 from __future__ import annotations
 
+import functools
 import numbers
 import random
 import time
@@ -162,8 +163,11 @@ def decode(
         shape = (tree.position_offsets(device), tree.attention_mask(device)) if tree is not None else None
         logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)  # [rows, vocab]
         if tree is not None:  # walk down the tree with the target's own tokens
-            best = argmax(logits).tolist() if params.greedy else None
-            path, token = tree.walk((lambda r: best[r]) if params.greedy else (lambda r: choose(logits[r])))
+            if params.greedy:  # the target's token after each row: its argmax, or a sample drawn when reached
+                target_token = argmax(logits).tolist().__getitem__
+            else:
+                target_token = functools.partial(lambda rows, r: choose(rows[r]), logits)
+            path, token = tree.walk(target_token)
             kept = [0] + path  # rows of the anchor and the accepted nodes
             accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
         elif params.greedy:
