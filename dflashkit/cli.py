@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
     _add_lookup_option(g)
+    _add_tree_option(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)")
     s.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
     _add_lookup_option(s)
+    _add_tree_option(s)
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one runs")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
@@ -213,6 +215,15 @@ def _add_quantize_option(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="int8: weight-only int8 target weights, one scale per output channel (CPU). A different target: "
         "the output is exact with respect to the quantized model, not the --dtype one (default: %(default)s)",
+    )
+
+
+def _add_tree_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tree", type=int, default=None, metavar="N",
+        help="drafter steps verify a token tree of up to N nodes (the drafter's likeliest alternatives at each "
+        "position, chosen best-first) instead of a chain: more tokens per pass for a wider verify (lossless; "
+        "fast forward only; default: chains)",
     )
 
 
@@ -398,7 +409,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,
-        lookup=_lookup_wanted(args, drafter is not None), ngram_store=args.ngram_store,
+        lookup=_lookup_wanted(args, drafter is not None), ngram_store=args.ngram_store, tree=args.tree,
     )  # fmt: skip
     gen.warmup()
     stream = gen.stream(args.prompt, **kwargs)
@@ -433,6 +444,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_id=args.model_name or (args.target or DEFAULT_TARGET), max_queue=args.max_queue,
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
         block_size=args.block_size if args.block_size is not None else "auto", proposal=args.proposal,
+        tree=args.tree,
     )  # fmt: skip
     _apply_threads(args.threads)
     gen = _load_generator(args, False)
@@ -515,6 +527,10 @@ def _print_summary(result, speculative: bool) -> None:
                  + (f"; {lk['store_steps']} of them from the n-gram store" if lk["store_steps"] else "") + ")")
     elif not speculative:
         line += " (autoregressive)"
+    if s.tree:
+        tr = s.tree_summary()
+        line += (f" (token trees of up to {tr['budget']} nodes: {tr['tree_steps']} steps"
+                 + (f", {tr['mean_nodes']:.1f} nodes and τ {tr['tree_tau']:.2f} on those" if tr["tree_steps"] else "") + ")")
     if is_quantized(s.target_weights):
         line += f" (target: {s.target_weights}; exact w.r.t. the quantized target)"
     print(line, file=sys.stderr)

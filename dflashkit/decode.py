@@ -143,6 +143,8 @@ def decode(
         else:
             size = policy.choose() if policy else block
             k = min(size - 1, room) if drafter else 0
+            if use_trees:  # a tree of N nodes is at most N deep: draft no further
+                k = min(k, options.tree)
             if k > 0:
                 t = time.perf_counter()
                 scores, columns = drafter.draft_scores(

@@ -73,7 +73,9 @@ def test_options_quick_preset_and_errors(capsys) -> None:
     assert s["methods"][0] == "ar" and s["temperatures"] == [0.0, 1.0] and s["block_sizes"] == [4, 8, 16, "auto"]
     full = settings_from(parser.parse_args(["--methods", "hf,ar", "--temperatures", "0"]))
     assert full["methods"] == ["ar", "hf"] and full["max_turns"] is None and full["limit"] == 10
-    for bad in (["--methods", "vllm"], ["--block-sizes", "1"], ["--block-sizes", "4,big"], ["--temperatures", "x"]):
+    assert full["trees"] == [] and settings_from(parser.parse_args(["--trees", "5,11"]))["trees"] == [5, 11]
+    for bad in (["--methods", "vllm"], ["--block-sizes", "1"], ["--block-sizes", "4,big"], ["--temperatures", "x"],
+                ["--trees", "0"], ["--trees", "five"]):
         with pytest.raises(InvalidInputError):
             settings_from(parser.parse_args(bad))
     assert main(["bench", "--methods", "vllm"]) == 2

@@ -56,6 +56,10 @@ def test_dflash_matches_the_baseline_in_fp32_and_logs_steps() -> None:
         assert max(rec.drafted_lengths) <= block - 1
         assert ("beyond its trained block size" in m.note) == (block > 8)
     assert Autoregressive(s).generate(request()).tokens == base.tokens  # the drafter's hooks are gone again
+    tree = DFlash(s, drafter, 8, "tiny", lookup=True, tree=6)
+    rec = tree.generate(request())
+    assert tree.name == "dflash-lookup-tree6" and "token trees of up to 6 nodes" in tree.note
+    assert rec.tokens == base.tokens and rec.block_size == 8
 
 
 def test_sampling_is_seeded() -> None:

@@ -128,6 +128,21 @@ def test_prompt_lookup_flags(loads, capsys) -> None:
     assert runs["alone"]["block_size"] > 1 and runs["plain"]["block_size"] == 1 and runs["plain"]["stats"]["lookup"] is None
 
 
+def test_token_tree_flag(loads, capsys) -> None:
+    """--tree N: drafter steps verify token trees (reported in the stats and the summary line); output unchanged."""
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--no-lookup", "--tree", "5", "--json", "--dtype", "float32",
+                       "--compare-ar")
+    assert rc == 0, err
+    run = json.loads(out)
+    assert run["identical"] is True
+    tree = run["stats"]["tree"]
+    assert tree["budget"] == 5 and tree["tree_steps"] > 0 and 0 < tree["mean_nodes"] <= 5
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "5", "--dtype", "float32")
+    assert rc == 0 and "token trees of up to 5 nodes" in err
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "0", "--json")
+    assert rc == 2 and "tree must be" in err
+
+
 class RecordingStdout:
     """Stands in for sys.stdout and keeps every write, to see the text arrive in pieces."""
 
@@ -271,7 +286,8 @@ def test_an_absent_device_fails_before_loading(loads, capsys, monkeypatch: pytes
 
 
 @pytest.mark.parametrize("args,message", [(["--max-queue", "-1"], "max_queue"), (["--timeout", "-5"], "timeout"),
-                                          (["--port", "70000"], "--port"), (["--block-size", "1"], "block_size")])
+                                          (["--port", "70000"], "--port"), (["--block-size", "1"], "block_size"),
+                                          (["--tree", "0"], "tree")])
 def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], message: str) -> None:
     rc = main(["serve", *args])
     _, err = capsys.readouterr()

@@ -50,6 +50,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}; the "
                    "baseline 'ar' always runs (default: all)")  # fmt: skip
     b.add_argument("--block-sizes", default=None, help="DFlash block sizes; 'auto' = chosen per step (default: 4,8,16,auto)")
+    b.add_argument("--trees", default=None, help="token-tree node budgets (comma-separated): each adds dflash-treeN / "
+                   "dflash-lookup-treeN at the drafter's block size (default: none)")
     b.add_argument("--target", default=None, help="HF model id, local folder or qwen2.5-coder-1.5b (assembled from "
                    "packages); default: embedded SmolLM2-135M-Instruct")  # fmt: skip
     b.add_argument("--drafter", default=None, help="drafter folder or 'untrained' (random: τ≈1); default: the "
@@ -107,6 +109,9 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     if any(b < 2 for b in out["block_sizes"] if b != "auto"):
         raise InvalidInputError(f"--block-sizes must be at least 2, got {out['block_sizes']}")
     out["datasets"] = [d.strip() for d in out["datasets"].split(",") if d.strip()]
+    out["trees"] = _ints(args.trees, "trees") if getattr(args, "trees", None) else []
+    if any(n < 1 for n in out["trees"]):
+        raise InvalidInputError(f"--trees: node budgets must be at least 1, got {out['trees']}")
     return out
 
 
@@ -189,6 +194,8 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
         else:
             drafter_label = drafter_path
             methods += [DFlash(session, drafter, b, drafter_path, lookup=lookup) for b in settings["block_sizes"]]
+            methods += [DFlash(session, drafter, drafter.block_size, drafter_path, lookup=lookup, tree=n)
+                        for n in settings["trees"]]
     if "lookup" in wanted:
         methods.append(PromptLookup(session))
     if "hf" in wanted:
@@ -286,7 +293,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                 "quantize": quantize, "target_weights": session.adapter.weights,
                                 "engine": session.adapter.engine,
                                 "device": args.device, "threads": threads, "quick": args.quick,
-                                "methods": settings["methods"], "block_sizes": settings["block_sizes"]}  # fmt: skip
+                                "methods": settings["methods"], "block_sizes": settings["block_sizes"],
+                                "trees": settings["trees"]}  # fmt: skip
     argv = getattr(args, "argv", None)
     result.extra["command"] = "dflashkit " + " ".join(shlex.quote(a) for a in argv) if argv else None
     data = as_json(result)

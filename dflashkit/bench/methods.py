@@ -137,7 +137,7 @@ class TargetSession:
 
 
 def options_for(request: Request, block_size: int | None = None, lookup: bool = False,
-                lookup_store: NgramStore | None = None) -> DecodeOptions:
+                lookup_store: NgramStore | None = None, tree: int | None = None) -> DecodeOptions:
     return DecodeOptions(
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingParams(temperature=request.temperature),
@@ -146,6 +146,7 @@ def options_for(request: Request, block_size: int | None = None, lookup: bool = 
         stop_token_ids=request.stop_token_ids,
         lookup=lookup,
         lookup_store=lookup_store,
+        tree=tree,
     )
 
 
@@ -157,6 +158,7 @@ def run_decode_loop(
     observer: StepObserver | None = None,
     block_policy: AdaptiveBlockSize | None = None,
     lookup: bool = False,
+    tree: int | None = None,
 ) -> Record:
     """dflashkit's decode loop on one request (drafter None: autoregressive, or prompt lookup alone), timed
     from outside."""
@@ -166,7 +168,7 @@ def run_decode_loop(
     t0 = time.perf_counter()
     ttft = None
     store = drafter.ngram_store if lookup and drafter is not None else None  # the drafter's store of past answers
-    options = options_for(request, block_size, lookup, store)
+    options = options_for(request, block_size, lookup, store, tree)
     for step in decode(session.adapter, drafter, request.prompt_ids, options, stats, observer, block_policy):
         if ttft is None:
             ttft = time.perf_counter() - t0
@@ -206,12 +208,19 @@ class DFlash(Method):
     comparable = EXACT
 
     def __init__(self, session: TargetSession, drafter: DFlashDrafter, block_size: int | str, drafter_label: str,
-                 lookup: bool = False) -> None:
+                 lookup: bool = False, tree: int | None = None) -> None:
         self.session, self.drafter, self.block_size, self.lookup = session, drafter, block_size, lookup
+        self.tree = tree
         prefix, with_lookup = ("dflash-lookup", " + prompt lookup") if lookup else ("dflash", "")
         drafter.use_fast_path(session.fast)  # the target's fast path, or the eager path
         trained = drafter.block_size
         self.policy = None
+        if tree is not None:  # token trees over the trained block size (the tree chooses its own depth)
+            self.block_size = trained
+            self.name = f"{prefix}-tree{tree}"
+            self.note = (f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, token trees of up to {tree} "
+                         f"nodes over block size {trained}")
+            return
         if block_size == "auto":  # one policy for the whole run: its estimates carry over between prompts
             self.policy = AdaptiveBlockSize(trained)
             self.name = f"{prefix}-auto"
@@ -225,7 +234,8 @@ class DFlash(Method):
     def generate(self, request: Request) -> Record:
         if self.policy is not None:
             return run_decode_loop(self.session, self.drafter, request, block_policy=self.policy, lookup=self.lookup)
-        return run_decode_loop(self.session, self.drafter, request, self.block_size, lookup=self.lookup)
+        return run_decode_loop(self.session, self.drafter, request, self.block_size, lookup=self.lookup,
+                               tree=self.tree)
 
 
 class PromptLookup(Method):

@@ -46,6 +46,7 @@ class ServerSettings:
     block_size: int | str | None = None  # verify block size (None: the drafter's; "auto": adaptive)
     proposal: str = "sample"  # how drafts are proposed when sampling ("sample" or "argmax"; both exact)
     lookup: bool = False  # prompt lookup: copy the continuation of a repeated n-gram instead of drafting
+    tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: chains)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -57,6 +58,8 @@ class ServerSettings:
             raise InvalidInputError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
+        if self.tree is not None and (not isinstance(self.tree, int) or self.tree < 1):
+            raise InvalidInputError(f"tree must be a number of nodes >= 1, got {self.tree!r}")
         if self.block_size is not None and self.block_size != "auto" and (
                 not isinstance(self.block_size, int) or self.block_size < 2):
             raise InvalidInputError(f"block_size must be an integer >= 2 or 'auto', got {self.block_size!r}")
@@ -254,7 +257,7 @@ class Service:
         return self.generator.stream(
             plan.prompt_ids, max_new_tokens=plan.max_new_tokens, temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=b.seed, stop=b.stop_strings, block_size=self.settings.block_size,
-            proposal=self.settings.proposal, lookup=self.settings.lookup,
+            proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
         )  # fmt: skip
 
     async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:

@@ -35,6 +35,7 @@ def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int) -> dic
             "block_size": stats.block_size,
             "adaptive_block_size": stats.adaptive,
             "tokens_per_s": stats.tokens_per_s,
+            "tree": stats.tree_summary() if stats.tree else None,
         },
     }
 
