@@ -162,8 +162,11 @@ def decode(
         t = time.perf_counter()
         block_ids = torch.cat((torch.tensor([token], device=device), drafts))[None]  # [1, rows]
         rows = block_ids.shape[1]
-        shape = (tree.position_offsets(device), tree.attention_mask(device)) if tree is not None else None
-        logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)  # [rows, vocab]
+        if tree is None:
+            logits, features = target.forward(block_ids, pos, cache, logits_rows=rows)  # [rows, vocab]
+        else:
+            shape = (tree.position_offsets(device), tree.attention_mask(device))
+            logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)
         if tree is not None:  # walk down the tree with the target's own tokens
             if params.greedy:  # the target's token after each row: its argmax, or a sample drawn when reached
                 target_token = argmax(logits).tolist().__getitem__

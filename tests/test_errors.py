@@ -218,20 +218,21 @@ def test_drafter_reading_other_feature_layers(model, drafter) -> None:
 
 
 @pytest.mark.parametrize("prompt_len", [MAX_POS - 9, MAX_POS - 2, MAX_POS - 1])
-@pytest.mark.parametrize("with_drafter", [True, False])
-def test_generation_stops_at_the_context_limit(model, drafter, prompt_len: int, with_drafter: bool) -> None:
+@pytest.mark.parametrize("with_drafter,tree", [(True, None), (True, 4), (False, None)])
+def test_generation_stops_at_the_context_limit(model, drafter, prompt_len: int, with_drafter: bool, tree) -> None:
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     furthest = []
     forward = target.forward
 
-    def recording_forward(input_ids, start, cache, logits_rows):
-        furthest.append(start + input_ids.shape[1])
-        return forward(input_ids, start, cache, logits_rows)
+    def recording_forward(input_ids, start, cache, logits_rows, tree=None):
+        furthest.append(start + (input_ids.shape[1] if tree is None else int(tree[0].max()) + 1))
+        return forward(input_ids, start, cache, logits_rows, tree=tree)
 
     target.forward = recording_forward
     prompt = [5 + (7 * i) % 80 for i in range(prompt_len)]
     stats = DecodeStats(block_size=1)
-    steps = list(decode(target, drafter if with_drafter else None, prompt, DecodeOptions(max_new_tokens=100), stats))
+    options = DecodeOptions(max_new_tokens=100, tree=tree)
+    steps = list(decode(target, drafter if with_drafter else None, prompt, options, stats))
     tokens = [t for s in steps for t in s.tokens]
     assert len(tokens) == MAX_POS - prompt_len  # the whole remaining context is used, no more
     assert prompt_len + len(tokens) <= MAX_POS
