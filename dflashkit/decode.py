@@ -162,24 +162,22 @@ def decode(
         t = time.perf_counter()
         block_ids = torch.cat((torch.tensor([token], device=device), drafts))[None]  # [1, rows]
         rows = block_ids.shape[1]
-        if tree is None:
-            logits, features = target.forward(block_ids, pos, cache, logits_rows=rows)  # [rows, vocab]
-        else:
+        if tree is not None:  # one pass over the tree, then walk down it with the target's own tokens
             shape = (tree.position_offsets(device), tree.attention_mask(device))
-            logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)
-        if tree is not None:  # walk down the tree with the target's own tokens
+            logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)  # [rows, vocab]
             if params.greedy:  # the target's token after each row: its argmax, or a sample drawn when reached
                 target_token = argmax(logits).tolist().__getitem__
             else:
-                target_token = functools.partial(lambda rows, r: choose(rows[r]), logits)
+                target_token = functools.partial(lambda rows_logits, r: choose(rows_logits[r]), logits)
             path, token = tree.walk(target_token)
             kept = [0] + path  # rows of the anchor and the accepted nodes
             accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
-        elif params.greedy:
-            accepted, token = verify_greedy(logits, drafts)
         else:
-            accepted, token = verify_sampled(warp(logits, params), drafts, q, gen)
-        if tree is None:
+            logits, features = target.forward(block_ids, pos, cache, logits_rows=rows)  # [rows, vocab]
+            if params.greedy:
+                accepted, token = verify_greedy(logits, drafts)
+            else:
+                accepted, token = verify_sampled(warp(logits, params), drafts, q, gen)
             kept, accepted_drafts = list(range(accepted + 1)), drafts[:accepted].tolist()
         stats.verify_s += time.perf_counter() - t
         stats.target_forwards += 1
@@ -190,7 +188,7 @@ def decode(
         else:
             TargetAdapter.crop(cache, pos + accepted + 1)
         if drafter:
-            new = features[:, kept] if tree is not None else features[:, : accepted + 1]
+            new = features[:, kept]  # [1, accepted+1, n_feat*hidden]
             pending, pending_start = (new, pos) if pending is None else (torch.cat((pending, new), 1), pending_start)
         pos += accepted + 1
 
