@@ -150,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
     t.add_argument("--max-seq-len", type=int, default=768)
     t.add_argument("--draft-vocab", type=int, default=8192, help="loss vocabulary: most frequent N tokens (0 = all)")
+    t.add_argument("--distill-topk", type=int, default=0, metavar="K",
+                   help="also learn the target's own next-token distribution (its top K per position, computed with "
+                   "the features and cached beside them); 0 = the regenerated tokens only (default)")
+    t.add_argument("--distill-weight", type=float, default=0.5,
+                   help="with --distill-topk: loss = (1 - w) * token cross-entropy + w * distribution cross-entropy")
     t.add_argument("--random-init", action="store_true", help="do not initialise from the target's last layers")
     t.add_argument("--init", default=None, metavar="DRAFTER",
                    help="start from this drafter's weights (e.g. to continue on more data; same shape)")
@@ -330,6 +335,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup,
         max_seq_len=args.max_seq_len, draft_vocab_size=args.draft_vocab or None, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
+        distill_topk=args.distill_topk, distill_weight=args.distill_weight,
     )  # fmt: skip
     with _status("Loading target model...", False):
         model, tokenizer = load_target(args.target, dtype=torch.bfloat16, device=args.device)

@@ -197,6 +197,28 @@ class TargetAdapter:
         self._captured.clear()
         return features
 
+    @torch.inference_mode()
+    def features_and_top_logprobs(self, input_ids: Tensor, k: int, chunk: int = 512) -> tuple[Tensor, Tensor, Tensor]:
+        """Like :meth:`features`, plus the target's own next-token distribution at every position, kept as its
+        k most likely tokens: ids [batch, n, k] (long) and their log-probabilities [batch, n, k] (fp32, over the
+        whole vocabulary, so the mass outside the top k is 1 - sum(exp)). Soft labels for distillation.
+
+        The LM head runs over `chunk` rows at a time ([chunk, vocab] fp32 logits), never over the whole batch.
+        """
+        out = self.model.get_decoder()(input_ids=input_ids, use_cache=False)
+        features = torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
+        self._captured.clear()
+        hidden = out.last_hidden_state  # [batch, n, hidden], after the final norm
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        ids, logprobs = [], []
+        for lo in range(0, rows.shape[0], chunk):
+            lp = self.lm_head(rows[lo : lo + chunk]).float().log_softmax(-1)  # [chunk, vocab]
+            top = lp.topk(k, dim=-1)
+            ids.append(top.indices)
+            logprobs.append(top.values)
+        shape = (*hidden.shape[:2], k)
+        return features, torch.cat(ids).view(shape), torch.cat(logprobs).view(shape)
+
     @staticmethod
     def crop(cache: DynamicCache | StaticKVCache, length: int) -> None:
         """Keep the first `length` positions of the cache (drops rejected draft positions)."""

@@ -110,6 +110,40 @@ def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tens
     return (ce * weights.flatten()).sum() / weights.sum().clamp_min(1e-9)
 
 
+def soft_block_targets(
+    top_ids: Tensor, top_logprobs: Tensor, anchors: Tensor, block_size: int, column_of: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The target's own distribution over the token at anchor+k (k = 1..B-1), as soft labels.
+
+    top_ids / top_logprobs [S, L, K]: the target's K likeliest next tokens after each position and their
+    log-probabilities (TargetAdapter.features_and_top_logprobs); the token at anchor+k is predicted at
+    position anchor+k-1. ``column_of`` [vocab] maps token ids to loss columns (a draft vocabulary; -1: not in
+    it, dropped). Returns columns [S, N, B-1, K] (long; 0 where dropped) and probabilities [S, N, B-1, K]
+    renormalised over the kept entries (all 0 where none is kept). Positions past the sequence end get
+    whatever the padding row holds: their loss weight is 0 (block_targets).
+    """
+    S, L, K = top_ids.shape
+    k = torch.arange(1, block_size, device=anchors.device)
+    rows = (anchors[:, :, None] + k - 1).clamp(max=L - 1).flatten(1)  # [S, N*(B-1)]
+    index = rows[:, :, None].expand(-1, -1, K)
+    ids = torch.gather(top_ids, 1, index).view(S, anchors.shape[1], block_size - 1, K)
+    probs = torch.gather(top_logprobs, 1, index).view_as(ids).float().exp()
+    if column_of is not None:
+        ids = column_of[ids]
+        probs = probs * (ids >= 0)
+        ids = ids.clamp_min(0)
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+    return ids, probs
+
+
+def soft_block_loss(logits: Tensor, columns: Tensor, probs: Tensor, weights: Tensor) -> Tensor:
+    """Σ w · (−Σ_j p_j log softmax(logits)[c_j]) / Σ w: cross-entropy against the target's own distribution
+    (its top K, renormalised), i.e. forward KL up to a constant; logits [..., V], columns/probs [..., K]."""
+    logq = logits.float().log_softmax(-1).gather(-1, columns)  # [..., K]
+    ce = -(probs * logq).sum(-1)
+    return (ce * weights).sum() / weights.sum().clamp_min(1e-9)
+
+
 # ---- data --------------------------------------------------------------------------------------------------
 
 
@@ -214,6 +248,8 @@ class TrainConfig:
     max_seq_len: int = 768
     draft_vocab_size: int | None = 8192  # None: full vocabulary in the loss
     cache_features: bool = True  # run the target once per sequence; features kept in OUT/features (disk)
+    distill_topk: int = 0  # > 0: also learn the target's own distribution (its top K per position; OUT/soft-labels)
+    distill_weight: float = 0.5  # loss = (1 - w) * hard cross-entropy + w * soft cross-entropy
     eval_every: int = 250
     eval_prompts: int = 6
     checkpoint_every: int = 100
@@ -297,7 +333,11 @@ class Trainer:
             [p for p in self.drafter.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,
             betas=(0.9, 0.95),
         )  # fmt: skip
+        if cfg.distill_topk < 0 or not 0 <= cfg.distill_weight <= 1:
+            raise InvalidInputError(f"distillation needs top-k >= 0 and a weight in [0, 1], got {cfg.distill_topk} "
+                                    f"and {cfg.distill_weight}")
         self.store: FeatureStore | None = None
+        self.soft_store: FeatureStore | None = None
         if cfg.cache_features:
             self.seq_index = {id(s): i for i, s in enumerate(self.train_seqs)}
             self.store = FeatureStore(
@@ -305,6 +345,11 @@ class Trainer:
                 width=len(dcfg.target_layer_ids) * self.target.hidden_size, dtype=self.target.dtype,
                 signature={"target_layer_ids": list(dcfg.target_layer_ids), "target": target_identity(model)},
             )  # fmt: skip
+            if cfg.distill_topk:  # ids (exact in fp32 below 2^24) and log-probabilities, side by side
+                self.soft_store = FeatureStore(
+                    self.out / "soft-labels", [s.input_ids for s in self.train_seqs], width=2 * cfg.distill_topk,
+                    dtype=torch.float32, signature={"top_k": cfg.distill_topk, "target": target_identity(model)},
+                )  # fmt: skip
         self.step = 0
         self.stop_requested = False  # set by a SIGINT/SIGTERM during run(): checkpoint, then stop
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -342,7 +387,7 @@ class Trainer:
         ids, loss_mask, lengths = (t.to(cfg.device) for t in collate(batch, self.pad_id))
         S, L = ids.shape
         B = cfg.block_size
-        features = self.batch_features(batch, ids)  # [S, L, n_feat*H], the target's dtype
+        features, soft = self.batch_features(batch, ids)  # [S, L, n_feat*H], the target's dtype; [S, L, 2K] or None
         anchors, keep = sample_anchors(loss_mask, cfg.anchors_per_seq, self.gen)
         N = anchors.shape[1]
         block_ids = torch.full((S, N, B), d.config.mask_token_id, device=ids.device)
@@ -362,45 +407,73 @@ class Trainer:
                 weights = weights * (labels >= 0)
                 labels = labels.clamp_min(0)
             logits = hidden @ head.T  # [S, N, B-1, V']
-        loss = weighted_block_loss(logits, labels, weights)
+        hard = weighted_block_loss(logits, labels, weights)
+        info: dict[str, Any] = {}
+        loss = hard
+        if soft is not None:
+            K = cfg.distill_topk
+            columns, probs = soft_block_targets(soft[..., :K].long(), soft[..., K:], anchors, B,
+                                                self.vocab_index if self.vocab is not None else None)
+            soft_loss = soft_block_loss(logits, columns, probs, weights)
+            loss = (1 - cfg.distill_weight) * hard + cfg.distill_weight * soft_loss
+            info.update(hard_loss=float(hard.detach()), soft_loss=float(soft_loss.detach()))
         with torch.no_grad():
             hit = (logits.argmax(-1) == labels).float() * (weights > 0)
             acc = (hit.sum((0, 1)) / (weights > 0).float().sum((0, 1)).clamp_min(1)).tolist()
-        return loss, {"acc_per_position": acc, "supervised": int((weights > 0).sum())}
+        return loss, {"acc_per_position": acc, "supervised": int((weights > 0).sum()), **info}
 
-    def batch_features(self, batch: list[TrainingSequence], ids: Tensor) -> Tensor:
-        """Target features [S, L, n_feat*H] of a right-padded batch; cached, each sequence runs once per run."""
+    def batch_features(self, batch: list[TrainingSequence], ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Target features [S, L, n_feat*H] of a right-padded batch and, when distilling, its soft labels
+        [S, L, 2K] (top-K ids as floats, then their log-probabilities); cached, each sequence runs once per run."""
+        K = self.cfg.distill_topk
+
+        def run_target(rows: Tensor) -> tuple[Tensor, Tensor | None]:
+            with torch.inference_mode():
+                if not K:
+                    return self.target.features(rows).clone(), None  # normal tensors (inference ones can't enter autograd)
+                feats, top_ids, top_lp = self.target.features_and_top_logprobs(rows, K)
+                return feats.clone(), torch.cat((top_ids.float(), top_lp), -1)
+
         if self.store is None or any(id(s) not in self.seq_index for s in batch):
-            with torch.inference_mode():
-                return self.target.features(ids).clone()  # a normal tensor (inference tensors can't enter autograd)
+            return run_target(ids)
         index = [self.seq_index[id(s)] for s in batch]
-        missing = [row for row, i in enumerate(index) if not self.store.has(i)]
+        stores = [self.store] + ([self.soft_store] if K else [])
+        missing = [row for row, i in enumerate(index) if not all(st.has(i) for st in stores)]
         if missing:
-            with torch.inference_mode():
-                feats = self.target.features(ids[missing])
+            feats, soft = run_target(ids[missing])
             for k, row in enumerate(missing):
-                self.store.put(index[row], feats[k, : len(batch[row].input_ids)])
-        out = torch.zeros(ids.shape[0], ids.shape[1], self.store.width, dtype=self.store.dtype)
-        for row, (s, i) in enumerate(zip(batch, index)):
-            out[row, : len(s.input_ids)] = self.store.get(i)
-        return out.to(ids.device)
+                n = len(batch[row].input_ids)
+                self.store.put(index[row], feats[k, :n])
+                if K:
+                    self.soft_store.put(index[row], soft[k, :n])
+        outs = []
+        for st in stores:
+            out = torch.zeros(ids.shape[0], ids.shape[1], st.width, dtype=st.dtype)
+            for row, (s, i) in enumerate(zip(batch, index)):
+                out[row, : len(s.input_ids)] = st.get(i)
+            outs.append(out.to(ids.device))
+        return outs[0], (outs[1] if K else None)
 
     def train_step(self, batch_iter: Iterator[list[TrainingSequence]]) -> dict[str, Any]:
         cfg = self.cfg
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step, cfg)
         self.opt.zero_grad(set_to_none=True)
-        total, accs = 0.0, []
+        total, accs, parts = 0.0, [], {}
         for _ in range(cfg.grad_accum):
             loss, info = self.loss_on(next(batch_iter))
             (loss / cfg.grad_accum).backward()
             total += float(loss.detach()) / cfg.grad_accum
             accs.append(info["acc_per_position"])
+            for name in ("hard_loss", "soft_loss"):  # when distilling: the two terms apart
+                if name in info:
+                    parts[name] = parts.get(name, 0.0) + info[name] / cfg.grad_accum
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.clip))
         self.opt.step()
         self.step += 1
         acc = [sum(a) / len(a) for a in zip(*accs)]
-        return {"step": self.step, "loss": total, "grad_norm": grad_norm, "lr": lr_at(self.step - 1, cfg), "acc": acc}
+        return {"step": self.step, "loss": total, "grad_norm": grad_norm, "lr": lr_at(self.step - 1, cfg), "acc": acc,
+                **parts}
 
     # ---- evaluation: τ with the real decode loop on held-out prompts -------------------------------
 
@@ -447,8 +520,9 @@ class Trainer:
             "step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
         }  # fmt: skip
-        if self.store is not None:
-            self.store.commit()
+        for store in (self.store, self.soft_store):
+            if store is not None:
+                store.commit()
         with atomic_dir(self.ckpt) as tmp:
             write_drafter_files(self.drafter, tmp)
             torch.save(state, tmp / "trainer_state.pt")

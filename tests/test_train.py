@@ -290,6 +290,10 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
                  "--compare-ar", "--json"]) == 0  # fmt: skip
     result = json.loads(capsys.readouterr().out)
     assert result["block_size"] == 4 and result["speculative"]
+    distilled = tmp_path / "run-distilled"  # the same with the target's distribution as soft labels
+    assert main([*train_args[:4], str(distilled), *train_args[5:], "--distill-topk", "6", "--distill-weight", "0.7"]) == 0
+    log = [json.loads(x) for x in (distilled / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["soft_loss"] > 0 and (distilled / "soft-labels" / "meta.json").is_file()
 
 
 def test_load_sequences_from_several_folders(tmp_path):
@@ -391,3 +395,75 @@ def test_held_out_prompts_never_train_with_another_answer(tmp_path):
     held_out = {tuple(s.input_ids[: s.num_prompt]) for s in trainer.eval_seqs}
     assert held_out == {(4, 5)}
     assert trainer.train_seqs and all(tuple(s.input_ids[: s.num_prompt]) not in held_out for s in trainer.train_seqs)
+
+
+# ---- distillation: the target's own distribution as soft labels ---------------------------------------
+
+
+def test_soft_targets_and_loss_equal_a_naive_computation():
+    from dflashkit.train import soft_block_loss, soft_block_targets
+
+    torch.manual_seed(1)
+    S, L, B, V, K = 2, 10, 4, 9, 3
+    full = torch.randn(S, L, V).log_softmax(-1)  # the target's log-probabilities after each position
+    top = full.topk(K, -1)
+    anchors = torch.tensor([[0, 3, 5], [1, 2, 6]])
+    column_of = torch.tensor([0, 1, 2, 3, 4, 5, -1, -1, -1])  # a draft vocabulary of the first 6 tokens
+    columns, probs = soft_block_targets(top.indices, top.values, anchors, B, column_of)
+    logits = torch.randn(S, 3, B - 1, 6)
+    weights = torch.rand(S, 3, B - 1) * (torch.rand(S, 3, B - 1) > 0.2)
+    num = den = 0.0
+    for s in range(S):
+        for n in range(3):
+            for k in range(1, B):
+                row = min(int(anchors[s, n]) + k - 1, L - 1)  # the prediction of the token at anchor+k
+                p = {int(t): math.exp(float(lp)) for t, lp in zip(top.indices[s, row], top.values[s, row]) if t < 6}
+                total = sum(p.values())
+                logq = logits[s, n, k - 1].log_softmax(-1)
+                ce = -sum(v / total * float(logq[t]) for t, v in p.items()) if total else 0.0
+                if total:
+                    assert float(probs[s, n, k - 1].sum()) == pytest.approx(1.0, abs=1e-6)
+                w = float(weights[s, n, k - 1])
+                num, den = num + w * ce, den + w
+    assert float(soft_block_loss(logits, columns, probs, weights)) == pytest.approx(num / den, abs=1e-5)
+
+
+def test_top_logprobs_are_the_target_distribution(tmp_path):
+    from conftest import tiny_target
+
+    from dflashkit.target import TargetAdapter
+
+    model = tiny_target("llama")
+    target = TargetAdapter(model, [1, 3])
+    ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(0))
+    feats, top_ids, top_lp = target.features_and_top_logprobs(ids, 5, chunk=4)  # chunks that cut a sequence
+    torch.testing.assert_close(feats, target.features(ids))
+    with torch.no_grad():
+        full = model(ids).logits.float().log_softmax(-1)
+    expect = full.topk(5, -1)
+    assert torch.equal(top_ids, expect.indices)
+    torch.testing.assert_close(top_lp, expect.values, rtol=1e-5, atol=1e-5)
+
+
+def test_distillation_trains_caches_its_soft_labels_and_raises_tau(tmp_path):
+    from conftest import tiny_target
+
+    torch.manual_seed(0)
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 44, seed=0)
+    losses = []
+    for folder in ("plain", "cached"):  # soft labels computed, then read back from OUT/soft-labels
+        trainer = make_trainer(tmp_path / folder, model, [*seqs], distill_topk=8, cache_features=folder == "cached")
+        trainer.gen.manual_seed(5)
+        loss, info = trainer.loss_on(trainer.train_seqs[:3])
+        losses.append(float(loss.detach()))
+        assert 0 < info["soft_loss"] and 0 < info["hard_loss"]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+    assert trainer.soft_store is not None and trainer.soft_store.num_filled == 3
+    tau_before = trainer.estimate_tau(max_new_tokens=32)
+    trainer.run(resume=False, progress=False)
+    assert tau_before + 0.5 < trainer.estimate_tau(max_new_tokens=32)
+    log = [json.loads(line) for line in (tmp_path / "cached" / "train_log.jsonl").read_text().splitlines()]
+    assert {"hard_loss", "soft_loss"} <= set(log[-1]) and log[-1]["soft_loss"] < log[0]["soft_loss"]
+    with pytest.raises(Exception, match="distillation"):
+        make_trainer(tmp_path / "bad", model, seqs, distill_topk=4, distill_weight=1.5)
