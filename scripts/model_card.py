@@ -29,7 +29,8 @@ TRAIN_FLAGS = {  # TrainConfig field -> `dflashkit train` flag (fields at their 
     "init_drafter": "--init", "anchors_per_seq": "--anchors", "seqs_per_step": "--seqs-per-step",
     "grad_accum": "--grad-accum", "steps": "--steps", "lr": "--lr", "warmup_ratio": "--warmup",
     "max_seq_len": "--max-seq-len", "draft_vocab_size": "--draft-vocab", "eval_every": "--eval-every",
-    "checkpoint_every": "--checkpoint-every", "seed": "--seed",
+    "checkpoint_every": "--checkpoint-every", "seed": "--seed", "distill_topk": "--distill-topk",
+    "distill_weight": "--distill-weight",
 }  # fmt: skip
 
 
@@ -48,6 +49,8 @@ def train_command(config: dict) -> str:
     for field, flag in TRAIN_FLAGS.items():
         value = config.get(field)
         if value is None or (field == "init_drafter" and not value):
+            continue
+        if field.startswith("distill") and not config.get("distill_topk"):  # no distillation: the flags are moot
             continue
         args += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
     if not config.get("init_from_target", True):
