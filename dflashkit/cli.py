@@ -412,6 +412,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Without --block-size, the adaptive policy: with the shipped drafter's τ ≈ 1.5, a 16-token verify costs
     # more than it yields on a CPU, and "auto" falls back to the sizes (or plain steps) that pay.
     block_size = args.block_size if args.block_size is not None or drafter is None else "auto"
+    if args.tree is not None and drafter is None:
+        print("--tree has no effect without a drafter (token trees are made of the drafter's alternatives).",
+              file=sys.stderr)
     kwargs: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,

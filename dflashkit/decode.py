@@ -55,7 +55,8 @@ class DecodeOptions:
     tree: int | None = None  # drafter steps verify a token tree of this many nodes instead of a chain (dflashkit.tree)
 
     def __post_init__(self) -> None:
-        if self.tree is not None and (not isinstance(self.tree, numbers.Integral) or self.tree < 1):
+        if self.tree is not None and (not isinstance(self.tree, numbers.Integral) or isinstance(self.tree, bool)
+                                      or self.tree < 1):
             raise InvalidInputError(f"tree must be a number of nodes >= 1 (or None for a chain), got {self.tree!r}")
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")

@@ -141,6 +141,8 @@ def test_token_tree_flag(loads, capsys) -> None:
     assert rc == 0 and "token trees of up to 5 nodes" in err
     rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "0", "--json")
     assert rc == 2 and "tree must be" in err
+    rc, out, err = cli(capsys, "--drafter", "none", "--tree", "5", "--dtype", "float32")
+    assert rc == 0 and "--tree has no effect without a drafter" in err
 
 
 class RecordingStdout:

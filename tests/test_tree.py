@@ -81,8 +81,9 @@ def test_bad_trees_are_refused():
         DraftTree(tokens=[1, 1], parents=[0, 0], depths=[1, 1])
     with pytest.raises(InvalidInputError, match="at least one node"):
         build_tree(torch.zeros(2, 4), None, 0)
-    with pytest.raises(InvalidInputError, match="tree must be"):
-        DecodeOptions(tree=0)
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(InvalidInputError, match="tree must be"):
+            DecodeOptions(tree=bad)
 
 
 # ---- the tree verify pass --------------------------------------------------------------------------------
