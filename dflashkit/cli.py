@@ -228,7 +228,7 @@ def _add_tree_option(parser: argparse.ArgumentParser) -> None:
         "--tree", type=int, default=None, metavar="N",
         help="drafter steps verify a token tree of up to N nodes (the drafter's likeliest alternatives at each "
         "position, chosen best-first) instead of a chain: more tokens per pass for a wider verify (lossless; "
-        "fast forward only; default: chains)",
+        "fast forward only; without --block-size, over the drafter's block size; default: chains)",
     )
 
 
@@ -411,7 +411,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # Without --block-size, the adaptive policy: with the shipped drafter's τ ≈ 1.5, a 16-token verify costs
     # more than it yields on a CPU, and "auto" falls back to the sizes (or plain steps) that pay.
-    block_size = args.block_size if args.block_size is not None or drafter is None else "auto"
+    # With --tree and no --block-size: the drafter's block size (the tree picks its own depth and width).
+    block_size = args.block_size if args.block_size is not None or drafter is None or args.tree else "auto"
     if args.tree is not None and drafter is None:
         print("--tree has no effect without a drafter (token trees are made of the drafter's alternatives).",
               file=sys.stderr)
@@ -452,8 +453,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(  # checked before the (slow) model load
         model_id=args.model_name or (args.target or DEFAULT_TARGET), max_queue=args.max_queue,
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
-        block_size=args.block_size if args.block_size is not None else "auto", proposal=args.proposal,
-        tree=args.tree,
+        block_size=args.block_size if args.block_size is not None else (None if args.tree else "auto"),
+        proposal=args.proposal, tree=args.tree,
     )  # fmt: skip
     _apply_threads(args.threads)
     gen = _load_generator(args, False)

@@ -137,6 +137,7 @@ def test_token_tree_flag(loads, capsys) -> None:
     assert run["identical"] is True
     tree = run["stats"]["tree"]
     assert tree["budget"] == 5 and tree["tree_steps"] > 0 and 0 < tree["mean_nodes"] <= 5
+    assert run["block_size"] == 16 and not run["stats"]["adaptive"]  # the untrained drafter's own block size
     rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "5", "--dtype", "float32")
     assert rc == 0 and "token trees of up to 5 nodes" in err
     rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "0", "--json")
