@@ -143,7 +143,7 @@ class TargetAdapter:
 
     @property
     def supports_trees(self) -> bool:
-        """Whether :meth:`forward` takes a token tree (the fast forward does; transformers' forward is not used so)."""
+        """Whether :meth:`forward` takes a token tree (the fast forward does; transformers' forward is not run on trees)."""
         return self.fast_forward is not None
 
     @torch.inference_mode()
@@ -192,10 +192,7 @@ class TargetAdapter:
 
         Right padding is harmless: attention is causal, so padding never reaches the real positions.
         """
-        self.model.get_decoder()(input_ids=input_ids, use_cache=False)
-        features = torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
-        self._captured.clear()
-        return features
+        return self._decoder_pass(input_ids)[0]
 
     @torch.inference_mode()
     def features_and_top_logprobs(self, input_ids: Tensor, k: int, chunk: int = 512) -> tuple[Tensor, Tensor, Tensor]:
@@ -205,10 +202,7 @@ class TargetAdapter:
 
         The LM head runs over `chunk` rows at a time ([chunk, vocab] fp32 logits), never over the whole batch.
         """
-        out = self.model.get_decoder()(input_ids=input_ids, use_cache=False)
-        features = torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
-        self._captured.clear()
-        hidden = out.last_hidden_state  # [batch, n, hidden], after the final norm
+        features, hidden = self._decoder_pass(input_ids)  # hidden: [batch, n, hidden], after the final norm
         rows = hidden.reshape(-1, hidden.shape[-1])
         ids, logprobs = [], []
         for lo in range(0, rows.shape[0], chunk):
@@ -218,6 +212,13 @@ class TargetAdapter:
             logprobs.append(top.values)
         shape = (*hidden.shape[:2], k)
         return features, torch.cat(ids).view(shape), torch.cat(logprobs).view(shape)
+
+    def _decoder_pass(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The decoder over whole sequences (no cache): feature-layer outputs and the final-normed hidden states."""
+        out = self.model.get_decoder()(input_ids=input_ids, use_cache=False)
+        features = torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
+        self._captured.clear()
+        return features, out.last_hidden_state
 
     @staticmethod
     def crop(cache: DynamicCache | StaticKVCache, length: int) -> None:
