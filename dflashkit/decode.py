@@ -34,7 +34,7 @@ from .ngram_store import NgramStore
 from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
 from .stats import DecodeStats
 from .target import TargetAdapter
-from .tree import build_tree
+from .tree import build_tree, check_budget
 
 LOOKUP_ONLY_BLOCK = 8  # block size of prompt lookup without a drafter, unless given
 
@@ -55,9 +55,8 @@ class DecodeOptions:
     tree: int | None = None  # drafter steps verify a token tree of this many nodes instead of a chain (dflashkit.tree)
 
     def __post_init__(self) -> None:
-        if self.tree is not None and (not isinstance(self.tree, numbers.Integral) or isinstance(self.tree, bool)
-                                      or self.tree < 1):
-            raise InvalidInputError(f"tree must be a number of nodes >= 1 (or None for a chain), got {self.tree!r}")
+        if self.tree is not None:
+            check_budget(self.tree)
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         if self.block_size is not None and self.block_size < 2:
@@ -179,7 +178,7 @@ def decode(
                 accepted, token = verify_greedy(logits, drafts)
             else:
                 accepted, token = verify_sampled(warp(logits, params), drafts, q, gen)
-            kept, accepted_drafts = list(range(accepted + 1)), drafts[:accepted].tolist()
+            accepted_drafts = drafts[:accepted].tolist()
         stats.verify_s += time.perf_counter() - t
         stats.target_forwards += 1
 
@@ -189,7 +188,7 @@ def decode(
         else:
             TargetAdapter.crop(cache, pos + accepted + 1)
         if drafter:
-            new = features[:, kept]  # [1, accepted+1, n_feat*hidden]
+            new = features[:, kept] if tree is not None else features[:, : accepted + 1]  # [1, accepted+1, F]
             pending, pending_start = (new, pos) if pending is None else (torch.cat((pending, new), 1), pending_start)
         pos += accepted + 1
 
@@ -199,7 +198,8 @@ def decode(
         if observer:
             observer(logits[kept] if tree is not None else logits, emitted)
         stats.record_step(tree.depth if tree is not None else k, accepted, copied=bool(copied),
-                          from_store=bool(copied) and lookup.from_store, tree_nodes=len(tree) if tree else 0)
+                          from_store=bool(copied) and lookup.from_store,
+                          tree_nodes=len(tree) if tree is not None else 0)
         if policy and not copied:  # the policy models the drafter's acceptance and cost
             policy.observe(size, k, accepted, time.perf_counter() - t_step)
         stop_at = next((i for i, t in enumerate(emitted) if t in options.stop_token_ids), None)

@@ -108,8 +108,11 @@ class StaticKVCache:
         to start, start+1, ...; the length becomes start + len(rows). Used after a token tree's verify pass:
         the accepted path's keys and values become the next positions (their rotary phase is already right:
         a node at depth d was run at position start + d, where it now lies)."""
-        if start + len(rows) > self.length or any(r < 0 or start + r >= self.length for r in rows):
+        if any(r < 0 or start + r >= self.length for r in rows):
             raise InvalidInputError(f"rows {rows} after {start} are not all in the cache (length {self.length})")
+        if rows == list(range(len(rows))):  # already in place (a path down the first rows): nothing to move
+            self.length = start + len(rows)
+            return
         index = torch.tensor(rows, device=self.keys.device) + start
         self.keys[:, :, start : start + len(rows)] = self.keys[:, :, index]  # advanced indexing copies first
         self.values[:, :, start : start + len(rows)] = self.values[:, :, index]

@@ -21,6 +21,7 @@ attends to the cache, its ancestors and itself, at position start + depth.
 from __future__ import annotations
 
 import heapq
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,38 +91,49 @@ class DraftTree:
             row = nxt
 
 
+def check_budget(budget: object) -> int:
+    """A token tree's node budget: an int >= 1 (booleans refused); raises InvalidInputError otherwise."""
+    if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:
+        raise InvalidInputError(f"tree must be a number of nodes, at least one node (None: a chain), got {budget!r}")
+    return int(budget)
+
+
+def best_first(probs: list[list[float]], budget: int) -> tuple[list[int], list[int], list[int]]:
+    """The shape of the best tree: ``probs[d][r]`` is the probability of the r-th choice at depth d+1 (each row
+    sorted, largest first); a node's value is the product along its path. Returns parents (row: 0 for the
+    anchor, i+1 for node i), depths and ranks of the `budget` nodes of largest value, in the order chosen
+    (a parent before its children). A popped node pushes its next sibling and its first child, so at most
+    2·budget nodes are ever scored."""
+    check_budget(budget)
+    parents: list[int] = []
+    depths: list[int] = []
+    ranks: list[int] = []
+    values = [1.0]  # by row: the anchor's, then each chosen node's
+    heap = [(-probs[0][0], 0, 0, 1, 0)]  # (-value, order, parent row, depth, rank): order breaks ties
+    order = 1
+    while heap and len(parents) < budget:
+        neg, _, parent, depth, rank = heapq.heappop(heap)
+        parents.append(parent)
+        depths.append(depth)
+        ranks.append(rank)
+        values.append(-neg)
+        if rank + 1 < len(probs[depth - 1]):  # the next sibling: same parent, the next choice at this depth
+            heapq.heappush(heap, (-values[parent] * probs[depth - 1][rank + 1], order, parent, depth, rank + 1))
+            order += 1
+        if depth < len(probs):  # the first child: one position deeper, the first choice there
+            heapq.heappush(heap, (neg * probs[depth][0], order, len(parents), depth + 1, 0))
+            order += 1
+    return parents, depths, ranks
+
+
 def build_tree(scores: Tensor, columns: Tensor | None, budget: int, top: int = TOP_CANDIDATES) -> DraftTree:
     """The `budget` nodes of largest path probability from drafter scores [k, V'] (row j: block offset j+1).
 
     ``columns`` [V'] maps score columns to token ids (None: the columns are the vocabulary). Each position
     offers its `top` best tokens; a node's value is the product of the drafter's softmax probabilities along
-    its path (a path down the first choices is the chain). Best-first from the anchor: a popped node pushes
-    its next sibling and its first child, so at most 2·budget nodes are ever scored.
+    its path (a path down the first choices is the chain); see :func:`best_first`.
     """
-    if budget < 1:
-        raise InvalidInputError(f"a draft tree needs at least one node, got a budget of {budget}")
-    k = scores.shape[0]
-    top = min(top, scores.shape[1])
-    probs, index = scores.float().softmax(-1).topk(top, dim=-1)  # [k, top] each
+    probs, index = scores.float().softmax(-1).topk(min(top, scores.shape[1]), dim=-1)  # [k, top] each
     tokens = (columns[index] if columns is not None else index).tolist()
-    probs = probs.tolist()
-    chosen: list[tuple[int, int]] = []  # (parent row, depth) per node, in order
-    node_tokens: list[int] = []
-    # heap entries: (-value, order, parent row, depth, rank); value of a node = parent's value * p[depth-1][rank]
-    heap = [(-probs[0][0], 0, 0, 1, 0)]
-    order = 1
-    parent_value = {0: 1.0}
-    while heap and len(node_tokens) < budget:
-        neg, _, parent, depth, rank = heapq.heappop(heap)
-        row = len(node_tokens) + 1
-        node_tokens.append(tokens[depth - 1][rank])
-        chosen.append((parent, depth))
-        parent_value[row] = -neg
-        if rank + 1 < top:  # the next sibling: same parent, the next choice at this depth
-            value = parent_value[parent] * probs[depth - 1][rank + 1]
-            heapq.heappush(heap, (-value, order, parent, depth, rank + 1))
-            order += 1
-        if depth < k:  # the first child: one position deeper, the first choice there
-            heapq.heappush(heap, (neg * probs[depth][0], order, row, depth + 1, 0))
-            order += 1
-    return DraftTree(node_tokens, [p for p, _ in chosen], [d for _, d in chosen])
+    parents, depths, ranks = best_first(probs.tolist(), budget)
+    return DraftTree([tokens[d - 1][r] for d, r in zip(depths, ranks)], parents, depths)

@@ -23,6 +23,7 @@ from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.sampling import SamplingParams
 from dflashkit.train import context_mask
+from dflashkit.tree import best_first
 
 MAX_RANK = 8
 
@@ -77,44 +78,29 @@ def node_values(paths: list[tuple[int, ...]], depth: int) -> Counter:
     return Counter({k: v / len(paths) for k, v in counts.items()})
 
 
-def dynamic_tree(top: torch.Tensor, budget: int, depth: int = 15) -> set:
-    """The `budget` nodes of largest product of drafter probabilities along their path (best-first)."""
-    import heapq
+def dynamic_tree(top: torch.Tensor, budget: int) -> set:
+    """The nodes (rank paths) dflashkit.tree.best_first keeps for one anchor's top probabilities [depth, ranks]."""
+    parents, _, ranks = best_first(top.tolist(), budget)
+    paths: list[tuple[int, ...]] = []
+    for parent, rank in zip(parents, ranks):
+        paths.append((paths[parent - 1] if parent else ()) + (rank,))
+    return set(paths)
 
-    heap = [(-float(top[0, 0]), (0,))]
-    chosen: set = set()
-    while heap and len(chosen) < budget:
-        neg, node = heapq.heappop(heap)
-        chosen.add(node)
-        d = len(node)
-        if node[-1] + 1 < MAX_RANK:  # next sibling
-            sib = node[:-1] + (node[-1] + 1,)
-            parent = -neg / float(top[d - 1, node[-1]])
-            heapq.heappush(heap, (-parent * float(top[d - 1, node[-1] + 1]), sib))
-        if d < depth:  # first child
-            heapq.heappush(heap, (neg * float(top[d, 0]), node + (0,)))
-    return chosen
+
+def path_length(path: tuple[int, ...], tree: set) -> int:
+    """Drafts the tree accepts at an anchor: the longest prefix of the target's rank path that is a node."""
+    d = 0
+    while d < len(path) and path[: d + 1] in tree:
+        d += 1
+    return d
 
 
 def accepted_dynamic(paths: list, tops: list, budget: int) -> float:
-    total = 0
-    for p, top in zip(paths, tops):
-        tree = dynamic_tree(top, budget, len(p))
-        d = 0
-        while d < len(p) and p[: d + 1] in tree:
-            d += 1
-        total += d
-    return total / len(paths)
+    return sum(path_length(p, dynamic_tree(top[: len(p)], budget)) for p, top in zip(paths, tops) if p) / len(paths)
 
 
 def accepted(paths: list[tuple[int, ...]], tree: set) -> float:
-    total = 0
-    for p in paths:
-        d = 0
-        while d < len(p) and p[: d + 1] in tree:
-            d += 1
-        total += d
-    return total / len(paths)
+    return sum(path_length(p, tree) for p in paths) / len(paths)
 
 
 def main() -> None:

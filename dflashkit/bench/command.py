@@ -15,6 +15,7 @@ import torch
 
 from ..errors import InvalidInputError
 from ..quantize import METHODS as QUANT_METHODS
+from ..tree import check_budget
 
 METHODS = ("ar", "dflash", "dflash-lookup", "lookup", "hf", "hf-pld", "hf-assisted", "llama.cpp", "llama-server")
 DEFAULTS = {"datasets": "mt-bench,humaneval,math500", "limit": 10, "max_new_tokens": 256, "max_turns": None,
@@ -109,9 +110,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     if any(b < 2 for b in out["block_sizes"] if b != "auto"):
         raise InvalidInputError(f"--block-sizes must be at least 2, got {out['block_sizes']}")
     out["datasets"] = [d.strip() for d in out["datasets"].split(",") if d.strip()]
-    out["trees"] = _ints(args.trees, "trees") if getattr(args, "trees", None) else []
-    if any(n < 1 for n in out["trees"]):
-        raise InvalidInputError(f"--trees: node budgets must be at least 1, got {out['trees']}")
+    out["trees"] = [check_budget(n) for n in _ints(args.trees, "trees")] if args.trees else []
     return out
 
 

@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ..errors import InvalidInputError
 from ..generator import GenerationStream, SpeculativeGenerator
 from ..sampling import SamplingParams
+from ..tree import check_budget
 from .errors import APIError, bad_request, from_exception, install_error_handlers
 from .metrics import RequestCounter, ServerMetrics
 from .responses import ResponseBuilder, sse_event
@@ -58,8 +59,8 @@ class ServerSettings:
             raise InvalidInputError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
-        if self.tree is not None and (not isinstance(self.tree, int) or self.tree < 1):
-            raise InvalidInputError(f"tree must be a number of nodes >= 1, got {self.tree!r}")
+        if self.tree is not None:
+            check_budget(self.tree)
         if self.block_size is not None and self.block_size != "auto" and (
                 not isinstance(self.block_size, int) or self.block_size < 2):
             raise InvalidInputError(f"block_size must be an integer >= 2 or 'auto', got {self.block_size!r}")
