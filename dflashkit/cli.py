@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
+    t.add_argument("--feature-cache", choices=("auto", "on", "off"), default="auto",
+                   help="keep the target's features (and soft labels) on disk, one target pass per sequence per run; "
+                   "auto = on for the CPU (a target pass costs more than reading them back), off on a GPU")
     _add_threads_option(t)
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT has a checkpoint")
     t.set_defaults(func=cmd_train)
@@ -336,6 +339,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, draft_vocab_size=args.draft_vocab or None, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
         distill_topk=args.distill_topk, distill_weight=args.distill_weight,
+        cache_features=args.feature_cache == "on" or (args.feature_cache == "auto" and args.device == "cpu"),
     )  # fmt: skip
     with _status("Loading target model...", False):
         model, tokenizer = load_target(args.target, dtype=torch.bfloat16, device=args.device)

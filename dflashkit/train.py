@@ -428,11 +428,11 @@ class Trainer:
         K = self.cfg.distill_topk
 
         def run_target(rows: Tensor) -> tuple[Tensor, Tensor | None]:
-            with torch.inference_mode():
-                if not K:
-                    return self.target.features(rows).clone(), None  # normal tensors (inference ones can't enter autograd)
-                feats, top_ids, top_lp = self.target.features_and_top_logprobs(rows, K)
-                return feats.clone(), torch.cat((top_ids.float(), top_lp), -1)
+            # the adapter runs in inference mode; clones made outside it are normal tensors that autograd accepts
+            if not K:
+                return self.target.features(rows).clone(), None
+            feats, top_ids, top_lp = self.target.features_and_top_logprobs(rows, K)
+            return feats.clone(), torch.cat((top_ids.float(), top_lp), -1)
 
         if self.store is None or any(id(s) not in self.seq_index for s in batch):
             return run_target(ids)
