@@ -500,7 +500,7 @@ class Trainer:
 
         if not self.eval_seqs:
             return float("nan")
-        drafter = DFlashDrafter(self.drafter.config).to(self.model.dtype)
+        drafter = DFlashDrafter(self.drafter.config).to(device=self.model.device, dtype=self.model.dtype)
         drafter.load_state_dict(self.drafter.state_dict())
         drafter.eval()
         target = TargetAdapter(self.model, drafter.config.target_layer_ids)
