@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import platform
 import signal
 import threading
 import time
@@ -365,6 +366,14 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write(self.out / "data_used.json", lambda f: json.dump(used, f, indent=1))
 
+    def _record_run_config(self) -> None:
+        """OUT/run_config.json: the settings and the machine of this process, beside the log (for model cards;
+        unlike the checkpoint it is small enough to bring back from a lent GPU machine)."""
+        device = torch.device(self.cfg.device)
+        machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        atomic_write(self.out / "run_config.json", lambda f: json.dump(
+            {"config": asdict(self.cfg), "machine": machine, "torch": torch.__version__}, f, indent=1))
+
     def _initial_drafter(self, model, want: DrafterConfig) -> DFlashDrafter:
         """The drafter named by cfg.init_drafter, checked against the target and this run's shape `want`."""
         cfg = self.cfg
@@ -545,6 +554,7 @@ class Trainer:
         if resume and self.resume():
             self.log(f"resumed at step {self.step}")
         self.out.mkdir(parents=True, exist_ok=True)
+        self._record_run_config()
         log_path = self.out / "train_log.jsonl"
         if log_path.exists():  # drop entries of steps past the checkpoint (a killed run redoes them)
             kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]

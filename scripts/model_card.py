@@ -30,7 +30,7 @@ TRAIN_FLAGS = {  # TrainConfig field -> `dflashkit train` flag (fields at their 
     "grad_accum": "--grad-accum", "steps": "--steps", "lr": "--lr", "warmup_ratio": "--warmup",
     "max_seq_len": "--max-seq-len", "draft_vocab_size": "--draft-vocab", "eval_every": "--eval-every",
     "checkpoint_every": "--checkpoint-every", "seed": "--seed", "distill_topk": "--distill-topk",
-    "distill_weight": "--distill-weight",
+    "distill_weight": "--distill-weight", "device": "--device",
 }  # fmt: skip
 
 
@@ -68,21 +68,28 @@ def wall_minutes(log: list[dict]) -> float:
     return (total + last) / 60
 
 
+def run_config(run: Path) -> dict:
+    """The run's TrainConfig as a dict: from run_config.json (written by the trainer at start; all a run on a
+    lent GPU machine brings back besides the drafter and the log), else from its checkpoint."""
+    if (run / "run_config.json").is_file():
+        return json.loads((run / "run_config.json").read_text())["config"]
+    return torch.load(run / "checkpoint" / "trainer_state.pt", map_location="cpu", weights_only=False)["config"]
+
+
 def lineage(config: dict) -> list[str]:
     """Lines for the runs this one started from (`--init` of a run's drafter folder), oldest first."""
     init = config.get("init_drafter")
     if not init:
         return []
     parent = Path(init).expanduser().parent
-    state_file = parent / "checkpoint" / "trainer_state.pt"
-    if not state_file.exists():
+    if not (parent / "run_config.json").is_file() and not (parent / "checkpoint" / "trainer_state.pt").exists():
         return [f"- Initialised from `{init}` (not a run folder of this machine: its history is not recorded here)."]
-    state = torch.load(state_file, map_location="cpu", weights_only=False)
+    config = run_config(parent)
     log = [json.loads(line) for line in (parent / "train_log.jsonl").read_text().splitlines() if line]
     evals = [r for r in log if "tau" in r]
     last_eval = f"; its last held-out τ {evals[-1]['tau']:.2f}" if evals else ""
-    return [*lineage(state["config"]),
-            f"- `{train_command(state['config'])}`: {log[-1]['step']} steps, {wall_minutes(log):.0f} min{last_eval}."]
+    return [*lineage(config),
+            f"- `{train_command(config)}`: {log[-1]['step']} steps, {wall_minutes(log):.0f} min{last_eval}."]
 
 
 def main() -> None:
@@ -99,8 +106,7 @@ def main() -> None:
     args = ap.parse_args()
     run = args.run.expanduser()
 
-    state = torch.load(run / "checkpoint" / "trainer_state.pt", map_location="cpu", weights_only=False)
-    config = state["config"]
+    config = run_config(run)
     log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line]
     bench = json.loads(args.bench.expanduser().read_text())
     drafter_cfg = json.loads((run / "drafter" / "config.json").read_text())

@@ -294,6 +294,8 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
     assert main([*train_args[:4], str(distilled), *train_args[5:], "--distill-topk", "6", "--distill-weight", "0.7"]) == 0
     log = [json.loads(x) for x in (distilled / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["soft_loss"] > 0 and (distilled / "soft-labels" / "meta.json").is_file()
+    recorded = json.loads((out / "run_config.json").read_text())  # settings and machine, for model cards
+    assert recorded["config"]["steps"] == 4 and recorded["config"]["block_size"] == 4 and recorded["machine"]
     assert (out / "features").is_dir()  # auto on the CPU: features cached; off: a target pass every step, no store
     uncached = tmp_path / "run-uncached"
     assert main([*train_args[:4], str(uncached), *train_args[5:], "--distill-topk", "6", "--feature-cache", "off"]) == 0
