@@ -417,9 +417,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # more than it yields on a CPU, and "auto" falls back to the sizes (or plain steps) that pay.
     # With --tree and no --block-size: the drafter's block size (the tree picks its own depth and width).
     block_size = args.block_size if args.block_size is not None or drafter is None or args.tree else "auto"
-    if args.tree is not None and drafter is None:
-        print("--tree has no effect without a drafter (token trees are made of the drafter's alternatives).",
-              file=sys.stderr)
+    _note_tree_without_drafter(args, drafter is not None)
     kwargs: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,
@@ -463,6 +461,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _apply_threads(args.threads)
     gen = _load_generator(args, False)
     settings.lookup = _lookup_wanted(args, gen.drafter is not None)
+    _note_tree_without_drafter(args, gen.drafter is not None)
     app = create_app(gen, settings)
     gen.warmup()
     print(f"Serving {settings.model_id!r} at http://{args.host}:{args.port} (playground: /, API: /v1, "
@@ -470,6 +469,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
+
+
+def _note_tree_without_drafter(args: argparse.Namespace, has_drafter: bool) -> None:
+    if args.tree is not None and not has_drafter:
+        print("--tree has no effect without a drafter (token trees are made of the drafter's alternatives).",
+              file=sys.stderr)
 
 def _resolve_drafter(choice: str | None, target: str | None, gen) -> tuple[Any, str | None]:
     from .checkpoint import load_drafter

@@ -276,7 +276,11 @@ def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     speculative = served["usage"].model_extra["speculative"]
     assert served["usage"].completion_tokens == 5 and speculative["block_size"] == 16
     assert speculative["adaptive_block_size"]  # serve's default: --block-size auto
-    assert "Serving" in err and "UNTRAINED" in err
+    assert "Serving" in err and "UNTRAINED" in err and "--tree has no effect" not in err
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)  # plain decoding: a tree has nothing to verify
+    assert main(["serve", "--drafter", "none", "--tree", "5", "--dtype", "float32"]) == 0
+    assert "--tree has no effect without a drafter" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["train"], ["data"], ["bench", "--limit", "1"]])
