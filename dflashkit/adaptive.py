@@ -105,3 +105,19 @@ class AdaptiveBlockSize:
             "acceptance": [round(self.acceptance(i), 3) for i in range(1, self.max_block)],
             "expected_tokens": {b: round(self.expected_tokens(b), 3) for b in self.candidates},
         }
+
+
+class BlockPolicies:
+    """One :class:`AdaptiveBlockSize` per decoding regime, greedy and sampled, each carrying its estimates over
+    from one request to the next. Acceptance differs between them (a sampled draft is accepted with probability
+    min(1, p/q); block 4, position 1: α 0.34-0.48 greedy in bench-v9, 0.33-0.34 at T=1), so a server or a
+    benchmark that mixes both should not judge one regime by the other's history."""
+
+    def __init__(self, max_block: int, **kwargs) -> None:
+        self.max_block, self._kwargs = max_block, kwargs
+        self._policies = {True: AdaptiveBlockSize(max_block, **kwargs)}  # checks the arguments now
+
+    def get(self, greedy: bool) -> AdaptiveBlockSize:
+        if greedy not in self._policies:
+            self._policies[greedy] = AdaptiveBlockSize(self.max_block, **self._kwargs)
+        return self._policies[greedy]

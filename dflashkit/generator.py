@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .adaptive import AdaptiveBlockSize
+from .adaptive import AdaptiveBlockSize, BlockPolicies
 from .decode import DecodeOptions, StepObserver, as_token_list, decode
 from .drafter import DFlashDrafter
 from .errors import InvalidInputError
@@ -104,9 +104,14 @@ class SpeculativeGenerator:
         if not fast:
             self.target.use_packed_linears(False)  # an earlier fast adapter may have packed them
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.block_policy: AdaptiveBlockSize | None = (
-            AdaptiveBlockSize(drafter.block_size) if drafter is not None and drafter.block_size >= 2 else None
-        )  # used by block_size="auto"; its estimates carry over from one request to the next
+        self.block_policies: BlockPolicies | None = (
+            BlockPolicies(drafter.block_size) if drafter is not None and drafter.block_size >= 2 else None
+        )  # used by block_size="auto"; greedy and sampled requests each carry their estimates over to the next
+
+    @property
+    def block_policy(self) -> AdaptiveBlockSize | None:
+        """The adaptive block-size policy of greedy requests (None without a drafter)."""
+        return self.block_policies.get(True) if self.block_policies is not None else None
 
     @classmethod
     def load(
@@ -209,7 +214,7 @@ class SpeculativeGenerator:
             lookup_store=store,
             tree=tree,
         )
-        policy = self.block_policy if adaptive and drafter is not None else None
+        policy = self.block_policies.get(options.sampling.greedy) if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))
         stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream, policy)
         return stream

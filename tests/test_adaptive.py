@@ -127,6 +127,9 @@ def test_generator_auto_block_size():
     auto = gen.generate(ids, max_new_tokens=30, block_size="auto", compare_ar=True)
     assert auto.identical and auto.stats.adaptive and auto.stats.as_dict()["adaptive"] is True
     assert gen.block_policy.steps == auto.stats.steps
+    sampled = gen.generate(ids, max_new_tokens=30, block_size="auto", temperature=1.0, seed=3)
+    assert gen.block_policies.get(False).steps == sampled.stats.steps  # sampled requests: a policy of their own
+    assert gen.block_policy.steps == auto.stats.steps  # ... leaving the greedy one as it was
     assert not gen.generate(ids, max_new_tokens=5).stats.adaptive
     with pytest.raises(InvalidInputError, match="auto"):
         gen.generate(ids, max_new_tokens=5, block_size="big")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..adaptive import AdaptiveBlockSize
+from ..adaptive import AdaptiveBlockSize, BlockPolicies
 from ..decode import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
 from ..drafter import DFlashDrafter
 from ..lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
@@ -221,11 +221,11 @@ class DFlash(Method):
             self.note = (f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, token trees of up to {tree} "
                          f"nodes over block size {trained}")
             return
-        if block_size == "auto":  # one policy for the whole run: its estimates carry over between prompts
-            self.policy = AdaptiveBlockSize(trained)
+        if block_size == "auto":  # policies for the whole run (greedy, sampled): estimates carry over between prompts
+            self.policy = BlockPolicies(trained)
             self.name = f"{prefix}-auto"
             self.note = (f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, block size chosen per step "
-                         f"among {self.policy.candidates}")
+                         f"among {self.policy.get(True).candidates}")
             return
         self.name = f"{prefix}-b{block_size}"
         beyond = f", beyond its trained block size {trained}" if block_size > trained else ""
@@ -233,7 +233,8 @@ class DFlash(Method):
 
     def generate(self, request: Request) -> Record:
         if self.policy is not None:
-            return run_decode_loop(self.session, self.drafter, request, block_policy=self.policy, lookup=self.lookup)
+            return run_decode_loop(self.session, self.drafter, request, block_policy=self.policy.get(request.greedy),
+                                   lookup=self.lookup)
         return run_decode_loop(self.session, self.drafter, request, self.block_size, lookup=self.lookup,
                                tree=self.tree)
 
