@@ -135,7 +135,8 @@ def decode(
         # ---- draft ------------------------------------------------------------------------------------
         t_step = time.perf_counter()
         room = min(max_new - produced - 1, target.max_positions - pos - 1)  # drafts that can still be emitted
-        copied = lookup.propose(min(block - 1, room)) if lookup is not None else []
+        copy_block = policy.max_block if policy else block  # no longer than the largest block the policy may choose
+        copied = lookup.propose(min(copy_block - 1, room)) if lookup is not None else []
         drafts, q, tree = torch.empty(0, dtype=torch.long, device=device), None, None
         if copied:  # a fixed function of the text: a one-hot proposal
             size, k = block, len(copied)

@@ -91,3 +91,30 @@ def test_lookup_with_adaptive_block_size_and_sampling_runs_exactly_the_same_loop
 
     runs = [_decode(target, drafter, REPETITIVE[0], lookup=True, sampling=SamplingParams(1.0), seed=7) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_copies_are_no_longer_than_the_policys_largest_block(monkeypatch):
+    """With a policy of smaller blocks (the sampled regime's), lookup steps copy at most its largest block - 1."""
+    import sys
+
+    class AlwaysCopies:  # proposes as many tokens as allowed (mostly wrong: verification rejects them, exactly)
+        from_store = False
+
+        def __init__(self, tokens, store=None):
+            pass
+
+        def propose(self, limit):
+            return [7] * limit
+
+        def extend(self, tokens):
+            pass
+
+    monkeypatch.setattr(sys.modules["dflashkit.decode"], "NgramLookup", AlwaysCopies)  # the module, not the function
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=8)
+    target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
+    for policy, longest in ((None, 7), (AdaptiveBlockSize(8), 7), (AdaptiveBlockSize(4, (1, 2, 4)), 3)):
+        stats = DecodeStats(block_size=1)
+        assert _decode(target, drafter, REPETITIVE[0], stats, policy, lookup=True) == _decode(plain, None, REPETITIVE[0])
+        copies = [d for d, c in zip(stats.drafted_lengths, stats.copied_steps) if c]
+        assert max(copies) == longest
