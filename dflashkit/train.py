@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import platform
+import random
 import signal
 import threading
 import time

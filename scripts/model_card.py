@@ -52,6 +52,8 @@ def train_command(config: dict) -> str:
             continue
         if field.startswith("distill") and not config.get("distill_topk"):  # no distillation: the flags are moot
             continue
+        if field == "device" and value == "cpu":  # the default
+            continue
         args += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
     if not config.get("init_from_target", True):
         args.append("--random-init")

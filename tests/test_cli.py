@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+from conftest import VOCAB, tiny_target
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import models as tok_models
 from transformers import PreTrainedTokenizerFast
 
 import dflashkit
 import dflashkit.models
 import dflashkit.registry
-from conftest import VOCAB, tiny_target
 from dflashkit.checkpoint import save_drafter
 from dflashkit.cli import main
 from dflashkit.drafter import DFlashDrafter
@@ -253,7 +254,6 @@ def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     """`dflashkit serve` loads the target and drafter as generate does and runs the app with uvicorn."""
     import openai
     import uvicorn
-
     from live_server import LiveServer
 
     served: dict = {}

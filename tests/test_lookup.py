@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import VOCAB, tiny_drafter, tiny_target
+
 from dflashkit.adaptive import AdaptiveBlockSize
 from dflashkit.decode import LOOKUP_ONLY_BLOCK, DecodeOptions, decode
 from dflashkit.lookup import NgramLookup
