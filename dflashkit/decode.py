@@ -92,8 +92,9 @@ def decode(
         raise InvalidInputError(f"the adaptive policy allows blocks of {block_policy.max_block}, more than the "
                                 f"block size in force ({block})")
     policy = block_policy if drafter is not None else None
-    stats = stats if stats is not None else DecodeStats(block_size=block)
-    stats.block_size, stats.prompt_tokens = block, len(prompt_ids)
+    largest = policy.max_block if policy else block  # the largest block a step may use (drafted or copied)
+    stats = stats if stats is not None else DecodeStats(block_size=largest)
+    stats.block_size, stats.prompt_tokens = largest, len(prompt_ids)
     stats.target_weights, stats.engine = target.weights, target.engine
     stats.lookup = options.lookup
     params = options.sampling
@@ -135,8 +136,7 @@ def decode(
         # ---- draft ------------------------------------------------------------------------------------
         t_step = time.perf_counter()
         room = min(max_new - produced - 1, target.max_positions - pos - 1)  # drafts that can still be emitted
-        copy_block = policy.max_block if policy else block  # no longer than the largest block the policy may choose
-        copied = lookup.propose(min(copy_block - 1, room)) if lookup is not None else []
+        copied = lookup.propose(min(largest - 1, room)) if lookup is not None else []  # auto: as the policy's largest
         drafts, q, tree = torch.empty(0, dtype=torch.long, device=device), None, None
         if copied:  # a fixed function of the text: a one-hot proposal
             size, k = block, len(copied)

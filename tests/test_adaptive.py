@@ -130,6 +130,7 @@ def test_generator_auto_block_size():
     sampled = gen.generate(ids, max_new_tokens=30, block_size="auto", temperature=1.0, seed=3)
     assert gen.block_policies.get(False).steps == sampled.stats.steps  # sampled requests: a policy of their own
     assert gen.block_policies.get(False).candidates == [1, 2, 4] and gen.block_policy.max_block == 8
+    assert sampled.stats.block_size == 4 and auto.stats.block_size == 8  # the largest block each could use
     assert gen.block_policy.steps == auto.stats.steps  # ... leaving the greedy one as it was
     assert not gen.generate(ids, max_new_tokens=5).stats.adaptive
     with pytest.raises(InvalidInputError, match="auto"):
