@@ -122,11 +122,8 @@ class BlockPolicies:
     """
 
     def __init__(self, max_block: int, sampled_max_block: int = 4, **kwargs) -> None:
-        self.max_block, self._kwargs = max_block, kwargs
-        self.sampled_max_block = max(2, min(sampled_max_block, max_block))
-        self._policies = {True: AdaptiveBlockSize(max_block, **kwargs)}  # checks the arguments now
+        self._policies = {True: AdaptiveBlockSize(max_block, **kwargs),
+                          False: AdaptiveBlockSize(min(sampled_max_block, max_block), **kwargs)}
 
     def get(self, greedy: bool) -> AdaptiveBlockSize:
-        if greedy not in self._policies:
-            self._policies[greedy] = AdaptiveBlockSize(self.sampled_max_block, **self._kwargs)
         return self._policies[greedy]

@@ -339,7 +339,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, draft_vocab_size=args.draft_vocab or None, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
         distill_topk=args.distill_topk, distill_weight=args.distill_weight,
-        cache_features=args.feature_cache == "on" or (args.feature_cache == "auto" and args.device == "cpu"),
+        cache_features=args.feature_cache == "on" or (args.feature_cache == "auto"
+                                                      and torch.device(args.device).type == "cpu"),
     )  # fmt: skip
     with _status("Loading target model...", False):
         model, tokenizer = load_target(args.target, dtype=torch.bfloat16, device=args.device)
@@ -470,11 +471,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _note_tree_without_drafter(args: argparse.Namespace, has_drafter: bool) -> None:
     if args.tree is not None and not has_drafter:
         print("--tree has no effect without a drafter (token trees are made of the drafter's alternatives).",
               file=sys.stderr)
+
 
 def _resolve_drafter(choice: str | None, target: str | None, gen) -> tuple[Any, str | None]:
     from .checkpoint import load_drafter

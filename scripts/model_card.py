@@ -70,12 +70,13 @@ def wall_minutes(log: list[dict]) -> float:
     return (total + last) / 60
 
 
-def run_config(run: Path) -> dict:
+def run_config(run: Path) -> dict | None:
     """The run's TrainConfig as a dict: from run_config.json (written by the trainer at start; all a run on a
-    lent GPU machine brings back besides the drafter and the log), else from its checkpoint."""
+    lent GPU machine brings back besides the drafter and the log), else from its checkpoint; None if neither."""
     if (run / "run_config.json").is_file():
         return json.loads((run / "run_config.json").read_text())["config"]
-    return torch.load(run / "checkpoint" / "trainer_state.pt", map_location="cpu", weights_only=False)["config"]
+    state_file = run / "checkpoint" / "trainer_state.pt"
+    return torch.load(state_file, map_location="cpu", weights_only=False)["config"] if state_file.is_file() else None
 
 
 def lineage(config: dict) -> list[str]:
@@ -84,9 +85,9 @@ def lineage(config: dict) -> list[str]:
     if not init:
         return []
     parent = Path(init).expanduser().parent
-    if not (parent / "run_config.json").is_file() and not (parent / "checkpoint" / "trainer_state.pt").exists():
-        return [f"- Initialised from `{init}` (not a run folder of this machine: its history is not recorded here)."]
     config = run_config(parent)
+    if config is None:
+        return [f"- Initialised from `{init}` (not a run folder of this machine: its history is not recorded here)."]
     log = [json.loads(line) for line in (parent / "train_log.jsonl").read_text().splitlines() if line]
     evals = [r for r in log if "tau" in r]
     last_eval = f"; its last held-out τ {evals[-1]['tau']:.2f}" if evals else ""
@@ -109,6 +110,8 @@ def main() -> None:
     run = args.run.expanduser()
 
     config = run_config(run)
+    if config is None:
+        raise SystemExit(f"{run}: no run_config.json or checkpoint/trainer_state.pt: not a training run folder")
     log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line]
     bench = json.loads(args.bench.expanduser().read_text())
     drafter_cfg = json.loads((run / "drafter" / "config.json").read_text())

@@ -225,7 +225,7 @@ class DFlash(Method):
             self.policy = BlockPolicies(trained)
             self.name = f"{prefix}-auto"
             self.note = (f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, block size chosen per step "
-                         f"among {self.policy.get(True).candidates}")
+                         f"among {self.policy.get(True).candidates} (sampling: {self.policy.get(False).candidates})")
             return
         self.name = f"{prefix}-b{block_size}"
         beyond = f", beyond its trained block size {trained}" if block_size > trained else ""
