@@ -284,6 +284,12 @@ def _add_eager_option(parser: argparse.ArgumentParser) -> None:
         help="the eager path, for debugging and comparisons: plain nn.Linear layers instead of the fast path's "
         "weights prepacked for oneDNN (same bf16 results, slower)",
     )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on a CUDA device, run the fast forward's decode steps eagerly instead of replaying CUDA graphs",
+    )
 
 
 def _add_threads_option(parser: argparse.ArgumentParser) -> None:
@@ -399,10 +405,11 @@ def _load_generator(args: argparse.Namespace, quiet: bool):
 
     with _status("Loading target model...", quiet):
         gen = SpeculativeGenerator.load(args.target, None, dtype=DTYPES[args.dtype], device=args.device,
-                                        quantize=args.quantize, fast=not args.eager)
+                                        quantize=args.quantize, fast=not args.eager, cuda_graphs=args.cuda_graphs)
         drafter, drafter_note = _resolve_drafter(args.drafter, args.target, gen)
         if drafter is not None:
-            gen = SpeculativeGenerator(gen.model, gen.tokenizer, drafter, fast=not args.eager)
+            gen = SpeculativeGenerator(gen.model, gen.tokenizer, drafter, fast=not args.eager,
+                                       cuda_graphs=args.cuda_graphs)
     if drafter_note:
         print(drafter_note, file=sys.stderr)
     return gen

@@ -25,6 +25,9 @@ both the plain and the speculative decode loop run through the same forward, so 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -146,6 +149,20 @@ class _Layer:
         self.scaling = float(attn.scaling)
 
 
+@dataclass
+class StepInputs:
+    """Tensors that drive :meth:`FastTargetForward.static_step` (static buffers when replayed from a CUDA graph)."""
+
+    input_ids: Tensor  # [1, n] long
+    start: Tensor  # [1] long: position of the first row
+    offsets: Tensor  # [n] long: each row's position - start (0..n-1 for a chain, depths for a tree)
+    rows: Tensor  # [n] long: 0..n-1 (row i is written at cache row start + i)
+    visible: Tensor  # [n, n] bool: row i sees row j of the block
+    key_positions: Tensor  # [capacity] long: 0..capacity-1
+    cos: Tensor  # [capacity, head_dim]: rotary tables (FastTargetForward.rotary_tables)
+    sin: Tensor  # [capacity, head_dim], signed
+
+
 class FastTargetForward:
     """The target's decoding forward with fused, prepacked weights over a :class:`StaticKVCache` (batch 1)."""
 
@@ -191,8 +208,7 @@ class FastTargetForward:
         n = input_ids.shape[1]
         end = start + n
         cache.reserve(end)
-        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        group = heads // kv_heads
+        group = self.heads // self.kv_heads
         x = self.embed(input_ids)  # [1, n, hidden]
         if tree is None:
             positions = torch.arange(start, end, device=x.device)
@@ -212,6 +228,24 @@ class FastTargetForward:
                 hidden[:, start:] = ~visible.to(x.device)
             mask = x.new_zeros(n, end).masked_fill_(hidden, float("-inf"))  # additive: SDPA's fastest form here
             mask = mask[None].expand(group, n, end).reshape(1, 1, group * n, end)
+
+        def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # k, v: [kv_heads, n, d]
+            cache.keys[i, :, start:end], cache.values[i, :, start:end] = k, v
+            return cache.keys[i : i + 1, :, :end], cache.values[i : i + 1, :, :end]
+
+        x, features = self._layers(x, cos, sin, mask, write, feature_layers)
+        cache.length = end
+        logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
+        return logits, features
+
+    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                write: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]],
+                feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+        """x [1, n, hidden] through every decoder layer. ``write(i, k, v)`` stores layer i's new keys and values
+        [kv_heads, n, d] and returns the keys and values to attend over [1, kv_heads, m, d]; ``mask`` is additive
+        [1, 1, group*n, m] (None: every row sees every key). Returns x and the feature layers' outputs."""
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        group, n = heads // kv_heads, x.shape[1]
         wanted = {i: None for i in feature_layers}
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
@@ -225,18 +259,55 @@ class FastTargetForward:
                 q, k, _ = qkv.split(layer.splits, dim=-1)
                 q = rotate(layer.q_norm(q.view(1, n, heads, d)).transpose(1, 2), cos, sin)  # [1, heads, n, d]
                 k = rotate(layer.k_norm(k.view(1, n, kv_heads, d)).transpose(1, 2), cos, sin)  # [1, kv_heads, n, d]
-            cache.keys[i, :, start:end] = k[0]
-            cache.values[i, :, start:end] = v.view(n, kv_heads, d).transpose(0, 1)
+            keys, values = write(i, k[0], v.view(n, kv_heads, d).transpose(0, 1))
             packed = q.reshape(1, kv_heads, group * n, d)  # query heads sharing a K/V head, one block each
-            out = F.scaled_dot_product_attention(packed, cache.keys[i : i + 1, :, :end], cache.values[i : i + 1, :, :end],
-                                                 attn_mask=mask, scale=layer.scaling)  # fmt: skip
+            out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=layer.scaling)
             out = out.view(1, heads, n, d).transpose(1, 2).reshape(1, n, heads * d)
             x = x + layer.o(out)
             gate_up = layer.gate_up(layer.post_norm(x))
             x = x + layer.down(F.silu(gate_up[..., : layer.intermediate]) * gate_up[..., layer.intermediate :])
             if i in wanted:
                 wanted[i] = x
-        cache.length = end
-        logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
         features = torch.cat([wanted[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return x, features
+
+    def rotary_tables(self, positions: int) -> tuple[Tensor, Tensor]:
+        """cos and signed sin of positions 0..positions-1 [positions, head_dim], computed by the model's own rotary
+        module (each position's values do not depend on the others, so a row equals what a forward at that
+        position computes)."""
+        x = self.embed.weight[:1][None]  # [1, 1, hidden]: the dtype and device the tables take
+        cos, sin = self.rotary(x, torch.arange(positions, device=self.device)[None])  # [1, positions, head_dim]
+        return cos[0], signed_sin(sin[0])
+
+    @torch.inference_mode()
+    def static_step(self, step: StepInputs, keys: Tensor, values: Tensor, logits_rows: int,
+                    feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+        """:meth:`__call__` driven by tensors alone, so that one capture replays at any position (CUDA graphs).
+
+        The rows ``step.input_ids`` [1, n] are written to rows start..start+n-1 of the cache buffers ``keys`` and
+        ``values`` [layers, kv_heads, capacity, head_dim] (``step.start`` [1] is a tensor) and attend over their
+        whole capacity with a mask built from tensors: row i sees the
+        positions before start and the rows that ``step.visible`` [n, n] marks (the rows up to i for a chain;
+        its ancestors for a tree); row i's rotary position is start + ``step.offsets[i]``. No Python value
+        depends on the position or the tokens, and nothing is allocated outside the step's own ops.
+        """
+        heads, kv_heads = self.heads, self.kv_heads
+        group, n, capacity = heads // kv_heads, step.input_ids.shape[1], keys.shape[2]
+        x = self.embed(step.input_ids)  # [1, n, hidden]
+        positions = step.start + step.offsets  # [n]
+        cos, sin = step.cos[positions][None, None], step.sin[positions][None, None]  # [1, 1, n, head_dim]
+        rows = step.start + step.rows  # [n]: the cache rows written
+        relative = (step.key_positions - step.start)[None]  # [1, capacity]: key position - start
+        seen = step.visible[:, relative[0].clamp(0, n - 1)]  # [n, capacity]: visibility inside the block
+        hidden = (relative >= n) | ((relative >= 0) & ~seen)  # [n, capacity]
+        mask = torch.zeros(n, capacity, dtype=x.dtype, device=x.device).masked_fill_(hidden, float("-inf"))
+        mask = mask[None].expand(group, n, capacity).reshape(1, 1, group * n, capacity)
+
+        def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            keys[i].index_copy_(1, rows, k)
+            values[i].index_copy_(1, rows, v)
+            return keys[i : i + 1], values[i : i + 1]
+
+        x, features = self._layers(x, cos, sin, mask, write, feature_layers)
+        logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
         return logits, features

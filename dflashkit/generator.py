@@ -87,12 +87,13 @@ class SpeculativeGenerator:
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter | None = None,
-        *, fast: bool = True,
+        *, fast: bool = True, cuda_graphs: bool = True,
     ) -> None:
         """``fast`` (default): the fast path: the target decodes through dflashkit's fast forward where its
         architecture is covered (fused prepacked GEMMs, static KV cache; see :class:`TargetAdapter`) and the
         drafter's linear layers run on prepacked oneDNN weights; False: the eager path (transformers' forward,
-        plain ``nn.Linear``), for debugging and comparisons."""
+        plain ``nn.Linear``), for debugging and comparisons. ``cuda_graphs`` (default): on a CUDA device the fast
+        forward's decode steps are replayed from CUDA graphs (:mod:`dflashkit.cuda_graphs`)."""
         if drafter is not None:
             check_compatible(drafter.config, model)
             param = next(drafter.parameters())
@@ -100,7 +101,8 @@ class SpeculativeGenerator:
                 drafter = drafter.to(device=model.device, dtype=model.dtype)
             drafter.use_fast_path(fast)
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
-        self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else (), fast=fast)
+        self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else (), fast=fast,
+                                    cuda_graphs=cuda_graphs)
         if not fast:
             self.target.use_packed_linears(False)  # an earlier fast adapter may have packed them
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -123,13 +125,14 @@ class SpeculativeGenerator:
         device: str = "cpu",
         quantize: str | None = None,
         fast: bool = True,
+        cuda_graphs: bool = True,
     ) -> SpeculativeGenerator:
         """Load a target (None: the embedded SmolLM2-135M-Instruct) and a drafter: a folder, "auto" (the drafter
         shipped with dflashkit for that target, if there is one; otherwise none) or None (no drafter).
 
         ``quantize="int8"``: weight-only int8 target weights (:mod:`dflashkit.quantize`); the output is then
-        exact with respect to that quantized target, not the ``dtype`` one. ``fast=False``: the eager path
-        (see ``__init__``).
+        exact with respect to that quantized target, not the ``dtype`` one. ``fast=False``: the eager path;
+        ``cuda_graphs=False``: no CUDA graphs on a GPU (see ``__init__``).
         """
         from .checkpoint import load_drafter
         from .models import load_target
@@ -142,7 +145,7 @@ class SpeculativeGenerator:
             found = shipped_drafter(target)
             drafter = str(found) if found is not None else None
         draft = load_drafter(drafter, dtype=dtype, device=device) if drafter else None
-        return cls(model, tokenizer, draft, fast=fast)
+        return cls(model, tokenizer, draft, fast=fast, cuda_graphs=cuda_graphs)
 
     # ---- prompts ---------------------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 
 from .attention import use_packed_gqa
+from .cuda_graphs import Capture, GraphCache, GraphedSteps
+from .cuda_graphs import unsupported_reason as graphs_unsupported_reason
 from .errors import IncompatibleDrafterError, InvalidInputError
 from .fast_target import FastTargetForward, StaticKVCache, unsupported_reason
 from .linear import has_packed_linears, pack_linears, unpack_linears
@@ -30,11 +32,12 @@ class TargetAdapter:
     ones (:mod:`dflashkit.linear`). ``fast=False`` leaves the linear layers alone and uses transformers'
     forward: the eager path, for debugging and comparisons. Independently, a model on transformers' "sdpa"
     attention is switched to the packed grouped-query form of :mod:`dflashkit.attention` (same maths, several
-    times faster on a CPU); ``packed_attention=False`` leaves it alone.
+    times faster on a CPU); ``packed_attention=False`` leaves it alone. On a CUDA device the fast forward's
+    decode steps are replayed from CUDA graphs (:mod:`dflashkit.cuda_graphs`) unless ``cuda_graphs=False``.
     """
 
     def __init__(self, model: PreTrainedModel, feature_layer_ids: Sequence[int] = (), *,
-                 packed_attention: bool = True, fast: bool = True) -> None:
+                 packed_attention: bool = True, fast: bool = True, cuda_graphs: bool = True) -> None:
         if packed_attention:
             use_packed_gqa(model)
         self.fast_forward: FastTargetForward | None = None
@@ -43,6 +46,9 @@ class TargetAdapter:
                 self.fast_forward = FastTargetForward(model)
             else:
                 pack_linears(model)
+        self.graphs: GraphedSteps | None = None
+        if cuda_graphs and self.fast_forward is not None and graphs_unsupported_reason(self.fast_forward) is None:
+            self.graphs = GraphedSteps(self.fast_forward)
         self.model = model.eval()
         self.config = model.config
         decoder = model.get_decoder()
@@ -96,6 +102,8 @@ class TargetAdapter:
     @property
     def engine(self) -> str:
         """Which forward decodes: the fast one, transformers' with prepacked linear layers, or the eager one."""
+        if self.graphs is not None:
+            return "dflashkit fast forward (static KV cache, decode steps replayed from CUDA graphs)"
         if self.fast_forward is not None:
             return "dflashkit fast forward (fused prepacked GEMMs, static KV cache)"
         if has_packed_linears(self.model):
@@ -135,8 +143,18 @@ class TargetAdapter:
 
     # ---- running the target --------------------------------------------------------------------------
 
+    def use_step_graphs(self, capture: Capture | None = None) -> None:
+        """Replay decode steps from graphs (:mod:`dflashkit.cuda_graphs`). ``capture`` None: CUDA graphs (a CUDA
+        device); another capture function stands in for them, e.g. in tests on a CPU."""
+        if self.fast_forward is None:
+            raise InvalidInputError("step graphs need the fast forward (TargetAdapter(..., fast=True))")
+        self.graphs = GraphedSteps(self.fast_forward, capture)
+
     def new_cache(self, capacity: int | None = None) -> DynamicCache | StaticKVCache:
-        """An empty KV cache for one generation; `capacity`: the positions it will likely need (it grows)."""
+        """An empty KV cache for one generation; `capacity`: the positions it will likely need (it grows, except
+        with graphs, whose caches hold at least `capacity` positions and never grow)."""
+        if self.graphs is not None:
+            return self.graphs.new_cache(capacity or 256)
         if self.fast_forward is not None:
             return self.fast_forward.new_cache(capacity or 256)
         return DynamicCache(config=self.config)
@@ -170,6 +188,8 @@ class TargetAdapter:
         if isinstance(cache, StaticKVCache):
             if self.fast_forward is None:
                 raise InvalidInputError("a StaticKVCache needs the fast forward (TargetAdapter(..., fast=True))")
+            if isinstance(cache, GraphCache) and self.graphs is not None:
+                return self.graphs(input_ids, start, cache, logits_rows, self.feature_layer_ids, tree)
             return self.fast_forward(input_ids, start, cache, logits_rows, self.feature_layer_ids, tree)
         positions = torch.arange(start, start + n, device=input_ids.device)
         out = self.model(

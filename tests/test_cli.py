@@ -22,6 +22,7 @@ from dflashkit.cli import main
 from dflashkit.drafter import DFlashDrafter
 from dflashkit.identity import drafter_config_for
 from dflashkit.quantize import quantize_model
+from dflashkit.target import TargetAdapter
 
 SPECIALS = ["<pad>", "<s>", "<eos>", "<unk>"]
 WORDS = ["user", "assistant", "hello", "world", "the", "a", "story", "tell", "me", "about", "sea", "sky"]
@@ -300,3 +301,19 @@ def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], m
     _, err = capsys.readouterr()
     assert rc == 2 and err.strip().splitlines()[-1].startswith("error:") and message in err
     assert loads == []  # refused before the (slow) model load
+
+
+def test_no_cuda_graphs_reaches_the_target(loads, capsys, monkeypatch) -> None:
+    """--no-cuda-graphs is handed to the target adapter (on a CPU the fast forward never uses graphs anyway)."""
+    seen = []
+    original = TargetAdapter.__init__
+
+    def spy(self, *args, cuda_graphs=True, **kwargs):
+        seen.append(cuda_graphs)
+        original(self, *args, cuda_graphs=cuda_graphs, **kwargs)
+
+    monkeypatch.setattr(TargetAdapter, "__init__", spy)
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--json", "--no-cuda-graphs")
+    assert rc == 0, err
+    assert seen and not any(seen)
+    assert "CUDA graphs" not in json.loads(out)["engine"]

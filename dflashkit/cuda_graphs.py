@@ -1,0 +1,219 @@
+"""CUDA graphs for the fast target forward: each step shape is captured once, then replayed.
+
+On a GPU a small target is not bound by its arithmetic but by the CPU launching its kernels one by one:
+SmolLM2-135M's fast forward ran ~65 ms per step on an H100 (30 layers of small ops), while 450 tiny kernels
+took 5.0 ms launched eagerly and 0.6 ms replayed from one CUDA graph (measured there, session 9). A graph
+replays the exact kernels it recorded, on the same memory, so everything that changes between steps has to
+live in tensors: :meth:`FastTargetForward.static_step` takes the position, the tokens and the block's
+visibility as tensors, writes the KV cache with ``index_copy_`` and attends over the cache's whole capacity
+with a mask built from those tensors.
+
+:class:`GraphedSteps` keeps caches of fixed capacity (:class:`GraphCache`, capacity rounded up to a power of
+two so that caches are reused across generations) and, per cache, one graph per step shape (rows, logits
+rows, feature layers), captured the first time that shape runs. The first two replays of a shape are checked
+against the eager fast forward on the same inputs: the second one runs at another position with other tokens,
+so a recording that kept a value of its capture (the way graphs go wrong silently) disagrees there. A capture
+that fails or disagrees turns graphs off for that shape (the eager fast forward runs it, with a warning).
+Prefills (long, variable shapes) and steps longer than ``max_rows`` run eagerly on the same cache.
+
+The decode loop is unchanged: both plain and speculative decoding go through the same graphed forward, so
+speculative greedy output still equals plain greedy output. A cache is lent to one generation at a time and
+returns to the pool when that generation drops it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .errors import InvalidInputError
+from .fast_target import FastTargetForward, StaticKVCache, StepInputs
+from .quantize import Int8Linear
+
+MIN_CAPACITY = 512
+MAX_ROWS = 64  # steps of more rows (prefills) run eagerly
+CHECKS = 2  # the first replays of a shape (at the capture's inputs, then at the next step's) are checked
+CHECK_TOLERANCE = 0.1  # graph vs eager logits: max |difference| / max |logit| allowed (rounding, not bugs)
+
+# A capture backend: records `step` (run it as a graph) and returns the function that replays it.
+Capture = Callable[[Callable[[], None], object], Callable[[], None]]
+
+
+def cuda_capture(step: Callable[[], None], pool: object) -> Callable[[], None]:
+    """Record ``step`` as a CUDA graph (after warm-up runs on a side stream, as torch's docs prescribe)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # cuBLAS handles and workspaces are created outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph.replay
+
+
+def unsupported_reason(forward: FastTargetForward) -> str | None:
+    """Why the fast forward cannot be replayed from graphs (None: it can)."""
+    if forward.device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, the target is on {forward.device}"
+    if isinstance(forward.head, Int8Linear):
+        return "weight-only int8 targets are not graphed"
+    rope_type = getattr(forward.rotary, "rope_type", "default")
+    if rope_type == "dynamic" or "dynamic" in str(rope_type):
+        return f"rotary type {rope_type!r} changes with the sequence length"
+    return None
+
+
+@dataclass
+class _Shape:
+    inputs: StepInputs  # views of the cache's static input buffers
+    replay: Callable[[], None] | None = None
+    checks_left: int = CHECKS  # replays still compared with the eager forward
+    logits: Tensor | None = None  # static outputs of the captured step
+    features: Tensor | None = None
+
+
+@dataclass(eq=False)
+class _Slot:
+    """The buffers behind a GraphCache: keys/values, static inputs, and the graphs captured over them."""
+
+    keys: Tensor
+    values: Tensor
+    ids: Tensor  # [1, MAX_ROWS] long
+    start: Tensor  # [1] long
+    offsets: Tensor  # [MAX_ROWS] long
+    visible: Tensor  # [MAX_ROWS, MAX_ROWS] bool
+    rows: Tensor  # [MAX_ROWS] long: 0..MAX_ROWS-1
+    chain: Tensor  # [MAX_ROWS, MAX_ROWS] bool, lower triangle: a chain's visibility
+    key_positions: Tensor  # [capacity] long
+    cos: Tensor
+    sin: Tensor
+    shapes: dict[tuple, _Shape] = field(default_factory=dict)
+
+
+class GraphCache(StaticKVCache):
+    """A :class:`StaticKVCache` of fixed capacity over a pooled slot whose graphs outlive the generation."""
+
+    def __init__(self, slot: _Slot) -> None:  # noqa: super().__init__ would allocate new buffers
+        self.slot = slot
+        self.keys, self.values = slot.keys, slot.values
+        self.length = 0
+
+    def reserve(self, end: int) -> None:
+        if end > self.capacity:  # graphs recorded these buffers' addresses: they cannot grow
+            raise InvalidInputError(f"{end} positions do not fit this graph cache of {self.capacity}: ask "
+                                    "new_cache for the capacity the generation needs")
+
+
+class GraphedSteps:
+    """Runs the fast forward's decode steps from CUDA graphs (see the module docstring)."""
+
+    def __init__(self, forward: FastTargetForward, capture: Capture | None = None, max_rows: int = MAX_ROWS) -> None:
+        if capture is None:
+            reason = unsupported_reason(forward)
+            if reason is not None:
+                raise InvalidInputError(reason)
+            capture = cuda_capture
+        self.forward, self.capture, self.max_rows = forward, capture, max_rows
+        self.pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
+        self._free: dict[int, list[_Slot]] = {}  # capacity -> slots no generation holds
+        self.failed: dict[tuple, str] = {}  # shape -> why it runs eagerly
+        self.captures = 0
+
+    # ---- caches -----------------------------------------------------------------------------------------
+
+    def new_cache(self, capacity: int) -> GraphCache:
+        """A cache for one generation of up to ``capacity`` positions (rounded up to a power of two, reused)."""
+        size = max(MIN_CAPACITY, 1 << max(0, int(capacity) - 1).bit_length())
+        free = self._free.setdefault(size, [])
+        slot = free.pop() if free else self._new_slot(size)
+        cache = GraphCache(slot)
+        weakref.finalize(cache, free.append, slot)  # back to the pool when the generation drops it
+        return cache
+
+    def _new_slot(self, capacity: int) -> _Slot:
+        f, device, rows = self.forward, self.forward.device, self.max_rows
+        shape = (len(f.layers), f.kv_heads, capacity, f.head_dim)
+        cos, sin = f.rotary_tables(capacity)
+        zeros = functools.partial(torch.zeros, device=device)
+        return _Slot(keys=zeros(shape, dtype=f.dtype), values=zeros(shape, dtype=f.dtype),
+                     ids=zeros(1, rows, dtype=torch.long), start=zeros(1, dtype=torch.long),
+                     offsets=zeros(rows, dtype=torch.long), visible=zeros(rows, rows, dtype=torch.bool),
+                     rows=torch.arange(rows, device=device),
+                     chain=torch.ones(rows, rows, dtype=torch.bool, device=device).tril_(),
+                     key_positions=torch.arange(capacity, device=device), cos=cos, sin=sin)
+
+    # ---- steps ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: Tensor, start: int, cache: GraphCache, logits_rows: int, feature_layers: list[int],
+                 tree: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+        """The fast forward's step (same arguments and results), replayed from a graph where one applies."""
+        n = input_ids.shape[1]
+        key = (n, logits_rows, tuple(feature_layers))
+        if cache.length != start or n > self.max_rows or start + n > cache.capacity or key in self.failed:
+            return self.forward(input_ids, start, cache, logits_rows, feature_layers, tree)
+        slot = cache.slot
+        slot.ids[:, :n].copy_(input_ids)
+        slot.start.fill_(start)
+        if tree is None:  # a chain: row i at position start + i sees rows 0..i
+            slot.offsets[:n].copy_(slot.rows[:n])
+            slot.visible[:n, :n].copy_(slot.chain[:n, :n])
+        else:
+            offsets, visible = tree
+            if offsets.shape != (n,) or visible.shape != (n, n):
+                raise InvalidInputError(f"a tree of {n} rows needs offsets [{n}] and visibility [{n}, {n}]")
+            slot.offsets[:n].copy_(offsets)
+            slot.visible[:n, :n].copy_(visible)
+        shape = slot.shapes.get(key) or self._capture(key, slot)
+        if shape is None:
+            return self.forward(input_ids, start, cache, logits_rows, feature_layers, tree)
+        if shape.checks_left:  # the first replays are checked against the eager forward on the same inputs
+            expected, _ = self.forward(input_ids, start, cache, logits_rows, feature_layers, tree)
+            cache.length = start
+            shape.replay()
+            scale = float(expected.float().abs().max()) or 1.0
+            error = float((shape.logits.float() - expected.float()).abs().max()) / scale
+            if not error <= CHECK_TOLERANCE:
+                del slot.shapes[key]
+                self._fail(key, f"its logits differ from the eager forward's by {error:.3g} of the largest")
+                return self.forward(input_ids, start, cache, logits_rows, feature_layers, tree)  # rewrites the rows
+            shape.checks_left -= 1
+        else:
+            shape.replay()
+        cache.length = start + n
+        features = shape.features.clone() if shape.features is not None else None
+        return shape.logits.clone(), features  # the next replay overwrites the static outputs
+
+    def _capture(self, key: tuple, slot: _Slot) -> _Shape | None:
+        """Record the step of this shape over the slot's static buffers (inputs already in place); None if that
+        fails."""
+        n, logits_rows, feature_layers = key
+        inputs = StepInputs(slot.ids[:, :n], slot.start, slot.offsets[:n], slot.rows[:n], slot.visible[:n, :n],
+                            slot.key_positions, slot.cos, slot.sin)  # fmt: skip
+        shape = _Shape(inputs)
+
+        def step() -> None:
+            shape.logits, shape.features = self.forward.static_step(inputs, slot.keys, slot.values, logits_rows,
+                                                                    list(feature_layers))
+
+        try:
+            shape.replay = self.capture(step, self.pool)
+        except Exception as exc:  # noqa: BLE001 - any failure means: run this shape eagerly
+            self._fail(key, f"capture failed: {type(exc).__name__}: {exc}")
+            return None
+        self.captures += 1
+        slot.shapes[key] = shape
+        return shape
+
+    def _fail(self, key: tuple, why: str) -> None:
+        self.failed[key] = why
+        warnings.warn(f"CUDA graph for steps of {key[0]} rows not used ({why}); they run eagerly", RuntimeWarning,
+                      stacklevel=4)

@@ -1,0 +1,218 @@
+"""Step graphs (dflashkit.cuda_graphs) without a GPU: the tensor-driven step equals the fast forward, decoding
+through replayed steps gives the fast path's tokens, caches return to their pool, and failures fall back.
+
+A CUDA graph replays recorded kernels on recorded memory. The stand-in capture here records nothing: it returns
+the step itself, so a replay runs the step again on the same static buffers. What it checks is everything but
+the recording: that every input of a step reaches it through the static buffers and every output leaves through
+them. That no Python value of the step depends on the position or the tokens (the way a recording would go
+wrong silently) is checked by running the step under a dispatch mode that fails on reading a tensor's value.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_drafter, tiny_target
+from test_fast_target import PROMPTS, run
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflashkit.adaptive import AdaptiveBlockSize
+from dflashkit.cuda_graphs import MIN_CAPACITY, GraphCache, GraphedSteps, unsupported_reason
+from dflashkit.errors import InvalidInputError
+from dflashkit.fast_target import StepInputs
+from dflashkit.sampling import SamplingParams
+from dflashkit.target import TargetAdapter
+
+
+class ReplayCapture:
+    """Stand-in for CUDA graph capture on a CPU: counts captures; a replay runs the step again."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+
+    def __call__(self, step, pool):
+        self.captured += 1
+        return step
+
+
+def pair(arch: str = "llama", block_size: int = 8):
+    """The same tiny target twice (fast forward; fast forward with step graphs) and a drafter."""
+    model = tiny_target(arch)
+    drafter = tiny_drafter(model, block_size=block_size)
+    drafter.use_fast_path(True)
+    layers = drafter.config.target_layer_ids
+    plain, graphed = TargetAdapter(model, layers), TargetAdapter(model, layers)
+    capture = ReplayCapture()
+    graphed.use_step_graphs(capture)
+    return plain, graphed, drafter, capture
+
+
+def step_inputs(fast, capacity: int, ids: torch.Tensor, start: int, offsets=None, visible=None) -> StepInputs:
+    n = ids.shape[1]
+    cos, sin = fast.rotary_tables(capacity)
+    return StepInputs(ids, torch.tensor([start]), torch.arange(n) if offsets is None else offsets, torch.arange(n),
+                      torch.ones(n, n, dtype=torch.bool).tril() if visible is None else visible,
+                      torch.arange(capacity), cos, sin)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_static_step_equals_the_fast_forward(arch):
+    """Chain steps of 1 and 5 rows at several positions, then a token tree: same logits, features and cache rows."""
+    target = TargetAdapter(tiny_target(arch), [0, 1])
+    fast = target.fast_forward
+    cache = fast.new_cache(64)
+    keys, values = torch.zeros_like(cache.keys), torch.zeros_like(cache.values)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=gen)
+    fast(prompt, 0, cache, 1, [0, 1])
+    keys[:, :, :7], values[:, :, :7] = cache.keys[:, :, :7], cache.values[:, :, :7]  # the same prefix
+    start = 7
+    for n in (1, 5, 1, 3):
+        ids = torch.randint(0, VOCAB, (1, n), generator=gen)
+        want_logits, want_features = fast(ids, start, cache, n, [0, 1])
+        logits, features = fast.static_step(step_inputs(fast, 64, ids, start), keys, values, n, [0, 1])
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(features, want_features, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(keys[:, :, : start + n], cache.keys[:, :, : start + n], rtol=1e-6, atol=1e-6)
+        start += n
+    # a tree: root, two children, a grandchild under the second child
+    offsets = torch.tensor([0, 1, 1, 2])
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    ids = torch.randint(0, VOCAB, (1, 4), generator=gen)
+    want_logits, _ = fast(ids, start, cache, 4, [0, 1], tree=(offsets, visible))
+    logits, _ = fast.static_step(step_inputs(fast, 64, ids, start, offsets, visible), keys, values, 4, [0, 1])
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+class NoValueReads(TorchDispatchMode):
+    """Fails on any read of a tensor's value into Python (``item``, ``int``, ``float``, ``bool`` of a tensor)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default,
+                    torch.ops.aten.is_nonzero.default):
+            raise AssertionError("the step read a tensor's value: a CUDA graph would replay it as a constant")
+        return func(*args, **(kwargs or {}))
+
+
+def test_static_step_reads_no_tensor_value():
+    """No value of a tensor steers the step's Python code (a CUDA graph would replay that choice forever)."""
+    fast = TargetAdapter(tiny_target("llama"), [1]).fast_forward
+    keys = torch.zeros(len(fast.layers), fast.kv_heads, 32, fast.head_dim)
+    values = torch.zeros_like(keys)
+    inputs = step_inputs(fast, 32, torch.tensor([[5, 6, 7, 8]]), 3)
+    with NoValueReads():
+        fast.static_step(inputs, keys, values, 4, [1])
+    with pytest.raises(AssertionError, match="read a tensor's value"), NoValueReads():
+        int(inputs.start)  # the check itself works
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoding_through_graphs_gives_the_fast_paths_tokens(arch):
+    """Greedy and seeded sampling, fixed and adaptive block sizes (so the step shape changes mid-generation), and
+    plain decoding: every token as the fast forward decodes it; each step shape is captured once per cache."""
+    plain, graphed, drafter, capture = pair(arch)
+    for prompt in PROMPTS[:3]:
+        for kw in ({}, {"block_size": 4}, {"sampling": SamplingParams(temperature=1.0), "seed": 3}):
+            want = run(plain, drafter, prompt, **kw)
+            assert run(graphed, drafter, prompt, **kw) == want
+        policy = AdaptiveBlockSize(8, candidates=(1, 2, 4, 8), explore_every=2)
+        want = run(plain, drafter, prompt, policy=policy)
+        policy = AdaptiveBlockSize(8, candidates=(1, 2, 4, 8), explore_every=2)
+        assert run(graphed, drafter, prompt, policy=policy) == want
+        assert run(graphed, None, prompt) == run(plain, None, prompt)
+    assert capture.captured > 0 and not graphed.graphs.failed
+    assert "CUDA graphs" in graphed.engine
+
+
+def test_token_trees_through_graphs():
+    plain, graphed, drafter, _ = pair()
+    for prompt in PROMPTS[:2]:
+        assert run(graphed, drafter, prompt, tree=5) == run(plain, drafter, prompt, tree=5)
+
+
+def test_cache_bookkeeping_after_replayed_steps_equals_a_fresh_prefill():
+    """After a speculative generation through graphs, the cache's valid rows are the prefill of its tokens."""
+    _, graphed, drafter, _ = pair()
+    prompt = PROMPTS[1]
+    tokens = run(graphed, drafter, prompt, block_size=4, max_new_tokens=20)
+    fresh = graphed.fast_forward.new_cache(64)
+    ids = torch.tensor([prompt + tokens[:-1]])
+    graphed.fast_forward(ids, 0, fresh, 1, [])
+    # rerun the generation, keeping its cache this time
+    cache = graphed.new_cache(64)
+    assert isinstance(cache, GraphCache)
+    start = 0
+    graphed.forward(torch.tensor([prompt]), 0, cache, 1)
+    start = len(prompt)
+    for t in tokens[:-1]:  # one replayed step per token
+        graphed.forward(torch.tensor([[t]]), start, cache, 1)
+        start += 1
+    for (k, v), (fk, fv) in zip(TargetAdapter.cached_key_values(cache), TargetAdapter.cached_key_values(fresh)):
+        torch.testing.assert_close(k, fk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, fv, rtol=1e-5, atol=1e-5)
+
+
+def test_caches_are_pooled_and_lent_to_one_generation_at_a_time():
+    _, graphed, _, capture = pair()
+    steps: GraphedSteps = graphed.graphs
+    a = graphed.new_cache(100)
+    assert a.capacity == MIN_CAPACITY
+    b = graphed.new_cache(100)
+    assert b.slot is not a.slot  # two live generations never share buffers
+    graphed.forward(torch.tensor([[1, 2, 3]]), 0, a, 1)
+    graphed.forward(torch.tensor([[4]]), 3, a, 1)
+    slot = a.slot
+    del a
+    gc.collect()
+    c = graphed.new_cache(60)
+    assert c.slot is slot and c.length == 0  # reused, graphs included
+    captured = capture.captured
+    graphed.forward(torch.tensor([[1, 2, 3]]), 0, c, 1)
+    graphed.forward(torch.tensor([[4]]), 3, c, 1)
+    assert capture.captured == captured
+    assert graphed.new_cache(3 * MIN_CAPACITY).capacity == 4 * MIN_CAPACITY
+    with pytest.raises(InvalidInputError, match="do not fit"):
+        c.reserve(MIN_CAPACITY + 1)
+    assert steps.captures == capture.captured
+
+
+def test_a_failing_capture_falls_back_to_the_eager_forward():
+    plain, graphed, drafter, _ = pair()
+
+    def broken(step, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphed.use_step_graphs(broken)
+    with pytest.warns(RuntimeWarning, match="not used"):
+        tokens = run(graphed, drafter, PROMPTS[0], block_size=4)
+    assert tokens == run(plain, drafter, PROMPTS[0], block_size=4)
+    assert graphed.graphs.failed
+
+
+def test_a_graph_that_kept_its_capture_is_caught():
+    """A recording that ignores its inputs (what a graph does when the step read a tensor's value in Python) gives
+    the capture step's logits again at the next step: the second check sees it, and the eager forward decodes."""
+    plain, graphed, drafter, _ = pair()
+
+    def frozen(step, pool):
+        step()  # recorded at the capture's inputs
+        return lambda: None  # every replay: the capture's outputs, whatever the inputs are now
+
+    graphed.use_step_graphs(frozen)
+    with pytest.warns(RuntimeWarning, match="differ"):
+        tokens = run(graphed, drafter, PROMPTS[1], block_size=4)
+    assert tokens == run(plain, drafter, PROMPTS[1], block_size=4)
+    assert graphed.graphs.failed
+
+
+def test_graphs_need_a_cuda_device():
+    target = TargetAdapter(tiny_target("llama"))
+    assert target.graphs is None  # on a CPU the fast forward runs as before
+    assert "CUDA" in unsupported_reason(target.fast_forward)
+    with pytest.raises(InvalidInputError, match="CUDA"):
+        GraphedSteps(target.fast_forward)
+    eager = TargetAdapter(tiny_target("llama"), fast=False)
+    with pytest.raises(InvalidInputError, match="fast forward"):
+        eager.use_step_graphs(ReplayCapture())
