@@ -174,3 +174,17 @@ def test_ctrl_c_reports_what_was_finished(questions) -> None:
     result = run_bench(s, [Autoregressive(s), CtrlC(s, "user", 3)], config, log=lambda _: None)
     assert result.interrupted and result.exit_code == 130
     assert len(result.rows) == 2 and {r.method for r in result.rows} == {"ar", "user"}  # one whole prompt
+
+
+def test_cpu_model_names_family_and_model():
+    """A virtual machine's bare "AMD EPYC" is told apart by its family and model (Zen 4 is family 25, model 17)."""
+    from dflashkit.bench.environment import cpu_model_from, machine
+
+    info = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n\n" \
+           "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: Other\n"
+    assert cpu_model_from(info) == "AMD EPYC (family 25, model 17)"
+    assert cpu_model_from("model name\t: Apple M2\n") == "Apple M2"
+    with pytest.raises(ValueError):
+        cpu_model_from("processor\t: 0\n")
+    m = machine()
+    assert m["cpu"] and m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -15,19 +15,33 @@ PACKAGES = ("dflashkit", "torch", "transformers", "tokenizers", "llama-cpp-pytho
 
 
 def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux), else what platform reports."""
+    """The CPU's model name with its family and model numbers (from /proc/cpuinfo on Linux: virtual machines often
+    report a bare "AMD EPYC", and two generations of it decode at very different speeds), else what platform
+    reports."""
     try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return cpu_model_from(pathlib.Path("/proc/cpuinfo").read_text())
+    except (OSError, ValueError):
+        return platform.processor() or platform.machine()
+
+
+def cpu_model_from(cpuinfo: str) -> str:
+    """"NAME (family F, model M)" from the first processor of a /proc/cpuinfo text."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor only
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" not in fields:
+        raise ValueError("no model name in cpuinfo")
+    numbers = [f"{k} {fields[k2]}" for k, k2 in (("family", "cpu family"), ("model", "model")) if k2 in fields]
+    return fields["model name"] + (f" ({', '.join(numbers)})" if numbers else "")
 
 
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector ISA torch's kernels use
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
