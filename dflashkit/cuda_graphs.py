@@ -14,7 +14,8 @@ rows, feature layers), captured the first time that shape runs. The first two re
 against the eager fast forward on the same inputs: the second one runs at another position with other tokens,
 so a recording that kept a value of its capture (the way graphs go wrong silently) disagrees there. A capture
 that fails or disagrees turns graphs off for that shape (the eager fast forward runs it, with a warning).
-Prefills (long, variable shapes) and steps longer than ``max_rows`` run eagerly on the same cache.
+Prefills (position 0: a new length per prompt) and steps longer than ``max_rows`` run eagerly on the same
+cache.
 
 The decode loop is unchanged: both plain and speculative decoding go through the same graphed forward, so
 speculative greedy output still equals plain greedy output. A cache is lent to one generation at a time and
@@ -158,7 +159,8 @@ class GraphedSteps:
         """The fast forward's step (same arguments and results), replayed from a graph where one applies."""
         n = input_ids.shape[1]
         key = (n, logits_rows, tuple(feature_layers))
-        if cache.length != start or n > self.max_rows or start + n > cache.capacity or key in self.failed:
+        if start == 0 or cache.length != start or n > self.max_rows or start + n > cache.capacity or key in self.failed:
+            # prefills (start 0: a new length each time) and shapes that failed run eagerly
             return self.forward(input_ids, start, cache, logits_rows, feature_layers, tree)
         slot = cache.slot
         slot.ids[:, :n].copy_(input_ids)

@@ -162,7 +162,9 @@ def test_caches_are_pooled_and_lent_to_one_generation_at_a_time():
     b = graphed.new_cache(100)
     assert b.slot is not a.slot  # two live generations never share buffers
     graphed.forward(torch.tensor([[1, 2, 3]]), 0, a, 1)
+    assert capture.captured == 0  # a prefill (position 0) runs eagerly: its length changes with every prompt
     graphed.forward(torch.tensor([[4]]), 3, a, 1)
+    assert capture.captured == 1
     slot = a.slot
     del a
     gc.collect()
