@@ -17,6 +17,10 @@ that fails or disagrees turns graphs off for that shape (the eager fast forward 
 Prefills (position 0: a new length per prompt) and steps longer than ``max_rows`` run eagerly on the same
 cache.
 
+The drafter's steps get the same treatment (:class:`GraphedDrafts`, :class:`GraphContext`): its three layers
+and the head over the draft vocabulary are a few dozen more small kernels per step, which would otherwise cost
+what the whole graphed target step costs. Appending verified features to its context stays eager.
+
 The decode loop is unchanged: both plain and speculative decoding go through the same graphed forward, so
 speculative greedy output still equals plain greedy output. A cache is lent to one generation at a time and
 returns to the pool when that generation drops it.
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .drafter import ContextCache
 from .errors import InvalidInputError
 from .fast_target import FastTargetForward, StaticKVCache, StepInputs
 from .quantize import Int8Linear
@@ -74,7 +79,7 @@ def unsupported_reason(forward: FastTargetForward) -> str | None:
 
 @dataclass
 class _Shape:
-    inputs: StepInputs  # views of the cache's static input buffers
+    inputs: StepInputs | None = None  # views of the cache's static input buffers (drafts: they live in the slot)
     replay: Callable[[], None] | None = None
     checks_left: int = CHECKS  # replays still compared with the eager forward
     logits: Tensor | None = None  # static outputs of the captured step
@@ -219,3 +224,141 @@ class GraphedSteps:
         self.failed[key] = why
         warnings.warn(f"CUDA graph for steps of {key[0]} rows not used ({why}); they run eagerly", RuntimeWarning,
                       stacklevel=4)
+
+
+# ---- the drafter's steps -------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _DraftSlot:
+    """Buffers behind a GraphContext: the injected context's keys/values per layer, static inputs, graphs."""
+
+    keys: list[Tensor]  # per layer [1, kv_heads, capacity, head_dim]
+    values: list[Tensor]
+    ids: Tensor  # [1, MAX_ROWS] long: the anchor, then mask ids
+    pos: Tensor  # [1] long: the anchor's position
+    length: Tensor  # [1] long: valid context rows
+    rows: Tensor  # [MAX_ROWS] long: 0..MAX_ROWS-1
+    key_positions: Tensor  # [capacity] long
+    cos: Tensor  # [capacity + MAX_ROWS, head_dim]
+    sin: Tensor  # signed
+    shapes: dict[tuple, _Shape] = field(default_factory=dict)
+
+
+class GraphContext(ContextCache):
+    """A drafter :class:`ContextCache` of fixed capacity over a pooled slot (graphs recorded its buffers)."""
+
+    def __init__(self, slot: _DraftSlot) -> None:
+        super().__init__(len(slot.keys), slot.keys[0].shape[2])
+        self.slot = slot
+        self._buffers = list(zip(slot.keys, slot.values))
+
+    def append(self, kvs: list) -> None:
+        n = kvs[0][0].shape[2]
+        if self.length + n > self.capacity:
+            raise InvalidInputError(f"{self.length + n} context rows do not fit this graph context of {self.capacity}")
+        super().append(kvs)
+
+
+class GraphedDrafts:
+    """Runs a drafter's drafting steps (layers over the block + head over the draft vocabulary) from graphs.
+
+    Same scheme as :class:`GraphedSteps`: pooled fixed-capacity contexts, one graph per block size (and head),
+    the context's valid length and the anchor's position in tensors, the first two replays of a shape checked
+    against the eager step. Appending verified features to the context stays eager (its row count varies).
+    """
+
+    def __init__(self, drafter: torch.nn.Module, capture: Capture | None = None, max_rows: int = MAX_ROWS) -> None:
+        device = drafter.fc.weight.device
+        if capture is None:
+            if device.type != "cuda":
+                raise InvalidInputError(f"CUDA graphs need a CUDA device, the drafter is on {device}")
+            capture = cuda_capture
+        self.drafter, self.capture, self.max_rows, self.device = drafter, capture, max_rows, device
+        self.pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
+        self._free: dict[int, list[_DraftSlot]] = {}
+        self.failed: dict[tuple, str] = {}
+        self.captures = 0
+
+    def new_context(self, capacity: int) -> GraphContext:
+        size = max(MIN_CAPACITY, 1 << max(0, int(capacity) - 1).bit_length())
+        free = self._free.setdefault(size, [])
+        context = GraphContext(free.pop() if free else self._new_slot(size))
+        context.length = 0
+        weakref.finalize(context, free.append, context.slot)
+        return context
+
+    def _new_slot(self, capacity: int) -> _DraftSlot:
+        d, device, rows = self.drafter, self.device, self.max_rows
+        attn = d.layers[0].self_attn
+        dtype = d.fc.weight.dtype
+        shape = (1, attn.n_kv, capacity, attn.head_dim)
+        cos, sin = d._fast_forward().rotary_tables(capacity + rows, dtype, device)
+        return _DraftSlot(keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in d.layers],
+                          values=[torch.zeros(shape, dtype=dtype, device=device) for _ in d.layers],
+                          ids=torch.full((1, rows), d.config.mask_token_id, dtype=torch.long, device=device),
+                          pos=torch.zeros(1, dtype=torch.long, device=device),
+                          length=torch.zeros(1, dtype=torch.long, device=device),
+                          rows=torch.arange(rows, device=device), key_positions=torch.arange(capacity, device=device),
+                          cos=cos, sin=sin)
+
+    @torch.inference_mode()
+    def __call__(self, context: ContextCache, anchor: int, pos: int, k: int, embed_tokens: torch.nn.Module,
+                 head: Callable[[Tensor], Tensor], fast: object, eager: Callable[[], Tensor]) -> Tensor:
+        """The draft scores [k, V'] of one step: replayed from a graph where one applies, else ``eager()``."""
+        s = k + 1
+        key = (s, id(fast), id(embed_tokens), id(head))
+        if not isinstance(context, GraphContext) or context.length == 0 or s > self.max_rows \
+                or pos + s > context.slot.cos.shape[0] or key in self.failed:
+            return eager()
+        slot = context.slot
+        slot.ids[0, 0].fill_(anchor)
+        slot.pos.fill_(pos)
+        slot.length.fill_(context.length)
+        shape = slot.shapes.get(key) or self._capture(key, slot, embed_tokens, head, fast)
+        if shape is None:
+            return eager()
+        if shape.checks_left:
+            expected = eager()
+            shape.replay()
+            scale = float(expected.float().abs().max()) or 1.0
+            error = float((shape.logits.float() - expected.float()).abs().max()) / scale
+            if not error <= CHECK_TOLERANCE:
+                del slot.shapes[key]
+                self.failed[key] = f"its scores differ from the eager step's by {error:.3g} of the largest"
+                warnings.warn(f"CUDA graph for drafting {k} tokens not used ({self.failed[key]})", RuntimeWarning,
+                              stacklevel=3)
+                return expected
+            shape.checks_left -= 1
+        else:
+            shape.replay()
+        return shape.logits.clone()
+
+    def _capture(self, key: tuple, slot: _DraftSlot, embed_tokens: torch.nn.Module, head: Callable[[Tensor], Tensor],
+                 fast: object) -> _Shape | None:
+        s = key[0]
+        capacity = slot.key_positions.shape[0]
+        group = self.drafter.layers[0].self_attn.n_heads // self.drafter.layers[0].self_attn.n_kv
+        context = list(zip(slot.keys, slot.values))
+        block_visible = torch.ones(s, dtype=torch.bool, device=self.device)
+        shape = _Shape()
+
+        def step() -> None:
+            embeddings = self.drafter.embed(slot.ids[:, :s], embed_tokens)  # [1, s, hidden]
+            positions = slot.pos + slot.rows[:s]  # [s]
+            visible = torch.cat((slot.key_positions < slot.length, block_visible))  # [capacity + s]
+            mask = torch.zeros(capacity + s, dtype=embeddings.dtype, device=self.device)
+            mask = mask.masked_fill(~visible, float("-inf"))[None, None, None].expand(1, 1, group * s, capacity + s)
+            hidden = fast.run(embeddings, slot.cos[positions], slot.sin[positions], context, mask)
+            shape.logits = head(hidden[0, 1:])  # [k, V']
+
+        try:
+            shape.replay = self.capture(step, self.pool)
+        except Exception as exc:  # noqa: BLE001 - any failure means: draft this shape eagerly
+            self.failed[key] = f"capture failed: {type(exc).__name__}: {exc}"
+            warnings.warn(f"CUDA graph for drafting {s - 1} tokens not used ({self.failed[key]})", RuntimeWarning,
+                          stacklevel=3)
+            return None
+        self.captures += 1
+        slot.shapes[key] = shape
+        return shape

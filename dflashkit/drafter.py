@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from . import kernels
 from .config import DrafterConfig
+from .errors import InvalidInputError
 from .kernels import Matmul, rotate, signed_sin
 from .linear import PackedLinear
 from .ngram_store import NgramStore
@@ -183,6 +184,7 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_vocab", vocab, persistent=False)  # [V'] or None
         self._head_rows: tuple[tuple, Callable[[Tensor], Tensor], int] | None = None  # see _draft_head
         self.fast = False  # see use_fast_path
+        self.graphs = None  # GraphedDrafts when drafting steps replay CUDA graphs (see use_step_graphs)
         self.ngram_store: NgramStore | None = None  # drafts from the target's past answers (see ngram_store)
         self._fast: tuple[int, FastDrafterForward] | None = None
 
@@ -209,8 +211,19 @@ class DFlashDrafter(nn.Module):
         return torch.where(is_mask, self.mask_embedding.to(emb.dtype), emb)
 
     def new_context(self, capacity: int = 256) -> ContextCache:
-        """An empty injected-context cache for one generation."""
+        """An empty injected-context cache for one generation (with step graphs: of fixed capacity)."""
+        if self.graphs is not None:
+            return self.graphs.new_context(capacity)
         return ContextCache(len(self.layers), capacity)
+
+    def use_step_graphs(self, capture: object | None = None) -> None:
+        """Replay drafting steps from graphs (:mod:`dflashkit.cuda_graphs`; needs the fast path). ``capture``
+        None: CUDA graphs (a CUDA device); another capture function stands in for them, e.g. in tests."""
+        from .cuda_graphs import GraphedDrafts
+
+        if not self.fast:
+            raise InvalidInputError("drafting step graphs need the drafter's fast path (use_fast_path())")
+        self.graphs = GraphedDrafts(self, capture)
 
     @torch.inference_mode()
     def draft_scores(
@@ -237,20 +250,26 @@ class DFlashDrafter(nn.Module):
             positions = torch.arange(new_start, new_start + new_features.shape[1], device=device)
             kv = fast.context_key_values if fast is not None else self.context_key_values
             context.append(kv(new_features, positions))
-        block_ids = torch.full((1, k + 1), self.config.mask_token_id, device=device)
-        block_ids[0, 0] = anchor
-        run = fast if fast is not None else self
-        hidden = run(self.embed(block_ids, embed_tokens), torch.arange(pos, pos + k + 1, device=device), context.layers())
-        if self.draft_vocab is None:
-            return lm_head(hidden[0, 1:]), None  # [k, vocab]
-        head, _ = self._draft_head(lm_head)
-        return head(hidden[0, 1:]), self.draft_vocab  # [k, V'], [V']
+        head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
+
+        def eager() -> Tensor:
+            block_ids = torch.full((1, k + 1), self.config.mask_token_id, device=device)
+            block_ids[0, 0] = anchor
+            run = fast if fast is not None else self
+            positions = torch.arange(pos, pos + k + 1, device=device)
+            return head(run(self.embed(block_ids, embed_tokens), positions, context.layers())[0, 1:])
+
+        if self.graphs is not None and fast is not None:
+            scores = self.graphs(context, anchor, pos, k, embed_tokens, head, fast, eager)
+        else:
+            scores = eager()
+        return scores, self.draft_vocab  # [k, V'] over the draft vocabulary [V'] (None: [k, vocab])
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the inference caches out (packed oneDNN tensors cannot be copied); they are
         rebuilt on first use."""
         state = super().__getstate__().copy()
-        state["_fast"], state["_head_rows"] = None, None
+        state["_fast"], state["_head_rows"], state["graphs"] = None, None, None
         return state
 
     def use_fast_path(self, on: bool = True) -> None:
@@ -344,7 +363,17 @@ class FastDrafterForward:
     def __call__(self, block_embeddings: Tensor, positions: Tensor, context: list[KV]) -> Tensor:
         """Final-normed hidden states [1, q_len, hidden] of the block (see DFlashDrafter.forward)."""
         cos, sin = self.rotary(positions, block_embeddings.dtype)
-        sin = signed_sin(sin)
+        return self.run(block_embeddings, cos, signed_sin(sin), context)
+
+    def rotary_tables(self, positions: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos and signed sin [positions, head_dim] of positions 0..positions-1 (row p = what a step at p uses)."""
+        cos, sin = self.rotary(torch.arange(positions, device=device), dtype)
+        return cos, signed_sin(sin)
+
+    def run(self, block_embeddings: Tensor, cos: Tensor, sin: Tensor, context: list[KV],
+            mask: Tensor | None = None) -> Tensor:
+        """The layers over the block [1, s, hidden] with rotary cos and signed sin [s, head_dim]; ``mask``
+        (additive, [1, 1, group*s, ctx+s]) hides context rows, None: every context row is valid."""
         h, (heads, kv, d) = block_embeddings, (self.heads, self.kv_heads, self.head_dim)
         s = h.shape[1]
         for layer, (k_ctx, v_ctx) in zip(self.layers, context):
@@ -357,7 +386,7 @@ class FastDrafterForward:
             keys = torch.cat((k_ctx, k), dim=2)  # [1, kv_heads, ctx+s, d]
             values = torch.cat((v_ctx, v.view(1, s, kv, d).transpose(1, 2)), dim=2)
             packed = q.reshape(1, kv, (heads // kv) * s, d)  # query heads per K/V head, no K/V copy
-            out = F.scaled_dot_product_attention(packed, keys, values).view(1, heads, s, d)
+            out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask).view(1, heads, s, d)
             h = h + layer.o(out.transpose(1, 2).reshape(1, s, heads * d))
             gate_up = layer.gate_up(layer.post_norm(h))
             h = h + layer.down(F.silu(gate_up[..., : layer.intermediate]) * gate_up[..., layer.intermediate :])

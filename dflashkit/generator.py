@@ -100,6 +100,9 @@ class SpeculativeGenerator:
             if param.dtype != model.dtype or param.device != model.device:
                 drafter = drafter.to(device=model.device, dtype=model.dtype)
             drafter.use_fast_path(fast)
+            drafter.graphs = None
+            if fast and cuda_graphs and next(drafter.parameters()).device.type == "cuda":
+                drafter.use_step_graphs()  # drafting steps replayed from CUDA graphs, as the target's
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else (), fast=fast,
                                     cuda_graphs=cuda_graphs)

@@ -11,6 +11,7 @@ wrong silently) is checked by running the step under a dispatch mode that fails 
 from __future__ import annotations
 
 import gc
+from copy import deepcopy
 
 import pytest
 import torch
@@ -47,6 +48,14 @@ def pair(arch: str = "llama", block_size: int = 8):
     capture = ReplayCapture()
     graphed.use_step_graphs(capture)
     return plain, graphed, drafter, capture
+
+
+def graphed_drafter(drafter, capture=None):
+    """A copy of the drafter whose drafting steps replay through `capture` (a ReplayCapture by default)."""
+    copy = deepcopy(drafter)
+    copy.use_fast_path(True)
+    copy.use_step_graphs(capture or ReplayCapture())
+    return copy
 
 
 def step_inputs(fast, capacity: int, ids: torch.Tensor, start: int, offsets=None, visible=None) -> StepInputs:
@@ -218,3 +227,72 @@ def test_graphs_need_a_cuda_device():
     eager = TargetAdapter(tiny_target("llama"), fast=False)
     with pytest.raises(InvalidInputError, match="fast forward"):
         eager.use_step_graphs(ReplayCapture())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_drafting_through_graphs_gives_the_fast_paths_tokens(arch):
+    """Target and drafter both replayed: the same tokens as the fast path, greedy, sampled, adaptive, trees."""
+    plain, graphed, drafter, _ = pair(arch)
+    capture = ReplayCapture()
+    twin = graphed_drafter(drafter, capture)
+    for prompt in PROMPTS[:3]:
+        for kw in ({}, {"block_size": 4}, {"sampling": SamplingParams(temperature=1.0), "seed": 5}, {"tree": 5}):
+            assert run(graphed, twin, prompt, **kw) == run(plain, drafter, prompt, **kw)
+        policy = AdaptiveBlockSize(8, candidates=(2, 4, 8), explore_every=2)
+        want = run(plain, drafter, prompt, policy=policy)
+        policy = AdaptiveBlockSize(8, candidates=(2, 4, 8), explore_every=2)
+        assert run(graphed, twin, prompt, policy=policy) == want
+    assert capture.captured > 0 and not twin.graphs.failed
+
+
+def test_draft_contexts_are_pooled_and_fixed():
+    _, _, drafter, _ = pair()
+    twin = graphed_drafter(drafter)
+    a = twin.new_context(100)
+    assert a.capacity == MIN_CAPACITY and twin.new_context(100).slot is not a.slot
+    slot = a.slot
+    del a
+    gc.collect()
+    assert twin.new_context(10).slot is slot
+    c = twin.new_context(10)
+    kvs = [(torch.zeros(1, 1, MIN_CAPACITY + 1, 4), torch.zeros(1, 1, MIN_CAPACITY + 1, 4))] * len(drafter.layers)
+    with pytest.raises(InvalidInputError, match="do not fit"):
+        c.append(kvs)
+
+
+def test_a_frozen_drafting_graph_is_caught():
+    plain, _, drafter, _ = pair()
+
+    def frozen(step, pool):
+        step()
+        return lambda: None
+
+    twin = graphed_drafter(drafter, frozen)
+    with pytest.warns(RuntimeWarning, match="differ"):
+        tokens = run(plain, twin, PROMPTS[1], block_size=4)
+    assert tokens == run(plain, drafter, PROMPTS[1], block_size=4)
+    assert twin.graphs.failed
+
+
+def test_drafting_graphs_need_the_fast_path_and_a_cuda_device():
+    _, _, drafter, _ = pair()
+    slow = deepcopy(drafter)
+    slow.use_fast_path(False)
+    with pytest.raises(InvalidInputError, match="fast path"):
+        slow.use_step_graphs(ReplayCapture())
+    with pytest.raises(InvalidInputError, match="CUDA"):
+        deepcopy(drafter).use_step_graphs()
+
+
+def test_drafting_step_reads_no_tensor_value():
+    """The recorded drafting step steers nothing by a tensor's value (captures run it under NoValueReads)."""
+    plain, _, drafter, _ = pair()
+
+    def checking(step, pool):
+        with NoValueReads():
+            step()
+        return step
+
+    twin = graphed_drafter(drafter, checking)
+    assert run(plain, twin, PROMPTS[1], block_size=4) == run(plain, drafter, PROMPTS[1], block_size=4)
+    assert twin.graphs.captures and not twin.graphs.failed
