@@ -17,7 +17,11 @@
 #   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t3"], command="bash scripts/device_kit.sh receive && bash scripts/device_kit.sh check")
-# then any command that starts with `source scripts/device_kit.sh env;` runs dflashkit there, e.g.
+# then, each call within 30 s of the last (each stops itself after LIMIT=540 s and the next resumes):
+#   run(command="bash scripts/device_kit.sh data 60000")      # repeat until all shards are there
+#   run(command="bash scripts/device_kit.sh train 3000")      # repeat until done
+#   run(command="bash scripts/device_kit.sh bring")           # drafter + store + log; here: cat model.safetensors.part-* > model.safetensors
+# or any command that starts with `source scripts/device_kit.sh env;`, e.g.
 #   source scripts/device_kit.sh env; dflashkit generate "Hi" --device cuda --compare-ar
 #   source scripts/device_kit.sh env; dflashkit data --sources jsonl:$DK/prompts.jsonl --device cuda \
 #       --batch-size 1024 --num-prompts 60000 --temperature 0 --max-new-tokens 192 --out $DK/data/turns
@@ -25,7 +29,9 @@
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then set -euo pipefail; fi  # not when sourced: the caller's shell keeps its options
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 KIT=.devkit
-DK=/tmp/dk  # the device side's folder
+DK=${DK:-/tmp/dk}  # the device side's folder
+DEVICE=${DEVICE:-cuda}  # data/train/check run there; DEVICE=cpu PY3=.venv/bin/python try them here
+PY3=${PY3:-python3}
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 
 stage() {
@@ -88,15 +94,41 @@ receive() {  # there: move whatever this call carried into $DK
 
 env_setup() {  # there: sourced before dflashkit commands
   export DK PYTHONPATH=$DK/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-  dflashkit() { python3 -m dflashkit "$@"; }
+  dflashkit() { "$PY3" -m dflashkit "$@"; }
   export -f dflashkit 2>/dev/null || true
 }
 
 check() {  # there: the environment works and the GPU decodes (eager fast forward vs CUDA graphs)
   env_setup
-  python3 -c "import torch, transformers, dflashkit; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-  python3 -m dflashkit generate "Write a haiku about the sea." --device cuda --max-new-tokens 64 --compare-ar --no-cuda-graphs
-  python3 -m dflashkit generate "Write a haiku about the sea." --device cuda --max-new-tokens 64 --compare-ar
+  "$PY3" -c "import torch, transformers, dflashkit; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+  "$PY3" -m dflashkit generate "Write a haiku about the sea." --device "$DEVICE" --max-new-tokens 64 --compare-ar --no-cuda-graphs
+  "$PY3" -m dflashkit generate "Write a haiku about the sea." --device "$DEVICE" --max-new-tokens 64 --compare-ar
+}
+
+data() {  # there: regenerate answers to the staged prompts on the GPU; stops itself before a call's 600 s limit
+  env_setup
+  timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "jsonl:$DK/prompts.jsonl" --num-prompts "${1:-60000}" \
+    --seed 3 --temperature 0 --device "$DEVICE" --batch-size "${BATCH:-1024}" --max-new-tokens 192 \
+    --max-prompt-tokens 512 --shard-size "${BATCH:-1024}" --out "$DK/data/gpu" --no-progress || true
+  ls "$DK/data/gpu" | grep -c '^shard-.*[0-9].jsonl$' || true  # complete shards; the same command resumes
+}
+
+train() {  # there: continue the shipped drafter on the regenerated answers (distilled); resumes, stops before 600 s
+  env_setup
+  timeout "${LIMIT:-540}" "$PY3" -m dflashkit train --data "$DK/data/gpu" --out "$DK/runs/gpu" \
+    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-32}" --steps "${1:-3000}" \
+    --lr 6e-4 --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --checkpoint-every 250 || true
+  tail -n 3 "$DK/runs/gpu/train_log.jsonl" 2>/dev/null || true
+}
+
+bring() {  # there: the trained drafter, its log and settings into $OUT (files of at most 16 MiB come back)
+  local run=$DK/runs/gpu OUT=${OUT:?set OUT, the folder that comes back}
+  env_setup
+  "$PY3" -m dflashkit ngram-store --data "$DK/data/gpu" --out "$run/drafter"  # prompt lookup's store of past answers
+  cp "$run"/drafter/config.json "$run"/drafter/mask_embedding.pt "$run"/drafter/ngram_store.safetensors \
+     "$run"/train_log.jsonl "$run"/run_config.json "$OUT"/
+  split -b 15M -d "$run"/drafter/model.safetensors "$OUT"/model.safetensors.part-  # here: cat the parts back
+  ls -la "$OUT"
 }
 
 case "${1:-}" in
@@ -104,5 +136,8 @@ case "${1:-}" in
   receive) receive ;;
   env) env_setup ;;
   check) check ;;
-  *) sed -n '2,26p' "${BASH_SOURCE[0]}" ;;
+  data) shift; data "$@" ;;
+  train) shift; train "$@" ;;
+  bring) bring ;;
+  *) sed -n '2,30p' "${BASH_SOURCE[0]}" ;;
 esac
