@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from .kernels import Matmul, rotate, signed_sin
 from .linear import PackedLinear
 from .ngram_store import NgramStore
 from .quantize import Int8Linear
+
+if TYPE_CHECKING:
+    from .cuda_graphs import Capture
 
 KV = tuple[Tensor, Tensor]  # keys, values: [batch, kv_heads, seq, head_dim] each
 
@@ -216,7 +220,7 @@ class DFlashDrafter(nn.Module):
             return self.graphs.new_context(capacity)
         return ContextCache(len(self.layers), capacity)
 
-    def use_step_graphs(self, capture: object | None = None) -> None:
+    def use_step_graphs(self, capture: Capture | None = None) -> None:
         """Replay drafting steps from graphs (:mod:`dflashkit.cuda_graphs`; needs the fast path). ``capture``
         None: CUDA graphs (a CUDA device); another capture function stands in for them, e.g. in tests."""
         from .cuda_graphs import GraphedDrafts

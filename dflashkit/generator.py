@@ -92,8 +92,8 @@ class SpeculativeGenerator:
         """``fast`` (default): the fast path: the target decodes through dflashkit's fast forward where its
         architecture is covered (fused prepacked GEMMs, static KV cache; see :class:`TargetAdapter`) and the
         drafter's linear layers run on prepacked oneDNN weights; False: the eager path (transformers' forward,
-        plain ``nn.Linear``), for debugging and comparisons. ``cuda_graphs`` (default): on a CUDA device the fast
-        forward's decode steps are replayed from CUDA graphs (:mod:`dflashkit.cuda_graphs`)."""
+        plain ``nn.Linear``), for debugging and comparisons. ``cuda_graphs`` (default): on a CUDA device the target's
+        and the drafter's decode steps are replayed from CUDA graphs (:mod:`dflashkit.cuda_graphs`)."""
         if drafter is not None:
             check_compatible(drafter.config, model)
             param = next(drafter.parameters())
