@@ -79,7 +79,8 @@ def unsupported_reason(forward: FastTargetForward) -> str | None:
 
 @dataclass
 class _Shape:
-    inputs: StepInputs | None = None  # views of the cache's static input buffers (drafts: they live in the slot)
+    """One recorded step: its replay, the checks still to make, and its static outputs (set by the step)."""
+
     replay: Callable[[], None] | None = None
     checks_left: int = CHECKS  # replays still compared with the eager forward
     logits: Tensor | None = None  # static outputs of the captured step
@@ -107,7 +108,7 @@ class _Slot:
 class GraphCache(StaticKVCache):
     """A :class:`StaticKVCache` of fixed capacity over a pooled slot whose graphs outlive the generation."""
 
-    def __init__(self, slot: _Slot) -> None:  # noqa: super().__init__ would allocate new buffers
+    def __init__(self, slot: _Slot) -> None:  # not super().__init__: it would allocate new buffers
         self.slot = slot
         self.keys, self.values = slot.keys, slot.values
         self.length = 0
@@ -118,7 +119,62 @@ class GraphCache(StaticKVCache):
                                     "new_cache for the capacity the generation needs")
 
 
-class GraphedSteps:
+class _Graphs:
+    """What target and drafter graphs share: pooled slots of fixed capacity, recording a shape, and checking
+    its first replays against the eager step. Subclasses make slots (``_new_slot``) and name a shape
+    (``_label``)."""
+
+    def __init__(self, capture: Capture, max_rows: int) -> None:
+        self.capture, self.max_rows = capture, max_rows
+        self.pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
+        self._free: dict[int, list] = {}  # capacity -> slots no generation holds
+        self.failed: dict[tuple, str] = {}  # shape -> why it runs eagerly
+        self.captures = 0
+
+    def _lend(self, capacity: int, handle: Callable) -> object:
+        """``handle(slot)`` over a free slot of at least ``capacity`` positions (a power of two, reused), which
+        returns to the pool when the generation drops the handle."""
+        size = max(MIN_CAPACITY, 1 << max(0, int(capacity) - 1).bit_length())
+        free = self._free.setdefault(size, [])
+        lent = handle(free.pop() if free else self._new_slot(size))
+        weakref.finalize(lent, free.append, lent.slot)
+        return lent
+
+    def _new_slot(self, capacity: int):
+        raise NotImplementedError
+
+    def _label(self, key: tuple) -> str:
+        raise NotImplementedError
+
+    def _record(self, key: tuple, slots: dict[tuple, _Shape], shape: _Shape, step: Callable[[], None]) -> _Shape | None:
+        """Record ``step`` (which sets ``shape``'s outputs) as this shape's graph; None if that fails."""
+        try:
+            shape.replay = self.capture(step, self.pool)
+        except Exception as exc:  # noqa: BLE001 - any failure means: run this shape eagerly
+            self._fail(key, f"capture failed: {type(exc).__name__}: {exc}")
+            return None
+        self.captures += 1
+        slots[key] = shape
+        return shape
+
+    def _agrees(self, key: tuple, slots: dict[tuple, _Shape], shape: _Shape, expected: Tensor) -> bool:
+        """After a checked replay: do its scores match the eager step's? If not, the shape is dropped."""
+        scale = float(expected.float().abs().max()) or 1.0
+        error = float((shape.logits.float() - expected.float()).abs().max()) / scale
+        if not error <= CHECK_TOLERANCE:
+            del slots[key]
+            self._fail(key, f"its scores differ from the eager step's by {error:.3g} of the largest")
+            return False
+        shape.checks_left -= 1
+        return True
+
+    def _fail(self, key: tuple, why: str) -> None:
+        self.failed[key] = why
+        warnings.warn(f"CUDA graph for {self._label(key)} not used ({why}); it runs eagerly", RuntimeWarning,
+                      stacklevel=4)
+
+
+class GraphedSteps(_Graphs):
     """Runs the fast forward's decode steps from CUDA graphs (see the module docstring)."""
 
     def __init__(self, forward: FastTargetForward, capture: Capture | None = None, max_rows: int = MAX_ROWS) -> None:
@@ -127,22 +183,17 @@ class GraphedSteps:
             if reason is not None:
                 raise InvalidInputError(reason)
             capture = cuda_capture
-        self.forward, self.capture, self.max_rows = forward, capture, max_rows
-        self.pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
-        self._free: dict[int, list[_Slot]] = {}  # capacity -> slots no generation holds
-        self.failed: dict[tuple, str] = {}  # shape -> why it runs eagerly
-        self.captures = 0
+        super().__init__(capture, max_rows)
+        self.forward = forward
+
+    def _label(self, key: tuple) -> str:
+        return f"steps of {key[0]} rows"
 
     # ---- caches -----------------------------------------------------------------------------------------
 
     def new_cache(self, capacity: int) -> GraphCache:
         """A cache for one generation of up to ``capacity`` positions (rounded up to a power of two, reused)."""
-        size = max(MIN_CAPACITY, 1 << max(0, int(capacity) - 1).bit_length())
-        free = self._free.setdefault(size, [])
-        slot = free.pop() if free else self._new_slot(size)
-        cache = GraphCache(slot)
-        weakref.finalize(cache, free.append, slot)  # back to the pool when the generation drops it
-        return cache
+        return self._lend(capacity, GraphCache)
 
     def _new_slot(self, capacity: int) -> _Slot:
         f, device, rows = self.forward, self.forward.device, self.max_rows
@@ -186,13 +237,8 @@ class GraphedSteps:
             expected, _ = self.forward(input_ids, start, cache, logits_rows, feature_layers, tree)
             cache.length = start
             shape.replay()
-            scale = float(expected.float().abs().max()) or 1.0
-            error = float((shape.logits.float() - expected.float()).abs().max()) / scale
-            if not error <= CHECK_TOLERANCE:
-                del slot.shapes[key]
-                self._fail(key, f"its logits differ from the eager forward's by {error:.3g} of the largest")
+            if not self._agrees(key, slot.shapes, shape, expected):
                 return self.forward(input_ids, start, cache, logits_rows, feature_layers, tree)  # rewrites the rows
-            shape.checks_left -= 1
         else:
             shape.replay()
         cache.length = start + n
@@ -205,25 +251,13 @@ class GraphedSteps:
         n, logits_rows, feature_layers = key
         inputs = StepInputs(slot.ids[:, :n], slot.start, slot.offsets[:n], slot.rows[:n], slot.visible[:n, :n],
                             slot.key_positions, slot.cos, slot.sin)  # fmt: skip
-        shape = _Shape(inputs)
+        shape = _Shape()
 
         def step() -> None:
             shape.logits, shape.features = self.forward.static_step(inputs, slot.keys, slot.values, logits_rows,
                                                                     list(feature_layers))
 
-        try:
-            shape.replay = self.capture(step, self.pool)
-        except Exception as exc:  # noqa: BLE001 - any failure means: run this shape eagerly
-            self._fail(key, f"capture failed: {type(exc).__name__}: {exc}")
-            return None
-        self.captures += 1
-        slot.shapes[key] = shape
-        return shape
-
-    def _fail(self, key: tuple, why: str) -> None:
-        self.failed[key] = why
-        warnings.warn(f"CUDA graph for steps of {key[0]} rows not used ({why}); they run eagerly", RuntimeWarning,
-                      stacklevel=4)
+        return self._record(key, slot.shapes, shape, step)
 
 
 # ---- the drafter's steps -------------------------------------------------------------------------------------
@@ -260,7 +294,7 @@ class GraphContext(ContextCache):
         super().append(kvs)
 
 
-class GraphedDrafts:
+class GraphedDrafts(_Graphs):
     """Runs a drafter's drafting steps (layers over the block + head over the draft vocabulary) from graphs.
 
     Same scheme as :class:`GraphedSteps`: pooled fixed-capacity contexts, one graph per block size (and head),
@@ -274,19 +308,15 @@ class GraphedDrafts:
             if device.type != "cuda":
                 raise InvalidInputError(f"CUDA graphs need a CUDA device, the drafter is on {device}")
             capture = cuda_capture
-        self.drafter, self.capture, self.max_rows, self.device = drafter, capture, max_rows, device
-        self.pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
-        self._free: dict[int, list[_DraftSlot]] = {}
-        self.failed: dict[tuple, str] = {}
-        self.captures = 0
+        super().__init__(capture, max_rows)
+        self.drafter, self.device = drafter, device
+
+    def _label(self, key: tuple) -> str:
+        return f"drafting {key[0] - 1} tokens"
 
     def new_context(self, capacity: int) -> GraphContext:
-        size = max(MIN_CAPACITY, 1 << max(0, int(capacity) - 1).bit_length())
-        free = self._free.setdefault(size, [])
-        context = GraphContext(free.pop() if free else self._new_slot(size))
-        context.length = 0
-        weakref.finalize(context, free.append, context.slot)
-        return context
+        """An empty context for one generation of up to ``capacity`` positions (pooled like the target's caches)."""
+        return self._lend(capacity, GraphContext)
 
     def _new_slot(self, capacity: int) -> _DraftSlot:
         d, device, rows = self.drafter, self.device, self.max_rows
@@ -318,18 +348,11 @@ class GraphedDrafts:
         shape = slot.shapes.get(key) or self._capture(key, slot, embed_tokens, head, fast)
         if shape is None:
             return eager()
-        if shape.checks_left:
+        if shape.checks_left:  # the first replays are checked against the eager step
             expected = eager()
             shape.replay()
-            scale = float(expected.float().abs().max()) or 1.0
-            error = float((shape.logits.float() - expected.float()).abs().max()) / scale
-            if not error <= CHECK_TOLERANCE:
-                del slot.shapes[key]
-                self.failed[key] = f"its scores differ from the eager step's by {error:.3g} of the largest"
-                warnings.warn(f"CUDA graph for drafting {k} tokens not used ({self.failed[key]})", RuntimeWarning,
-                              stacklevel=3)
+            if not self._agrees(key, slot.shapes, shape, expected):
                 return expected
-            shape.checks_left -= 1
         else:
             shape.replay()
         return shape.logits.clone()
@@ -352,13 +375,4 @@ class GraphedDrafts:
             hidden = fast.run(embeddings, slot.cos[positions], slot.sin[positions], context, mask)
             shape.logits = head(hidden[0, 1:])  # [k, V']
 
-        try:
-            shape.replay = self.capture(step, self.pool)
-        except Exception as exc:  # noqa: BLE001 - any failure means: draft this shape eagerly
-            self.failed[key] = f"capture failed: {type(exc).__name__}: {exc}"
-            warnings.warn(f"CUDA graph for drafting {s - 1} tokens not used ({self.failed[key]})", RuntimeWarning,
-                          stacklevel=3)
-            return None
-        self.captures += 1
-        slot.shapes[key] = shape
-        return shape
+        return self._record(key, slot.shapes, shape, step)

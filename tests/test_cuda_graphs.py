@@ -189,30 +189,25 @@ def test_caches_are_pooled_and_lent_to_one_generation_at_a_time():
     assert steps.captures == capture.captured
 
 
-def test_a_failing_capture_falls_back_to_the_eager_forward():
+def broken(step, pool):
+    """A capture that fails, as CUDA's does when the step synchronises with the host."""
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def frozen(step, pool):
+    """A recording that ignores its inputs (what a graph does when the step read a tensor's value in Python): every
+    replay gives the capture step's outputs again, whatever the inputs are now."""
+    step()  # recorded at the capture's inputs
+    return lambda: None
+
+
+@pytest.mark.parametrize("capture,warning", [(broken, "capture failed"), (frozen, "differ")])
+def test_a_bad_graph_falls_back_to_the_eager_forward(capture, warning):
+    """A failing capture, or a frozen recording (the second check, at another position, sees it): the shape runs
+    eagerly with a warning, and the tokens are the fast path's."""
     plain, graphed, drafter, _ = pair()
-
-    def broken(step, pool):
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    graphed.use_step_graphs(broken)
-    with pytest.warns(RuntimeWarning, match="not used"):
-        tokens = run(graphed, drafter, PROMPTS[0], block_size=4)
-    assert tokens == run(plain, drafter, PROMPTS[0], block_size=4)
-    assert graphed.graphs.failed
-
-
-def test_a_graph_that_kept_its_capture_is_caught():
-    """A recording that ignores its inputs (what a graph does when the step read a tensor's value in Python) gives
-    the capture step's logits again at the next step: the second check sees it, and the eager forward decodes."""
-    plain, graphed, drafter, _ = pair()
-
-    def frozen(step, pool):
-        step()  # recorded at the capture's inputs
-        return lambda: None  # every replay: the capture's outputs, whatever the inputs are now
-
-    graphed.use_step_graphs(frozen)
-    with pytest.warns(RuntimeWarning, match="differ"):
+    graphed.use_step_graphs(capture)
+    with pytest.warns(RuntimeWarning, match=warning):
         tokens = run(graphed, drafter, PROMPTS[1], block_size=4)
     assert tokens == run(plain, drafter, PROMPTS[1], block_size=4)
     assert graphed.graphs.failed
@@ -262,11 +257,6 @@ def test_draft_contexts_are_pooled_and_fixed():
 
 def test_a_frozen_drafting_graph_is_caught():
     plain, _, drafter, _ = pair()
-
-    def frozen(step, pool):
-        step()
-        return lambda: None
-
     twin = graphed_drafter(drafter, frozen)
     with pytest.warns(RuntimeWarning, match="differ"):
         tokens = run(plain, twin, PROMPTS[1], block_size=4)
