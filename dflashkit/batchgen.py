@@ -50,14 +50,14 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
         mask[r, width - len(ids) :] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [rows, width]: padding shares position 0
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+    eos = set(eos_ids)
 
     cache = DynamicCache(config=model.config)
     outputs: list[list[int]] = [[] for _ in range(rows)]
     if compact_fraction is None:
         compact_fraction = 0.0 if device.type == "cpu" else 0.25
-    alive = torch.arange(rows, device=device)  # original row of each batch row
-    done = torch.zeros(rows, dtype=torch.bool, device=device)  # [batch]: rows that ended, still in the batch
+    alive = list(range(rows))  # original row of each batch row
+    done = [False] * rows  # batch rows that ended (still in the batch until the next compaction)
     next_position = positions[:, -1] + 1  # [rows]
     hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                      use_cache=True).last_hidden_state[:, -1]  # [rows, hidden]
@@ -67,17 +67,19 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
             tokens = argmax(logits)
         else:
             tokens = sample(warp(logits, sampling), generator)
-        for r, t, finished in zip(alive.tolist(), tokens.tolist(), done.tolist()):
-            if not finished:
+        for i, (r, t) in enumerate(zip(alive, tokens.tolist())):  # the step's one read from the device
+            if not done[i]:
                 outputs[r].append(t)
-        done = done | torch.isin(tokens, eos)
-        if step + 1 == max_new_tokens or bool(done.all()):
+                done[i] = t in eos
+        finished = sum(done)
+        if step + 1 == max_new_tokens or finished == len(done):
             break
-        if float(done.float().mean()) > compact_fraction:  # drop the finished rows from the batch and the cache
-            keep = (~done).nonzero().squeeze(-1)
+        if finished > compact_fraction * len(done):  # drop the finished rows from the batch and the cache
+            kept = [i for i, ended in enumerate(done) if not ended]
+            keep = torch.tensor(kept, device=device)
             cache.batch_select_indices(keep)
-            alive, tokens, mask, next_position = alive[keep], tokens[keep], mask[keep], next_position[keep]
-            done = done[keep]
+            tokens, mask, next_position = tokens[keep], mask[keep], next_position[keep]
+            alive, done = [alive[i] for i in kept], [False] * len(kept)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [alive, seen + 1]
         hidden = decoder(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
                          past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
