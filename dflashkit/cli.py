@@ -288,7 +288,8 @@ def _add_eager_option(parser: argparse.ArgumentParser) -> None:
         "--no-cuda-graphs",
         dest="cuda_graphs",
         action="store_false",
-        help="on a CUDA device, run the fast forward's decode steps eagerly instead of replaying CUDA graphs",
+        help="on a CUDA device, run the target's and the drafter's decode steps eagerly instead of replaying "
+        "CUDA graphs",
     )
 
 
