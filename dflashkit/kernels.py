@@ -13,20 +13,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_gemm
 from .linear import packing_supported
 from .quantize import Int8Linear
 
 
 class Matmul:
-    """``x @ weight.T + bias`` with the weight prepacked for oneDNN where that runs (else ``F.linear``)."""
+    """``x @ weight.T + bias``: up to :data:`cpu_gemm.MAX_ROWS` rows on :mod:`dflashkit.cpu_gemm`'s kernel where
+    it runs (more rows through ``F.linear``); elsewhere with the weight prepacked for oneDNN where that runs
+    (else ``F.linear``)."""
 
-    __slots__ = ("bias", "packed", "weight")
+    __slots__ = ("bias", "bias32", "packed", "small", "weight")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         self.weight = weight.detach()  # [out, in]
         self.bias = bias.detach() if bias is not None else None
-        self.packed = None
-        if packing_supported(self.weight.device, self.weight.dtype):
+        self.packed = self.small = self.bias32 = None
+        if cpu_gemm.usable(self.weight):
+            self.small = cpu_gemm.pack(self.weight)  # no oneDNN copy besides: prefills reorder per call
+            self.bias32 = self.bias.float().contiguous() if self.bias is not None else None
+        elif packing_supported(self.weight.device, self.weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
     @classmethod
@@ -52,6 +58,8 @@ class Matmul:
         return cls(torch.cat([m.weight.detach() for m in linears]), bias)
 
     def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        if self.small is not None and x.dtype == torch.bfloat16 and cpu_gemm.rows_of(x) <= cpu_gemm.MAX_ROWS:
+            return cpu_gemm.linear(x, self.small, self.weight.shape[0], self.bias32)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
