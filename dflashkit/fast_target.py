@@ -25,6 +25,7 @@ both the plain and the speculative decode loop run through the same forward, so 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,10 +34,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from . import avx512_bf16
 from .errors import InvalidInputError
 from .kernels import Matmul, RMSNorm, rotate, signed_sin
 from .linear import PackedLinear, packing_supported
 from .quantize import Int8Linear
+
+# attention of packed queries [1, kv_heads, group*n, d] over keys and values [1, kv_heads, m, d], with a scale
+Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]
+
+
+def _sdpa(q: Tensor, keys: Tensor, values: Tensor, scale: float, mask: Tensor | None) -> Tensor:
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -187,6 +196,10 @@ class FastTargetForward:
             if packing_supported(head.weight.device, head.weight.dtype):
                 self.head.packed_weight()
         self.dtype, self.device = self.embed.weight.dtype, self.embed.weight.device
+        # steps of up to avx512_bf16.MAX_ROWS rows attend with the row-by-row kernel where it runs: with its
+        # products (kernels.Matmul), a verify pass's row i is then bitwise the one-token step at that position
+        self.row_exact = avx512_bf16.attention_usable(self.dtype, self.device, self.head_dim) and all(
+            getattr(layer.qkv, "small", None) is not None for layer in self.layers)
 
     def new_cache(self, capacity: int = 256) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
@@ -219,31 +232,39 @@ class FastTargetForward:
             positions = offsets.to(x.device) + start
         cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim] each, in x's dtype
         cos, sin = cos[:, None], signed_sin(sin[:, None])  # [1, 1, n, head_dim]: broadcast over heads
-        mask = None
-        if n > 1:  # query i (position start+i) sees keys 0..start+i; packed query rows repeat per group
+        hidden = None  # bool [n, end]: True where query i does not see key j
+        if n > 1:  # query i (position start+i) sees keys 0..start+i
             if tree is None:
                 hidden = torch.ones(n, end, dtype=torch.bool, device=x.device).triu(start + 1)
             else:  # the cache, then the tree's own visibility
                 hidden = torch.zeros(n, end, dtype=torch.bool, device=x.device)
                 hidden[:, start:] = ~visible.to(x.device)
-            mask = x.new_zeros(n, end).masked_fill_(hidden, float("-inf"))  # additive: SDPA's fastest form here
-            mask = mask[None].expand(group, n, end).reshape(1, 1, group * n, end)
+        if self.row_exact and n <= avx512_bf16.MAX_ROWS:
+            def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+                return avx512_bf16.attention(q[0], keys[0], values[0], hidden, scale)[None]
+        else:
+            mask = None
+            if hidden is not None:  # additive (SDPA's fastest form here); packed query rows repeat per group
+                mask = x.new_zeros(n, end).masked_fill_(hidden, float("-inf"))
+                mask = mask[None].expand(group, n, end).reshape(1, 1, group * n, end)
+            attend = functools.partial(_sdpa, mask=mask)
 
         def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # k, v: [kv_heads, n, d]
             cache.keys[i, :, start:end], cache.values[i, :, start:end] = k, v
             return cache.keys[i : i + 1, :, :end], cache.values[i : i + 1, :, :end]
 
-        x, features = self._layers(x, cos, sin, mask, write, feature_layers)
+        x, features = self._layers(x, cos, sin, attend, write, feature_layers)
         cache.length = end
         logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
         return logits, features
 
-    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
                 write: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]],
                 feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
         """x [1, n, hidden] through every decoder layer. ``write(i, k, v)`` stores layer i's new keys and values
-        [kv_heads, n, d] and returns the keys and values to attend over [1, kv_heads, m, d]; ``mask`` is additive
-        [1, 1, group*n, m] (None: every row sees every key). Returns x and the feature layers' outputs."""
+        [kv_heads, n, d] and returns the keys and values to attend over [1, kv_heads, m, d]; ``attend(q, keys,
+        values, scale)`` is the attention of the packed queries [1, kv_heads, group*n, d] (with the step's
+        mask). Returns x and the feature layers' outputs."""
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group, n = heads // kv_heads, x.shape[1]
         wanted = {i: None for i in feature_layers}
@@ -261,7 +282,7 @@ class FastTargetForward:
                 k = rotate(layer.k_norm(k.view(1, n, kv_heads, d)).transpose(1, 2), cos, sin)  # [1, kv_heads, n, d]
             keys, values = write(i, k[0], v.view(n, kv_heads, d).transpose(0, 1))
             packed = q.reshape(1, kv_heads, group * n, d)  # query heads sharing a K/V head, one block each
-            out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=layer.scaling)
+            out = attend(packed, keys, values, layer.scaling)  # [1, kv_heads, group*n, d]
             out = out.view(1, heads, n, d).transpose(1, 2).reshape(1, n, heads * d)
             x = x + layer.o(out)
             gate_up = layer.gate_up(layer.post_norm(x))
@@ -308,6 +329,6 @@ class FastTargetForward:
             values[i].index_copy_(1, rows, v)
             return keys[i : i + 1], values[i : i + 1]
 
-        x, features = self._layers(x, cos, sin, mask, write, feature_layers)
+        x, features = self._layers(x, cos, sin, functools.partial(_sdpa, mask=mask), write, feature_layers)
         logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
         return logits, features

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_drafter, tiny_target
+from dflashkit import avx512_bf16
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.drafter import DFlashDrafter
 from dflashkit.sampling import SamplingParams
@@ -105,6 +106,26 @@ def assert_bf16_parts_only_at_ties(model, drafter, prompt_list: list[list[int]])
 def test_greedy_equality_in_bfloat16_allows_only_ties(arch):
     model = tiny_target(arch, dtype=torch.bfloat16)
     assert_bf16_parts_only_at_ties(model, tiny_drafter(model, block_size=8), prompts(4, seed=3))
+
+
+@pytest.mark.skipif(avx512_bf16.kernel() is None, reason="the row-by-row AVX512-BF16 kernels do not run here")
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_greedy_in_bfloat16_is_exact_with_the_row_by_row_kernels(arch, block_size):
+    """Where verify rows are computed bitwise like one-token steps (dflashkit.avx512_bf16), bf16 speculative greedy
+    equals plain greedy token for token: no ties to excuse."""
+    model = tiny_target(arch, dtype=torch.bfloat16)
+    drafter = tiny_drafter(model, block_size=block_size)
+    target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
+    assert target.fast_forward.row_exact
+    oracle = OracleDrafter(drafter.config, {}).to(torch.bfloat16).eval()
+    oracle.load_state_dict(drafter.state_dict())
+    oracle_stats = DecodeStats(block_size)
+    for prompt in prompts(24, seed=5):
+        expected = run(plain, None, prompt)
+        assert run(target, drafter, prompt) == expected
+        oracle.current = prompt + expected
+        assert run(target, oracle, prompt, oracle_stats) == expected
+    assert all(count > 0 for count in oracle_stats.acceptance_histogram), str(oracle_stats.acceptance_histogram)
 
 
 def test_caches_equal_a_fresh_prefill_after_every_step(arch):

@@ -2,9 +2,9 @@
 
 On such CPUs (the 2-core AMD EPYC Zen 4 VM this project is measured on) oneDNN's bf16 products for a few rows
 stream SmolLM2-135M's 269 MB of weights at 10-12 GB/s, while a plain read of them reaches ~42 GB/s: a
-decoding step is far slower than its memory floor. ``csrc/bf16_gemm.cpp`` is a small AVX512-BF16 kernel
+decoding step is far slower than its memory floor. ``csrc/avx512_bf16.cpp`` is a small AVX512-BF16 kernel
 (``vdpbf16ps`` over a weight packed once into the instruction's operand layout, fp32 accumulation) built for
-that shape. Measured on that VM, 2 threads, all 211 products of one SmolLM2 step (``scripts/bench_cpu_gemm.py``):
+that shape. Measured on that VM, 2 threads, all 211 products of one SmolLM2 step (``scripts/bench_avx512_bf16.py``):
 
 | rows | oneDNN prepacked | this kernel |
 |---:|---:|---:|
@@ -39,7 +39,7 @@ from torch import Tensor
 
 MAX_ROWS = 16  # products of more rows go to oneDNN (measured: the kernel's lead shrinks to ~1.1x at 16 rows)
 GROUP = 64  # output columns per packed group (4 blocks of 16)
-SOURCE = Path(__file__).with_name("csrc") / "bf16_gemm.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "avx512_bf16.cpp"
 CHOICES = ("auto", "avx512", "onednn")
 
 
@@ -89,6 +89,12 @@ def usable(weight: Tensor) -> bool:
             and weight.shape[1] % 2 == 0 and kernel() is not None)
 
 
+def attention_usable(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether :func:`attention` runs here for heads of this size."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 16 == 0 and head_dim <= 256 \
+        and kernel() is not None
+
+
 def pack(weight: Tensor) -> Tensor:
     """The kernel's layout of weight [N, K] (K even): [ceil(N/64), K/2, 4, 16, 2], zero-padded columns."""
     n, k = weight.shape
@@ -109,3 +115,16 @@ def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
         flat = flat.contiguous()
     y = kernel().linear(flat, packed, out_features, bias)  # [rows, N]
     return y.view(*x.shape[:-1], out_features)
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor | None, scale: float) -> Tensor:
+    """Grouped-query attention over one sequence's cache, one query row at a time, fp32 inside.
+
+    q [kv_heads, group*n, head_dim] (the query heads that share a key/value head, stacked: row r is query row
+    r % n); keys, values [kv_heads, m, head_dim] (views of a cache are fine: rows must be contiguous); hidden
+    [n, m] bool (True: the row does not see that key) or None (every row sees every key). Returns
+    [kv_heads, group*n, head_dim]. A row's result depends only on its query and the keys it sees, so row i of
+    a verify pass is bitwise the one-token step at its position.
+    """
+    n = hidden.shape[0] if hidden is not None else q.shape[1]
+    return kernel().attention(q.contiguous(), keys, values, hidden, n, scale)

@@ -1,0 +1,213 @@
+// AVX512-BF16 kernels for the few rows of a decoding step (dflashkit/avx512_bf16.py): a bf16 matrix product
+// and grouped-query attention, each computing a row the same way whatever rows run beside it, so that a
+// verify pass over a block and one-token steps give bitwise the same results.
+//
+// Matrix product y = x @ W.T (+ bias).
+// The weight is packed once (dflashkit/avx512_bf16.py) into groups of 64 output columns:
+//   packed[g][k2][b][c][p] = W[64 g + 16 b + c][2 k2 + p]      shape [G, K/2, 4, 16, 2]
+// so that one 64-byte load holds the (2 k2, 2 k2 + 1) weight pairs of 16 columns, the operand layout of
+// vdpbf16ps, and a group's whole panel is one sequential stream. Each row of x is broadcast two elements at a
+// time and accumulated in fp32 into 4 registers (64 columns) per row, up to 6 rows at a time (24
+// accumulators); more rows reuse the group's panel from cache. Every output element is the same fp32 sum in
+// the same order whatever the number of rows, so a row's result does not depend on the rows beside it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int kBlocks = 4;                 // 16-column blocks per group
+constexpr int kGroup = kBlocks * 16;       // output columns per group
+constexpr int kMaxRows = 6;                // rows per micro-kernel call
+
+template <int R>
+void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
+           int64_t valid, const float* bias) {
+  __m512 acc[R][kBlocks];
+  _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i)
+    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int32_t* pairs[R];  // x's rows read as (2 k2, 2 k2 + 1) pairs
+  _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) pairs[i] = reinterpret_cast<const int32_t*>(x + i * ldx);
+  for (int64_t k2 = 0; k2 < k2_count; ++k2) {
+    const uint16_t* wk = w + k2 * (kBlocks * 32);
+    __m512bh wv[kBlocks];
+    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + j * 32);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pairs[i][k2]);
+      _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xb);
+    }
+  }
+  for (int j = 0; j < kBlocks; ++j) {  // round to bf16 (nearest even) after the fp32 bias, store valid columns
+    const int64_t n0 = j * 16;
+    if (n0 >= valid) break;
+    const int64_t count = valid - n0 < 16 ? valid - n0 : 16;
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
+      _mm256_mask_storeu_epi16(y + i * ldy + n0, mask, (__m256i)out);
+    }
+  }
+}
+
+void rows(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y,
+          int64_t ldy, int64_t valid, const float* bias) {
+  switch (r) {
+    case 1: micro<1>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    case 2: micro<2>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    case 3: micro<3>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    case 4: micro<4>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    case 5: micro<5>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    default: micro<6>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+  }
+}
+
+}  // namespace
+
+// x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16; bias [N] fp32 or None. Returns y [M, N] bf16.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
+                     const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+              packed.size(2) == kBlocks && packed.size(3) == 16 && packed.size(4) == 2, "packed: [G, K/2, 4, 16, 2] bf16");
+  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0), k2_count = packed.size(1);
+  TORCH_CHECK(k == 2 * k2_count, "x has ", k, " columns, the packed weight ", 2 * k2_count);
+  TORCH_CHECK(n_out > (groups - 1) * kGroup && n_out <= groups * kGroup, "n_out does not match the packed weight");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, "bias: [N] fp32");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({m, n_out}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint16_t* w = wp + g * k2_count * (kBlocks * 32);
+      const int64_t valid = n_out - g * kGroup < kGroup ? n_out - g * kGroup : kGroup;
+      const float* bg = b ? b + g * kGroup : nullptr;
+      const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;  // balanced: 8 rows run as 4 + 4, not 6 + 2
+      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+        const int64_t r = (m - m0 + (chunks - c) - 1) / (chunks - c);
+        rows(r, xp + m0 * k, k, w, k2_count, yp + m0 * n_out + g * kGroup, n_out, valid, bg);
+        m0 += r;
+      }
+    }
+  });
+  return y;
+}
+
+
+namespace {
+
+// exp(x) for x <= 0 in fp32 (softmax after subtracting the max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
+// a degree-6 polynomial (relative error ~2e-7); below -87 it returns 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 out = _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), out);
+}
+
+inline __m512 load_bf16(const uint16_t* p) {  // 16 bf16 -> fp32 (exact: shift into the high half)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+}  // namespace
+
+// Grouped-query attention, fp32 inside, one query row at a time.
+// q [kv_heads, R, d] bf16 (the query heads sharing a key/value head stacked: row r is query row r % n);
+// keys, values [kv_heads, m, d] bf16 with contiguous rows; hidden [n, m] bool (true: row i does not see key j)
+// or None (every row sees every key). d a multiple of 16, at most 256. Returns [kv_heads, R, d] bf16.
+// Per row: s_j = scale * q.k_j (fp32, fixed order), softmax over the visible keys (max, then exp and a sum in
+// key order), out = sum_j p_j v_j / sum, rounded once. Hidden keys are skipped before anything is summed, so a
+// row's result is bitwise the one computed over only the keys it sees (a chain's row i = a one-token step).
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                        const c10::optional<torch::Tensor>& hidden, int64_t n, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16, "q: contiguous [kv_heads, R, d] bf16");
+  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.sizes() == values.sizes() &&
+              keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16, "keys, values: [kv_heads, m, d] bf16");
+  const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), m = keys.size(1);
+  TORCH_CHECK(keys.size(0) == heads && keys.size(2) == d && d % 16 == 0 && d <= 256, "head size: a multiple of 16, <= 256");
+  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == d && values.stride(2) == 1 && values.stride(1) == d,
+              "keys and values need contiguous rows");
+  TORCH_CHECK(n >= 1 && rows % n == 0, "R must be a multiple of n");
+  const bool* hid = nullptr;
+  if (hidden.has_value()) {
+    TORCH_CHECK(hidden->scalar_type() == at::kBool && hidden->is_contiguous() && hidden->dim() == 2 &&
+                hidden->size(0) == n && hidden->size(1) == m, "hidden: contiguous bool [n, m]");
+    hid = hidden->data_ptr<bool>();
+  }
+  auto out = torch::empty_like(q);
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t k_head = keys.stride(0), v_head = values.stride(0), chunks = d / 16;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, heads * rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(m + 16);  // scores, then probabilities, of the visible keys in key order
+    std::vector<int64_t> seen(m);   // which key each entry is
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / rows, r = task % rows;
+      const bool* sees_not = hid ? hid + (r % n) * m : nullptr;
+      __m512 qv[16];
+      for (int64_t c = 0; c < chunks; ++c) qv[c] = load_bf16(qp + (h * rows + r) * d + c * 16);
+      const uint16_t* kh = kp + h * k_head;
+      float best = -INFINITY;
+      int64_t count = 0;
+      for (int64_t j = 0; j < m; ++j) {  // scores
+        if (sees_not && sees_not[j]) continue;
+        __m512 acc = _mm512_mul_ps(qv[0], load_bf16(kh + j * d));
+        for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], load_bf16(kh + j * d + c * 16), acc);
+        const float s = _mm512_reduce_add_ps(acc) * sc;
+        p[count] = s;
+        seen[count++] = j;
+        best = s > best ? s : best;
+      }
+      __m512 total = _mm512_setzero_ps();  // lane l sums entries t = l mod 16, in order
+      const __m512 top = _mm512_set1_ps(best);
+      for (int64_t t0 = 0; t0 < count; t0 += 16) {
+        const int64_t lanes = count - t0 < 16 ? count - t0 : 16;
+        const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, p.data() + t0), top)));
+        _mm512_storeu_ps(p.data() + t0, e);
+        total = _mm512_add_ps(total, e);
+      }
+      const float inv = 1.0f / _mm512_reduce_add_ps(total);
+      const uint16_t* vh = vp + h * v_head;
+      __m512 acc[16];
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < count; ++t) {
+        const __m512 w = _mm512_set1_ps(p[t]);
+        const uint16_t* v = vh + seen[t] * d;
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, load_bf16(v + c * 16), acc[c]);
+      }
+      uint16_t* o = op + (h * rows + r) * d;
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm256_storeu_si256((__m256i*)(o + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], _mm512_set1_ps(inv))));
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { 
+  m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
+  m.def("attention", &attention, "grouped-query attention, one query row at a time");
+}

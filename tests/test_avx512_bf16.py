@@ -1,0 +1,173 @@
+"""The AVX512-BF16 kernel for products of a few rows: right products, rows independent, used where it should be."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflashkit import avx512_bf16
+from dflashkit.kernels import Matmul
+from dflashkit.linear import PackedLinear
+
+needs_kernel = pytest.mark.skipif(avx512_bf16.kernel() is None, reason="the kernel does not run here (no AVX512-BF16, "
+                                  "AMX, DFLASHKIT_CPU_GEMM=onednn or no compiler)")
+
+
+def bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def close_to_fp32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """got = x @ w.T + b in fp32, rounded once to bf16 (the sum order differs: allow a bf16 ulp or two)."""
+    ref = x.float() @ w.float().T + (b.float() if b is not None else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    assert ((got.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-3).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(200, 96), (64, 64), (1, 8), (130, 34), (1000, 576)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16])
+def test_product_matches_fp32_with_bias_and_ragged_columns(n, k, rows):
+    w, b, x = bf16(n, k, seed=n), bf16(n, seed=k), bf16(rows, k, seed=rows)
+    with torch.inference_mode():
+        got = avx512_bf16.linear(x, avx512_bf16.pack(w), n, b.float())
+        plain = avx512_bf16.linear(x, avx512_bf16.pack(w), n)
+    close_to_fp32(got, x, w, b)
+    close_to_fp32(plain, x, w, None)
+
+
+@needs_kernel
+def test_each_row_is_bitwise_the_same_whatever_rows_run_with_it():
+    """A verify pass of 16 rows and 16 one-row steps compute the same products, bit for bit."""
+    w, x = bf16(300, 128, seed=1), bf16(16, 128, seed=2)
+    packed = avx512_bf16.pack(w)
+    with torch.inference_mode():
+        together = avx512_bf16.linear(x, packed, 300)
+        for rows in (1, 3, 7, 16):
+            for start in range(0, 16 - rows + 1, rows):
+                assert torch.equal(avx512_bf16.linear(x[start:start + rows], packed, 300), together[start:start + rows])
+
+
+@needs_kernel
+def test_leading_dims_and_non_contiguous_input():
+    w = bf16(70, 32, seed=3)
+    x = bf16(1, 5, 64, seed=4)[..., ::2]  # [1, 5, 32], strided
+    with torch.inference_mode():
+        got = avx512_bf16.linear(x, avx512_bf16.pack(w), 70)
+    assert got.shape == (1, 5, 70)
+    close_to_fp32(got[0], x[0], w, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 16, 17, 40])
+def test_matmul_and_packed_linear_use_the_kernel_up_to_max_rows(rows):
+    w, b, x = bf16(96, 64, seed=5), bf16(96, seed=6), bf16(rows, 64, seed=7)
+    with torch.inference_mode():
+        kernel = avx512_bf16.linear(x, avx512_bf16.pack(w), 96, b.float())
+        onednn = F.linear(x, w, b)
+        for layer in (Matmul(w, b), PackedLinear(w.clone(), b.clone())):
+            got = layer(x)
+            close_to_fp32(got, x, w, b)
+            if rows <= avx512_bf16.MAX_ROWS:
+                assert torch.equal(got, kernel)
+            else:
+                assert torch.equal(got, onednn)
+
+
+@needs_kernel
+def test_packed_linear_repacks_after_the_weight_changes():
+    layer = PackedLinear(bf16(32, 16, seed=8))
+    x = bf16(2, 16, seed=9)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2)
+        after = layer(x)
+    close_to_fp32(after, x, layer.weight, None)
+    assert not torch.equal(before, after)
+
+
+def test_the_setting_turns_the_kernel_off_and_refuses_unknown_values(monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "onednn")
+    assert avx512_bf16.kernel() is None
+    assert not avx512_bf16.usable(bf16(4, 4, seed=0))
+    w, x = bf16(24, 40, seed=10), bf16(3, 40, seed=11)
+    with torch.inference_mode():
+        assert torch.equal(Matmul(w)(x), F.linear(x, w))  # oneDNN, bitwise
+    monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "fastest")
+    with pytest.raises(ValueError, match="DFLASHKIT_CPU_GEMM"):
+        avx512_bf16.kernel()
+
+
+def test_weights_the_kernel_cannot_take_stay_with_onednn():
+    assert not avx512_bf16.usable(bf16(8, 7, seed=0))  # odd inner size
+    assert not avx512_bf16.usable(torch.randn(8, 8))  # fp32
+
+
+def attention_reference(q, keys, values, hidden, scale):
+    """fp32 attention of q [H, R, d] (row r is query row r % n) over keys/values [H, m, d]."""
+    scores = q.float() @ keys.float().transpose(1, 2) * scale  # [H, R, m]
+    if hidden is not None:
+        scores = scores.masked_fill(hidden.repeat(q.shape[1] // hidden.shape[0], 1)[None], float("-inf"))
+    return scores.softmax(-1) @ values.float()
+
+
+def chain_hidden(n: int, m: int) -> torch.Tensor:
+    return torch.ones(n, m, dtype=torch.bool).triu(m - n + 1)  # row i sees keys 0..m-n+i
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("mask", ["none", "chain", "tree"])
+def test_attention_matches_fp32_softmax_attention(d, mask):
+    heads, group, n, m = 3, 3, 5, 37
+    q, keys, values = bf16(heads, group * n, d, seed=d), bf16(heads, m, d, seed=1), bf16(heads, m, d, seed=2)
+    hidden = None
+    if mask == "chain":
+        hidden = chain_hidden(n, m)
+    elif mask == "tree":  # the cache, then each row sees itself and some earlier rows
+        hidden = torch.zeros(n, m, dtype=torch.bool)
+        hidden[:, m - n:] = ~torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                                           [1, 0, 1, 0, 1]], dtype=torch.bool)
+    with torch.inference_mode():
+        got = avx512_bf16.attention(q, keys, values, hidden, d**-0.5)
+    ref = attention_reference(q, keys, values, hidden, d**-0.5)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    assert ((got.float() - ref).abs() <= ref.abs() * 2**-7 + 2e-3).all()
+
+
+@needs_kernel
+def test_attention_row_of_a_chain_is_bitwise_the_one_row_step():
+    """Row i of a verify pass over n rows = the one-token step at its position, which sees keys 0..start+i."""
+    heads, group, n, start, d = 3, 3, 7, 40, 64
+    m = start + n
+    q = bf16(heads, group, n, d, seed=3)  # [H, group, n, d]
+    cache = bf16(2, heads, 64, d, seed=4)  # a cache with capacity 64: keys and values are views of it
+    keys, values = cache[0, :, :m], cache[1, :, :m]
+    with torch.inference_mode():
+        together = avx512_bf16.attention(q.reshape(heads, group * n, d), keys, values, chain_hidden(n, m), 0.125)
+        together = together.view(heads, group, n, d)
+        for i in range(n):
+            alone = avx512_bf16.attention(q[:, :, i], keys[:, : start + i + 1], values[:, : start + i + 1], None, 0.125)
+            assert torch.equal(alone, together[:, :, i])
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fast_target_verify_rows_are_bitwise_one_token_steps(arch):
+    """bf16: a 9-row verify pass gives exactly the logits and features of 9 one-token steps."""
+    from conftest import VOCAB, tiny_target
+
+    from dflashkit.fast_target import FastTargetForward
+
+    fast = FastTargetForward(tiny_target(arch, dtype=torch.bfloat16))
+    assert fast.row_exact
+    prompt, block = torch.randint(3, VOCAB, (1, 11)), torch.randint(3, VOCAB, (1, 9))
+    caches = [fast.new_cache(64), fast.new_cache(64)]
+    for cache in caches:
+        fast(prompt, 0, cache, 1, [])
+    logits, features = fast(block, 11, caches[0], 9, [1, 4])
+    for i in range(9):
+        step_logits, step_features = fast(block[:, i : i + 1], 11 + i, caches[1], 1, [1, 4])
+        assert torch.equal(step_logits[0], logits[i]) and torch.equal(step_features[0, 0], features[0, i])
+    assert torch.equal(caches[0].keys[:, :, :20], caches[1].keys[:, :, :20])
