@@ -91,8 +91,7 @@ def usable(weight: Tensor) -> bool:
 
 def attention_usable(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     """Whether :func:`attention` runs here for heads of this size."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 16 == 0 and head_dim <= 256 \
-        and kernel() is not None
+    return dtype == torch.bfloat16 and device.type == "cpu" and head_dim in (16, 32, 64, 128) and kernel() is not None
 
 
 def pack(weight: Tensor) -> Tensor:

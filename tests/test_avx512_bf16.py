@@ -117,7 +117,7 @@ def chain_hidden(n: int, m: int) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("mask", ["none", "chain", "tree"])
 def test_attention_matches_fp32_softmax_attention(d, mask):
     heads, group, n, m = 3, 3, 5, 37

@@ -129,12 +129,174 @@ inline __m512 load_bf16(const uint16_t* p) {  // 16 bf16 -> fp32 (exact: shift i
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+
+// The lane sums of 16 vectors: lane j of the result is the sum of v[j]'s 16 lanes, added in the same pattern for
+// every j (pairs within 128-bit lanes, then the 128-bit lanes 0+1 and 2+3, then those two).
+inline __m512 sum_lanes16(const float (*v)[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = _mm512_load_ps(v[2 * i]), y = _mm512_load_ps(v[2 * i + 1]);
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));  // [x, y, x, y] per 128-bit lane
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));  // keys 4i..4i+3
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+struct Attn {
+  const uint16_t *q, *k, *v;
+  uint16_t* out;
+  const bool* hidden;  // [n, m] or null
+  const int64_t* prefix;  // [n]: row i sees exactly keys 0..prefix[i]-1, or -1 (any other pattern: read hidden)
+  int64_t rows, n, m, k_head, v_head;
+  float scale;
+};
+
+// Rows r0..r0+T-1 of head h (T query rows share each key and value row loaded); CH = head_dim / 16.
+template <int T, int CH>
+void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* probs, int64_t* seen) {
+  const int64_t m = a.m, d = CH * 16;
+  const bool* sees_not[T];  // null where the row sees a prefix of the keys
+  int64_t limit[T];  // keys past it are hidden from the row
+  int64_t keys_seen = 0;  // keys past it are hidden from every row of the tile
+  __m512 qv[T][CH];
+  _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
+    const int64_t i = (r0 + t) % a.n, prefix = a.prefix[i];
+    sees_not[t] = prefix < 0 ? a.hidden + i * m : nullptr;
+    limit[t] = prefix < 0 ? m : prefix;
+    keys_seen = limit[t] > keys_seen ? limit[t] : keys_seen;
+    _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) qv[t][c] = load_bf16(a.q + (h * a.rows + r0 + t) * d + c * 16);
+  }
+  const uint16_t* kh = a.k + h * a.k_head;
+  alignas(64) float part[T][16][16];  // per row, 16 keys' fp32 partial sums (16 lanes each)
+  for (int64_t j0 = 0; j0 < keys_seen; j0 += 16) {  // scores (hidden keys' are dropped below), 16 at a time
+    const int64_t keys = keys_seen - j0 < 16 ? keys_seen - j0 : 16;
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      if (jj >= keys) {  // past the last key: zeros, whose sums are ignored
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) _mm512_store_ps(part[t][jj], _mm512_setzero_ps());
+        continue;
+      }
+      __m512 kv[CH];
+      _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) kv[c] = load_bf16(kh + (j0 + jj) * d + c * 16);
+      _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) {
+        __m512 acc = _mm512_mul_ps(qv[t][0], kv[0]);
+        _Pragma("GCC unroll 8") for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(qv[t][c], kv[c], acc);
+        _mm512_store_ps(part[t][jj], acc);
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << keys) - 1u);
+    _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t)
+      _mm512_mask_storeu_ps(scores + t * m + j0, valid, _mm512_mul_ps(sum_lanes16(part[t]), _mm512_set1_ps(a.scale)));
+  }
+  for (int t = 0; t < T; ++t) {  // softmax over each row's visible keys, in key order
+    float* w = scores + t * m;  // scores, then the weights by key
+    if (!sees_not[t]) {  // keys 0..limit-1: the general path below with an identity compaction, vectorized
+      const int64_t count = limit[t];
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      for (int64_t i0 = 0; i0 < count; i0 += 16) {
+        const __mmask16 keep = static_cast<__mmask16>((1u << (count - i0 < 16 ? count - i0 : 16)) - 1u);
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, keep, w + i0));
+      }
+      top = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t i0 = 0; i0 < count; i0 += 16) {
+        const __mmask16 keep = static_cast<__mmask16>((1u << (count - i0 < 16 ? count - i0 : 16)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, w + i0), top)));
+        _mm512_mask_storeu_ps(w + i0, keep, e);
+        total = _mm512_add_ps(total, e);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+      for (int64_t i0 = 0; i0 < count; i0 += 16) {
+        const __mmask16 keep = static_cast<__mmask16>((1u << (count - i0 < 16 ? count - i0 : 16)) - 1u);
+        _mm512_mask_storeu_ps(w + i0, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, w + i0), inv));
+      }
+      continue;
+    }
+    float* p = probs + t * (m + 16);
+    int64_t* idx = seen + t * m;
+    float best = -INFINITY;
+    int64_t count = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      if (sees_not[t][j]) continue;
+      const float sj = w[j];
+      p[count] = sj;
+      idx[count++] = j;
+      best = sj > best ? sj : best;
+    }
+    __m512 total = _mm512_setzero_ps();  // lane l sums entries i = l mod 16, in order
+    const __m512 top = _mm512_set1_ps(best);
+    for (int64_t i0 = 0; i0 < count; i0 += 16) {
+      const int64_t lanes = count - i0 < 16 ? count - i0 : 16;
+      const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1u);
+      const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, p + i0), top)));
+      _mm512_storeu_ps(p + i0, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(total);
+    for (int64_t i = 0; i < count; ++i) w[idx[i]] = p[i] * inv;
+  }
+  __m512 acc[T][CH];
+  _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t)
+    _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) acc[t][c] = _mm512_setzero_ps();
+  const uint16_t* vh = a.v + h * a.v_head;
+  for (int64_t j = 0; j < keys_seen; ++j) {  // out = sum of the visible keys' weights times their values, in key order
+    __m512 vv[CH];
+    _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) vv[c] = load_bf16(vh + j * d + c * 16);
+    _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) {
+      if (j >= limit[t] || (sees_not[t] && sees_not[t][j])) continue;
+      const __m512 wj = _mm512_set1_ps(scores[t * m + j]);
+      _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) acc[t][c] = _mm512_fmadd_ps(wj, vv[c], acc[t][c]);
+    }
+  }
+  _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) {
+    uint16_t* o = a.out + (h * a.rows + r0 + t) * d;
+    _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c)
+      _mm256_storeu_si256((__m256i*)(o + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[t][c]));
+  }
+}
+
+template <int CH, int T>
+void attend_rows(const Attn& a, int64_t h, int64_t r0, int64_t left, float* scores, float* probs, int64_t* seen) {
+  if constexpr (T > 1) {
+    if (left < T) return attend_rows<CH, T - 1>(a, h, r0, left, scores, probs, seen);
+  }
+  attend_tile<T, CH>(a, h, r0, scores, probs, seen);
+}
+
+template <int CH>
+void attend_all(Attn a, int64_t heads) {
+  constexpr int kTile = CH >= 8 ? 2 : 4;  // registers: kTile * CH query vectors, then as many accumulators
+  std::vector<int64_t> prefix(a.n);  // per mask row: the length of the prefix it sees, or -1
+  for (int64_t i = 0; i < a.n; ++i) {
+    const bool* row = a.hidden ? a.hidden + i * a.m : nullptr;
+    int64_t length = 0;
+    while (length < a.m && !(row && row[length])) ++length;
+    int64_t j = length;
+    while (j < a.m && row[j]) ++j;
+    prefix[i] = j == a.m ? length : -1;
+  }
+  a.prefix = prefix.data();
+  const int64_t tiles = (a.rows + kTile - 1) / kTile;
+  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kTile * a.m), probs(kTile * (a.m + 16));
+    std::vector<int64_t> seen(kTile * a.m);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / tiles, r0 = (task % tiles) * kTile;
+      attend_rows<CH, kTile>(a, h, r0, a.rows - r0, scores.data(), probs.data(), seen.data());
+    }
+  });
+}
+
 }  // namespace
 
 // Grouped-query attention, fp32 inside, one query row at a time.
 // q [kv_heads, R, d] bf16 (the query heads sharing a key/value head stacked: row r is query row r % n);
 // keys, values [kv_heads, m, d] bf16 with contiguous rows; hidden [n, m] bool (true: row i does not see key j)
-// or None (every row sees every key). d a multiple of 16, at most 256. Returns [kv_heads, R, d] bf16.
+// or None (every row sees every key). d: 16, 32, 64 or 128. Returns [kv_heads, R, d] bf16.
 // Per row: s_j = scale * q.k_j (fp32, fixed order), softmax over the visible keys (max, then exp and a sum in
 // key order), out = sum_j p_j v_j / sum, rounded once. Hidden keys are skipped before anything is summed, so a
 // row's result is bitwise the one computed over only the keys it sees (a chain's row i = a one-token step).
@@ -144,7 +306,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
   TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.sizes() == values.sizes() &&
               keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16, "keys, values: [kv_heads, m, d] bf16");
   const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), m = keys.size(1);
-  TORCH_CHECK(keys.size(0) == heads && keys.size(2) == d && d % 16 == 0 && d <= 256, "head size: a multiple of 16, <= 256");
+  TORCH_CHECK(keys.size(0) == heads && keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128), "head size: 16, 32, 64 or 128");
   TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == d && values.stride(2) == 1 && values.stride(1) == d,
               "keys and values need contiguous rows");
   TORCH_CHECK(n >= 1 && rows % n == 0, "R must be a multiple of n");
@@ -155,55 +317,17 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
     hid = hidden->data_ptr<bool>();
   }
   auto out = torch::empty_like(q);
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t k_head = keys.stride(0), v_head = values.stride(0), chunks = d / 16;
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, heads * rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(m + 16);  // scores, then probabilities, of the visible keys in key order
-    std::vector<int64_t> seen(m);   // which key each entry is
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / rows, r = task % rows;
-      const bool* sees_not = hid ? hid + (r % n) * m : nullptr;
-      __m512 qv[16];
-      for (int64_t c = 0; c < chunks; ++c) qv[c] = load_bf16(qp + (h * rows + r) * d + c * 16);
-      const uint16_t* kh = kp + h * k_head;
-      float best = -INFINITY;
-      int64_t count = 0;
-      for (int64_t j = 0; j < m; ++j) {  // scores
-        if (sees_not && sees_not[j]) continue;
-        __m512 acc = _mm512_mul_ps(qv[0], load_bf16(kh + j * d));
-        for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], load_bf16(kh + j * d + c * 16), acc);
-        const float s = _mm512_reduce_add_ps(acc) * sc;
-        p[count] = s;
-        seen[count++] = j;
-        best = s > best ? s : best;
-      }
-      __m512 total = _mm512_setzero_ps();  // lane l sums entries t = l mod 16, in order
-      const __m512 top = _mm512_set1_ps(best);
-      for (int64_t t0 = 0; t0 < count; t0 += 16) {
-        const int64_t lanes = count - t0 < 16 ? count - t0 : 16;
-        const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1u);
-        const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, p.data() + t0), top)));
-        _mm512_storeu_ps(p.data() + t0, e);
-        total = _mm512_add_ps(total, e);
-      }
-      const float inv = 1.0f / _mm512_reduce_add_ps(total);
-      const uint16_t* vh = vp + h * v_head;
-      __m512 acc[16];
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < count; ++t) {
-        const __m512 w = _mm512_set1_ps(p[t]);
-        const uint16_t* v = vh + seen[t] * d;
-        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, load_bf16(v + c * 16), acc[c]);
-      }
-      uint16_t* o = op + (h * rows + r) * d;
-      for (int64_t c = 0; c < chunks; ++c)
-        _mm256_storeu_si256((__m256i*)(o + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], _mm512_set1_ps(inv))));
-    }
-  });
+  const Attn a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), hid, nullptr, rows, n, m, keys.stride(0),
+               values.stride(0), static_cast<float>(scale)};
+  switch (d) {
+    case 16: attend_all<1>(a, heads); break;
+    case 32: attend_all<2>(a, heads); break;
+    case 64: attend_all<4>(a, heads); break;
+    default: attend_all<8>(a, heads); break;
+  }
   return out;
 }
 
