@@ -76,7 +76,7 @@ def _load(setting: str) -> ModuleType | None:
 
         return load(name=name, sources=[str(SOURCE)], build_directory=str(build), verbose=False,
                     extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"])
-    except Exception as exc:  # no compiler, no ninja, a read-only home...: oneDNN it is
+    except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, a read-only home...: oneDNN it is)
         warnings.warn(f"dflashkit: the bf16 CPU kernel could not be built ({type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); using oneDNN",
                       RuntimeWarning, stacklevel=2)

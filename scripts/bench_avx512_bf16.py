@@ -55,11 +55,11 @@ def main() -> None:
         for rows in [int(r) for r in args.rows.split(",")]:
             x = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in (576, 1536)}
 
-            def run_onednn():
+            def run_onednn(x=x):
                 for w, p in zip(weights, onednn):
                     torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
 
-            def run_kernel():
+            def run_kernel(x=x):
                 for w, p in zip(weights, ours):
                     avx512_bf16.linear(x[w.shape[1]], p, w.shape[0])
 
@@ -87,11 +87,11 @@ def main() -> None:
                 mask = mask[None].expand(group, rows, end).reshape(1, 1, group * rows, end)
             k, v = keys[:, :end], values[:, :end]
 
-            def run_sdpa():
+            def run_sdpa(q=q, k=k, v=v, mask=mask):
                 for _ in range(LAYERS):
                     F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=0.125)
 
-            def run_ours():
+            def run_ours(q=q, k=k, v=v, hidden=hidden):
                 for _ in range(LAYERS):
                     avx512_bf16.attention(q, k, v, hidden, 0.125)
 

@@ -171,3 +171,24 @@ def test_fast_target_verify_rows_are_bitwise_one_token_steps(arch):
         step_logits, step_features = fast(block[:, i : i + 1], 11 + i, caches[1], 1, [1, 4])
         assert torch.equal(step_logits[0], logits[i]) and torch.equal(step_features[0, 0], features[0, i])
     assert torch.equal(caches[0].keys[:, :, :20], caches[1].keys[:, :, :20])
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_to_onednn_with_a_warning(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "avx512")
+    monkeypatch.setenv("DFLASHKIT_KERNEL_DIR", str(tmp_path / "unbuilt"))
+    avx512_bf16._load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be built .*No such file"):
+            assert avx512_bf16.kernel() is None
+        w, x = bf16(24, 40, seed=12), bf16(3, 40, seed=13)
+        with torch.inference_mode():
+            assert torch.equal(Matmul(w)(x), F.linear(x, w))
+    finally:
+        avx512_bf16._load.cache_clear()
