@@ -127,3 +127,16 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor | None, sc
     """
     n = hidden.shape[0] if hidden is not None else q.shape[1]
     return kernel().attention(q.contiguous(), keys, values, hidden, n, scale)
+
+
+def decoder_layers(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Tensor, cache, start: int,
+                   hidden: Tensor | None, model, feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+    """Every decoder layer of a fast target forward (``model``: a FastTargetForward) for the rows x [n, hidden] at
+    positions start..start+n-1, in one call: their keys and values are written into ``cache``; each row is computed
+    on its own (bitwise a one-token step). cos, sin_signed [n, head_dim]. Returns x after the last layer [n, hidden]
+    and the feature layers' outputs [1, n, len(feature_layers) * hidden] (None without)."""
+    out, features = kernel().decoder_layers(
+        x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), cache.keys, cache.values, start, hidden,
+        model.heads, model.kv_heads, model.layers[0].intermediate, model.eps, model.layers[0].scaling,
+        list(feature_layers))
+    return out, features[None] if feature_layers else None

@@ -200,6 +200,25 @@ class FastTargetForward:
         # products (kernels.Matmul), a verify pass's row i is then bitwise the one-token step at that position
         self.row_exact = avx512_bf16.attention_usable(self.dtype, self.device, self.head_dim) and all(
             getattr(layer.qkv, "small", None) is not None for layer in self.layers)
+        self.fused_weights = self._fused_weights() if self.row_exact else None
+
+    def _fused_weights(self) -> list[Tensor] | None:
+        """The tensors of ``avx512_bf16.decoder_layers`` (8 per layer), or None where a layer is not of the shape
+        it covers (biases beyond q/k/v, norms with different epsilons)."""
+        eps = {norm.eps for layer in self.layers for norm in (layer.input_norm, layer.post_norm, layer.q_norm,
+                                                              layer.k_norm) if norm is not None}
+        if len(eps) != 1 or any(m.bias is not None for layer in self.layers
+                                                      for m in (layer.o, layer.gate_up, layer.down)):
+            return None
+        self.eps = eps.pop()
+        empty = torch.empty(0, dtype=self.dtype)
+        weights = []
+        for layer in self.layers:
+            qk_norm = torch.stack((layer.q_norm.weight, layer.k_norm.weight)) if layer.q_norm is not None else empty
+            weights += [layer.input_norm.weight, layer.qkv.small, layer.qkv.bias32 if layer.qkv.bias32 is not None
+                        else empty.float(), layer.o.small, layer.post_norm.weight, layer.gate_up.small,
+                        layer.down.small, qk_norm.contiguous()]
+        return weights
 
     def new_cache(self, capacity: int = 256) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
@@ -239,6 +258,11 @@ class FastTargetForward:
             else:  # the cache, then the tree's own visibility
                 hidden = torch.zeros(n, end, dtype=torch.bool, device=x.device)
                 hidden[:, start:] = ~visible.to(x.device)
+        if self.fused_weights is not None and n <= avx512_bf16.MAX_ROWS:  # every layer in one C++ call
+            x, features = avx512_bf16.decoder_layers(x[0], self.fused_weights, cos[0, 0], sin[0, 0], cache, start,
+                                                     hidden, self, feature_layers)
+            cache.length = end
+            return self.head(self.final_norm(x[n - logits_rows :])), features
         if self.row_exact and n <= avx512_bf16.MAX_ROWS:
             def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
                 return avx512_bf16.attention(q[0], keys[0], values[0], hidden, scale)[None]

@@ -153,15 +153,19 @@ def test_attention_row_of_a_chain_is_bitwise_the_one_row_step():
 
 
 @needs_kernel
+@pytest.mark.parametrize("fused", [True, False], ids=["one-call-layers", "python-layers"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fast_target_verify_rows_are_bitwise_one_token_steps(arch):
-    """bf16: a 9-row verify pass gives exactly the logits and features of 9 one-token steps."""
+def test_fast_target_verify_rows_are_bitwise_one_token_steps(arch, fused):
+    """bf16: a 9-row verify pass gives exactly the logits and features of 9 one-token steps, through the one-call
+    C++ layers (decoder_layers) or the Python layer loop with the kernels' products and attention."""
     from conftest import VOCAB, tiny_target
 
     from dflashkit.fast_target import FastTargetForward
 
     fast = FastTargetForward(tiny_target(arch, dtype=torch.bfloat16))
-    assert fast.row_exact
+    assert fast.row_exact and fast.fused_weights is not None
+    if not fused:
+        fast.fused_weights = None
     prompt, block = torch.randint(3, VOCAB, (1, 11)), torch.randint(3, VOCAB, (1, 9))
     caches = [fast.new_cache(64), fast.new_cache(64)]
     for cache in caches:
@@ -171,6 +175,32 @@ def test_fast_target_verify_rows_are_bitwise_one_token_steps(arch):
         step_logits, step_features = fast(block[:, i : i + 1], 11 + i, caches[1], 1, [1, 4])
         assert torch.equal(step_logits[0], logits[i]) and torch.equal(step_features[0, 0], features[0, i])
     assert torch.equal(caches[0].keys[:, :, :20], caches[1].keys[:, :, :20])
+    assert torch.equal(caches[0].values[:, :, :20], caches[1].values[:, :, :20])
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_one_call_layers_compute_what_the_python_layers_compute(arch):
+    """The C++ layer loop is the same maths as the Python one (rounded at other points: bf16 tolerance)."""
+    from conftest import VOCAB, tiny_target
+
+    from dflashkit.fast_target import FastTargetForward
+
+    fast = FastTargetForward(tiny_target(arch, dtype=torch.bfloat16))
+    weights = fast.fused_weights
+    ids = torch.randint(3, VOCAB, (1, 14))
+    out = {}
+    for name, fused in (("fused", weights), ("python", None)):
+        fast.fused_weights = fused
+        cache = fast.new_cache(64)
+        fast(ids[:, :8], 0, cache, 1, [])
+        out[name] = fast(ids[:, 8:], 8, cache, 6, [2, 5]), cache
+    (logits, features), cache = out["fused"]
+    (ref_logits, ref_features), ref_cache = out["python"]
+    assert torch.allclose(logits.float(), ref_logits.float(), atol=0.01 * ref_logits.float().abs().max().item())
+    assert torch.allclose(features.float(), ref_features.float(), atol=0.03 * ref_features.float().abs().max().item())
+    for mine, theirs in ((cache.keys, ref_cache.keys), (cache.values, ref_cache.values)):
+        assert torch.allclose(mine[:, :, :14].float(), theirs[:, :, :14].float(), atol=0.05)
 
 
 def test_a_kernel_that_cannot_be_built_falls_back_to_onednn_with_a_warning(monkeypatch, tmp_path):

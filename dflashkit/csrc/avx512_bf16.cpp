@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -331,7 +332,158 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
   return out;
 }
 
+namespace {
+
+inline float bf16_to_float(uint16_t v) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline __m512 load_bf16_masked(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store_bf16_masked(uint16_t* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline __mmask16 tail(int64_t left) { return static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u); }
+
+// RMS norm of each row of x [rows, width] (row stride ld): out = bf16(bf16(x / rms(x)) * w), the sum of squares in fp32
+// in a fixed order (16 lanes, then their sum), as transformers rounds (normalise in fp32, scale in bf16).
+void rms_norm(const uint16_t* x, int64_t ld, int64_t rows, int64_t width, const uint16_t* w, float eps, uint16_t* out,
+              int64_t ld_out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * ld;
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t c = 0; c < width; c += 16) {
+      const __m512 v = load_bf16_masked(xr + c, tail(width - c));
+      sq = _mm512_fmadd_ps(v, v, sq);
+    }
+    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(width) + eps);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t c = 0; c < width; c += 16) {
+      const __mmask16 m = tail(width - c);
+      const __m512 normed = load_bf16_masked(xr + c, m);
+      // round x / rms to bf16 first (transformers' .to(input_dtype)), then the bf16 product with the weight
+      const __m512 h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(normed, s))), 16));
+      store_bf16_masked(out + r * ld_out + c, m, _mm512_mul_ps(h, load_bf16_masked(w + c, m)));
+    }
+  }
+}
+
+// x * cos + rotate_half(x) * sin for one head vector of d (rotate_half(x) = [-x2, x1]; `sin` is signed: its first half
+// negated), in fp32, rounded once.
+void rotate_into(const uint16_t* x, const uint16_t* cos, const uint16_t* sin_signed, int64_t d, uint16_t* out) {
+  const int64_t half = d / 2;
+  uint16_t rolled[256];  // x rolled by half the head: [x2, x1]
+  std::memcpy(rolled, x + half, half * sizeof(uint16_t));
+  std::memcpy(rolled + half, x, half * sizeof(uint16_t));
+  for (int64_t c = 0; c < d; c += 16) {
+    const __mmask16 m = tail(d - c);
+    const __m512 v = load_bf16_masked(x + c, m), r = load_bf16_masked(rolled + c, m);
+    store_bf16_masked(out + c, m, _mm512_fmadd_ps(v, load_bf16_masked(cos + c, m),
+                                                  _mm512_mul_ps(r, load_bf16_masked(sin_signed + c, m))));
+  }
+}
+
+// out = bf16(x + y), elementwise over count values
+void add_into(uint16_t* x, const uint16_t* y, int64_t count) {
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 m = tail(count - c);
+    store_bf16_masked(x + c, m, _mm512_add_ps(load_bf16_masked(x + c, m), load_bf16_masked(y + c, m)));
+  }
+}
+
+// out = bf16(silu(gate) * up), silu(g) = g * sigmoid(g) with exp of -|g| only
+void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t count, uint16_t* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 m = tail(count - c);
+    const __m512 g = load_bf16_masked(gate + c, m);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // exp(-|g|)
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
+    const __m512 sig = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
+    store_bf16_masked(out + c, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), load_bf16_masked(up + c, m)));
+  }
+}
+
+const uint16_t* u16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* u16w(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+}  // namespace
+
+// Every decoder layer of a Llama / Qwen2 / Qwen3 target for n <= 16 rows, in one call: RMS norms, the fused q/k/v
+// product, per-head q/k norms (Qwen3), rotary, the cache write, attention, o, the fused gate/up product, SiLU,
+// down, residuals; every step per row, so a verify pass's rows are bitwise one-token steps.
+// x [n, H] bf16; per layer 8 tensors: input norm [H], qkv packed, qkv bias (fp32 [..] or an empty tensor), o packed,
+// post norm [H], gate/up packed, down packed, q/k norms ([2, d] bf16 or empty); cos, sin_signed [n, d] bf16;
+// keys, values [layers, kv_heads, capacity, d]. Returns x after the last layer and the feature layers' outputs
+// concatenated [n, len(feature_layers) * H] (empty without).
+std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                          const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                                          torch::Tensor keys, torch::Tensor values, int64_t start,
+                                          const c10::optional<torch::Tensor>& hidden, int64_t heads, int64_t kv_heads,
+                                          int64_t intermediate, double eps, double scaling,
+                                          const std::vector<int64_t>& feature_layers) {
+  const int64_t n = x.size(0), width = x.size(1), d = keys.size(3), layers = keys.size(0), end = start + n;
+  const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d;
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x: contiguous [n, H] bf16");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * layers, "8 tensors per layer");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && end <= keys.size(2), "caches: contiguous, room for the rows");
+  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(0) == n && cos.size(1) == d, "cos/sin: [n, d]");
+  TORCH_CHECK(d % 16 == 0 && d <= 256, "head size: a multiple of 16, at most 256");
+  x = x.clone();
+  auto opts = x.options();
+  auto h = torch::empty({n, width}, opts), q = torch::empty({kv_heads, group * n, d}, opts);
+  auto attn_rows = torch::empty({n, heads * d}, opts), act = torch::empty({n, intermediate}, opts);
+  auto normed_head = torch::empty({d}, opts);
+  const int64_t features_count = static_cast<int64_t>(feature_layers.size());
+  auto features = features_count ? torch::empty({n, features_count * width}, opts) : torch::empty({0}, opts);
+  const int64_t cap = keys.size(2);
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const torch::Tensor* w = &weights[8 * layer];
+    rms_norm(u16(x), width, n, width, u16(w[0]), static_cast<float>(eps), u16w(h), width);
+    c10::optional<torch::Tensor> qkv_bias = w[2].numel() ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt;
+    torch::Tensor qkv = linear(h, w[1], qkv_width, qkv_bias);  // [n, (heads + 2 kv_heads) d]
+    const bool qk_norm = w[7].numel() > 0;
+    uint16_t* kl = u16w(keys) + layer * kv_heads * cap * d;
+    uint16_t* vl = u16w(values) + layer * kv_heads * cap * d;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t* row = u16(qkv) + i * qkv_width;
+      const uint16_t* c = u16(cos) + i * d;
+      const uint16_t* sn = u16(sin_signed) + i * d;
+      for (int64_t head = 0; head < heads + kv_heads; ++head) {  // queries, then keys: (normed,) rotated
+        const uint16_t* src = row + head * d;
+        if (qk_norm) {
+          rms_norm(src, d, 1, d, u16(w[7]) + (head < heads ? 0 : d), static_cast<float>(eps), u16w(normed_head), d);
+          src = u16(normed_head);
+        }
+        uint16_t* dst = head < heads ? u16w(q) + ((head / group) * group * n + (head % group) * n + i) * d
+                                     : kl + ((head - heads) * cap + start + i) * d;
+        rotate_into(src, c, sn, d, dst);
+      }
+      for (int64_t kh = 0; kh < kv_heads; ++kh)  // values as they are
+        std::memcpy(vl + (kh * cap + start + i) * d, row + (heads + kv_heads + kh) * d, d * sizeof(uint16_t));
+    }
+    torch::Tensor out = attention(q, keys.select(0, layer).narrow(1, 0, end), values.select(0, layer).narrow(1, 0, end),
+                                  hidden, n, scaling);  // [kv_heads, group * n, d]
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t head = 0; head < heads; ++head)
+        std::memcpy(u16w(attn_rows) + (i * heads + head) * d,
+                    u16(out) + ((head / group) * group * n + (head % group) * n + i) * d, d * sizeof(uint16_t));
+    torch::Tensor o = linear(attn_rows, w[3], width, c10::nullopt);
+    add_into(u16w(x), u16(o), n * width);
+    rms_norm(u16(x), width, n, width, u16(w[4]), static_cast<float>(eps), u16w(h), width);
+    torch::Tensor gate_up = linear(h, w[5], 2 * intermediate, c10::nullopt);  // [n, 2 I]
+    for (int64_t i = 0; i < n; ++i)
+      silu_mul(u16(gate_up) + i * 2 * intermediate, u16(gate_up) + i * 2 * intermediate + intermediate, intermediate,
+               u16w(act) + i * intermediate);
+    torch::Tensor down = linear(act, w[6], width, c10::nullopt);
+    add_into(u16w(x), u16(down), n * width);
+    for (int64_t f = 0; f < features_count; ++f)
+      if (feature_layers[f] == layer)
+        for (int64_t i = 0; i < n; ++i)
+          std::memcpy(u16w(features) + (i * features_count + f) * width, u16(x) + i * width, width * sizeof(uint16_t));
+  }
+  return {x, features};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { 
   m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
   m.def("attention", &attention, "grouped-query attention, one query row at a time");
+  m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
 }
