@@ -222,3 +222,34 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_onednn_with_a_warning(monke
             assert torch.equal(Matmul(w)(x), F.linear(x, w))
     finally:
         avx512_bf16._load.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tree_rows_are_bitwise_fresh_forwards_of_their_paths(arch):
+    """bf16: a node's row of a token-tree pass sees exactly its path's keys in the same order, so it is bitwise the
+    last row of a fresh forward of the path."""
+    from conftest import tiny_target
+
+    from dflashkit.target import TargetAdapter
+    from dflashkit.tree import DraftTree
+
+    target = TargetAdapter(tiny_target(arch, dtype=torch.bfloat16), [1, 4])
+    assert target.fast_forward.fused_weights is not None
+    prefix = [5, 9, 14, 3, 22, 7]
+    tree = DraftTree(tokens=[30, 31, 32, 33, 34, 35], parents=[0, 0, 1, 1, 3, 2], depths=[1, 1, 2, 2, 3, 2])
+    cache = target.new_cache()
+    target.forward(torch.tensor([prefix[:-1]]), 0, cache, logits_rows=1)
+    shape = (tree.position_offsets(), tree.attention_mask())
+    ids = torch.tensor([[prefix[-1]] + tree.tokens])
+    logits, features = target.forward(ids, len(prefix) - 1, cache, logits_rows=len(tree) + 1, tree=shape)
+    for row in range(len(tree) + 1):
+        path, node = [], row
+        while node:
+            path.append(tree.tokens[node - 1])
+            node = tree.parents[node - 1]
+        fresh = target.new_cache()
+        target.forward(torch.tensor([prefix[:-1]]), 0, fresh, logits_rows=1)  # the same prefill as the tree's
+        expected, expected_features = target.forward(torch.tensor([[prefix[-1]] + path[::-1]]), len(prefix) - 1,
+                                                     fresh, logits_rows=1)
+        assert torch.equal(logits[row], expected[0]) and torch.equal(features[0, row], expected_features[0, -1])
