@@ -64,12 +64,12 @@ def _load(setting: str) -> ModuleType | None:
     if setting == "auto" and torch.cpu._is_amx_tile_supported():
         return None
     source = SOURCE.read_bytes()
-    name = "dflashkit_bf16_gemm_" + hashlib.sha256(source).hexdigest()[:12]
+    name = "dflashkit_avx512_bf16_" + hashlib.sha256(source).hexdigest()[:12]
     build = Path(os.environ.get("DFLASHKIT_KERNEL_DIR", Path.home() / ".cache" / "dflashkit" / "kernels")) / name
     try:
         build.mkdir(parents=True, exist_ok=True)
         if not (build / f"{name}.so").exists():
-            print("dflashkit: compiling the bf16 CPU matrix kernel (once per machine, ~30 s)...", file=sys.stderr)
+            print("dflashkit: compiling its AVX512-BF16 CPU kernels (once per machine, ~30 s)...", file=sys.stderr)
         from torch.utils.cpp_extension import load
 
         if shutil.which("ninja") is None:  # the pip package's ninja lies beside this Python, maybe not on PATH
