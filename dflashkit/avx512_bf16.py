@@ -130,14 +130,19 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor | None, sc
     return kernel().attention(q.contiguous(), keys, values, hidden, n, scale)
 
 
-def decoder_layers(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Tensor, cache, start: int,
-                   hidden: Tensor | None, model, feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
-    """Every decoder layer of a fast target forward (``model``: a FastTargetForward) for the rows x [n, hidden] at
-    positions start..start+n-1, in one call: their keys and values are written into ``cache``; each row is computed
-    on its own (bitwise a one-token step). cos, sin_signed [n, head_dim]. Returns x after the last layer [n, hidden]
-    and the feature layers' outputs [1, n, len(feature_layers) * hidden] (None without)."""
+def decoder_layers(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Tensor, keys: Tensor, values: Tensor,
+                   start: int, hidden: Tensor | None, heads: int, kv_heads: int, intermediate: int, eps: float,
+                   scaling: float, feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+    """Every decoder layer for the rows x [n, hidden] at positions start..start+n-1, in one call (a Llama / Qwen2 /
+    Qwen3 target's, or the drafter's, whose block rows see each other and the whole context: hidden None).
+
+    ``weights``: 8 per layer (input norm, q/k/v packed, q/k/v fp32 bias or an empty tensor, o packed, post norm,
+    gate/up packed, down packed, [q_norm, k_norm] stacked or an empty tensor); cos, sin_signed [n, head_dim];
+    keys, values [layers, kv_heads, capacity, head_dim]: the rows' keys and values are written at start..; hidden
+    [n, start+n] bool or None. Each row is computed on its own (bitwise a one-token step). Returns x after the
+    last layer [n, hidden] and the feature layers' outputs [1, n, len(feature_layers) * hidden] (None without).
+    """
     out, features = kernel().decoder_layers(
-        x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), cache.keys, cache.values, start, hidden,
-        model.heads, model.kv_heads, model.layers[0].intermediate, model.eps, model.layers[0].scaling,
-        list(feature_layers))
+        x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), keys, values, start, hidden, heads,
+        kv_heads, intermediate, eps, scaling, list(feature_layers))
     return out, features[None] if feature_layers else None

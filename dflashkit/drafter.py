@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import kernels
+from . import avx512_bf16, kernels
 from .config import DrafterConfig
 from .errors import InvalidInputError
 from .kernels import Matmul, rotate, signed_sin
@@ -261,7 +261,11 @@ class DFlashDrafter(nn.Module):
             block_ids[0, 0] = anchor
             run = fast if fast is not None else self
             positions = torch.arange(pos, pos + k + 1, device=device)
-            return head(run(self.embed(block_ids, embed_tokens), positions, context.layers())[0, 1:])
+            embeddings = self.embed(block_ids, embed_tokens)
+            if fast is not None and fast.fused_weights is not None and k + 1 <= avx512_bf16.MAX_ROWS \
+                    and getattr(context, "keys", None) is not None:
+                return head(fast.run_fused(embeddings, positions, context)[0, 1:])
+            return head(run(embeddings, positions, context.layers())[0, 1:])
 
         if self.graphs is not None and fast is not None:
             scores = self.graphs(context, anchor, pos, k, embed_tokens, head, fast, eager)
@@ -352,6 +356,37 @@ class FastDrafterForward:
         self.context_kv = Matmul.fused([proj for a in attns for proj in (a.k_proj, a.v_proj)])
         # every layer's k_norm in one call: its weight per (layer, kv head) row of the context's keys
         self.context_k_norm = _per_head_norm([(a.k_norm, self.kv_heads) for a in attns])
+        self.fused_weights = self._fused_weights(drafter)
+
+    def _fused_weights(self, drafter: DFlashDrafter) -> list[Tensor] | None:
+        """The tensors of ``avx512_bf16.decoder_layers`` (8 per layer) where its kernels run, else None."""
+        layers = drafter.layers
+        eps = {norm.eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                         layer.self_attn.q_norm, layer.self_attn.k_norm)}
+        fast = self.layers
+        if len(eps) != 1 or not avx512_bf16.attention_usable(self.fc.weight.dtype, self.fc.weight.device,
+                                                             self.head_dim) \
+                or any(getattr(m, "small", None) is None for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)):
+            return None
+        self.eps = eps.pop()
+        empty = torch.empty(0, dtype=torch.float32)
+        weights = []
+        for layer, f in zip(layers, fast):
+            attn = layer.self_attn
+            weights += [f.input_norm.weight, f.qkv.small, empty, f.o.small, f.post_norm.weight, f.gate_up.small,
+                        f.down.small, torch.stack((attn.q_norm.weight, attn.k_norm.weight)).detach().contiguous()]
+        return weights
+
+    def run_fused(self, block_embeddings: Tensor, positions: Tensor, context: ContextCache) -> Tensor:
+        """:meth:`__call__` in one C++ call (needs ``fused_weights``): the block's own keys and values go to the
+        context buffers' scratch rows past its length. Returns [1, s, hidden]."""
+        s = block_embeddings.shape[1]
+        context.reserve(context.length + s)
+        cos, sin = self.rotary(positions, block_embeddings.dtype)  # [s, head_dim]
+        h, _ = avx512_bf16.decoder_layers(block_embeddings[0], self.fused_weights, cos, signed_sin(sin), context.keys,
+                                          context.values, context.length, None, self.heads, self.kv_heads,
+                                          self.layers[0].intermediate, self.eps, self.head_dim**-0.5, [])
+        return self.norm(h)[None]
 
     def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
         ctx = self.hidden_norm(self.fc(target_features))  # [1, n, hidden]
@@ -425,27 +460,39 @@ def _per_head_norm(norms: list[tuple[RMSNorm, int]]) -> kernels.RMSNorm:
 class ContextCache:
     """Injected context K/V of every drafter layer, grown only by verified tokens.
 
-    Buffers are preallocated ([1, kv_heads, capacity, head_dim] per layer and K/V) and grown by doubling,
-    so appending costs a copy of the new rows only.
+    Buffers are preallocated (``keys`` and ``values`` [layers, kv_heads, capacity, head_dim]; per layer views
+    [1, kv_heads, capacity, head_dim]) and grown by doubling, so appending costs a copy of the new rows only.
+    Rows past ``length`` are scratch: the one-call drafter layers (dflashkit.avx512_bf16) write a block's own
+    keys and values there.
     """
 
     def __init__(self, num_layers: int, capacity: int = 256) -> None:
         self.num_layers = num_layers
         self.capacity = capacity
         self.length = 0
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
         self._buffers: list[tuple[Tensor, Tensor]] | None = None
 
     def append(self, kvs: list[KV]) -> None:
         n = kvs[0][0].shape[2]
         if self._buffers is None:
-            self._buffers = [self._alloc(k, max(self.capacity, n)) for k, _ in kvs]
+            self._allocate(kvs[0][0], max(self.capacity, n))
         elif self.length + n > self._buffers[0][0].shape[2]:
-            new_cap = max(2 * self._buffers[0][0].shape[2], self.length + n)
-            self._buffers = [self._grow(buf, new_cap) for buf in self._buffers]
+            self.reserve(self.length + n)
         for (kb, vb), (k, v) in zip(self._buffers, kvs):
             kb[:, :, self.length : self.length + n] = k
             vb[:, :, self.length : self.length + n] = v
         self.length += n
+
+    def reserve(self, end: int) -> None:
+        """Room for rows < end (the buffers double when they would not fit)."""
+        assert self.keys is not None, "context cache is empty"
+        if end > self.keys.shape[2]:
+            keys, values = self.keys, self.values
+            self._allocate(keys[0:1], max(2 * keys.shape[2], end))
+            self.keys[:, :, : self.length] = keys[:, :, : self.length]
+            self.values[:, :, : self.length] = values[:, :, : self.length]
 
     def layers(self) -> list[KV]:
         """Views of the filled part: per layer (keys, values) [1, kv_heads, length, head_dim]."""
@@ -455,12 +502,8 @@ class ContextCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def _alloc(self, like: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
-        shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
-        return like.new_empty(shape), like.new_empty(shape)
-
-    def _grow(self, buf: tuple[Tensor, Tensor], capacity: int) -> tuple[Tensor, Tensor]:
-        k, v = self._alloc(buf[0], capacity)
-        k[:, :, : self.length] = buf[0][:, :, : self.length]
-        v[:, :, : self.length] = buf[1][:, :, : self.length]
-        return k, v
+    def _allocate(self, like: Tensor, capacity: int) -> None:
+        """New buffers shaped like `like` [1, kv_heads, *, head_dim] for every layer."""
+        shape = (self.num_layers, like.shape[1], capacity, like.shape[3])
+        self.keys, self.values = like.new_empty(shape), like.new_empty(shape)
+        self._buffers = [(self.keys[i : i + 1], self.values[i : i + 1]) for i in range(self.num_layers)]

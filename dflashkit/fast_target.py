@@ -259,8 +259,9 @@ class FastTargetForward:
                 hidden = torch.zeros(n, end, dtype=torch.bool, device=x.device)
                 hidden[:, start:] = ~visible.to(x.device)
         if self.fused_weights is not None and n <= avx512_bf16.MAX_ROWS:  # every layer in one C++ call
-            x, features = avx512_bf16.decoder_layers(x[0], self.fused_weights, cos[0, 0], sin[0, 0], cache, start,
-                                                     hidden, self, feature_layers)
+            x, features = avx512_bf16.decoder_layers(
+                x[0], self.fused_weights, cos[0, 0], sin[0, 0], cache.keys, cache.values, start, hidden, self.heads,
+                self.kv_heads, self.layers[0].intermediate, self.eps, self.layers[0].scaling, feature_layers)
             cache.length = end
             return self.head(self.final_norm(x[n - logits_rows :])), features
         if self.row_exact and n <= avx512_bf16.MAX_ROWS:
