@@ -105,6 +105,10 @@ class TargetAdapter:
         if self.graphs is not None:
             return "dflashkit fast forward (static KV cache, decode steps replayed from CUDA graphs)"
         if self.fast_forward is not None:
+            if self.fast_forward.fused_weights is not None:
+                return "dflashkit fast forward (AVX512-BF16 row kernels, one call per step, static KV cache)"
+            if self.fast_forward.row_exact:
+                return "dflashkit fast forward (AVX512-BF16 row kernels, static KV cache)"
             return "dflashkit fast forward (fused prepacked GEMMs, static KV cache)"
         if has_packed_linears(self.model):
             return "transformers forward, prepacked linear layers"

@@ -283,3 +283,15 @@ def test_one_call_drafter_layers_compute_what_the_python_layers_compute(arch):
         assert torch.equal(context.keys[:, :, :12], kept[0]) and torch.equal(context.values[:, :, :12], kept[1])
     got, ref = scores["fused"].float(), scores["python"].float()
     assert torch.allclose(got, ref, atol=0.03 * ref.abs().max().item())  # measured: 1.0-1.1%
+
+
+@needs_kernel
+def test_the_engine_line_names_the_row_kernels(monkeypatch):
+    from conftest import tiny_target
+
+    from dflashkit.target import TargetAdapter
+
+    assert "AVX512-BF16 row kernels, one call per step" in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
+    assert "AVX512-BF16" not in TargetAdapter(tiny_target()).engine  # fp32: oneDNN
+    monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "onednn")
+    assert "AVX512-BF16" not in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
