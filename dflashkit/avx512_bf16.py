@@ -60,9 +60,9 @@ def kernel() -> ModuleType | None:
 
 @lru_cache
 def _load(setting: str) -> ModuleType | None:
-    if setting == "onednn" or not torch.cpu._is_avx512_bf16_supported():
+    if setting == "onednn" or not _cpu_has("_is_avx512_bf16_supported"):
         return None
-    if setting == "auto" and torch.cpu._is_amx_tile_supported():
+    if setting == "auto" and _cpu_has("_is_amx_tile_supported"):
         return None
     source = SOURCE.read_bytes()
     name = "dflashkit_avx512_bf16_" + hashlib.sha256(source).hexdigest()[:12]
@@ -83,6 +83,12 @@ def _load(setting: str) -> ModuleType | None:
                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); using oneDNN",
                       RuntimeWarning, stacklevel=2)
         return None
+
+
+def _cpu_has(probe: str) -> bool:
+    """torch's CPU feature probe by name (private helpers of torch.cpu; False where this torch lacks one)."""
+    check = getattr(torch.cpu, probe, None)
+    return bool(check()) if check is not None else False
 
 
 def usable(weight: Tensor) -> bool:
