@@ -137,6 +137,16 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor | None, sc
     return kernel().attention(q.contiguous(), keys, values, hidden, n, scale)
 
 
+def layer_weights(input_norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, o: Tensor, post_norm: Tensor,
+                  gate_up: Tensor, down: Tensor, q_norm: Tensor | None, k_norm: Tensor | None) -> list[Tensor]:
+    """One layer's 8 tensors for :func:`decoder_layers` (products packed by :func:`pack`, the q/k/v bias in fp32;
+    absent ones as empty tensors)."""
+    empty = input_norm.new_empty(0)
+    norms = torch.stack((q_norm, k_norm)).detach().contiguous() if q_norm is not None else empty
+    return [input_norm.detach(), qkv, qkv_bias if qkv_bias is not None else empty.float(), o, post_norm.detach(),
+            gate_up, down, norms]
+
+
 def decoder_layers(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Tensor, keys: Tensor, values: Tensor,
                    start: int, hidden: Tensor | None, heads: int, kv_heads: int, intermediate: int, eps: float,
                    scaling: float, feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:

@@ -369,12 +369,11 @@ class FastDrafterForward:
                 or any(getattr(m, "small", None) is None for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)):
             return None
         self.eps = eps.pop()
-        empty = torch.empty(0, dtype=torch.float32)
         weights = []
         for layer, f in zip(layers, fast):
-            attn = layer.self_attn
-            weights += [f.input_norm.weight, f.qkv.small, empty, f.o.small, f.post_norm.weight, f.gate_up.small,
-                        f.down.small, torch.stack((attn.q_norm.weight, attn.k_norm.weight)).detach().contiguous()]
+            weights += avx512_bf16.layer_weights(f.input_norm.weight, f.qkv.small, None, f.o.small, f.post_norm.weight,
+                                                 f.gate_up.small, f.down.small, layer.self_attn.q_norm.weight,
+                                                 layer.self_attn.k_norm.weight)
         return weights
 
     def run_fused(self, block_embeddings: Tensor, positions: Tensor, context: ContextCache) -> Tensor:

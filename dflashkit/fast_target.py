@@ -211,13 +211,12 @@ class FastTargetForward:
                                                       for m in (layer.o, layer.gate_up, layer.down)):
             return None
         self.eps = eps.pop()
-        empty = torch.empty(0, dtype=self.dtype)
         weights = []
         for layer in self.layers:
-            qk_norm = torch.stack((layer.q_norm.weight, layer.k_norm.weight)) if layer.q_norm is not None else empty
-            weights += [layer.input_norm.weight, layer.qkv.small, layer.qkv.bias32 if layer.qkv.bias32 is not None
-                        else empty.float(), layer.o.small, layer.post_norm.weight, layer.gate_up.small,
-                        layer.down.small, qk_norm.contiguous()]
+            weights += avx512_bf16.layer_weights(
+                layer.input_norm.weight, layer.qkv.small, layer.qkv.bias32, layer.o.small, layer.post_norm.weight,
+                layer.gate_up.small, layer.down.small, layer.q_norm.weight if layer.q_norm is not None else None,
+                layer.k_norm.weight if layer.k_norm is not None else None)
         return weights
 
     def new_cache(self, capacity: int = 256) -> StaticKVCache:

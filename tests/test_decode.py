@@ -55,6 +55,22 @@ class OracleDrafter(DFlashDrafter):
         return logits, None  # over the whole vocabulary
 
 
+def assert_oracle_and_drafter_match_plain(model, drafter, block_size: int, prompt_list: list[list[int]],
+                                          oracle_dtype: torch.dtype = torch.float32) -> DecodeStats:
+    """Speculative greedy == plain greedy for every prompt, with `drafter` and with an oracle drafter (same
+    weights) that reaches every accepted length; returns the oracle's stats."""
+    target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
+    oracle = OracleDrafter(drafter.config, {}).to(oracle_dtype).eval()
+    oracle.load_state_dict(drafter.state_dict())
+    oracle_stats = DecodeStats(block_size)
+    for prompt in prompt_list:
+        expected = run(plain, None, prompt)
+        assert run(target, drafter, prompt) == expected
+        oracle.current = prompt + expected
+        assert run(target, oracle, prompt, oracle_stats) == expected
+    return oracle_stats
+
+
 @functools.lru_cache(maxsize=None)
 def plain_outputs(arch: str) -> tuple[tuple[int, ...], ...]:
     """Plain greedy continuations of the shared prompts (computed once per architecture)."""
@@ -115,16 +131,8 @@ def test_greedy_in_bfloat16_is_exact_with_the_row_by_row_kernels(arch, block_siz
     equals plain greedy token for token: no ties to excuse."""
     model = tiny_target(arch, dtype=torch.bfloat16)
     drafter = tiny_drafter(model, block_size=block_size)
-    target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
-    assert target.fast_forward.row_exact
-    oracle = OracleDrafter(drafter.config, {}).to(torch.bfloat16).eval()
-    oracle.load_state_dict(drafter.state_dict())
-    oracle_stats = DecodeStats(block_size)
-    for prompt in prompts(24, seed=5):
-        expected = run(plain, None, prompt)
-        assert run(target, drafter, prompt) == expected
-        oracle.current = prompt + expected
-        assert run(target, oracle, prompt, oracle_stats) == expected
+    assert TargetAdapter(model, drafter.config.target_layer_ids).fast_forward.row_exact
+    oracle_stats = assert_oracle_and_drafter_match_plain(model, drafter, block_size, prompts(24, seed=5), torch.bfloat16)
     assert all(count > 0 for count in oracle_stats.acceptance_histogram), str(oracle_stats.acceptance_histogram)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VOCAB, tiny_drafter, tiny_target
-from test_decode import OracleDrafter, assert_bf16_parts_only_at_ties, prompts, run
+from test_decode import assert_bf16_parts_only_at_ties, assert_oracle_and_drafter_match_plain, prompts, run
 from torch import nn
 
 from dflashkit.decode import DecodeOptions, decode
@@ -119,15 +119,7 @@ def test_greedy_speculative_equals_plain_on_the_int8_target(arch, block_size):
     accepted length (full blocks, mid-block rejections and cache crops)."""
     model = int8_target(arch)
     drafter = tiny_drafter(model, block_size=block_size)
-    target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
-    oracle = OracleDrafter(drafter.config, {})
-    oracle.load_state_dict(drafter.state_dict())
-    oracle_stats = DecodeStats(block_size)
-    for prompt in prompts(12, seed=21):
-        expected = run(plain, None, prompt)
-        assert run(target, drafter, prompt) == expected
-        oracle.current = prompt + expected
-        assert run(target, oracle, prompt, oracle_stats) == expected
+    oracle_stats = assert_oracle_and_drafter_match_plain(model, drafter, block_size, prompts(12, seed=21))
     assert sum(oracle_stats.accepted_lengths) > 0 and oracle_stats.acceptance_histogram[-1] > 0
 
 
