@@ -43,6 +43,9 @@ MAX_ROWS = 16  # products of more rows go to oneDNN (measured: the kernel's lead
 GROUP = 64  # output columns per packed group (4 blocks of 16)
 SOURCE = Path(__file__).with_name("csrc") / "avx512_bf16.cpp"
 CHOICES = ("auto", "avx512", "onednn")
+# -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the kernel itself; without
+# the flag it runs on one thread. No -lgomp: the calls bind to the libgomp torch itself loads.
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 
 
 def choice() -> str:
@@ -65,7 +68,7 @@ def _load(setting: str) -> ModuleType | None:
     if setting == "auto" and _cpu_has("_is_amx_tile_supported"):
         return None
     source = SOURCE.read_bytes()
-    name = "dflashkit_avx512_bf16_" + hashlib.sha256(source).hexdigest()[:12]
+    name = "dflashkit_avx512_bf16_" + hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:12]
     build = Path(os.environ.get("DFLASHKIT_KERNEL_DIR", Path.home() / ".cache" / "dflashkit" / "kernels")) / name
     try:
         build.mkdir(parents=True, exist_ok=True)
@@ -77,7 +80,7 @@ def _load(setting: str) -> ModuleType | None:
             os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
 
         return load(name=name, sources=[str(SOURCE)], build_directory=str(build), verbose=False,
-                    extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"])
+                    extra_cflags=CFLAGS)
     except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, a read-only home...: oneDNN it is)
         warnings.warn(f"dflashkit: the bf16 CPU kernel could not be built ({type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); using oneDNN",

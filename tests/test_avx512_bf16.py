@@ -26,6 +26,19 @@ def close_to_fp32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.
 
 
 @needs_kernel
+def test_the_kernels_parallel_loops_use_torchs_threads():
+    """at::parallel_for is compiled into the kernel: without -fopenmp there it ran on one thread (found in session
+    12: every product and attention of a decoding step had used one of the two cores)."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert avx512_bf16.kernel().parallel_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 @pytest.mark.parametrize("n,k", [(200, 96), (64, 64), (1, 8), (130, 34), (1000, 576)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16])
 def test_product_matches_fp32_with_bias_and_ragged_columns(n, k, rows):

@@ -482,7 +482,18 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<tor
   return {x, features};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { 
+// How many threads at::parallel_for gives the kernels' work: it is compiled into this file, so without -fopenmp
+// here it runs on one thread whatever torch.get_num_threads() says (tests guard the build flags with this).
+int64_t parallel_threads() {
+  std::vector<int> used(at::get_num_threads() + 1, 0);
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
+  int64_t count = 0;
+  for (int u : used) count += u;
+  return count;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "threads the kernels' parallel loops run on");
   m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
   m.def("attention", &attention, "grouped-query attention, one query row at a time");
   m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
