@@ -84,7 +84,8 @@ def decode(
     """Generate after `prompt_ids` (batch 1), yielding each step's tokens as soon as they are verified.
 
     With `block_policy`, each step's block size is chosen by it (at most the block size in force) and the
-    step is reported back to it.
+    step is reported back to it; with prompt lookup, copied drafts are as long as its ``copies`` policy
+    chooses (copied and drafted tokens are accepted at different rates), or as its largest block without one.
     """
     prompt_ids = as_token_list(prompt_ids)
     block = _check(target, drafter, prompt_ids, options)
@@ -93,6 +94,7 @@ def decode(
                                 f"block size in force ({block})")
     policy = block_policy if drafter is not None else None
     largest = policy.max_block if policy else block  # the largest block a step may use (drafted or copied)
+    copy_policy = policy.copies if policy is not None else None  # the length of copied drafts (None: largest - 1)
     stats = stats if stats is not None else DecodeStats(block_size=largest)
     stats.block_size, stats.prompt_tokens = largest, len(prompt_ids)
     stats.target_weights, stats.engine = target.weights, target.engine
@@ -136,10 +138,11 @@ def decode(
         # ---- draft ------------------------------------------------------------------------------------
         t_step = time.perf_counter()
         room = min(max_new - produced - 1, target.max_positions - pos - 1)  # drafts that can still be emitted
-        copied = lookup.propose(min(largest - 1, room)) if lookup is not None else []  # auto: as the policy's largest
+        copy_block = copy_policy.choose() if copy_policy is not None else largest  # copies: their own policy
+        copied = lookup.propose(min(copy_block - 1, room)) if lookup is not None else []
         drafts, q, tree = torch.empty(0, dtype=torch.long, device=device), None, None
         if copied:  # a fixed function of the text: a one-hot proposal
-            size, k = block, len(copied)
+            size, k = copy_block, len(copied)
             drafts = torch.tensor(copied, dtype=torch.long, device=device)
         else:
             size = policy.choose() if policy else block
@@ -203,6 +206,8 @@ def decode(
                           tree_nodes=len(tree) if tree is not None else 0)
         if policy and not copied:  # the policy models the drafter's acceptance and cost
             policy.observe(size, k, accepted, time.perf_counter() - t_step)
+        elif copy_policy is not None and copied:  # ... and its copy policy those of copied drafts
+            copy_policy.observe(size, k, accepted, time.perf_counter() - t_step)
         stop_at = next((i for i, t in enumerate(emitted) if t in options.stop_token_ids), None)
         if stop_at is not None:
             emitted = emitted[: stop_at + 1]

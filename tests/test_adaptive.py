@@ -135,3 +135,41 @@ def test_generator_auto_block_size():
     assert not gen.generate(ids, max_new_tokens=5).stats.adaptive
     with pytest.raises(InvalidInputError, match="auto"):
         gen.generate(ids, max_new_tokens=5, block_size="big")
+
+
+@pytest.mark.parametrize("copy_sizes", [(2,), (4,), None])
+def test_copied_drafts_are_as_long_as_the_copy_policy_chooses(copy_sizes, monkeypatch):
+    """With prompt lookup, a copied step drafts copy_policy.choose() - 1 tokens (at most); without a copy policy
+    as many as the largest block allows. Either way the output is plain greedy decoding's."""
+    from dflashkit.lookup import NgramLookup
+
+    # a lookup that always has a long match (the tiny models loop on one token: their real matches copy one)
+    monkeypatch.setattr(NgramLookup, "propose", lambda self, max_tokens: [self.tokens[-1]] * max_tokens)
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=8)
+    prompt = [5, 9, 11, 3]
+    options = DecodeOptions(max_new_tokens=60, lookup=True)
+    plain = [t for s in decode(TargetAdapter(model), None, prompt, DecodeOptions(max_new_tokens=60)) for t in s.tokens]
+    policy = AdaptiveBlockSize(8)
+    if copy_sizes is not None:
+        policy.copies = AdaptiveBlockSize(max(copy_sizes), candidates=copy_sizes)
+    stats = DecodeStats(8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    spec = [t for s in decode(target, drafter, prompt, options, stats, block_policy=policy) for t in s.tokens]
+    assert spec == plain
+    copied = [d for d, c in zip(stats.drafted_lengths, stats.copied_steps) if c]
+    assert len(copied) >= stats.steps - 1  # every step had a match (the last may have no room left to copy)
+    longest = max(copy_sizes) - 1 if copy_sizes is not None else 7
+    assert max(copied) == longest and copied.count(longest) >= len(copied) - 1  # the last step may be cut short
+    if copy_sizes is not None:
+        assert policy.copies.steps == len(copied)  # every copied step was reported to the copy policy ...
+    assert policy.steps == stats.steps - len(copied)  # ... and only the others to the drafter's block policy
+
+
+def test_block_policies_size_copies_with_a_policy_of_their_own():
+    from dflashkit.adaptive import BlockPolicies
+
+    policies = BlockPolicies(16)
+    assert policies.get(True).copies.candidates == [2, 4, 8, 16]
+    assert policies.get(False).copies.candidates == [2, 4]  # the sampled regime's largest block is 4
+    assert "copies" in policies.get(True).summary()
