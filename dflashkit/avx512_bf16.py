@@ -5,11 +5,11 @@ stream SmolLM2-135M's 269 MB of weights at 10-16 GB/s, while a plain read of the
 decoding step is far slower than its memory floor. ``csrc/avx512_bf16.cpp`` holds three kernels for that shape:
 
 * :func:`linear`: ``vdpbf16ps`` over a weight packed once into the instruction's operand layout, fp32 sums.
-  All 211 products of one SmolLM2 step, 2 threads (``scripts/bench_avx512_bf16.py``; oneDNN's times vary ±30%
-  between runs there): 1 row 20.0 ms with oneDNN, 11.6 ms here; 4 rows 16.1 / 11.0; 8 rows 18.3 / 16.9; 16 rows
-  22.6 / 24.3.
+  All 211 products of one SmolLM2 step, 2 threads (``scripts/bench_avx512_bf16.py``; oneDNN's times and this
+  VM's memory bandwidth vary between runs): 1 row 24.0 ms with oneDNN, 12.7 ms here; 8 rows 19.7 / 12.4; 16 rows
+  24.4 / 17.5.
 * :func:`attention`: grouped-query attention one query row at a time, fp32 inside (30 layers at 400 positions:
-  1 row 1.38 ms with SDPA, 0.47 ms here; 16 rows 6.24 / 8.48).
+  1 row 1.63 ms with SDPA, 0.48 ms here; 16 rows 8.11 / 4.69).
 * :func:`decoder_layers`: every decoder layer of a Llama / Qwen2 / Qwen3 target in one call (norms, products,
   rotary, cache write, attention, SiLU, residuals): no Python or dispatcher time per op (a SmolLM2 one-token
   step 15.0 -> 11.4 ms, an 8-row step 22.5 -> 18.0 ms). The drafter's block forward uses it too (a block-8
@@ -20,7 +20,8 @@ one-token step give bitwise the same results: bf16 speculative greedy output is 
 no numerical ties. Larger steps (prefill beyond 16 rows, batched generation) stay with oneDNN and SDPA.
 
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja; about 30
-s, once per machine, cached under ``~/.cache/dflashkit/kernels``). Where they cannot be built, or the CPU lacks
+s, once per machine, cached under ``~/.cache/dflashkit/kernels``), with ``-fopenmp``: ``at::parallel_for`` is a
+header template whose OpenMP region is compiled into the kernel, which ran on one thread without it. Where they cannot be built, or the CPU lacks
 AVX512-BF16, or has AMX (whose oneDNN path they were not measured against), everything stays with oneDNN and
 SDPA. ``DFLASHKIT_CPU_GEMM=onednn`` turns them off; ``=avx512`` uses them on any AVX512-BF16 CPU.
 """

@@ -1,7 +1,9 @@
-"""Sampled decoding with the adaptive block size: the sampled regime's policy (blocks <= 4, copies <= 3) against
-the greedy regime's sizes (blocks <= 16, copies <= 15) and a fixed block 4, one process, interleaved per prompt.
+"""The adaptive block size's variants, one process, interleaved per prompt: the default policies (at T>0 the
+sampled regime's: blocks <= 4, copies <= 3, copy lengths by their own policy), the greedy regime's sizes for
+sampled requests (blocks <= 16), copies always as long as the largest block (no copy policy), a fixed block 4.
 
     .venv/bin/python scripts/compare_sampled_policy.py [--limit 8] [--temperature 1.0] [--threads 2]
+    .venv/bin/python scripts/compare_sampled_policy.py --temperature 0     # greedy requests
 
 Prints, per evaluation set, the median tokens/s and mean τ of each variant and the median per-prompt speedup
 over plain sampling (prompt lookup on in every speculative variant, as `dflashkit generate` does by default).
@@ -32,7 +34,12 @@ def main() -> None:
     gen = SpeculativeGenerator.load()
     gen.warmup()
     block = gen.drafter.block_size
-    policies = {"sampled-policy": BlockPolicies(block), "greedy-sizes": BlockPolicies(block, sampled_max_block=block)}
+    longest_copies = BlockPolicies(block)
+    for greedy in (True, False):
+        longest_copies.get(greedy).copies = None
+    policies = {"default": BlockPolicies(block), "longest-copies": longest_copies}
+    if args.temperature > 0:
+        policies["greedy-sizes"] = BlockPolicies(block, sampled_max_block=block)
     variants = (*policies, "block-4", "plain")
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for name in args.sets.split(","):

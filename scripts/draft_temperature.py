@@ -1,0 +1,88 @@
+"""Acceptance at temperature 1 by proposal: the drafter's distribution at several temperatures, its argmax, and
+the target's token falling among the drafter's top 2 / 3 (what a token tree of that width accepts).
+
+    .venv/bin/python scripts/draft_temperature.py [--limit 6] [--positions 4] [--threads 2]
+
+The target samples an answer (T=1) to each held-out prompt; then, teacher-forced on that text, at every anchor
+and block offset d: p = the target's distribution of the token at offset d, q_t = softmax(drafter scores / t)
+over the draft vocabulary. Prints E[sum_x min(p, q_t)] (a sampled draft's acceptance probability, any t is
+exact: q is whatever the drafter proposes with), p(argmax q) (a deterministic draft's), p(top-2 / top-3 of q),
+and E[max p] (how peaked the target is), per offset 1..positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dflashkit.decode import DecodeOptions, decode
+from dflashkit.drafter import BlockMask
+from dflashkit.evalsets import load_set
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.sampling import SamplingParams
+from dflashkit.train import context_mask
+
+TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
+
+
+@torch.inference_mode()
+def scores_and_target(gen: SpeculativeGenerator, ids: list[int], start: int, positions: int):
+    """Drafter scores [N, positions, V'] at every anchor start..L-2 and the target's probabilities [L, V']."""
+    d, target = gen.drafter, gen.target
+    B, L = d.block_size, len(ids)
+    seq = torch.tensor([ids])
+    cache = target.new_cache(capacity=L + 4)
+    logits, _ = target.forward(seq, 0, cache, logits_rows=L)  # [L, vocab]: row j predicts token j+1
+    vocab = d.draft_vocab
+    p = logits.float().softmax(-1)[:, vocab]  # mass outside the draft vocabulary is never proposed
+    context = d.context_key_values(target.features(seq), torch.arange(L))
+    head, _ = d._draft_head(target.lm_head)
+    anchors = torch.arange(start, L - 1)[None]  # [1, N]
+    n = anchors.shape[1]
+    block = torch.full((1, n, B), d.config.mask_token_id)
+    block[:, :, 0] = seq[0, anchors[0]]
+    pos = (anchors[:, :, None] + torch.arange(B)).flatten(1)
+    mask = BlockMask(context_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), L, B), B)
+    hidden = d(d.embed(block.flatten(1), target.embed_tokens), pos, context, mask).view(n, B, -1)[:, 1 : positions + 1]
+    return head(hidden).float(), p, anchors[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sets", default="mt-bench,humaneval,math500")
+    ap.add_argument("--limit", type=int, default=6)
+    ap.add_argument("--positions", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = SpeculativeGenerator.load()
+    labels = [f"q at T={t:g}" for t in TEMPERATURES] + ["argmax q", "top-2 of q", "top-3 of q", "max p"]
+    for name in args.sets.split(","):
+        sums = torch.zeros(len(labels), args.positions)
+        counts = torch.zeros(args.positions)
+        for i, prompt in enumerate(load_set(name, limit=args.limit, seed=0)):
+            ids = gen.encode_prompt(prompt)
+            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=i, sampling=SamplingParams(temperature=1.0),
+                                    stop_token_ids=frozenset(gen.eos_token_ids))
+            out = [t for step in decode(gen.target, None, ids, options) for t in step.tokens]
+            scores, p_all, anchors = scores_and_target(gen, ids + out, len(ids), args.positions)
+            length = len(ids) + len(out)
+            for k in range(args.positions):
+                valid = anchors + k + 1 < length
+                p = p_all[anchors[valid] + k]  # [n, V']: the token at offset k+1
+                s = scores[valid, k]
+                rows = [torch.minimum(p, (s / t).softmax(-1)).sum(-1) for t in TEMPERATURES]
+                top = p.gather(1, s.topk(3, -1).indices)  # [n, 3]
+                rows += [top[:, 0], top[:, :2].sum(-1), top.sum(-1), p.max(-1).values]
+                sums[:, k] += torch.stack([r.sum() for r in rows])
+                counts[k] += valid.sum()
+        print(f"{name}: {int(counts[0])} anchors; offsets 1..{args.positions}")
+        for label, row in zip(labels, sums / counts):
+            print(f"  {label:12s} " + " ".join(f"{v:.3f}" for v in row.tolist()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
