@@ -21,9 +21,9 @@ no numerical ties. Larger steps (prefill beyond 16 rows, batched generation) sta
 
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja; about 30
 s, once per machine, cached under ``~/.cache/dflashkit/kernels``), with ``-fopenmp``: ``at::parallel_for`` is a
-header template whose OpenMP region is compiled into the kernel, which ran on one thread without it. Where they cannot be built, or the CPU lacks
-AVX512-BF16, or has AMX (whose oneDNN path they were not measured against), everything stays with oneDNN and
-SDPA. ``DFLASHKIT_CPU_GEMM=onednn`` turns them off; ``=avx512`` uses them on any AVX512-BF16 CPU.
+header template whose OpenMP region is compiled into the kernel, which ran on one thread without it. Where they
+cannot be built, or the CPU lacks AVX512-BF16, or has AMX (whose oneDNN path they were not measured against),
+everything stays with oneDNN and SDPA. ``DFLASHKIT_CPU_GEMM=onednn`` turns them off; ``=avx512`` uses them on any AVX512-BF16 CPU.
 """
 
 from __future__ import annotations
