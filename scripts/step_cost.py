@@ -1,0 +1,60 @@
+"""Wall time of one target decoding step by row count (a verify block of n tokens) and of token trees.
+
+    .venv/bin/python scripts/step_cost.py [--context 300] [--rows 1,2,3,4,5,6,8,12,16] [--trees 4,6,8,12]
+                                          [--repeats 12] [--threads 2]
+
+The default target's fast forward over a cache of --context positions; every shape runs once per round, rounds
+interleaved, the first two rounds dropped; prints the median per shape. A tree of n rows is the best-first tree
+(dflashkit.tree.best_first) of n-1 nodes over a fixed, made-up confidence profile: its mask, not its tokens,
+sets the cost. This is what the adaptive block size trades against acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.tree import DraftTree, best_first
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--rows", default="1,2,3,4,5,6,8,12,16")
+    ap.add_argument("--trees", default="4,6,8,12", help="rows of each tree (anchor + nodes); empty: none")
+    ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = SpeculativeGenerator.load().target
+    cache = target.new_cache(capacity=args.context + 64)
+    shapes: dict[str, tuple[int, tuple | None]] = {f"{n} rows": (n, None) for n in map(int, args.rows.split(","))}
+    for n in (int(t) for t in args.trees.split(",") if t):
+        parents, depths, _ = best_first([[0.5, 0.2, 0.1, 0.05]] * 8, n - 1)
+        tree = DraftTree(list(range(100, 99 + n)), parents, depths)
+        shapes[f"tree of {n} rows"] = (n, (tree.position_offsets(), tree.attention_mask()))
+    times: dict[str, list[float]] = {name: [] for name in shapes}
+    with torch.inference_mode():
+        target.forward(torch.randint(0, 1000, (1, args.context)), 0, cache, logits_rows=1)
+        for round_ in range(args.repeats + 2):
+            for name, (n, tree) in shapes.items():
+                ids = torch.randint(0, 1000, (1, n))
+                t0 = time.perf_counter()
+                target.forward(ids, args.context, cache, logits_rows=n, tree=tree)
+                elapsed = time.perf_counter() - t0
+                target.crop(cache, args.context)
+                if round_ >= 2:
+                    times[name].append(elapsed)
+    print(f"target step at {args.context} cached positions, {torch.get_num_threads()} threads, engine {target.engine}, "
+          f"median of {args.repeats}")
+    for name, ts in times.items():
+        print(f"  {name:18s} {statistics.median(ts) * 1e3:7.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
