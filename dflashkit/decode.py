@@ -138,8 +138,10 @@ def decode(
         # ---- draft ------------------------------------------------------------------------------------
         t_step = time.perf_counter()
         room = min(max_new - produced - 1, target.max_positions - pos - 1)  # drafts that can still be emitted
-        copy_block = copy_policy.choose() if copy_policy is not None else largest  # copies: their own policy
-        copied = lookup.propose(min(copy_block - 1, room)) if lookup is not None else []
+        copied, copy_block = [], largest
+        if lookup is not None:  # copies are as long as their own policy chooses (none: the largest block)
+            copy_block = copy_policy.choose() if copy_policy is not None else largest
+            copied = lookup.propose(min(copy_block - 1, room))
         drafts, q, tree = torch.empty(0, dtype=torch.long, device=device), None, None
         if copied:  # a fixed function of the text: a one-hot proposal
             size, k = copy_block, len(copied)

@@ -263,7 +263,7 @@ class DFlashDrafter(nn.Module):
             positions = torch.arange(pos, pos + k + 1, device=device)
             embeddings = self.embed(block_ids, embed_tokens)
             if fast is not None and fast.fused_weights is not None and k + 1 <= avx512_bf16.MAX_ROWS \
-                    and getattr(context, "keys", None) is not None:
+                    and context.keys is not None:  # a GraphContext keeps its own per-layer buffers
                 return head(fast.run_fused(embeddings, positions, context)[0, 1:])
             return head(run(embeddings, positions, context.layers())[0, 1:])
 
