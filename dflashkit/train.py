@@ -81,6 +81,26 @@ def training_attention_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_s
     return torch.cat((context_mask(anchors, keep, seq_len, block_size), own), dim=2)[:, None]
 
 
+def block_hidden(drafter: DFlashDrafter, ids: Tensor, anchors: Tensor, keep: Tensor, embed_tokens: torch.nn.Module,
+                 *, features: Tensor | None = None, context: list | None = None) -> Tensor:
+    """Teacher-forced drafter hidden states [S, N, B-1, H] of the blocks anchored at anchors [S, N] in ids [S, L]:
+    each block is its anchor token then mask tokens, and sees the target's features of the positions strictly
+    before its anchor (the mask of §4.3): ``features`` [S, L, n_feat*H], or their injected K/V ``context`` when
+    already computed. What training scores, and what the offline estimates (scripts/) look at."""
+    S, L = ids.shape
+    B, N = drafter.block_size, anchors.shape[1]
+    block_ids = torch.full((S, N, B), drafter.config.mask_token_id, device=ids.device)
+    block_ids[:, :, 0] = torch.gather(ids, 1, anchors)
+    positions = (anchors[:, :, None] + torch.arange(B, device=ids.device)).flatten(1)  # [S, N*B]
+    mask = BlockMask(context_mask(anchors, keep, L, B), B)  # padding blocks see only themselves: no NaN
+    emb = drafter.embed(block_ids.flatten(1), embed_tokens)  # [S, N*B, H]; the target's rows detached inside
+    if context is None:
+        if features is None:
+            raise InvalidInputError("block_hidden needs the target's features or their injected context")
+        context = drafter.context_key_values(features, torch.arange(L, device=ids.device))
+    return drafter(emb, positions, context, mask).view(S, N, B, -1)[:, :, 1:]
+
+
 def position_weights(block_size: int, gamma: float) -> Tensor:
     """w_k = exp(-(k-1)/γ) for block offsets k = 1..B-1 (offset 0, the anchor, carries no loss)."""
     k = torch.arange(1, block_size, dtype=torch.float32)
@@ -393,22 +413,14 @@ class Trainer:
 
     def loss_on(self, batch: list[TrainingSequence]) -> tuple[Tensor, dict[str, Any]]:
         cfg, d = self.cfg, self.drafter
-        ids, loss_mask, lengths = (t.to(cfg.device) for t in collate(batch, self.pad_id))
-        S, L = ids.shape
+        ids, loss_mask, lengths = (t.to(cfg.device) for t in collate(batch, self.pad_id))  # [S, L] each
         B = cfg.block_size
         features, soft = self.batch_features(batch, ids)  # [S, L, n_feat*H], the target's dtype; [S, L, 2K] or None
         anchors, keep = sample_anchors(loss_mask, cfg.anchors_per_seq, self.gen)
-        N = anchors.shape[1]
-        block_ids = torch.full((S, N, B), d.config.mask_token_id, device=ids.device)
-        block_ids[:, :, 0] = torch.gather(ids, 1, anchors)
-        positions = (anchors[:, :, None] + torch.arange(B, device=ids.device)).flatten(1)  # [S, N*B]
-        mask = BlockMask(context_mask(anchors, keep, L, B), B)  # padding blocks see only themselves: no NaN
         labels, weights = block_targets(ids, loss_mask, lengths, anchors, keep, B, cfg.gamma)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16):
-            # [S, N*B, H]; the mask vector is learned (the target's token rows are detached inside embed)
-            emb = d.embed(block_ids.flatten(1), self.target.embed_tokens)
-            context = d.context_key_values(features, torch.arange(L, device=ids.device))
-            hidden = d(emb, positions, context, mask).view(S, N, B, -1)[:, :, 1:]  # [S, N, B-1, H]
+            # [S, N, B-1, H]; the mask vector is learned (the target's token rows are detached inside embed)
+            hidden = block_hidden(d, ids, anchors, keep, self.target.embed_tokens, features=features)
             head = self.target.lm_head.weight.detach()
             if self.vocab is not None:  # loss over the draft vocabulary only; other labels carry no loss
                 head = head[self.vocab]

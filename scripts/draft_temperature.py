@@ -17,11 +17,10 @@ import argparse
 import torch
 
 from dflashkit.decode import DecodeOptions, decode
-from dflashkit.drafter import BlockMask
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.sampling import SamplingParams
-from dflashkit.train import context_mask
+from dflashkit.train import block_hidden
 
 TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
 
@@ -30,21 +29,17 @@ TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
 def scores_and_target(gen: SpeculativeGenerator, ids: list[int], start: int, positions: int):
     """Drafter scores [N, positions, V'] at every anchor start..L-2 and the target's probabilities [L, V']."""
     d, target = gen.drafter, gen.target
-    B, L = d.block_size, len(ids)
+    L = len(ids)
     seq = torch.tensor([ids])
     cache = target.new_cache(capacity=L + 4)
     logits, _ = target.forward(seq, 0, cache, logits_rows=L)  # [L, vocab]: row j predicts token j+1
     vocab = d.draft_vocab
     p = logits.float().softmax(-1)[:, vocab]  # mass outside the draft vocabulary is never proposed
-    context = d.context_key_values(target.features(seq), torch.arange(L))
+    context = d.context_key_values(target.features(seq), torch.arange(L))  # injected K/V of the whole text
     head, _ = d._draft_head(target.lm_head)
     anchors = torch.arange(start, L - 1)[None]  # [1, N]
-    n = anchors.shape[1]
-    block = torch.full((1, n, B), d.config.mask_token_id)
-    block[:, :, 0] = seq[0, anchors[0]]
-    pos = (anchors[:, :, None] + torch.arange(B)).flatten(1)
-    mask = BlockMask(context_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), L, B), B)
-    hidden = d(d.embed(block.flatten(1), target.embed_tokens), pos, context, mask).view(n, B, -1)[:, 1 : positions + 1]
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    hidden = block_hidden(d, seq, anchors, keep, target.embed_tokens, context=context)[0, :, :positions]  # [N, pos, H]
     return head(hidden).float(), p, anchors[0]
 
 

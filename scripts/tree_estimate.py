@@ -18,11 +18,10 @@ from collections import Counter
 import torch
 
 from dflashkit.decode import DecodeOptions, decode
-from dflashkit.drafter import BlockMask
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.sampling import SamplingParams
-from dflashkit.train import context_mask
+from dflashkit.train import block_hidden
 from dflashkit.tree import best_first
 
 MAX_RANK = 8
@@ -46,11 +45,7 @@ def rank_paths(gen: SpeculativeGenerator, ids: list[int], start: int, chunk: int
         anchors = torch.arange(first, min(first + chunk, L - 1))[None]  # [1, N]
         keep = torch.ones_like(anchors, dtype=torch.bool)
         N = anchors.shape[1]
-        block = torch.full((1, N, B), d.config.mask_token_id)
-        block[:, :, 0] = seq[0, anchors[0]]
-        positions = (anchors[:, :, None] + torch.arange(B)).flatten(1)
-        hidden = d(d.embed(block.flatten(1), target.embed_tokens), positions, context,
-                   BlockMask(context_mask(anchors, keep, L, B), B)).view(N, B, -1)[:, 1:]
+        hidden = block_hidden(d, seq, anchors, keep, target.embed_tokens, context=context)[0]  # [N, B-1, H]
         scores = head(hidden).float()  # [N, B-1, V']
         top = scores.softmax(-1).topk(MAX_RANK, -1).values  # [N, B-1, MAX_RANK]
         for n in range(N):

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflashkit.errors import InvalidInputError
 from dflashkit.train import (
+    block_hidden,
     block_targets,
     position_weights,
     sample_anchors,
@@ -474,3 +476,30 @@ def test_distillation_trains_caches_its_soft_labels_and_raises_tau(tmp_path):
     assert {"hard_loss", "soft_loss"} <= set(log[-1]) and log[-1]["soft_loss"] < log[0]["soft_loss"]
     with pytest.raises(Exception, match="distillation"):
         make_trainer(tmp_path / "bad", model, seqs, distill_topk=4, distill_weight=1.5)
+
+
+def test_block_hidden_is_each_block_run_alone_over_the_context_before_its_anchor():
+    """The teacher-forced hidden states training scores: block n (its anchor token, then masks, at positions
+    anchor..anchor+B-1) sees exactly the injected context of positions < anchor; from features or their context."""
+    from conftest import tiny_drafter, tiny_target
+
+    from dflashkit.target import TargetAdapter
+
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=4)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(0))
+    features = target.features(ids)  # [1, 20, F]
+    anchors, keep = torch.tensor([[2, 9, 15]]), torch.ones(1, 3, dtype=torch.bool)
+    with torch.no_grad():
+        got = block_hidden(drafter, ids, anchors, keep, target.embed_tokens, features=features)  # [1, 3, 3, H]
+        context = drafter.context_key_values(features, torch.arange(20))
+        assert torch.equal(block_hidden(drafter, ids, anchors, keep, target.embed_tokens, context=context), got)
+        for n, a in enumerate(anchors[0].tolist()):
+            block = torch.full((1, 4), drafter.config.mask_token_id)
+            block[0, 0] = ids[0, a]
+            alone = drafter(drafter.embed(block, target.embed_tokens), torch.arange(a, a + 4),
+                            drafter.context_key_values(features[:, :a], torch.arange(a)))[0, 1:]
+            torch.testing.assert_close(got[0, n], alone, rtol=1e-4, atol=1e-5)
+    with pytest.raises(InvalidInputError, match="features"):
+        block_hidden(drafter, ids, anchors, keep, target.embed_tokens)
