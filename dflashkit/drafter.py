@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import avx512_bf16, kernels
+from . import row_kernels, kernels
 from .config import DrafterConfig
 from .errors import InvalidInputError
 from .kernels import Matmul, rotate, signed_sin
@@ -262,7 +262,7 @@ class DFlashDrafter(nn.Module):
             run = fast if fast is not None else self
             positions = torch.arange(pos, pos + k + 1, device=device)
             embeddings = self.embed(block_ids, embed_tokens)
-            if fast is not None and fast.fused_weights is not None and k + 1 <= avx512_bf16.MAX_ROWS \
+            if fast is not None and fast.fused_weights is not None and k + 1 <= row_kernels.max_rows() \
                     and context.keys is not None:  # a GraphContext keeps its own per-layer buffers
                 return head(fast.run_fused(embeddings, positions, context)[0, 1:])
             return head(run(embeddings, positions, context.layers())[0, 1:])
@@ -359,19 +359,19 @@ class FastDrafterForward:
         self.fused_weights = self._fused_weights(drafter)
 
     def _fused_weights(self, drafter: DFlashDrafter) -> list[Tensor] | None:
-        """The tensors of ``avx512_bf16.decoder_layers`` (8 per layer) where its kernels run, else None."""
+        """The tensors of ``row_kernels.decoder_layers`` (8 per layer) where its kernels run, else None."""
         layers = drafter.layers
         eps = {norm.eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm,
                                                          layer.self_attn.q_norm, layer.self_attn.k_norm)}
         fast = self.layers
-        if len(eps) != 1 or not avx512_bf16.attention_usable(self.fc.weight.dtype, self.fc.weight.device,
+        if len(eps) != 1 or not row_kernels.attention_usable(self.fc.weight.dtype, self.fc.weight.device,
                                                              self.head_dim) \
                 or any(getattr(m, "small", None) is None for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)):
             return None
         self.eps = eps.pop()
         weights = []
         for layer, f in zip(layers, fast):
-            weights += avx512_bf16.layer_weights(f.input_norm.weight, f.qkv.small, None, f.o.small, f.post_norm.weight,
+            weights += row_kernels.layer_weights(f.input_norm.weight, f.qkv.small, None, f.o.small, f.post_norm.weight,
                                                  f.gate_up.small, f.down.small, layer.self_attn.q_norm.weight,
                                                  layer.self_attn.k_norm.weight)
         return weights
@@ -382,7 +382,7 @@ class FastDrafterForward:
         s = block_embeddings.shape[1]
         context.reserve(context.length + s)
         cos, sin = self.rotary(positions, block_embeddings.dtype)  # [s, head_dim]
-        h, _ = avx512_bf16.decoder_layers(block_embeddings[0], self.fused_weights, cos, signed_sin(sin), context.keys,
+        h, _ = row_kernels.decoder_layers(block_embeddings[0], self.fused_weights, cos, signed_sin(sin), context.keys,
                                           context.values, context.length, None, self.heads, self.kv_heads,
                                           self.layers[0].intermediate, self.eps, self.head_dim**-0.5, [])
         return self.norm(h)[None]
@@ -461,7 +461,7 @@ class ContextCache:
 
     Buffers are preallocated (``keys`` and ``values`` [layers, kv_heads, capacity, head_dim]; per layer views
     [1, kv_heads, capacity, head_dim]) and grown by doubling, so appending costs a copy of the new rows only.
-    Rows past ``length`` are scratch: the one-call drafter layers (dflashkit.avx512_bf16) write a block's own
+    Rows past ``length`` are scratch: the one-call drafter layers (dflashkit.row_kernels) write a block's own
     keys and values there.
     """
 

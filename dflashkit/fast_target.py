@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from . import avx512_bf16
+from . import row_kernels
 from .errors import InvalidInputError
 from .kernels import Matmul, RMSNorm, rotate, signed_sin
 from .linear import PackedLinear, packing_supported
@@ -196,14 +196,14 @@ class FastTargetForward:
             if packing_supported(head.weight.device, head.weight.dtype):
                 self.head.packed_weight()
         self.dtype, self.device = self.embed.weight.dtype, self.embed.weight.device
-        # steps of up to avx512_bf16.MAX_ROWS rows attend with the row-by-row kernel where it runs: with its
+        # steps of up to row_kernels.max_rows() rows attend with the row-by-row kernel where it runs: with its
         # products (kernels.Matmul), a verify pass's row i is then bitwise the one-token step at that position
-        self.row_exact = avx512_bf16.attention_usable(self.dtype, self.device, self.head_dim) and all(
+        self.row_exact = row_kernels.attention_usable(self.dtype, self.device, self.head_dim) and all(
             getattr(layer.qkv, "small", None) is not None for layer in self.layers)
         self.fused_weights = self._fused_weights() if self.row_exact else None
 
     def _fused_weights(self) -> list[Tensor] | None:
-        """The tensors of ``avx512_bf16.decoder_layers`` (8 per layer), or None where a layer is not of the shape
+        """The tensors of ``row_kernels.decoder_layers`` (8 per layer), or None where a layer is not of the shape
         it covers (biases beyond q/k/v, norms with different epsilons)."""
         eps = {norm.eps for layer in self.layers for norm in (layer.input_norm, layer.post_norm, layer.q_norm,
                                                               layer.k_norm) if norm is not None}
@@ -213,7 +213,7 @@ class FastTargetForward:
         self.eps = eps.pop()
         weights = []
         for layer in self.layers:
-            weights += avx512_bf16.layer_weights(
+            weights += row_kernels.layer_weights(
                 layer.input_norm.weight, layer.qkv.small, layer.qkv.bias32, layer.o.small, layer.post_norm.weight,
                 layer.gate_up.small, layer.down.small, layer.q_norm.weight if layer.q_norm is not None else None,
                 layer.k_norm.weight if layer.k_norm is not None else None)
@@ -257,15 +257,15 @@ class FastTargetForward:
             else:  # the cache, then the tree's own visibility
                 hidden = torch.zeros(n, end, dtype=torch.bool, device=x.device)
                 hidden[:, start:] = ~visible.to(x.device)
-        if self.fused_weights is not None and n <= avx512_bf16.MAX_ROWS:  # every layer in one C++ call
-            x, features = avx512_bf16.decoder_layers(
+        if self.fused_weights is not None and n <= row_kernels.max_rows():  # every layer in one C++ call
+            x, features = row_kernels.decoder_layers(
                 x[0], self.fused_weights, cos[0, 0], sin[0, 0], cache.keys, cache.values, start, hidden, self.heads,
                 self.kv_heads, self.layers[0].intermediate, self.eps, self.layers[0].scaling, feature_layers)
             cache.length = end
             return self.head(self.final_norm(x[n - logits_rows :])), features
-        if self.row_exact and n <= avx512_bf16.MAX_ROWS:
+        if self.row_exact and n <= row_kernels.max_rows():
             def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
-                return avx512_bf16.attention(q[0], keys[0], values[0], hidden, scale)[None]
+                return row_kernels.attention(q[0], keys[0], values[0], hidden, scale)[None]
         else:
             mask = None
             if hidden is not None:  # additive (SDPA's fastest form here); packed query rows repeat per group

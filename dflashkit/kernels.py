@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import avx512_bf16
+from . import row_kernels
 from .linear import packing_supported
 from .quantize import Int8Linear
 
 
 class Matmul:
-    """``x @ weight.T + bias``: up to :data:`avx512_bf16.MAX_ROWS` rows on :mod:`dflashkit.avx512_bf16`'s kernel where
+    """``x @ weight.T + bias``: up to :func:`row_kernels.max_rows` rows on :mod:`dflashkit.row_kernels`'s kernel where
     it runs (more rows through ``F.linear``); elsewhere with the weight prepacked for oneDNN where that runs
     (else ``F.linear``)."""
 
@@ -29,8 +29,8 @@ class Matmul:
         self.weight = weight.detach()  # [out, in]
         self.bias = bias.detach() if bias is not None else None
         self.packed = self.small = self.bias32 = None
-        if avx512_bf16.usable(self.weight):
-            self.small = avx512_bf16.pack(self.weight)  # no oneDNN copy besides: prefills reorder per call
+        if row_kernels.usable(self.weight):
+            self.small = row_kernels.pack(self.weight)  # no oneDNN copy besides: prefills reorder per call
             self.bias32 = self.bias.float().contiguous() if self.bias is not None else None
         elif packing_supported(self.weight.device, self.weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
@@ -58,8 +58,8 @@ class Matmul:
         return cls(torch.cat([m.weight.detach() for m in linears]), bias)
 
     def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if self.small is not None and x.dtype == torch.bfloat16 and avx512_bf16.rows_of(x) <= avx512_bf16.MAX_ROWS:
-            return avx512_bf16.linear(x, self.small, self.weight.shape[0], self.bias32)
+        if self.small is not None and x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= row_kernels.max_rows():
+            return row_kernels.linear(x, self.small, self.weight.shape[0], self.bias32)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

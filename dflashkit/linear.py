@@ -17,7 +17,7 @@ In bf16 the packed product is bitwise equal to the eager one (both are oneDNN wi
 each output row depends on its own input row only, so a verify pass and a one-token step compute the same
 linear layers. In fp32 the two differ by float rounding (eager fp32 is MKL's sgemm).
 
-Where :mod:`dflashkit.avx512_bf16`'s AVX512-BF16 kernel runs (CPUs with AVX512-BF16 and no AMX, such as the
+Where :mod:`dflashkit.row_kernels`'s AVX512-BF16 kernel runs (CPUs with AVX512-BF16 and no AMX, such as the
 Zen 4 VM of the later measurements, where the table above reads 22-27 ms), bf16 products of up to 16 rows use
 it instead: 2x faster for 1-6 rows there, rows still independent of each other, but not bitwise equal to
 oneDNN's (another summation order).
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import avx512_bf16
+from . import row_kernels
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -71,7 +71,7 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self._packed: Tensor | None = None
         self._packed_key: tuple | None = None
-        self._small: tuple | None = None  # (key, (packed weight, fp32 bias) or None): dflashkit.avx512_bf16's
+        self._small: tuple | None = None  # (key, (packed weight, fp32 bias) or None): dflashkit.row_kernels's
         self.original: nn.Module | None = None  # the nn.Linear this replaced (see unpack_linears)
 
     @classmethod
@@ -94,13 +94,13 @@ class PackedLinear(nn.Module):
         return self._packed
 
     def small_rows_weight(self) -> tuple[Tensor, Tensor | None] | None:
-        """The weight packed for :mod:`dflashkit.avx512_bf16`'s kernel (and the bias in fp32), or None where that
+        """The weight packed for :mod:`dflashkit.row_kernels`'s kernel (and the bias in fp32), or None where that
         kernel does not run; packed on first use and again whenever the weight changes."""
         key = self._key()
         if self._small is None or self._small[0] != key:
-            if avx512_bf16.usable(self.weight):
+            if row_kernels.usable(self.weight):
                 bias = self.bias.detach().float().contiguous() if self.bias is not None else None
-                self._small = (key, (avx512_bf16.pack(self.weight), bias))
+                self._small = (key, (row_kernels.pack(self.weight), bias))
             else:
                 self._small = (key, None)
         return self._small[1]
@@ -114,13 +114,14 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in_features] -> [..., out_features]
         w = self.weight
-        if x.dtype != w.dtype or x.device.type != "cpu" or not _cpu_supports(x.dtype) \
-                or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        if x.dtype != w.dtype or x.device.type != "cpu" or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return F.linear(x, w, self.bias)
-        if x.dtype == torch.bfloat16 and avx512_bf16.rows_of(x) <= avx512_bf16.MAX_ROWS:
+        if x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= row_kernels.max_rows():
             small = self.small_rows_weight()
             if small is not None:
-                return avx512_bf16.linear(x, small[0], self.out_features, small[1])
+                return row_kernels.linear(x, small[0], self.out_features, small[1])
+        if not _cpu_supports(x.dtype):  # bf16 without oneDNN's bf16 (an AVX2 CPU) and no row kernel
+            return F.linear(x, w, self.bias)
         bias = self.bias.detach() if self.bias is not None else None
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), bias, "none", [], "")
 
@@ -134,11 +135,13 @@ def pack_linears(module: nn.Module) -> int:
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and packing_supported(child.weight.device, child.weight.dtype):
+            if type(child) is nn.Linear and (packing_supported(child.weight.device, child.weight.dtype)
+                                             or row_kernels.usable(child.weight)):
                 packed = getattr(child, "_dflashkit_packed", None)  # left there by unpack_linears
                 if packed is None or packed.weight is not child.weight or packed.bias is not child.bias:
                     packed = PackedLinear.from_linear(child)
-                packed.packed_weight()  # pack now (or check the old packing), not inside the first timed step
+                if packing_supported(child.weight.device, child.weight.dtype):
+                    packed.packed_weight()  # pack now (or check the old packing), not inside the first timed step
                 packed.small_rows_weight()
                 setattr(parent, name, packed)
                 replaced += 1

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 
+from . import row_kernels
 from .attention import use_packed_gqa
 from .cuda_graphs import Capture, GraphCache, GraphedSteps
 from .cuda_graphs import unsupported_reason as graphs_unsupported_reason
@@ -106,9 +107,9 @@ class TargetAdapter:
             return "dflashkit fast forward (static KV cache, decode steps replayed from CUDA graphs)"
         if self.fast_forward is not None:
             if self.fast_forward.fused_weights is not None:
-                return "dflashkit fast forward (AVX512-BF16 row kernels, one call per step, static KV cache)"
+                return f"dflashkit fast forward ({row_kernels.label()} row kernels, one call per step, static KV cache)"
             if self.fast_forward.row_exact:
-                return "dflashkit fast forward (AVX512-BF16 row kernels, static KV cache)"
+                return f"dflashkit fast forward ({row_kernels.label()} row kernels, static KV cache)"
             return "dflashkit fast forward (fused prepacked GEMMs, static KV cache)"
         if has_packed_linears(self.model):
             return "transformers forward, prepacked linear layers"

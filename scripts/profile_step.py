@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from dflashkit import avx512_bf16
+from dflashkit import row_kernels
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.stats import DecodeStats
@@ -90,9 +90,9 @@ def main() -> None:
             print(f"    {label_:38s} {ms / steps:7.2f} ms  {100 * ms / total:5.1f}%")
     print(f"\nmedian of 3 runs each; prompt: {PROMPT!r}. Operator time below the step's wall time is Python and "
           "framework overhead (the profiler adds some)", end="")
-    if avx512_bf16.kernel() is not None:
-        print(", and dflashkit's AVX512-BF16 products and attention (dflashkit.avx512_bf16), which are not torch "
-              "operators: time them with scripts/bench_avx512_bf16.py", end="")
+    if row_kernels.kernel() is not None:
+        print(", and dflashkit's AVX512-BF16 products and attention (dflashkit.row_kernels), which are not torch "
+              "operators: time them with scripts/bench_row_kernels.py", end="")
     print(".")
 
 

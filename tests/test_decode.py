@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_drafter, tiny_target
-from dflashkit import avx512_bf16
+from dflashkit import row_kernels
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.drafter import DFlashDrafter
 from dflashkit.sampling import SamplingParams
@@ -124,10 +124,10 @@ def test_greedy_equality_in_bfloat16_allows_only_ties(arch):
     assert_bf16_parts_only_at_ties(model, tiny_drafter(model, block_size=8), prompts(4, seed=3))
 
 
-@pytest.mark.skipif(avx512_bf16.kernel() is None, reason="the row-by-row AVX512-BF16 kernels do not run here")
+@pytest.mark.skipif(row_kernels.kernel() is None, reason="the row-by-row AVX512-BF16 kernels do not run here")
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_greedy_in_bfloat16_is_exact_with_the_row_by_row_kernels(arch, block_size):
-    """Where verify rows are computed bitwise like one-token steps (dflashkit.avx512_bf16), bf16 speculative greedy
+    """Where verify rows are computed bitwise like one-token steps (dflashkit.row_kernels), bf16 speculative greedy
     equals plain greedy token for token: no ties to excuse."""
     model = tiny_target(arch, dtype=torch.bfloat16)
     drafter = tiny_drafter(model, block_size=block_size)

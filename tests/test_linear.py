@@ -21,7 +21,7 @@ needs_fp32 = pytest.mark.skipif(not packing_supported("cpu", torch.float32), rea
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_product_is_bitwise_the_eager_one(rows, bias, monkeypatch):
-    monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "onednn")  # the AVX512-BF16 kernel: tests/test_avx512_bf16.py
+    monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "onednn")  # the AVX512-BF16 kernel: tests/test_row_kernels.py
     g = torch.Generator().manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
     x = torch.randn(1, rows, 96, generator=g).to(torch.bfloat16)  # [batch, rows, in]

@@ -1,9 +1,9 @@
-// AVX512-BF16 kernels for the few rows of a decoding step (dflashkit/avx512_bf16.py): a bf16 matrix product
+// AVX512-BF16 kernels for the few rows of a decoding step (dflashkit/row_kernels.py): a bf16 matrix product
 // and grouped-query attention, each computing a row the same way whatever rows run beside it, so that a
 // verify pass over a block and one-token steps give bitwise the same results.
 //
 // Matrix product y = x @ W.T (+ bias).
-// The weight is packed once (dflashkit/avx512_bf16.py) into groups of 64 output columns:
+// The weight is packed once (dflashkit/row_kernels.py) into groups of 64 output columns:
 //   packed[g][k2][b][c][p] = W[64 g + 16 b + c][2 k2 + p]      shape [G, K/2, 4, 16, 2]
 // so that one 64-byte load holds the (2 k2, 2 k2 + 1) weight pairs of 16 columns, the operand layout of
 // vdpbf16ps, and a group's whole panel is one sequential stream. Each row of x is broadcast two elements at a
@@ -21,6 +21,7 @@
 
 namespace {
 
+constexpr const char* kIsa = "AVX512-BF16";
 constexpr int kBlocks = 4;                 // 16-column blocks per group
 constexpr int kGroup = kBlocks * 16;       // output columns per group
 constexpr int kMaxRows = 6;                // rows per micro-kernel call
@@ -406,95 +407,4 @@ uint16_t* u16w(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr
 
 }  // namespace
 
-// Every decoder layer of a Llama / Qwen2 / Qwen3 target for n <= 16 rows, in one call: RMS norms, the fused q/k/v
-// product, per-head q/k norms (Qwen3), rotary, the cache write, attention, o, the fused gate/up product, SiLU,
-// down, residuals; every step per row, so a verify pass's rows are bitwise one-token steps.
-// x [n, H] bf16; per layer 8 tensors: input norm [H], qkv packed, qkv bias (fp32 [..] or an empty tensor), o packed,
-// post norm [H], gate/up packed, down packed, q/k norms ([2, d] bf16 or empty); cos, sin_signed [n, d] bf16;
-// keys, values [layers, kv_heads, capacity, d]. Returns x after the last layer and the feature layers' outputs
-// concatenated [n, len(feature_layers) * H] (empty without).
-std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
-                                          const torch::Tensor& cos, const torch::Tensor& sin_signed,
-                                          torch::Tensor keys, torch::Tensor values, int64_t start,
-                                          const c10::optional<torch::Tensor>& hidden, int64_t heads, int64_t kv_heads,
-                                          int64_t intermediate, double eps, double scaling,
-                                          const std::vector<int64_t>& feature_layers) {
-  const int64_t n = x.size(0), width = x.size(1), d = keys.size(3), layers = keys.size(0), end = start + n;
-  const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d;
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x: contiguous [n, H] bf16");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * layers, "8 tensors per layer");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && end <= keys.size(2), "caches: contiguous, room for the rows");
-  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(0) == n && cos.size(1) == d, "cos/sin: [n, d]");
-  TORCH_CHECK(d % 16 == 0 && d <= 256, "head size: a multiple of 16, at most 256");
-  x = x.clone();
-  auto opts = x.options();
-  auto h = torch::empty({n, width}, opts), q = torch::empty({kv_heads, group * n, d}, opts);
-  auto attn_rows = torch::empty({n, heads * d}, opts), act = torch::empty({n, intermediate}, opts);
-  auto normed_head = torch::empty({d}, opts);
-  const int64_t features_count = static_cast<int64_t>(feature_layers.size());
-  auto features = features_count ? torch::empty({n, features_count * width}, opts) : torch::empty({0}, opts);
-  const int64_t cap = keys.size(2);
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    const torch::Tensor* w = &weights[8 * layer];
-    rms_norm(u16(x), width, n, width, u16(w[0]), static_cast<float>(eps), u16w(h), width);
-    c10::optional<torch::Tensor> qkv_bias = w[2].numel() ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt;
-    torch::Tensor qkv = linear(h, w[1], qkv_width, qkv_bias);  // [n, (heads + 2 kv_heads) d]
-    const bool qk_norm = w[7].numel() > 0;
-    uint16_t* kl = u16w(keys) + layer * kv_heads * cap * d;
-    uint16_t* vl = u16w(values) + layer * kv_heads * cap * d;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint16_t* row = u16(qkv) + i * qkv_width;
-      const uint16_t* c = u16(cos) + i * d;
-      const uint16_t* sn = u16(sin_signed) + i * d;
-      for (int64_t head = 0; head < heads + kv_heads; ++head) {  // queries, then keys: (normed,) rotated
-        const uint16_t* src = row + head * d;
-        if (qk_norm) {
-          rms_norm(src, d, 1, d, u16(w[7]) + (head < heads ? 0 : d), static_cast<float>(eps), u16w(normed_head), d);
-          src = u16(normed_head);
-        }
-        uint16_t* dst = head < heads ? u16w(q) + ((head / group) * group * n + (head % group) * n + i) * d
-                                     : kl + ((head - heads) * cap + start + i) * d;
-        rotate_into(src, c, sn, d, dst);
-      }
-      for (int64_t kh = 0; kh < kv_heads; ++kh)  // values as they are
-        std::memcpy(vl + (kh * cap + start + i) * d, row + (heads + kv_heads + kh) * d, d * sizeof(uint16_t));
-    }
-    torch::Tensor out = attention(q, keys.select(0, layer).narrow(1, 0, end), values.select(0, layer).narrow(1, 0, end),
-                                  hidden, n, scaling);  // [kv_heads, group * n, d]
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t head = 0; head < heads; ++head)
-        std::memcpy(u16w(attn_rows) + (i * heads + head) * d,
-                    u16(out) + ((head / group) * group * n + (head % group) * n + i) * d, d * sizeof(uint16_t));
-    torch::Tensor o = linear(attn_rows, w[3], width, c10::nullopt);
-    add_into(u16w(x), u16(o), n * width);
-    rms_norm(u16(x), width, n, width, u16(w[4]), static_cast<float>(eps), u16w(h), width);
-    torch::Tensor gate_up = linear(h, w[5], 2 * intermediate, c10::nullopt);  // [n, 2 I]
-    for (int64_t i = 0; i < n; ++i)
-      silu_mul(u16(gate_up) + i * 2 * intermediate, u16(gate_up) + i * 2 * intermediate + intermediate, intermediate,
-               u16w(act) + i * intermediate);
-    torch::Tensor down = linear(act, w[6], width, c10::nullopt);
-    add_into(u16w(x), u16(down), n * width);
-    for (int64_t f = 0; f < features_count; ++f)
-      if (feature_layers[f] == layer)
-        for (int64_t i = 0; i < n; ++i)
-          std::memcpy(u16w(features) + (i * features_count + f) * width, u16(x) + i * width, width * sizeof(uint16_t));
-  }
-  return {x, features};
-}
-
-// How many threads at::parallel_for gives the kernels' work: it is compiled into this file, so without -fopenmp
-// here it runs on one thread whatever torch.get_num_threads() says (tests guard the build flags with this).
-int64_t parallel_threads() {
-  std::vector<int> used(at::get_num_threads() + 1, 0);
-  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
-  int64_t count = 0;
-  for (int u : used) count += u;
-  return count;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("parallel_threads", &parallel_threads, "threads the kernels' parallel loops run on");
-  m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
-  m.def("attention", &attention, "grouped-query attention, one query row at a time");
-  m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
-}
+#include "row_layers.h"

@@ -1,6 +1,6 @@
-"""Time dflashkit.avx512_bf16's kernels against oneDNN / SDPA on the shapes of one SmolLM2-135M decoding step.
+"""Time dflashkit.row_kernels's kernels against oneDNN / SDPA on the shapes of one SmolLM2-135M decoding step.
 
-    .venv/bin/python scripts/bench_avx512_bf16.py [--rows 1,2,4,6,8,12,16,24,32] [--context 400] [--repeats 9]
+    .venv/bin/python scripts/bench_row_kernels.py [--rows 1,2,4,6,8,12,16,24,32] [--context 400] [--repeats 9]
 
 Products: the 211 matrices of one step (30 layers: q, k, v, o, gate, up, down; the 49152-row LM head), random
 bf16 weights of the real shapes, streamed once per repeat. Attention: 30 layers of 9 query heads over 3
@@ -17,7 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dflashkit import avx512_bf16
+from dflashkit import row_kernels
+from dflashkit.linear import packing_supported
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # [out, in] per layer
 LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 30, 49152, 9, 3, 64
@@ -40,16 +41,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if avx512_bf16.kernel() is None:
-        raise SystemExit("the AVX512-BF16 kernel does not run here (see dflashkit/avx512_bf16.py)")
+    if row_kernels.kernel() is None:
+        raise SystemExit("no row kernel runs here (see dflashkit/row_kernels.py)")
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=g).to(torch.bfloat16) * 0.02 for _ in range(LAYERS) for o, i in SHAPES]
     weights.append(torch.randn(VOCAB, 576, generator=g).to(torch.bfloat16) * 0.02)
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-    ours = [avx512_bf16.pack(w) for w in weights]
+    prepacked = packing_supported(weights[0].device, torch.bfloat16)  # oneDNN's bf16 reorder needs AVX512 or AVX-NE
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) if prepacked else w for w in weights]
+    ours = [row_kernels.pack(w) for w in weights]
     mb = sum(w.numel() * 2 for w in weights) / 1e6
     print(f"products: {len(weights)} matrices, {mb:.0f} MB of bf16 weights, {args.threads} threads, "
           f"median of {args.repeats}")
+    print(f"baseline: {'oneDNN, prepacked' if prepacked else 'F.linear (no oneDNN bf16 packing on this CPU)'}; "
+          f"kernel: {row_kernels.label()}")
     print(f"{'rows':>5} {'oneDNN ms':>10} {'kernel ms':>10} {'ratio':>6} {'kernel GB/s':>12}")
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:
@@ -57,11 +61,14 @@ def main() -> None:
 
             def run_onednn(x=x):
                 for w, p in zip(weights, onednn):
-                    torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
+                    if prepacked:
+                        torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
+                    else:
+                        F.linear(x[w.shape[1]], w)
 
             def run_kernel(x=x):
                 for w, p in zip(weights, ours):
-                    avx512_bf16.linear(x[w.shape[1]], p, w.shape[0])
+                    row_kernels.linear(x[w.shape[1]], p, w.shape[0])
 
             run_onednn(), run_kernel()  # warm-up
             a, b = [], []
@@ -93,7 +100,7 @@ def main() -> None:
 
             def run_ours(q=q, k=k, v=v, hidden=hidden):
                 for _ in range(LAYERS):
-                    avx512_bf16.attention(q, k, v, hidden, 0.125)
+                    row_kernels.attention(q, k, v, hidden, 0.125)
 
             run_sdpa(), run_ours()
             a, b = [], []

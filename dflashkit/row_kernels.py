@@ -1,29 +1,35 @@
-"""AVX512-BF16 kernels for the 1 to 16 rows of a decoding step, on CPUs with AVX512-BF16 and no AMX.
+"""Row kernels for the 1 to 16 rows of a decoding step on CPUs without AMX: AVX512-BF16 or AVX2 + FMA.
 
-On such CPUs (the 2-core AMD EPYC Zen 4 VM this project is measured on) oneDNN's bf16 products for a few rows
-stream SmolLM2-135M's 269 MB of weights at 10-16 GB/s, while a plain read of them reaches ~42 GB/s: a
-decoding step is far slower than its memory floor. ``csrc/avx512_bf16.cpp`` holds three kernels for that shape:
+On such CPUs oneDNN's bf16 products for a few rows run far below the memory floor of a decoding step: on the
+2-core AMD EPYC Zen 4 VM (AVX512-BF16) they stream SmolLM2-135M's 269 MB of weights at 10-16 GB/s while a plain
+read reaches ~42 GB/s; on an AVX2-only CPU (the 2-core AMD EPYC Zen 1 VM of session 13; most laptops) torch has
+no bf16 path at all for them and runs ~9 GFLOP/s. ``csrc/`` holds one source per instruction set, the same three
+kernels in each:
 
-* :func:`linear`: ``vdpbf16ps`` over a weight packed once into the instruction's operand layout, fp32 sums.
-  All 211 products of one SmolLM2 step, 2 threads (``scripts/bench_avx512_bf16.py``; oneDNN's times and this
-  VM's memory bandwidth vary between runs): 1 row 24.0 ms with oneDNN, 12.7 ms here; 8 rows 19.7 / 12.4; 16 rows
-  24.4 / 17.5.
-* :func:`attention`: grouped-query attention one query row at a time, fp32 inside (30 layers at 400 positions:
-  1 row 1.63 ms with SDPA, 0.48 ms here; 16 rows 8.11 / 4.69).
+* :func:`linear`: a bf16 product over a weight packed once (:func:`pack`), fp32 sums. AVX512-BF16 (``csrc/
+  row_kernels_avx512.cpp``): ``vdpbf16ps`` in groups of 64 columns; on the Zen 4 VM, all 211 products of one
+  SmolLM2 step, 2 threads (``scripts/bench_row_kernels.py``): 1 row 24.0 ms with oneDNN, 12.7 ms here; 8 rows
+  19.7 / 12.4; 16 rows 24.4 / 17.5. AVX2 (``csrc/row_kernels_avx2.cpp``): the weight pairs unpacked to fp32 with
+  a shift and an AND, FMA, in groups of 16 columns.
+* :func:`attention`: grouped-query attention one query row at a time, fp32 inside (Zen 4, 30 layers at 400
+  positions: 1 row 1.63 ms with SDPA, 0.48 ms here; 16 rows 8.11 / 4.69).
 * :func:`decoder_layers`: every decoder layer of a Llama / Qwen2 / Qwen3 target in one call (norms, products,
-  rotary, cache write, attention, SiLU, residuals): no Python or dispatcher time per op (a SmolLM2 one-token
-  step 15.0 -> 11.4 ms, an 8-row step 22.5 -> 18.0 ms). The drafter's block forward uses it too (a block-8
-  draft step 2.4 -> 1.9 ms).
+  rotary, cache write, attention, SiLU, residuals; ``csrc/row_layers.h``, shared by both): no Python or
+  dispatcher time per op (Zen 4: a SmolLM2 one-token step 15.0 -> 11.4 ms, an 8-row step 22.5 -> 18.0 ms). The
+  drafter's block forward uses it too (a block-8 draft step 2.4 -> 1.9 ms).
 
 Each computes a row the same way, in the same order, whatever rows run beside it, so a verify pass and a
 one-token step give bitwise the same results: bf16 speculative greedy output is then plain greedy output, with
-no numerical ties. Larger steps (prefill beyond 16 rows, batched generation) stay with oneDNN and SDPA.
+no numerical ties. (The two instruction sets round differently from each other: a machine agrees with itself.)
+Larger steps (prefill beyond 16 rows, batched generation) stay with oneDNN and SDPA.
 
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja; about 30
 s, once per machine, cached under ``~/.cache/dflashkit/kernels``), with ``-fopenmp``: ``at::parallel_for`` is a
-header template whose OpenMP region is compiled into the kernel, which ran on one thread without it. Where they
-cannot be built, or the CPU lacks AVX512-BF16, or has AMX (whose oneDNN path they were not measured against),
-everything stays with oneDNN and SDPA. ``DFLASHKIT_CPU_GEMM=onednn`` turns them off; ``=avx512`` uses them on any AVX512-BF16 CPU.
+header template whose OpenMP region is compiled into the kernel, which ran on one thread without it. Which runs
+(``DFLASHKIT_CPU_GEMM``): ``auto`` (default) takes the AVX512-BF16 kernels on CPUs with AVX512-BF16 and no AMX
+(whose oneDNN path they were not measured against), the AVX2 kernels on CPUs whose best instruction set is AVX2
+(torch's ``get_cpu_capability()``), and oneDNN / SDPA elsewhere or where they cannot be built; ``avx512`` or
+``avx2`` forces one on any CPU that has it; ``onednn`` turns them off.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import os
 import shutil
 import sys
 import warnings
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -40,17 +47,37 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-MAX_ROWS = 16  # products of more rows go to oneDNN (measured: the kernel's lead shrinks to ~1.1x at 16 rows)
-GROUP = 64  # output columns per packed group (4 blocks of 16)
-SOURCE = Path(__file__).with_name("csrc") / "avx512_bf16.cpp"
-CHOICES = ("auto", "avx512", "onednn")
+MAX_ROWS = 16  # AVX512-BF16: products of more rows go to oneDNN (measured on Zen 4: the kernel's lead shrinks to ~1.1x at 16 rows)
+CSRC = Path(__file__).with_name("csrc")
+SHARED = CSRC / "row_layers.h"
+CHOICES = ("auto", "avx512", "avx2", "onednn")
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the kernel itself; without
 # the flag it runs on one thread. No -lgomp: the calls bind to the libgomp torch itself loads.
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One instruction set's kernel source, compiler flags and the CPU probe that says it runs here."""
+
+    name: str
+    source: Path
+    cflags: tuple[str, ...]
+
+    def supported(self) -> bool:
+        if self.name == "avx512":
+            return _cpu_has("_is_avx512_bf16_supported")
+        return _capability() in ("AVX2", "AVX512")  # AVX2 + FMA (torch's AVX2 level requires both)
+
+
+ISAS = {
+    "avx512": Isa("avx512", CSRC / "row_kernels_avx512.cpp",
+                  ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
+    "avx2": Isa("avx2", CSRC / "row_kernels_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")),
+}
 
 
 def choice() -> str:
-    """The DFLASHKIT_CPU_GEMM setting: auto (default), avx512 or onednn."""
+    """The DFLASHKIT_CPU_GEMM setting: auto (default), avx512, avx2 or onednn."""
     value = os.environ.get("DFLASHKIT_CPU_GEMM", "auto").strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"DFLASHKIT_CPU_GEMM must be one of {', '.join(CHOICES)}, got {value!r}")
@@ -62,26 +89,50 @@ def kernel() -> ModuleType | None:
     return _load(choice())
 
 
+def label() -> str | None:
+    """The running kernel's instruction set as people write it ("AVX512-BF16", "AVX2"), or None."""
+    k = kernel()
+    return k.isa if k is not None else None
+
+
+def max_rows() -> int:
+    """The most rows a step runs on the kernels (more go to oneDNN / SDPA): :data:`MAX_ROWS` for AVX512-BF16; any
+    number for AVX2, where torch has no fast bf16 product for them to go to (a prefill's rows run the kernels in
+    row blocks)."""
+    k = kernel()
+    return MAX_ROWS if k is None or k.isa != "AVX2" else 1 << 30
+
+
+def _pick(setting: str) -> Isa | None:
+    if setting == "onednn":
+        return None
+    if setting in ISAS:
+        return ISAS[setting] if ISAS[setting].supported() else None
+    if ISAS["avx512"].supported():
+        return None if _cpu_has("_is_amx_tile_supported") else ISAS["avx512"]
+    return ISAS["avx2"] if _capability() == "AVX2" else None
+
+
 @lru_cache
 def _load(setting: str) -> ModuleType | None:
-    if setting == "onednn" or not _cpu_has("_is_avx512_bf16_supported"):
+    isa = _pick(setting)
+    if isa is None:
         return None
-    if setting == "auto" and _cpu_has("_is_amx_tile_supported"):
-        return None
-    source = SOURCE.read_bytes()
-    name = "dflashkit_avx512_bf16_" + hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(isa.source.read_bytes() + SHARED.read_bytes() + " ".join(isa.cflags).encode())
+    name = f"dflashkit_rows_{isa.name}_{digest.hexdigest()[:12]}"
     build = Path(os.environ.get("DFLASHKIT_KERNEL_DIR", Path.home() / ".cache" / "dflashkit" / "kernels")) / name
     try:
         build.mkdir(parents=True, exist_ok=True)
         if not (build / f"{name}.so").exists():
-            print("dflashkit: compiling its AVX512-BF16 CPU kernels (once per machine, ~30 s)...", file=sys.stderr)
+            print(f"dflashkit: compiling its {isa.name.upper()} CPU kernels (once per machine, ~30 s)...",
+                  file=sys.stderr)
         from torch.utils.cpp_extension import load
 
         if shutil.which("ninja") is None:  # the pip package's ninja lies beside this Python, maybe not on PATH
             os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
 
-        return load(name=name, sources=[str(SOURCE)], build_directory=str(build), verbose=False,
-                    extra_cflags=CFLAGS)
+        return load(name=name, sources=[str(isa.source)], build_directory=str(build), verbose=False,
+                    extra_cflags=list(isa.cflags), extra_include_paths=[str(CSRC)])
     except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, a read-only home...: oneDNN it is)
         warnings.warn(f"dflashkit: the bf16 CPU kernel could not be built ({type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); using oneDNN",
@@ -93,6 +144,11 @@ def _cpu_has(probe: str) -> bool:
     """torch's CPU feature probe by name (private helpers of torch.cpu; False where this torch lacks one)."""
     check = getattr(torch.cpu, probe, None)
     return bool(check()) if check is not None else False
+
+
+def _capability() -> str:
+    """The instruction set torch's own CPU kernels were dispatched to here ("AVX2", "AVX512", "DEFAULT"...)."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def usable(weight: Tensor) -> bool:
@@ -107,12 +163,15 @@ def attention_usable(dtype: torch.dtype, device: torch.device, head_dim: int) ->
 
 
 def pack(weight: Tensor) -> Tensor:
-    """The kernel's layout of weight [N, K] (K even): [ceil(N/64), K/2, 4, 16, 2], zero-padded columns."""
+    """The running kernel's layout of weight [N, K] (K even): [ceil(N/G), K/2, B, 16, 2] with B blocks of 16
+    columns per group of G = 16 B (B = 4 for AVX512-BF16, 1 for AVX2), zero-padded columns."""
     n, k = weight.shape
-    groups = -(-n // GROUP)
-    padded = weight.detach().new_zeros(groups * GROUP, k)
+    blocks = kernel().blocks
+    group = 16 * blocks
+    groups = -(-n // group)
+    padded = weight.detach().new_zeros(groups * group, k)
     padded[:n] = weight.detach()
-    return padded.view(groups, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()  # [G, K/2, 4, 16, 2]
+    return padded.view(groups, blocks, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()  # [G, K/2, B, 16, 2]
 
 
 def rows_of(x: Tensor) -> int:

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflashkit import avx512_bf16
+from dflashkit import row_kernels
 from dflashkit.kernels import Matmul
 from dflashkit.linear import PackedLinear
 
-needs_kernel = pytest.mark.skipif(avx512_bf16.kernel() is None, reason="the kernel does not run here (no AVX512-BF16, "
+needs_kernel = pytest.mark.skipif(row_kernels.kernel() is None, reason="the kernel does not run here (no AVX512-BF16, "
                                   "AMX, DFLASHKIT_CPU_GEMM=onednn or no compiler)")
 
 
@@ -33,7 +33,7 @@ def test_the_kernels_parallel_loops_use_torchs_threads():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            assert avx512_bf16.kernel().parallel_threads() == threads
+            assert row_kernels.kernel().parallel_threads() == threads
     finally:
         torch.set_num_threads(before)
 
@@ -44,8 +44,8 @@ def test_the_kernels_parallel_loops_use_torchs_threads():
 def test_product_matches_fp32_with_bias_and_ragged_columns(n, k, rows):
     w, b, x = bf16(n, k, seed=n), bf16(n, seed=k), bf16(rows, k, seed=rows)
     with torch.inference_mode():
-        got = avx512_bf16.linear(x, avx512_bf16.pack(w), n, b.float())
-        plain = avx512_bf16.linear(x, avx512_bf16.pack(w), n)
+        got = row_kernels.linear(x, row_kernels.pack(w), n, b.float())
+        plain = row_kernels.linear(x, row_kernels.pack(w), n)
     close_to_fp32(got, x, w, b)
     close_to_fp32(plain, x, w, None)
 
@@ -54,12 +54,12 @@ def test_product_matches_fp32_with_bias_and_ragged_columns(n, k, rows):
 def test_each_row_is_bitwise_the_same_whatever_rows_run_with_it():
     """A verify pass of 16 rows and 16 one-row steps compute the same products, bit for bit."""
     w, x = bf16(300, 128, seed=1), bf16(16, 128, seed=2)
-    packed = avx512_bf16.pack(w)
+    packed = row_kernels.pack(w)
     with torch.inference_mode():
-        together = avx512_bf16.linear(x, packed, 300)
+        together = row_kernels.linear(x, packed, 300)
         for rows in (1, 3, 7, 16):
             for start in range(0, 16 - rows + 1, rows):
-                assert torch.equal(avx512_bf16.linear(x[start:start + rows], packed, 300), together[start:start + rows])
+                assert torch.equal(row_kernels.linear(x[start:start + rows], packed, 300), together[start:start + rows])
 
 
 @needs_kernel
@@ -67,7 +67,7 @@ def test_leading_dims_and_non_contiguous_input():
     w = bf16(70, 32, seed=3)
     x = bf16(1, 5, 64, seed=4)[..., ::2]  # [1, 5, 32], strided
     with torch.inference_mode():
-        got = avx512_bf16.linear(x, avx512_bf16.pack(w), 70)
+        got = row_kernels.linear(x, row_kernels.pack(w), 70)
     assert got.shape == (1, 5, 70)
     close_to_fp32(got[0], x[0], w, None)
 
@@ -77,12 +77,12 @@ def test_leading_dims_and_non_contiguous_input():
 def test_matmul_and_packed_linear_use_the_kernel_up_to_max_rows(rows):
     w, b, x = bf16(96, 64, seed=5), bf16(96, seed=6), bf16(rows, 64, seed=7)
     with torch.inference_mode():
-        kernel = avx512_bf16.linear(x, avx512_bf16.pack(w), 96, b.float())
+        kernel = row_kernels.linear(x, row_kernels.pack(w), 96, b.float())
         onednn = F.linear(x, w, b)
         for layer in (Matmul(w, b), PackedLinear(w.clone(), b.clone())):
             got = layer(x)
             close_to_fp32(got, x, w, b)
-            if rows <= avx512_bf16.MAX_ROWS:
+            if rows <= row_kernels.max_rows():
                 assert torch.equal(got, kernel)
             else:
                 assert torch.equal(got, onednn)
@@ -102,19 +102,19 @@ def test_packed_linear_repacks_after_the_weight_changes():
 
 def test_the_setting_turns_the_kernel_off_and_refuses_unknown_values(monkeypatch):
     monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "onednn")
-    assert avx512_bf16.kernel() is None
-    assert not avx512_bf16.usable(bf16(4, 4, seed=0))
+    assert row_kernels.kernel() is None
+    assert not row_kernels.usable(bf16(4, 4, seed=0))
     w, x = bf16(24, 40, seed=10), bf16(3, 40, seed=11)
     with torch.inference_mode():
         assert torch.equal(Matmul(w)(x), F.linear(x, w))  # oneDNN, bitwise
     monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "fastest")
     with pytest.raises(ValueError, match="DFLASHKIT_CPU_GEMM"):
-        avx512_bf16.kernel()
+        row_kernels.kernel()
 
 
 def test_weights_the_kernel_cannot_take_stay_with_onednn():
-    assert not avx512_bf16.usable(bf16(8, 7, seed=0))  # odd inner size
-    assert not avx512_bf16.usable(torch.randn(8, 8))  # fp32
+    assert not row_kernels.usable(bf16(8, 7, seed=0))  # odd inner size
+    assert not row_kernels.usable(torch.randn(8, 8))  # fp32
 
 
 def attention_reference(q, keys, values, hidden, scale):
@@ -143,7 +143,7 @@ def test_attention_matches_fp32_softmax_attention(d, mask):
         hidden[:, m - n:] = ~torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
                                            [1, 0, 1, 0, 1]], dtype=torch.bool)
     with torch.inference_mode():
-        got = avx512_bf16.attention(q, keys, values, hidden, d**-0.5)
+        got = row_kernels.attention(q, keys, values, hidden, d**-0.5)
     ref = attention_reference(q, keys, values, hidden, d**-0.5)
     assert got.shape == q.shape and got.dtype == torch.bfloat16
     assert ((got.float() - ref).abs() <= ref.abs() * 2**-7 + 2e-3).all()
@@ -158,10 +158,10 @@ def test_attention_row_of_a_chain_is_bitwise_the_one_row_step():
     cache = bf16(2, heads, 64, d, seed=4)  # a cache with capacity 64: keys and values are views of it
     keys, values = cache[0, :, :m], cache[1, :, :m]
     with torch.inference_mode():
-        together = avx512_bf16.attention(q.reshape(heads, group * n, d), keys, values, chain_hidden(n, m), 0.125)
+        together = row_kernels.attention(q.reshape(heads, group * n, d), keys, values, chain_hidden(n, m), 0.125)
         together = together.view(heads, group, n, d)
         for i in range(n):
-            alone = avx512_bf16.attention(q[:, :, i], keys[:, : start + i + 1], values[:, : start + i + 1], None, 0.125)
+            alone = row_kernels.attention(q[:, :, i], keys[:, : start + i + 1], values[:, : start + i + 1], None, 0.125)
             assert torch.equal(alone, together[:, :, i])
 
 
@@ -226,15 +226,15 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_onednn_with_a_warning(monke
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "avx512")
     monkeypatch.setenv("DFLASHKIT_KERNEL_DIR", str(tmp_path / "unbuilt"))
-    avx512_bf16._load.cache_clear()
+    row_kernels._load.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="could not be built .*No such file"):
-            assert avx512_bf16.kernel() is None
+            assert row_kernels.kernel() is None
         w, x = bf16(24, 40, seed=12), bf16(3, 40, seed=13)
         with torch.inference_mode():
             assert torch.equal(Matmul(w)(x), F.linear(x, w))
     finally:
-        avx512_bf16._load.cache_clear()
+        row_kernels._load.cache_clear()
 
 
 @needs_kernel
@@ -304,7 +304,7 @@ def test_the_engine_line_names_the_row_kernels(monkeypatch):
 
     from dflashkit.target import TargetAdapter
 
-    assert "AVX512-BF16 row kernels, one call per step" in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
-    assert "AVX512-BF16" not in TargetAdapter(tiny_target()).engine  # fp32: oneDNN
+    assert f"{row_kernels.label()} row kernels, one call per step" in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
+    assert "row kernels" not in TargetAdapter(tiny_target()).engine  # fp32: oneDNN
     monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "onednn")
-    assert "AVX512-BF16" not in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
+    assert "row kernels" not in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine

@@ -1,0 +1,343 @@
+// AVX2 + FMA kernels for the few rows of a decoding step (dflashkit/row_kernels.py), for CPUs without AVX512-BF16
+// (most laptops: Intel Core before and after the AVX512 years, AMD Zen 1-3), where torch's bf16 products of a few
+// rows run at ~9 GFLOP/s. The same contract as row_kernels_avx512.cpp: each row is computed the same way whatever
+// rows run beside it, so a verify pass over a block and one-token steps give bitwise the same results.
+//
+// Matrix product y = x @ W.T (+ bias), bf16 weights, fp32 arithmetic.
+// The weight is packed once (dflashkit/row_kernels.py) into groups of 16 output columns:
+//   packed[g][k2][0][c][p] = W[16 g + c][2 k2 + p]      shape [G, K/2, 1, 16, 2]
+// so that one 64-byte line holds the (2 k2, 2 k2 + 1) weight pairs of 16 columns and a group's panel is one
+// sequential stream. A 32-bit lane holds a pair: its high half is already the fp32 pattern of the odd weight,
+// the low half shifted up is the even one, so unpacking costs one AND and one shift. x is turned into fp32 once;
+// each output element is one fp32 FMA chain over k in order (2 k2, then 2 k2 + 1), whatever the number of rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr const char* kIsa = "AVX2";
+constexpr int kBlocks = 1;    // 16-column blocks per group
+constexpr int kGroup = 16;    // output columns per group
+constexpr int kMaxRows = 4;   // rows per micro-kernel call: 8 accumulators, 4 weight vectors, 2 broadcasts
+constexpr int64_t kRowBlock = 64;  // rows per pass over the weights (more rows: another pass)
+
+inline float bf16_to_float(uint16_t v) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+
+// 8 fp32 -> 8 bf16, round to nearest even (NaN -> 0x7FC0): torch's rounding of float to bfloat16
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+inline __m256 load_bf16(const uint16_t* p) {  // 8 bf16 -> fp32 (exact: shift into the high half)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load_bf16_n(const uint16_t* p, int64_t count) {  // the first count (< 8 allowed) of 8, zeros after
+  if (count >= 8) return load_bf16(p);
+  alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(tmp, p, count * sizeof(uint16_t));
+  return load_bf16(tmp);
+}
+inline void store_bf16_n(uint16_t* p, int64_t count, __m256 v) {
+  const __m128i packed = to_bf16(v);
+  if (count >= 8) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed); return; }
+  alignas(16) uint16_t tmp[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
+  std::memcpy(p, tmp, count * sizeof(uint16_t));
+}
+inline __m256 load_f32_n(const float* p, int64_t count) {
+  if (count >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(tmp, p, count * sizeof(float));
+  return _mm256_load_ps(tmp);
+}
+
+// The sum of 8 lanes, always in the same pattern: (l + l+4), then pairs, then the two halves.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R>
+void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
+           int64_t valid, const float* bias) {
+  __m256 acc[R][2];
+  _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k2 = 0; k2 < k2_count; ++k2) {
+    const __m256i* wk = reinterpret_cast<const __m256i*>(w + k2 * 32);
+    const __m256i p0 = _mm256_loadu_si256(wk), p1 = _mm256_loadu_si256(wk + 1);  // columns 0-7, 8-15
+    const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16)), odd0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));
+    const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16)), odd1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * k2), xo = _mm256_broadcast_ss(x + i * ldx + 2 * k2 + 1);
+      acc[i][0] = _mm256_fmadd_ps(xo, odd0, _mm256_fmadd_ps(xe, even0, acc[i][0]));
+      acc[i][1] = _mm256_fmadd_ps(xo, odd1, _mm256_fmadd_ps(xe, even1, acc[i][1]));
+    }
+  }
+  for (int j = 0; j < 2; ++j) {  // round to bf16 (nearest even) after the fp32 bias, store valid columns
+    const int64_t n0 = j * 8;
+    if (n0 >= valid) break;
+    const int64_t count = valid - n0 < 8 ? valid - n0 : 8;
+    const __m256 b = bias ? load_f32_n(bias + n0, count) : _mm256_setzero_ps();
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) store_bf16_n(y + i * ldy + n0, count, _mm256_add_ps(acc[i][j], b));
+  }
+}
+
+void rows(int64_t r, const float* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
+          int64_t valid, const float* bias) {
+  switch (r) {
+    case 1: micro<1>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    case 2: micro<2>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    case 3: micro<3>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    default: micro<4>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+  }
+}
+
+}  // namespace
+
+// x [M, K] bf16 contiguous; packed [G, K/2, 1, 16, 2] bf16; bias [N] fp32 or None. Returns y [M, N] bf16.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
+                     const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+              packed.size(2) == kBlocks && packed.size(3) == 16 && packed.size(4) == 2, "packed: [G, K/2, 1, 16, 2] bf16");
+  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0), k2_count = packed.size(1);
+  TORCH_CHECK(k == 2 * k2_count, "x has ", k, " columns, the packed weight ", 2 * k2_count);
+  TORCH_CHECK(n_out > (groups - 1) * kGroup && n_out <= groups * kGroup, "n_out does not match the packed weight");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, "bias: [N] fp32");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({m, n_out}, x.options());
+  std::vector<float> xf(m * k);  // x in fp32, once
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(xp[i]);
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  for (int64_t block = 0; block < m; block += kRowBlock) {  // a prefill's rows: blocks whose fp32 x stays in cache
+    const int64_t mb = m - block < kRowBlock ? m - block : kRowBlock;
+    const float* xb = xf.data() + block * k;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint16_t* w = wp + g * k2_count * 32;
+        const int64_t valid = n_out - g * kGroup < kGroup ? n_out - g * kGroup : kGroup;
+        const float* bg = b ? b + g * kGroup : nullptr;
+        const int64_t chunks = (mb + kMaxRows - 1) / kMaxRows;  // balanced: 6 rows run as 3 + 3, not 4 + 2
+        for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+          const int64_t r = (mb - m0 + (chunks - c) - 1) / (chunks - c);
+          rows(r, xb + m0 * k, k, w, k2_count, yp + (block + m0) * n_out + g * kGroup, n_out, valid, bg);
+          m0 += r;
+        }
+      }
+    });
+  }
+  return y;
+}
+
+namespace {
+
+// exp(x) for x <= 0 in fp32 (softmax after subtracting the max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
+// a degree-6 polynomial (relative error ~2e-7); below -87 it returns 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n for n in [-126, 0]: the exponent field
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, scale));
+}
+
+struct Attn {
+  const uint16_t *q, *k, *v;
+  uint16_t* out;
+  const bool* hidden;  // [n, m] or null
+  int64_t rows, n, m, k_head, v_head, d;
+  float scale;
+};
+
+// One query row r of head h: scores of the visible keys (in key order), softmax (max, then exp and a lane-wise sum
+// in the order of the visible keys, then sum8), out = sum of weight * value in key order, rounded once.
+// Hidden keys are skipped before anything is summed: a row's result is bitwise the one over only the keys it sees.
+template <int CH>
+void attend_row(const Attn& a, int64_t h, int64_t r, float* p, int64_t* idx) {
+  const int64_t m = a.m, d = CH * 8, i = r % a.n;
+  const bool* sees_not = a.hidden ? a.hidden + i * m : nullptr;
+  __m256 qv[CH];
+  _Pragma("GCC unroll 16") for (int c = 0; c < CH; ++c) qv[c] = load_bf16(a.q + (h * a.rows + r) * d + c * 8);
+  const uint16_t* kh = a.k + h * a.k_head;
+  int64_t count = 0;
+  float best = -INFINITY;
+  for (int64_t j = 0; j < m; ++j) {
+    if (sees_not && sees_not[j]) continue;
+    __m256 acc = _mm256_mul_ps(qv[0], load_bf16(kh + j * d));
+    _Pragma("GCC unroll 16") for (int c = 1; c < CH; ++c) acc = _mm256_fmadd_ps(qv[c], load_bf16(kh + j * d + c * 8), acc);
+    const float s = sum8(acc) * a.scale;
+    p[count] = s;
+    idx[count++] = j;
+    best = s > best ? s : best;
+  }
+  __m256 total = _mm256_setzero_ps();  // lane l sums entries i = l mod 8, in order
+  const __m256 top = _mm256_set1_ps(best);
+  for (int64_t i0 = 0; i0 < count; i0 += 8) {
+    const int64_t lanes = count - i0 < 8 ? count - i0 : 8;
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(load_f32_n(p + i0, lanes), top));
+    alignas(32) float es[8];
+    _mm256_store_ps(es, e);
+    for (int64_t l = lanes; l < 8; ++l) es[l] = 0.0f;
+    std::memcpy(p + i0, es, lanes * sizeof(float));
+    total = _mm256_add_ps(total, _mm256_load_ps(es));
+  }
+  const float inv = 1.0f / sum8(total);
+  __m256 acc[CH];
+  _Pragma("GCC unroll 16") for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
+  const uint16_t* vh = a.v + h * a.v_head;
+  for (int64_t t = 0; t < count; ++t) {
+    const __m256 wj = _mm256_set1_ps(p[t] * inv);
+    const uint16_t* vj = vh + idx[t] * d;
+    _Pragma("GCC unroll 16") for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(wj, load_bf16(vj + c * 8), acc[c]);
+  }
+  uint16_t* o = a.out + (h * a.rows + r) * d;
+  _Pragma("GCC unroll 16") for (int c = 0; c < CH; ++c) _mm_storeu_si128(reinterpret_cast<__m128i*>(o + c * 8), to_bf16(acc[c]));
+}
+
+template <int CH>
+void attend_all(const Attn& a, int64_t heads) {
+  at::parallel_for(0, heads * a.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(a.m + 8);
+    std::vector<int64_t> idx(a.m + 8);
+    for (int64_t task = begin; task < end; ++task) attend_row<CH>(a, task / a.rows, task % a.rows, p.data(), idx.data());
+  });
+}
+
+}  // namespace
+
+// Grouped-query attention, fp32 inside, one query row at a time.
+// q [kv_heads, R, d] bf16 (the query heads sharing a key/value head stacked: row r is query row r % n);
+// keys, values [kv_heads, m, d] bf16 with contiguous rows; hidden [n, m] bool (true: row i does not see key j)
+// or None (every row sees every key). d: 16, 32, 64 or 128. Returns [kv_heads, R, d] bf16.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                        const c10::optional<torch::Tensor>& hidden, int64_t n, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16, "q: contiguous [kv_heads, R, d] bf16");
+  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.sizes() == values.sizes() &&
+              keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16, "keys, values: [kv_heads, m, d] bf16");
+  const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), m = keys.size(1);
+  TORCH_CHECK(keys.size(0) == heads && keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128), "head size: 16, 32, 64 or 128");
+  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == d && values.stride(2) == 1 && values.stride(1) == d,
+              "keys and values need contiguous rows");
+  TORCH_CHECK(n >= 1 && rows % n == 0, "R must be a multiple of n");
+  const bool* hid = nullptr;
+  if (hidden.has_value()) {
+    TORCH_CHECK(hidden->scalar_type() == at::kBool && hidden->is_contiguous() && hidden->dim() == 2 &&
+                hidden->size(0) == n && hidden->size(1) == m, "hidden: contiguous bool [n, m]");
+    hid = hidden->data_ptr<bool>();
+  }
+  auto out = torch::empty_like(q);
+  const Attn a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), hid, rows, n, m, keys.stride(0),
+               values.stride(0), d, static_cast<float>(scale)};
+  switch (d) {
+    case 16: attend_all<2>(a, heads); break;
+    case 32: attend_all<4>(a, heads); break;
+    case 64: attend_all<8>(a, heads); break;
+    default: attend_all<16>(a, heads); break;
+  }
+  return out;
+}
+
+namespace {
+
+// RMS norm of each row of x [rows, width] (row stride ld): out = bf16(bf16(x / rms(x)) * w), the sum of squares in fp32
+// in a fixed order (8 lanes, then their sum), as transformers rounds (normalise in fp32, scale in bf16).
+void rms_norm(const uint16_t* x, int64_t ld, int64_t rows, int64_t width, const uint16_t* w, float eps, uint16_t* out,
+              int64_t ld_out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * ld;
+    __m256 sq = _mm256_setzero_ps();
+    for (int64_t c = 0; c < width; c += 8) {
+      const __m256 v = load_bf16_n(xr + c, width - c);
+      sq = _mm256_fmadd_ps(v, v, sq);
+    }
+    const float scale = 1.0f / std::sqrt(sum8(sq) / static_cast<float>(width) + eps);
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int64_t c = 0; c < width; c += 8) {
+      const int64_t count = width - c;
+      // round x / rms to bf16 first (transformers' .to(input_dtype)), then the bf16 product with the weight
+      const __m256 h = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16(_mm256_mul_ps(load_bf16_n(xr + c, count), s))), 16));
+      store_bf16_n(out + r * ld_out + c, count, _mm256_mul_ps(h, load_bf16_n(w + c, count)));
+    }
+  }
+}
+
+// x * cos + rotate_half(x) * sin for one head vector of d (rotate_half(x) = [-x2, x1]; `sin` is signed: its first half
+// negated), in fp32, rounded once.
+void rotate_into(const uint16_t* x, const uint16_t* cos, const uint16_t* sin_signed, int64_t d, uint16_t* out) {
+  const int64_t half = d / 2;
+  uint16_t rolled[256];  // x rolled by half the head: [x2, x1]
+  std::memcpy(rolled, x + half, half * sizeof(uint16_t));
+  std::memcpy(rolled + half, x, half * sizeof(uint16_t));
+  for (int64_t c = 0; c < d; c += 8) {
+    const int64_t count = d - c;
+    const __m256 v = load_bf16_n(x + c, count), r = load_bf16_n(rolled + c, count);
+    store_bf16_n(out + c, count, _mm256_fmadd_ps(v, load_bf16_n(cos + c, count),
+                                                 _mm256_mul_ps(r, load_bf16_n(sin_signed + c, count))));
+  }
+}
+
+// out = bf16(x + y), elementwise over count values
+void add_into(uint16_t* x, const uint16_t* y, int64_t count) {
+  for (int64_t c = 0; c < count; c += 8)
+    store_bf16_n(x + c, count - c, _mm256_add_ps(load_bf16_n(x + c, count - c), load_bf16_n(y + c, count - c)));
+}
+
+// out = bf16(silu(gate) * up), silu(g) = g * sigmoid(g) with exp of -|g| only
+void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t count, uint16_t* out) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (int64_t c = 0; c < count; c += 8) {
+    const int64_t left = count - c;
+    const __m256 g = load_bf16_n(gate + c, left);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(g, sign));  // exp(-|g|)
+    const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 numerator = _mm256_blendv_ps(one, e, negative);
+    const __m256 sig = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
+    store_bf16_n(out + c, left, _mm256_mul_ps(_mm256_mul_ps(g, sig), load_bf16_n(up + c, left)));
+  }
+}
+
+const uint16_t* u16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* u16w(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+}  // namespace
+
+#include "row_layers.h"
