@@ -1,4 +1,5 @@
-"""The AVX512-BF16 kernel for products of a few rows: right products, rows independent, used where it should be."""
+"""The row kernels (AVX512-BF16 and AVX2) for products of a few rows: right products, rows independent, used where
+they should be. Each kernel test runs once per instruction set this CPU has (a Zen 4 runs both sources)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ from dflashkit import row_kernels
 from dflashkit.kernels import Matmul
 from dflashkit.linear import PackedLinear
 
-needs_kernel = pytest.mark.skipif(row_kernels.kernel() is None, reason="the kernel does not run here (no AVX512-BF16, "
-                                  "AMX, DFLASHKIT_CPU_GEMM=onednn or no compiler)")
+SUPPORTED = [name for name, isa in row_kernels.ISAS.items() if isa.supported()]
+
+
+@pytest.fixture(params=SUPPORTED or [pytest.param(None, marks=pytest.mark.skip(reason="no AVX2 or AVX512-BF16 here"))])
+def isa(request, monkeypatch):
+    """Runs the test with DFLASHKIT_CPU_GEMM set to one instruction set this CPU has (skips where its kernel
+    cannot be built)."""
+    monkeypatch.setenv("DFLASHKIT_CPU_GEMM", request.param)
+    if row_kernels.kernel() is None:
+        pytest.skip(f"the {request.param} kernel could not be built here")
+    return request.param
 
 
 def bf16(*shape: int, seed: int) -> torch.Tensor:
@@ -25,8 +35,7 @@ def close_to_fp32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.
     assert ((got.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-3).all()
 
 
-@needs_kernel
-def test_the_kernels_parallel_loops_use_torchs_threads():
+def test_the_kernels_parallel_loops_use_torchs_threads(isa):
     """at::parallel_for is compiled into the kernel: without -fopenmp there it ran on one thread (found in session
     12: every product and attention of a decoding step had used one of the two cores)."""
     before = torch.get_num_threads()
@@ -38,10 +47,9 @@ def test_the_kernels_parallel_loops_use_torchs_threads():
         torch.set_num_threads(before)
 
 
-@needs_kernel
 @pytest.mark.parametrize("n,k", [(200, 96), (64, 64), (1, 8), (130, 34), (1000, 576)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16])
-def test_product_matches_fp32_with_bias_and_ragged_columns(n, k, rows):
+def test_product_matches_fp32_with_bias_and_ragged_columns(isa, n, k, rows):
     w, b, x = bf16(n, k, seed=n), bf16(n, seed=k), bf16(rows, k, seed=rows)
     with torch.inference_mode():
         got = row_kernels.linear(x, row_kernels.pack(w), n, b.float())
@@ -50,8 +58,7 @@ def test_product_matches_fp32_with_bias_and_ragged_columns(n, k, rows):
     close_to_fp32(plain, x, w, None)
 
 
-@needs_kernel
-def test_each_row_is_bitwise_the_same_whatever_rows_run_with_it():
+def test_each_row_is_bitwise_the_same_whatever_rows_run_with_it(isa):
     """A verify pass of 16 rows and 16 one-row steps compute the same products, bit for bit."""
     w, x = bf16(300, 128, seed=1), bf16(16, 128, seed=2)
     packed = row_kernels.pack(w)
@@ -62,8 +69,7 @@ def test_each_row_is_bitwise_the_same_whatever_rows_run_with_it():
                 assert torch.equal(row_kernels.linear(x[start:start + rows], packed, 300), together[start:start + rows])
 
 
-@needs_kernel
-def test_leading_dims_and_non_contiguous_input():
+def test_leading_dims_and_non_contiguous_input(isa):
     w = bf16(70, 32, seed=3)
     x = bf16(1, 5, 64, seed=4)[..., ::2]  # [1, 5, 32], strided
     with torch.inference_mode():
@@ -72,9 +78,8 @@ def test_leading_dims_and_non_contiguous_input():
     close_to_fp32(got[0], x[0], w, None)
 
 
-@needs_kernel
 @pytest.mark.parametrize("rows", [1, 16, 17, 40])
-def test_matmul_and_packed_linear_use_the_kernel_up_to_max_rows(rows):
+def test_matmul_and_packed_linear_use_the_kernel_up_to_max_rows(isa, rows):
     w, b, x = bf16(96, 64, seed=5), bf16(96, seed=6), bf16(rows, 64, seed=7)
     with torch.inference_mode():
         kernel = row_kernels.linear(x, row_kernels.pack(w), 96, b.float())
@@ -88,8 +93,7 @@ def test_matmul_and_packed_linear_use_the_kernel_up_to_max_rows(rows):
                 assert torch.equal(got, onednn)
 
 
-@needs_kernel
-def test_packed_linear_repacks_after_the_weight_changes():
+def test_packed_linear_repacks_after_the_weight_changes(isa):
     layer = PackedLinear(bf16(32, 16, seed=8))
     x = bf16(2, 16, seed=9)
     with torch.no_grad():
@@ -112,6 +116,25 @@ def test_the_setting_turns_the_kernel_off_and_refuses_unknown_values(monkeypatch
         row_kernels.kernel()
 
 
+@pytest.mark.parametrize("capability,bf16,amx,setting,expected", [
+    ("AVX512", True, False, "auto", "avx512"),  # Zen 4: AVX512-BF16, no AMX
+    ("AVX512", True, True, "auto", None),  # Sapphire Rapids: oneDNN's AMX path
+    ("AVX512", False, False, "auto", None),  # AVX512 without BF16: oneDNN (the AVX2 kernel was not measured there)
+    ("AVX2", False, False, "auto", "avx2"),  # most laptops, the Zen 1 VM
+    ("DEFAULT", False, False, "auto", None),
+    ("AVX512", True, True, "avx512", "avx512"),  # forced
+    ("AVX512", False, False, "avx2", "avx2"),
+    ("AVX2", False, False, "avx512", None),  # forced, but the CPU lacks it
+    ("AVX2", False, False, "onednn", None),
+])
+def test_auto_picks_the_kernel_for_the_cpus_instruction_set(monkeypatch, capability, bf16, amx, setting, expected):
+    monkeypatch.setattr(row_kernels, "_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    picked = row_kernels._pick(setting)
+    assert (picked.name if picked else None) == expected
+
+
 def test_weights_the_kernel_cannot_take_stay_with_onednn():
     assert not row_kernels.usable(bf16(8, 7, seed=0))  # odd inner size
     assert not row_kernels.usable(torch.randn(8, 8))  # fp32
@@ -129,10 +152,9 @@ def chain_hidden(n: int, m: int) -> torch.Tensor:
     return torch.ones(n, m, dtype=torch.bool).triu(m - n + 1)  # row i sees keys 0..m-n+i
 
 
-@needs_kernel
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("mask", ["none", "chain", "tree"])
-def test_attention_matches_fp32_softmax_attention(d, mask):
+def test_attention_matches_fp32_softmax_attention(isa, d, mask):
     heads, group, n, m = 3, 3, 5, 37
     q, keys, values = bf16(heads, group * n, d, seed=d), bf16(heads, m, d, seed=1), bf16(heads, m, d, seed=2)
     hidden = None
@@ -149,8 +171,7 @@ def test_attention_matches_fp32_softmax_attention(d, mask):
     assert ((got.float() - ref).abs() <= ref.abs() * 2**-7 + 2e-3).all()
 
 
-@needs_kernel
-def test_attention_row_of_a_chain_is_bitwise_the_one_row_step():
+def test_attention_row_of_a_chain_is_bitwise_the_one_row_step(isa):
     """Row i of a verify pass over n rows = the one-token step at its position, which sees keys 0..start+i."""
     heads, group, n, start, d = 3, 3, 7, 40, 64
     m = start + n
@@ -165,10 +186,9 @@ def test_attention_row_of_a_chain_is_bitwise_the_one_row_step():
             assert torch.equal(alone, together[:, :, i])
 
 
-@needs_kernel
 @pytest.mark.parametrize("fused", [True, False], ids=["one-call-layers", "python-layers"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fast_target_verify_rows_are_bitwise_one_token_steps(arch, fused):
+def test_fast_target_verify_rows_are_bitwise_one_token_steps(isa, arch, fused):
     """bf16: a 9-row verify pass gives exactly the logits and features of 9 one-token steps, through the one-call
     C++ layers (decoder_layers) or the Python layer loop with the kernels' products and attention."""
     from conftest import VOCAB, tiny_target
@@ -191,9 +211,8 @@ def test_fast_target_verify_rows_are_bitwise_one_token_steps(arch, fused):
     assert torch.equal(caches[0].values[:, :, :20], caches[1].values[:, :, :20])
 
 
-@needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_one_call_layers_compute_what_the_python_layers_compute(arch):
+def test_one_call_layers_compute_what_the_python_layers_compute(isa, arch):
     """The C++ layer loop is the same maths as the Python one (rounded at other points: bf16 tolerance)."""
     from conftest import VOCAB, tiny_target
 
@@ -237,9 +256,8 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_onednn_with_a_warning(monke
         row_kernels._load.cache_clear()
 
 
-@needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tree_rows_are_bitwise_fresh_forwards_of_their_paths(arch):
+def test_tree_rows_are_bitwise_fresh_forwards_of_their_paths(isa, arch):
     """bf16: a node's row of a token-tree pass sees exactly its path's keys in the same order, so it is bitwise the
     last row of a fresh forward of the path."""
     from conftest import tiny_target
@@ -268,9 +286,8 @@ def test_tree_rows_are_bitwise_fresh_forwards_of_their_paths(arch):
         assert torch.equal(logits[row], expected[0]) and torch.equal(features[0, row], expected_features[0, -1])
 
 
-@needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_one_call_drafter_layers_compute_what_the_python_layers_compute(arch):
+def test_one_call_drafter_layers_compute_what_the_python_layers_compute(isa, arch):
     """The drafter's block forward in one C++ call (its keys and values in the context's scratch rows): the same
     maths as its Python layers within bf16 rounding; the verified context rows are left as they were."""
     from conftest import VOCAB, tiny_drafter, tiny_target
@@ -298,8 +315,7 @@ def test_one_call_drafter_layers_compute_what_the_python_layers_compute(arch):
     assert torch.allclose(got, ref, atol=0.03 * ref.abs().max().item())  # measured: 1.0-1.1%
 
 
-@needs_kernel
-def test_the_engine_line_names_the_row_kernels(monkeypatch):
+def test_the_engine_line_names_the_row_kernels(isa, monkeypatch):
     from conftest import tiny_target
 
     from dflashkit.target import TargetAdapter
