@@ -76,6 +76,17 @@ inline float max8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The lane sums of 8 vectors: lane j of the result is the sum of v[j]'s 8 lanes, added in the same pattern for
+// every j ((0+1)+(2+3)) + ((4+5)+(6+7)).
+inline __m256 sum_lanes8(const float (*v)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_load_ps(v[0]), _mm256_load_ps(v[1]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_load_ps(v[2]), _mm256_load_ps(v[3]));
+  const __m256 t2 = _mm256_hadd_ps(_mm256_load_ps(v[4]), _mm256_load_ps(v[5]));
+  const __m256 t3 = _mm256_hadd_ps(_mm256_load_ps(v[6]), _mm256_load_ps(v[7]));
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [v0..v3 | v0..v3], [v4..v7 | v4..v7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 template <int R>
 void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
            int64_t valid, const float* bias) {
@@ -185,57 +196,120 @@ struct Attn {
   float scale;
 };
 
-// One query row r of head h: scores of the visible keys (in key order), softmax (max, then exp and a lane-wise sum
-// in the order of the visible keys, then sum8), out = sum of weight * value in key order, rounded once.
-// Hidden keys are skipped before anything is summed: a row's result is bitwise the one over only the keys it sees.
-template <int CH>
-void attend_row(const Attn& a, int64_t h, int64_t r, float* p, int64_t* idx) {
-  const int64_t m = a.m, d = CH * 8, i = r % a.n;
-  const bool* sees_not = a.hidden ? a.hidden + i * m : nullptr;
-  __m256 qv[CH];
-  _Pragma("GCC unroll 16") for (int c = 0; c < CH; ++c) qv[c] = load_bf16(a.q + (h * a.rows + r) * d + c * 8);
+constexpr int kTile = 4;  // query rows that share each key and value vector loaded
+
+// Rows r0..r0+T-1 of kv head h (all of them share its keys and values), CH = head_dim / 8.
+// A key's score: 8 lanes of an FMA chain over the head dimension, summed by one transposed reduction for 8 keys
+// (the same pattern for each), so it depends only on its query and key; the key is turned into fp32 once per tile.
+// Softmax per row over the keys it sees (max, then exp and a lane-wise sum in the order of those keys, then
+// sum8); out = sum over keys in key order of weight * value, hidden keys weighing +0 (adding +0 changes no
+// sum), rounded once. A row's result is bitwise the one computed over only the keys it sees, whatever rows
+// run beside it.
+template <int T, int CH>
+void attend_tile(const Attn& a, int64_t h, int64_t r0, int64_t m8, float* scores, float* probs, int64_t* seen) {
+  constexpr int64_t d = CH * 8;
+  const int64_t m = a.m;
+  float qf[T][d];
+  const bool* sees_not[T];
+  int64_t limit[T];  // keys past it are hidden from the row
+  int64_t keys_seen = 0;  // keys past it are hidden from every row of the tile
+  for (int t = 0; t < T; ++t) {
+    const int64_t i = (r0 + t) % a.n;
+    const uint16_t* qr = a.q + (h * a.rows + r0 + t) * d;
+    for (int64_t c = 0; c < d; ++c) qf[t][c] = bf16_to_float(qr[c]);
+    sees_not[t] = a.hidden ? a.hidden + i * m : nullptr;
+    int64_t last = m;
+    if (sees_not[t]) while (last > 0 && sees_not[t][last - 1]) --last;
+    limit[t] = last;
+    keys_seen = last > keys_seen ? last : keys_seen;
+  }
+  alignas(32) float part[T][8][8];  // per row, 8 keys' fp32 partial sums (8 lanes each)
   const uint16_t* kh = a.k + h * a.k_head;
-  int64_t count = 0;
-  float best = -INFINITY;
-  for (int64_t j = 0; j < m; ++j) {
-    if (sees_not && sees_not[j]) continue;
-    __m256 acc = _mm256_mul_ps(qv[0], load_bf16(kh + j * d));
-    _Pragma("GCC unroll 16") for (int c = 1; c < CH; ++c) acc = _mm256_fmadd_ps(qv[c], load_bf16(kh + j * d + c * 8), acc);
-    const float s = sum8(acc) * a.scale;
-    p[count] = s;
-    idx[count++] = j;
-    best = s > best ? s : best;
+  for (int64_t j0 = 0; j0 < keys_seen; j0 += 8) {  // scores (hidden keys' are dropped below), 8 keys at a time
+    const int64_t keys = keys_seen - j0 < 8 ? keys_seen - j0 : 8;
+    for (int64_t jj = 0; jj < 8; ++jj) {
+      if (jj >= keys) {  // past the last key: zeros, whose sums are ignored
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) _mm256_store_ps(part[t][jj], _mm256_setzero_ps());
+        continue;
+      }
+      __m256 kv[CH];  // the key in fp32, once for the tile's rows
+      _Pragma("GCC unroll 16") for (int c = 0; c < CH; ++c) kv[c] = load_bf16(kh + (j0 + jj) * d + c * 8);
+      _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) {
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qf[t]), kv[0]);
+        _Pragma("GCC unroll 16") for (int c = 1; c < CH; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf[t] + c * 8), kv[c], acc);
+        _mm256_store_ps(part[t][jj], acc);
+      }
+    }
+    const __m256 scale = _mm256_set1_ps(a.scale);
+    _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t)
+      _mm256_storeu_ps(scores + t * m8 + j0, _mm256_mul_ps(sum_lanes8(part[t]), scale));
   }
-  __m256 total = _mm256_setzero_ps();  // lane l sums entries i = l mod 8, in order
-  const __m256 top = _mm256_set1_ps(best);
-  for (int64_t i0 = 0; i0 < count; i0 += 8) {
-    const int64_t lanes = count - i0 < 8 ? count - i0 : 8;
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(load_f32_n(p + i0, lanes), top));
-    alignas(32) float es[8];
-    _mm256_store_ps(es, e);
-    for (int64_t l = lanes; l < 8; ++l) es[l] = 0.0f;
-    std::memcpy(p + i0, es, lanes * sizeof(float));
-    total = _mm256_add_ps(total, _mm256_load_ps(es));
+  for (int t = 0; t < T; ++t) {  // softmax over the keys the row sees; scores[t] becomes the weights by key (0: hidden)
+    float* w = scores + t * m8;
+    float* p = probs + t * (m + 8);
+    int64_t* idx = seen + t * m;
+    int64_t count = 0;
+    float best = -INFINITY;
+    for (int64_t j = 0; j < limit[t]; ++j) {
+      if (sees_not[t] && sees_not[t][j]) continue;
+      p[count] = w[j];
+      idx[count++] = j;
+      best = w[j] > best ? w[j] : best;
+    }
+    __m256 total = _mm256_setzero_ps();  // lane l sums entries i = l mod 8, in order
+    const __m256 top = _mm256_set1_ps(best);
+    for (int64_t i0 = 0; i0 < count; i0 += 8) {
+      const int64_t lanes = count - i0 < 8 ? count - i0 : 8;
+      alignas(32) float es[8];
+      _mm256_store_ps(es, exp_nonpositive(_mm256_sub_ps(load_f32_n(p + i0, lanes), top)));
+      for (int64_t l = lanes; l < 8; ++l) es[l] = 0.0f;
+      std::memcpy(p + i0, es, lanes * sizeof(float));
+      total = _mm256_add_ps(total, _mm256_load_ps(es));
+    }
+    const float inv = 1.0f / sum8(total);
+    for (int64_t j = 0; j < keys_seen; ++j) w[j] = 0.0f;
+    for (int64_t c = 0; c < count; ++c) w[idx[c]] = p[c] * inv;
   }
-  const float inv = 1.0f / sum8(total);
-  __m256 acc[CH];
-  _Pragma("GCC unroll 16") for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
   const uint16_t* vh = a.v + h * a.v_head;
-  for (int64_t t = 0; t < count; ++t) {
-    const __m256 wj = _mm256_set1_ps(p[t] * inv);
-    const uint16_t* vj = vh + idx[t] * d;
-    _Pragma("GCC unroll 16") for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(wj, load_bf16(vj + c * 8), acc[c]);
+  for (int c0 = 0; c0 < CH; c0 += 2) {  // out, 16 dimensions at a time: a chain over the keys in order
+    __m256 acc[T][2];
+    _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < keys_seen; ++j) {
+      const __m256 v0 = load_bf16(vh + j * d + c0 * 8), v1 = load_bf16(vh + j * d + c0 * 8 + 8);
+      _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) {
+        const __m256 wj = _mm256_broadcast_ss(scores + t * m8 + j);
+        acc[t][0] = _mm256_fmadd_ps(wj, v0, acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(wj, v1, acc[t][1]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) {
+      uint16_t* o = a.out + (h * a.rows + r0 + t) * d + c0 * 8;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), to_bf16(acc[t][0]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8), to_bf16(acc[t][1]));
+    }
   }
-  uint16_t* o = a.out + (h * a.rows + r) * d;
-  _Pragma("GCC unroll 16") for (int c = 0; c < CH; ++c) _mm_storeu_si128(reinterpret_cast<__m128i*>(o + c * 8), to_bf16(acc[c]));
+}
+
+template <int CH, int T>
+void attend_rows(const Attn& a, int64_t h, int64_t r0, int64_t left, int64_t m8, float* scores, float* probs,
+                 int64_t* seen) {
+  if constexpr (T > 1) {
+    if (left < T) return attend_rows<CH, T - 1>(a, h, r0, left, m8, scores, probs, seen);
+  }
+  attend_tile<T, CH>(a, h, r0, m8, scores, probs, seen);
 }
 
 template <int CH>
 void attend_all(const Attn& a, int64_t heads) {
-  at::parallel_for(0, heads * a.rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(a.m + 8);
-    std::vector<int64_t> idx(a.m + 8);
-    for (int64_t task = begin; task < end; ++task) attend_row<CH>(a, task / a.rows, task % a.rows, p.data(), idx.data());
+  const int64_t m8 = (a.m + 7) / 8 * 8;
+  const int64_t tiles = (a.rows + kTile - 1) / kTile;
+  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kTile * m8), probs(kTile * (a.m + 8));
+    std::vector<int64_t> seen(kTile * a.m + 1);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / tiles, r0 = (task % tiles) * kTile;
+      attend_rows<CH, kTile>(a, h, r0, a.rows - r0, m8, scores.data(), probs.data(), seen.data());
+    }
   });
 }
 
