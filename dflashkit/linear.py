@@ -17,10 +17,11 @@ In bf16 the packed product is bitwise equal to the eager one (both are oneDNN wi
 each output row depends on its own input row only, so a verify pass and a one-token step compute the same
 linear layers. In fp32 the two differ by float rounding (eager fp32 is MKL's sgemm).
 
-Where :mod:`dflashkit.row_kernels`'s AVX512-BF16 kernel runs (CPUs with AVX512-BF16 and no AMX, such as the
-Zen 4 VM of the later measurements, where the table above reads 22-27 ms), bf16 products of up to 16 rows use
-it instead: 2x faster for 1-6 rows there, rows still independent of each other, but not bitwise equal to
-oneDNN's (another summation order).
+Where one of :mod:`dflashkit.row_kernels`'s kernels runs, bf16 products of up to
+:func:`~dflashkit.row_kernels.max_rows` rows use it instead. AVX512-BF16 (CPUs with it and no AMX, such as the Zen
+4 VM of the later measurements, where the table above reads 22-27 ms): up to 16 rows, 2x faster for 1-6 rows
+there. AVX2 (CPUs without AVX512, where oneDNN has no bf16 path and this class's packed product never runs): every
+row count. Rows stay independent of each other, but not bitwise equal to oneDNN's (another summation order).
 
 The layer keeps the original ``weight`` (and ``bias``) parameters, so state dicts, tied embeddings and code
 that reads ``.weight`` are unchanged; the packed copy is an extra, non-persistent tensor (the weights'

@@ -21,7 +21,8 @@ kernels in each:
 Each computes a row the same way, in the same order, whatever rows run beside it, so a verify pass and a
 one-token step give bitwise the same results: bf16 speculative greedy output is then plain greedy output, with
 no numerical ties. (The two instruction sets round differently from each other: a machine agrees with itself.)
-Larger steps (prefill beyond 16 rows, batched generation) stay with oneDNN and SDPA.
+With the AVX512-BF16 kernels, larger steps (prefill beyond 16 rows, batched generation) stay with oneDNN and
+SDPA; with the AVX2 kernels every step runs on them (:func:`max_rows`), torch having no fast bf16 path there.
 
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja; about 30
 s, once per machine, cached under ``~/.cache/dflashkit/kernels``), with ``-fopenmp``: ``at::parallel_for`` is a
@@ -124,7 +125,7 @@ def _load(setting: str) -> ModuleType | None:
     try:
         build.mkdir(parents=True, exist_ok=True)
         if not (build / f"{name}.so").exists():
-            print(f"dflashkit: compiling its {isa.name.upper()} CPU kernels (once per machine, ~30 s)...",
+            print(f"dflashkit: compiling its {isa.name.upper()} CPU kernels (once per machine, 30-60 s)...",
                   file=sys.stderr)
         from torch.utils.cpp_extension import load
 
