@@ -26,6 +26,7 @@ constexpr int kBlocks = 1;    // 16-column blocks per group
 constexpr int kGroup = 16;    // output columns per group
 constexpr int kMaxRows = 4;   // rows per micro-kernel call: 8 accumulators, 4 weight vectors, 2 broadcasts
 constexpr int64_t kRowBlock = 64;  // rows per pass over the weights (more rows: another pass)
+constexpr int kPrefetch = 1024;  // bytes ahead in the weight stream (Zen 1, 1 row: 16.4-17.6 -> 13.0-13.4 ms per 269 MB)
 
 inline float bf16_to_float(uint16_t v) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
@@ -95,6 +96,7 @@ void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uin
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k2 = 0; k2 < k2_count; ++k2) {
     const __m256i* wk = reinterpret_cast<const __m256i*>(w + k2 * 32);
+    _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);  // (past a panel: the next one's)
     const __m256i p0 = _mm256_loadu_si256(wk), p1 = _mm256_loadu_si256(wk + 1);  // columns 0-7, 8-15
     const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16)), odd0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));
     const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16)), odd1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));
