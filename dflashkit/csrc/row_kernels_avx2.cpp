@@ -70,12 +70,6 @@ inline float sum8(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-inline float max8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // The lane sums of 8 vectors: lane j of the result is the sum of v[j]'s 8 lanes, added in the same pattern for
 // every j ((0+1)+(2+3)) + ((4+5)+(6+7)).
