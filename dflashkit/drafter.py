@@ -262,7 +262,7 @@ class DFlashDrafter(nn.Module):
             run = fast if fast is not None else self
             positions = torch.arange(pos, pos + k + 1, device=device)
             embeddings = self.embed(block_ids, embed_tokens)
-            if fast is not None and fast.fused_weights is not None and k + 1 <= row_kernels.max_rows() \
+            if fast is not None and fast.fused_weights is not None and k + 1 <= fast.row_limit \
                     and context.keys is not None:  # a GraphContext keeps its own per-layer buffers
                 return head(fast.run_fused(embeddings, positions, context)[0, 1:])
             return head(run(embeddings, positions, context.layers())[0, 1:])
@@ -357,6 +357,7 @@ class FastDrafterForward:
         # every layer's k_norm in one call: its weight per (layer, kv head) row of the context's keys
         self.context_k_norm = _per_head_norm([(a.k_norm, self.kv_heads) for a in attns])
         self.fused_weights = self._fused_weights(drafter)
+        self.row_limit = row_kernels.max_rows()  # blocks of more rows: the Python layers
 
     def _fused_weights(self, drafter: DFlashDrafter) -> list[Tensor] | None:
         """The tensors of ``row_kernels.decoder_layers`` (8 per layer) where its kernels run, else None."""

@@ -200,6 +200,7 @@ class FastTargetForward:
         # products (kernels.Matmul), a verify pass's row i is then bitwise the one-token step at that position
         self.row_exact = row_kernels.attention_usable(self.dtype, self.device, self.head_dim) and all(
             getattr(layer.qkv, "small", None) is not None for layer in self.layers)
+        self.row_limit = row_kernels.max_rows()  # steps of more rows: oneDNN / SDPA
         self.fused_weights = self._fused_weights() if self.row_exact else None
 
     def _fused_weights(self) -> list[Tensor] | None:
@@ -257,13 +258,13 @@ class FastTargetForward:
             else:  # the cache, then the tree's own visibility
                 hidden = torch.zeros(n, end, dtype=torch.bool, device=x.device)
                 hidden[:, start:] = ~visible.to(x.device)
-        if self.fused_weights is not None and n <= row_kernels.max_rows():  # every layer in one C++ call
+        if self.fused_weights is not None and n <= self.row_limit:  # every layer in one C++ call
             x, features = row_kernels.decoder_layers(
                 x[0], self.fused_weights, cos[0, 0], sin[0, 0], cache.keys, cache.values, start, hidden, self.heads,
                 self.kv_heads, self.layers[0].intermediate, self.eps, self.layers[0].scaling, feature_layers)
             cache.length = end
             return self.head(self.final_norm(x[n - logits_rows :])), features
-        if self.row_exact and n <= row_kernels.max_rows():
+        if self.row_exact and n <= self.row_limit:
             def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
                 return row_kernels.attention(q[0], keys[0], values[0], hidden, scale)[None]
         else:

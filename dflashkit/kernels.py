@@ -23,14 +23,16 @@ class Matmul:
     it runs (more rows through ``F.linear``); elsewhere with the weight prepacked for oneDNN where that runs
     (else ``F.linear``)."""
 
-    __slots__ = ("bias", "bias32", "packed", "small", "weight")
+    __slots__ = ("bias", "bias32", "packed", "small", "small_rows", "weight")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         self.weight = weight.detach()  # [out, in]
         self.bias = bias.detach() if bias is not None else None
         self.packed = self.small = self.bias32 = None
+        self.small_rows = 0  # the most rows the kernel that packed `small` takes
         if row_kernels.usable(self.weight):
             self.small = row_kernels.pack(self.weight)  # no oneDNN copy besides: prefills reorder per call
+            self.small_rows = row_kernels.max_rows()
             self.bias32 = self.bias.float().contiguous() if self.bias is not None else None
         elif packing_supported(self.weight.device, self.weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
@@ -58,7 +60,7 @@ class Matmul:
         return cls(torch.cat([m.weight.detach() for m in linears]), bias)
 
     def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if self.small is not None and x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= row_kernels.max_rows():
+        if self.small is not None and x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= self.small_rows:
             return row_kernels.linear(x, self.small, self.weight.shape[0], self.bias32)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -72,7 +72,7 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self._packed: Tensor | None = None
         self._packed_key: tuple | None = None
-        self._small: tuple | None = None  # (key, (packed weight, fp32 bias) or None): dflashkit.row_kernels's
+        self._small: tuple | None = None  # (key, (packed weight, fp32 bias, row limit) or None): dflashkit.row_kernels's
         self.original: nn.Module | None = None  # the nn.Linear this replaced (see unpack_linears)
 
     @classmethod
@@ -94,14 +94,14 @@ class PackedLinear(nn.Module):
             self._packed_key = key
         return self._packed
 
-    def small_rows_weight(self) -> tuple[Tensor, Tensor | None] | None:
-        """The weight packed for :mod:`dflashkit.row_kernels`'s kernel (and the bias in fp32), or None where that
-        kernel does not run; packed on first use and again whenever the weight changes."""
+    def small_rows_weight(self) -> tuple[Tensor, Tensor | None, int] | None:
+        """The weight packed for :mod:`dflashkit.row_kernels`'s kernel, the bias in fp32 and the most rows that
+        kernel takes, or None where it does not run; packed on first use and again whenever the weight changes."""
         key = self._key()
         if self._small is None or self._small[0] != key:
             if row_kernels.usable(self.weight):
                 bias = self.bias.detach().float().contiguous() if self.bias is not None else None
-                self._small = (key, (row_kernels.pack(self.weight), bias))
+                self._small = (key, (row_kernels.pack(self.weight), bias, row_kernels.max_rows()))
             else:
                 self._small = (key, None)
         return self._small[1]
@@ -117,9 +117,9 @@ class PackedLinear(nn.Module):
         w = self.weight
         if x.dtype != w.dtype or x.device.type != "cpu" or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return F.linear(x, w, self.bias)
-        if x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= row_kernels.max_rows():
+        if x.dtype == torch.bfloat16:
             small = self.small_rows_weight()
-            if small is not None:
+            if small is not None and row_kernels.rows_of(x) <= small[2]:
                 return row_kernels.linear(x, small[0], self.out_features, small[1])
         if not _cpu_supports(x.dtype):  # bf16 without oneDNN's bf16 (an AVX2 CPU) and no row kernel
             return F.linear(x, w, self.bias)
