@@ -14,9 +14,10 @@ kernels in each:
 * :func:`attention`: grouped-query attention one query row at a time, fp32 inside (Zen 4, 30 layers at 400
   positions: 1 row 1.63 ms with SDPA, 0.48 ms here; 16 rows 8.11 / 4.69).
 * :func:`decoder_layers`: every decoder layer of a Llama / Qwen2 / Qwen3 target in one call (norms, products,
-  rotary, cache write, attention, SiLU, residuals; ``csrc/row_layers.h``, shared by both): no Python or
-  dispatcher time per op (Zen 4: a SmolLM2 one-token step 15.0 -> 11.4 ms, an 8-row step 22.5 -> 18.0 ms). The
-  drafter's block forward uses it too (a block-8 draft step 2.4 -> 1.9 ms).
+  rotary, cache write, attention, SiLU, residuals; ``csrc/row_layers.h``, shared by both, as are the argument
+  checks in ``csrc/row_common.h``): no Python or dispatcher time per op (Zen 4: a SmolLM2 one-token step 15.0 ->
+  11.4 ms, an 8-row step 22.5 -> 18.0 ms). The drafter's block forward uses it too (a block-8 draft step 2.4 ->
+  1.9 ms).
 
 Each computes a row the same way, in the same order, whatever rows run beside it, so a verify pass and a
 one-token step give bitwise the same results: bf16 speculative greedy output is then plain greedy output, with
@@ -50,7 +51,7 @@ from torch import Tensor
 
 MAX_ROWS = 16  # AVX512-BF16: products of more rows go to oneDNN (measured on Zen 4: the kernel's lead shrinks to ~1.1x at 16 rows)
 CSRC = Path(__file__).with_name("csrc")
-SHARED = CSRC / "row_layers.h"
+HEADERS = (CSRC / "row_common.h", CSRC / "row_layers.h")  # included by both sources
 CHOICES = ("auto", "avx512", "avx2", "onednn")
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the kernel itself; without
 # the flag it runs on one thread. No -lgomp: the calls bind to the libgomp torch itself loads.
@@ -119,7 +120,7 @@ def _load(setting: str) -> ModuleType | None:
     isa = _pick(setting)
     if isa is None:
         return None
-    digest = hashlib.sha256(isa.source.read_bytes() + SHARED.read_bytes() + " ".join(isa.cflags).encode())
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (isa.source, *HEADERS)) + " ".join(isa.cflags).encode())
     name = f"dflashkit_rows_{isa.name}_{digest.hexdigest()[:12]}"
     build = Path(os.environ.get("DFLASHKIT_KERNEL_DIR", Path.home() / ".cache" / "dflashkit" / "kernels")) / name
     try:

@@ -10,14 +10,7 @@
 // sequential stream. A 32-bit lane holds a pair: its high half is already the fp32 pattern of the odd weight,
 // the low half shifted up is the even one, so unpacking costs one AND and one shift. x is turned into fp32 once;
 // each output element is one fp32 FMA chain over k in order (2 k2, then 2 k2 + 1), whatever the number of rows.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
-#include <cmath>
-#include <cstring>
-#include <cstdint>
-#include <vector>
+#include "row_common.h"
 
 namespace {
 
@@ -28,7 +21,6 @@ constexpr int kMaxRows = 4;   // rows per micro-kernel call: 8 accumulators, 4 w
 constexpr int64_t kRowBlock = 64;  // rows per pass over the weights (more rows: another pass)
 constexpr int kPrefetch = 1024;  // bytes ahead in the weight stream (Zen 1, 1 row: 16.4-17.6 -> 13.0-13.4 ms per 269 MB)
 
-inline float bf16_to_float(uint16_t v) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
 // 8 fp32 -> 8 bf16, round to nearest even (NaN -> 0x7FC0): torch's rounding of float to bfloat16
 inline __m128i to_bf16(__m256 v) {
@@ -124,17 +116,9 @@ void rows(int64_t r, const float* x, int64_t ldx, const uint16_t* w, int64_t k2_
 // x [M, K] bf16 contiguous; packed [G, K/2, 1, 16, 2] bf16; bias [N] fp32 or None. Returns y [M, N] bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                      const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
-              packed.size(2) == kBlocks && packed.size(3) == 16 && packed.size(4) == 2, "packed: [G, K/2, 1, 16, 2] bf16");
-  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0), k2_count = packed.size(1);
-  TORCH_CHECK(k == 2 * k2_count, "x has ", k, " columns, the packed weight ", 2 * k2_count);
-  TORCH_CHECK(n_out > (groups - 1) * kGroup && n_out <= groups * kGroup, "n_out does not match the packed weight");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, "bias: [N] fp32");
-    b = bias->data_ptr<float>();
-  }
+  const LinearShape shape = check_linear(x, packed, n_out, bias, kBlocks);
+  const int64_t m = shape.m, k = shape.k, groups = shape.groups, k2_count = shape.k2_count;
+  const float* b = shape.bias;
   auto y = torch::empty({m, n_out}, x.options());
   std::vector<float> xf(m * k);  // x in fp32, once
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -317,20 +301,9 @@ void attend_all(const Attn& a, int64_t heads) {
 // or None (every row sees every key). d: 16, 32, 64 or 128. Returns [kv_heads, R, d] bf16.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                         const c10::optional<torch::Tensor>& hidden, int64_t n, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16, "q: contiguous [kv_heads, R, d] bf16");
-  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.sizes() == values.sizes() &&
-              keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16, "keys, values: [kv_heads, m, d] bf16");
-  const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), m = keys.size(1);
-  TORCH_CHECK(keys.size(0) == heads && keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128), "head size: 16, 32, 64 or 128");
-  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == d && values.stride(2) == 1 && values.stride(1) == d,
-              "keys and values need contiguous rows");
-  TORCH_CHECK(n >= 1 && rows % n == 0, "R must be a multiple of n");
-  const bool* hid = nullptr;
-  if (hidden.has_value()) {
-    TORCH_CHECK(hidden->scalar_type() == at::kBool && hidden->is_contiguous() && hidden->dim() == 2 &&
-                hidden->size(0) == n && hidden->size(1) == m, "hidden: contiguous bool [n, m]");
-    hid = hidden->data_ptr<bool>();
-  }
+  const AttentionShape shape = check_attention(q, keys, values, hidden, n);
+  const int64_t heads = shape.heads, rows = shape.rows, d = shape.d, m = shape.m;
+  const bool* hid = shape.hidden;
   auto out = torch::empty_like(q);
   const Attn a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
@@ -405,8 +378,6 @@ void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t count, uint16_t*
   }
 }
 
-const uint16_t* u16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-uint16_t* u16w(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 }  // namespace
 

@@ -10,14 +10,7 @@
 // time and accumulated in fp32 into 4 registers (64 columns) per row, up to 6 rows at a time (24
 // accumulators); more rows reuse the group's panel from cache. Every output element is the same fp32 sum in
 // the same order whatever the number of rows, so a row's result does not depend on the rows beside it.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
-#include <cmath>
-#include <cstring>
-#include <cstdint>
-#include <vector>
+#include "row_common.h"
 
 namespace {
 
@@ -73,17 +66,9 @@ void rows(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 // x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16; bias [N] fp32 or None. Returns y [M, N] bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                      const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
-              packed.size(2) == kBlocks && packed.size(3) == 16 && packed.size(4) == 2, "packed: [G, K/2, 4, 16, 2] bf16");
-  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0), k2_count = packed.size(1);
-  TORCH_CHECK(k == 2 * k2_count, "x has ", k, " columns, the packed weight ", 2 * k2_count);
-  TORCH_CHECK(n_out > (groups - 1) * kGroup && n_out <= groups * kGroup, "n_out does not match the packed weight");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, "bias: [N] fp32");
-    b = bias->data_ptr<float>();
-  }
+  const LinearShape shape = check_linear(x, packed, n_out, bias, kBlocks);
+  const int64_t m = shape.m, k = shape.k, groups = shape.groups, k2_count = shape.k2_count;
+  const float* b = shape.bias;
   auto y = torch::empty({m, n_out}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -304,20 +289,9 @@ void attend_all(Attn a, int64_t heads) {
 // row's result is bitwise the one computed over only the keys it sees (a chain's row i = a one-token step).
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                         const c10::optional<torch::Tensor>& hidden, int64_t n, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16, "q: contiguous [kv_heads, R, d] bf16");
-  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.sizes() == values.sizes() &&
-              keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16, "keys, values: [kv_heads, m, d] bf16");
-  const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), m = keys.size(1);
-  TORCH_CHECK(keys.size(0) == heads && keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128), "head size: 16, 32, 64 or 128");
-  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == d && values.stride(2) == 1 && values.stride(1) == d,
-              "keys and values need contiguous rows");
-  TORCH_CHECK(n >= 1 && rows % n == 0, "R must be a multiple of n");
-  const bool* hid = nullptr;
-  if (hidden.has_value()) {
-    TORCH_CHECK(hidden->scalar_type() == at::kBool && hidden->is_contiguous() && hidden->dim() == 2 &&
-                hidden->size(0) == n && hidden->size(1) == m, "hidden: contiguous bool [n, m]");
-    hid = hidden->data_ptr<bool>();
-  }
+  const AttentionShape shape = check_attention(q, keys, values, hidden, n);
+  const int64_t heads = shape.heads, rows = shape.rows, d = shape.d, m = shape.m;
+  const bool* hid = shape.hidden;
   auto out = torch::empty_like(q);
   const Attn a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
@@ -335,7 +309,6 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
 
 namespace {
 
-inline float bf16_to_float(uint16_t v) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 inline __m512 load_bf16_masked(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
@@ -402,8 +375,6 @@ void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t count, uint16_t*
   }
 }
 
-const uint16_t* u16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-uint16_t* u16w(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 }  // namespace
 

@@ -1,7 +1,8 @@
 // The ISA-independent part of dflashkit's row kernels: every decoder layer in one call, the thread probe and the
 // Python module. Included at the end of row_kernels_avx512.cpp and row_kernels_avx2.cpp, each of which defines
 // before it, for its instruction set: linear, attention (torch-level), and the row helpers rms_norm, rotate_into,
-// add_into, silu_mul, u16, u16w, plus kBlocks (16-column blocks per packed group) and kIsa (its name).
+// add_into, silu_mul, plus kBlocks (16-column blocks per packed group) and kIsa (its name); u16, u16w come from
+// row_common.h.
 #pragma once
 
 // Every decoder layer of a Llama / Qwen2 / Qwen3 target for n <= 16 rows, in one call: RMS norms, the fused q/k/v

@@ -1,0 +1,71 @@
+// What both row-kernel sources (row_kernels_avx512.cpp, row_kernels_avx2.cpp) need before their own code: the
+// includes, raw bf16 access, and the argument checks of their two torch-level entry points (linear, attention),
+// so that both refuse the same bad input with the same message.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t v) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+const uint16_t* u16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* u16w(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+struct LinearShape {
+  int64_t m, k, groups, k2_count;
+  const float* bias;  // null without
+};
+
+// x [M, K] bf16 contiguous; packed [G, K/2, blocks, 16, 2] bf16 (groups of 16 * blocks output columns); bias [N]
+// fp32 or None.
+inline LinearShape check_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
+                                const c10::optional<torch::Tensor>& bias, int64_t blocks) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+              packed.size(2) == blocks && packed.size(3) == 16 && packed.size(4) == 2,
+              "packed: [G, K/2, ", blocks, ", 16, 2] bf16");
+  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0), k2_count = packed.size(1), group = 16 * blocks;
+  TORCH_CHECK(k == 2 * k2_count, "x has ", k, " columns, the packed weight ", 2 * k2_count);
+  TORCH_CHECK(n_out > (groups - 1) * group && n_out <= groups * group, "n_out does not match the packed weight");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, "bias: [N] fp32");
+    b = bias->data_ptr<float>();
+  }
+  return {m, k, groups, k2_count, b};
+}
+
+struct AttentionShape {
+  int64_t heads, rows, d, m;
+  const bool* hidden;  // [n, m] or null
+};
+
+// q [kv_heads, R, d] bf16 contiguous; keys, values [kv_heads, m, d] bf16 with contiguous rows, d 16, 32, 64 or 128;
+// hidden [n, m] bool contiguous or None; R a multiple of n.
+inline AttentionShape check_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                                      const c10::optional<torch::Tensor>& hidden, int64_t n) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16, "q: contiguous [kv_heads, R, d] bf16");
+  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.sizes() == values.sizes() &&
+              keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16, "keys, values: [kv_heads, m, d] bf16");
+  const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), m = keys.size(1);
+  TORCH_CHECK(keys.size(0) == heads && keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128), "head size: 16, 32, 64 or 128");
+  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == d && values.stride(2) == 1 && values.stride(1) == d,
+              "keys and values need contiguous rows");
+  TORCH_CHECK(n >= 1 && rows % n == 0, "R must be a multiple of n");
+  const bool* hid = nullptr;
+  if (hidden.has_value()) {
+    TORCH_CHECK(hidden->scalar_type() == at::kBool && hidden->is_contiguous() && hidden->dim() == 2 &&
+                hidden->size(0) == n && hidden->size(1) == m, "hidden: contiguous bool [n, m]");
+    hid = hidden->data_ptr<bool>();
+  }
+  return {heads, rows, d, m, hid};
+}
+
+}  // namespace
