@@ -16,6 +16,14 @@ timed, since a new shape pays one-time costs (oneDNN creates its kernels for it:
 moment gets another chance and deep positions keep being observed; (3) a position rarely reached borrows its prior from the position before it (acceptance falls
 with depth), instead of a flat 1/2 that makes long blocks look better than they are.
 
+Exploration is priced: sizes are tried in increasing order until two of at least 2 tokens are timed; a larger
+size is then tried only when it would win with an optimistic time, the straight line through the two largest timed sizes below it (>= 2, so
+that the drafter's fixed cost is not read as a per-row cost). A verify's cost grows at least linearly with its
+rows on a CPU (compute-bound: 1 / 2 / 4 / 8 / 16 rows 16.7 / 18.5 / 24.9 / 45.3 / 85.8 ms on a 2-core Zen 1),
+so the line underestimates, and a size it rules out would have lost; on a GPU the line is flat and every size
+gets tried. Without this a one-shot generation on a slow CPU spent a quarter of its steps timing blocks 8 and 16
+(each as long as 3-5 plain steps) that it then never chose.
+
 Any block size is exact: this only changes speed, never the output.
 """
 
@@ -75,14 +83,27 @@ class AdaptiveBlockSize:
             total += survive
         return total
 
+    def estimated_seconds(self, block: int) -> float | None:
+        """A step's time at ``block``: measured, or else the line through the two largest timed sizes >= 2 below
+        it, continued (an optimistic guess where costs grow at least linearly); None when it cannot be guessed."""
+        if block in self.step_seconds:
+            return self.step_seconds[block]
+        below = sorted(b for b in self.step_seconds if 2 <= b < block)[-2:]
+        if len(below) < 2:
+            return None
+        (b0, t0), (b1, t1) = ((b, self.step_seconds[b]) for b in below)
+        return t1 + max(0.0, (t1 - t0) / (b1 - b0)) * (block - b1)
+
     def choose(self) -> int:
-        untimed = [c for c in self.candidates if c not in self.step_seconds]
-        if untimed:
-            return untimed[0]
+        estimates = {c: self.estimated_seconds(c) for c in self.candidates}
+        unknown = [c for c, t in estimates.items() if t is None]
+        if unknown:  # the small sizes: time them first
+            return unknown[0]
+        timed = [c for c in self.candidates if c in self.step_seconds]
         if self.explore_every and self.steps % self.explore_every == self.explore_every - 1:
-            stalest = min(self.candidates, key=lambda c: (self.timed_at[c], -c))
-            return stalest
-        return max(self.candidates, key=lambda c: self.expected_tokens(c) / self.step_seconds[c])
+            return min(timed, key=lambda c: (self.timed_at[c], -c))  # the stalest timing, measured again
+        # an untimed size wins only if its optimistic time makes it the best: then it is tried (and timed)
+        return max(self.candidates, key=lambda c: self.expected_tokens(c) / estimates[c])
 
     def observe(self, block: int, drafted: int, accepted: int, seconds: float) -> None:
         """Record a step: its block size, drafts proposed and accepted, and its wall time (draft + verify + rest)."""
@@ -107,6 +128,8 @@ class AdaptiveBlockSize:
         return {
             "candidates": self.candidates,
             "step_ms": {b: round(t * 1e3, 3) for b, t in sorted(self.step_seconds.items())},
+            "step_ms_guessed": {b: round(t * 1e3, 3) for b in self.candidates
+                                if b not in self.step_seconds and (t := self.estimated_seconds(b)) is not None},
             "acceptance": [round(self.acceptance(i), 3) for i in range(1, self.max_block)],
             "expected_tokens": {b: round(self.expected_tokens(b), 3) for b in self.candidates},
             **({"copies": self.copies.summary()} if self.copies is not None else {}),
