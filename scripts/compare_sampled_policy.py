@@ -4,6 +4,8 @@ sampled requests (blocks <= 16), copies always as long as the largest block (no 
 
     .venv/bin/python scripts/compare_sampled_policy.py [--limit 8] [--temperature 1.0] [--threads 2]
     .venv/bin/python scripts/compare_sampled_policy.py --temperature 0     # greedy requests
+    .venv/bin/python scripts/compare_sampled_policy.py --temperature 0 --fresh --baseline-ref 4d5fe1b~1
+        # one-shot runs (a fresh policy per prompt, as `dflashkit generate` has), against the policy of a git revision
 
 Prints, per evaluation set, the median tokens/s and mean τ of each variant and the median per-prompt speedup
 over plain sampling (prompt lookup on in every speculative variant, as `dflashkit generate` does by default).
@@ -12,13 +14,26 @@ over plain sampling (prompt lookup on in every speculative variant, as `dflashki
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
+from pathlib import Path
 
 import torch
 
 from dflashkit import SpeculativeGenerator
 from dflashkit.adaptive import BlockPolicies
 from dflashkit.evalsets import load_set
+
+
+def policies_at(ref: str) -> type[BlockPolicies]:
+    """BlockPolicies as dflashkit/adaptive.py defined it at git revision ``ref`` (to measure a change against)."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.check_output(["git", "show", f"{ref}:dflashkit/adaptive.py"], cwd=root, text=True)
+    spec = importlib.util.spec_from_loader(f"adaptive_at_{ref}", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    exec(compile(source, f"adaptive.py@{ref}", "exec"), module.__dict__)
+    return module.BlockPolicies
 
 
 def main() -> None:
@@ -28,24 +43,37 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--fresh", action="store_true",
+                    help="a fresh policy for every prompt (a one-shot CLI run), instead of one carried across prompts")
+    ap.add_argument("--baseline-ref", default=None,
+                    help="also run the default policy as defined at this git revision (variant 'at-REF')")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load()
     gen.warmup()
     block = gen.drafter.block_size
-    longest_copies = BlockPolicies(block)
-    for greedy in (True, False):
-        longest_copies.get(greedy).copies = None
-    policies = {"default": BlockPolicies(block), "longest-copies": longest_copies}
+
+    def longest_copies() -> BlockPolicies:
+        policies = BlockPolicies(block)
+        for greedy in (True, False):
+            policies.get(greedy).copies = None
+        return policies
+
+    factories = {"default": lambda: BlockPolicies(block), "longest-copies": longest_copies}
     if args.temperature > 0:
-        policies["greedy-sizes"] = BlockPolicies(block, sampled_max_block=block)
+        factories["greedy-sizes"] = lambda: BlockPolicies(block, sampled_max_block=block)
+    if args.baseline_ref:
+        factories[f"at-{args.baseline_ref}"] = lambda cls=policies_at(args.baseline_ref): cls(block)
+    policies = {name: make() for name, make in factories.items()}
     variants = (*policies, "block-4", "plain")
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for name in args.sets.split(","):
         for i, prompt in enumerate(load_set(name, limit=args.limit)):
             for v in variants[i % len(variants):] + variants[: i % len(variants)]:  # rotate the order per prompt
                 if v in policies:
+                    if args.fresh:
+                        policies[v] = factories[v]()
                     gen.block_policies = policies[v]  # each variant's estimates carry over between its prompts
                 kw = {"use_drafter": False} if v == "plain" else {"lookup": True, "block_size": 4 if v == "block-4" else "auto"}
                 stats = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
