@@ -15,7 +15,7 @@ from dflashkit.sampling import SamplingParams
 from dflashkit.stats import DecodeStats
 from dflashkit.target import TargetAdapter
 
-N_PROMPTS = 50
+N_PROMPTS = 20
 MAX_NEW = 24
 
 

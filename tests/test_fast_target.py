@@ -105,8 +105,8 @@ def test_fast_packed_and_eager_paths_decode_the_same_tokens_in_fp32(any_arch):
         for name, (target, drafter) in paths.items():
             assert run(target, None, prompt) == plain, name
             assert run(target, drafter, prompt) == plain, name
-            sampled = [run(t, d, prompt, sampling=sampling, seed=7) for t, d in paths.values()]
-            assert sampled[0] == sampled[1] == sampled[2]
+        sampled = [run(t, d, prompt, sampling=sampling, seed=7) for t, d in paths.values()]
+        assert sampled[0] == sampled[1] == sampled[2]
 
 
 def test_paths_agree_when_the_block_size_changes_mid_generation():
