@@ -68,15 +68,23 @@ class Matmul:
 
 
 class Int8Matmul:
-    """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it."""
+    """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it: on the AVX2 row
+    kernel where it runs (its int8 product), else with ``aten._weight_int8pack_mm``."""
 
-    __slots__ = ("bias", "qweight", "scale")
+    __slots__ = ("bias", "bias32", "qweight", "scale", "small", "small_rows")
 
     def __init__(self, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
         self.qweight, self.scale = qweight.contiguous(), scale.contiguous()  # [out, in] int8, [out]
         self.bias = bias.detach() if bias is not None else None
+        self.small, self.small_rows, self.bias32 = None, 0, None
+        if row_kernels.int8_usable(self.qweight):
+            self.small = row_kernels.pack_int8(self.qweight, self.scale)
+            self.small_rows = row_kernels.max_rows()
+            self.bias32 = self.bias.float().contiguous() if self.bias is not None else None
 
     def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        if self.small is not None and x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= self.small_rows:
+            return row_kernels.linear(x, self.small, self.qweight.shape[0], self.bias32)
         shape = x.shape
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scale)
         if self.bias is not None:

@@ -40,6 +40,18 @@ int8 ~4.5 ms. Multi-token passes pay: a 16-token verify's GEMMs cost more than i
 prefill of a long prompt (time to first token). The LM head is worth quantizing (2 ms of a ~25 ms step).
 With fp32 activations the kernel is exact but unvectorised here (gate at M = 1: 666 µs, ~25x its bf16
 time): use bf16.
+
+On AVX2-only CPUs (most laptops; the 2-core Zen 1 VM of sessions 13-14) ``aten._weight_int8pack_mm`` has no fast
+path: the int8 target decoded at 18.7 tok/s plain, 19.5 speculative, against ~48 / ~63 in bf16 on the AVX2 row
+kernels, and its verify rows were not bitwise its one-token steps (a tie divergence on the README prompt). There
+:class:`Int8Linear` and the fast forward's int8 products run on :mod:`dflashkit.row_kernels`'s AVX2 int8 product
+instead (``pack_int8``: int8 panels + fp32 scales; each row on its own, so speculative greedy output of the int8
+target is bitwise its plain output). Interleaved in one process, the README prompt + 2 prompts per set, 128
+tokens (``python scripts/compare_int8.py --threads 2``): int8 plain 49.3 tok/s, bf16 47.5;
+speculative int8 46.1, bf16 62.9 (medians; a second run with ``--limit 1``: plain 42.9 / 49.2, speculative 47.0 /
+61.5). So on Zen 1 int8 pays no speed: unpacking 16 int8 weights to fp32 costs
+more than streaming 16 more bytes (1 row: the LM head 2.95 ms int8 vs 2.81 bf16; 4 rows: 4.7 vs 4.3), it only
+halves the weights' memory. AVX512-BF16 CPUs keep torch's int8 kernel (measured above).
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import row_kernels
 from .errors import InvalidInputError
 
 METHODS = ("int8",)
@@ -108,11 +121,28 @@ class Int8Linear(nn.Module):
         return Int8Linear(self.qweight[ids].contiguous(), self.scale[ids].contiguous(), bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        rows = self._row_weight() if x.dtype == torch.bfloat16 else None
+        if rows is not None and row_kernels.rows_of(x) <= rows[2]:
+            return row_kernels.linear(x, rows[1], self.out_features, rows[3])
         shape = x.shape
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scale)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _row_weight(self) -> tuple | None:
+        """(key, weight packed for the AVX2 row kernel, its row limit, fp32 bias) where that kernel runs, else
+        None; packed on first use and again only when the weights or the kernel change."""
+        kernel = row_kernels.kernel()
+        if kernel is None or not getattr(kernel, "int8", False) or self.qweight.device.type != "cpu":
+            return None
+        key = (id(kernel), *((t.data_ptr(), -1 if t.is_inference() else t._version) for t in (self.qweight, self.scale)))
+        cached = self.__dict__.get("_rows")
+        if cached is None or cached[0] != key:
+            bias32 = self.bias.float().contiguous() if self.bias is not None else None
+            cached = (key, row_kernels.pack_int8(self.qweight, self.scale), row_kernels.max_rows(), bias32)
+            self.__dict__["_rows"] = cached
+        return cached
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"

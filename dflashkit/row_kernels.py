@@ -176,12 +176,35 @@ def pack(weight: Tensor) -> Tensor:
     return padded.view(groups, blocks, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()  # [G, K/2, B, 16, 2]
 
 
+def int8_usable(qweight: Tensor) -> bool:
+    """Whether products with this weight-only int8 weight [out, in] can run on the kernel here (AVX2 only: on
+    AVX512-BF16 CPUs int8 targets keep torch's int8 kernel)."""
+    k = kernel()
+    return (qweight.dtype == torch.int8 and qweight.device.type == "cpu" and qweight.dim() == 2 and k is not None
+            and bool(getattr(k, "int8", False)))
+
+
+def pack_int8(qweight: Tensor, scale: Tensor) -> Tensor:
+    """The AVX2 kernel's layout of an int8 weight [N, K] with per-row scales [N]: [ceil(N/16), 16 K + 64] int8,
+    each group's K rows of its 16 columns' weights (``[g, 16 k + c] = qweight[16 g + c, k]``) followed by its 16
+    scales as fp32 bytes; padded columns have weight 0."""
+    n, k = qweight.shape
+    groups = -(-n // 16)
+    q = qweight.detach().new_zeros(groups * 16, k)
+    q[:n] = qweight.detach()
+    scales = torch.ones(groups * 16, dtype=torch.float32, device=qweight.device)
+    scales[:n] = scale.detach().float()
+    panels = q.view(groups, 16, k).transpose(1, 2).reshape(groups, 16 * k)  # [G, 16 K]
+    return torch.cat((panels, scales.view(groups, 16).view(torch.int8)), dim=1).contiguous()  # [G, 16 K + 64]
+
+
 def rows_of(x: Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
-    """``x @ W.T + bias`` for x [..., K] bf16, W packed by :func:`pack`; bias in fp32 (added before rounding)."""
+    """``x @ W.T + bias`` for x [..., K] bf16, W packed by :func:`pack` (or ``x @ (Q * scale).T + bias`` with an int8
+    weight packed by :func:`pack_int8`); bias in fp32 (added before rounding)."""
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()

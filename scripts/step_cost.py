@@ -1,7 +1,7 @@
 """Wall time of one target decoding step by row count (a verify block of n tokens) and of token trees.
 
     .venv/bin/python scripts/step_cost.py [--context 300] [--rows 1,2,3,4,5,6,8,12,16] [--trees 4,6,8,12]
-                                          [--repeats 12] [--threads 2]
+                                          [--repeats 12] [--threads 2] [--quantize int8]
 
 The default target's fast forward over a cache of --context positions; every shape runs once per round, rounds
 interleaved, the first two rounds dropped; prints the median per shape. A tree of n rows is the best-first tree
@@ -28,10 +28,11 @@ def main() -> None:
     ap.add_argument("--trees", default="4,6,8,12", help="rows of each tree (anchor + nodes); empty: none")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantize", default=None, help="int8: the weight-only int8 target (dflashkit.quantize)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = SpeculativeGenerator.load().target
+    target = SpeculativeGenerator.load(quantize=args.quantize).target
     cache = target.new_cache(capacity=args.context + 64)
     shapes: dict[str, tuple[int, tuple | None]] = {f"{n} rows": (n, None) for n in map(int, args.rows.split(","))}
     for n in (int(t) for t in args.trees.split(",") if t):
@@ -50,7 +51,8 @@ def main() -> None:
                 target.crop(cache, args.context)
                 if round_ >= 2:
                     times[name].append(elapsed)
-    print(f"target step at {args.context} cached positions, {torch.get_num_threads()} threads, engine {target.engine}, "
+    weights = f", {args.quantize} weights" if args.quantize else ""
+    print(f"target step at {args.context} cached positions{weights}, {torch.get_num_threads()} threads, engine {target.engine}, "
           f"median of {args.repeats}")
     for name, ts in times.items():
         print(f"  {name:18s} {statistics.median(ts) * 1e3:7.2f} ms")

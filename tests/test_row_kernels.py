@@ -324,3 +324,88 @@ def test_the_engine_line_names_the_row_kernels(isa, monkeypatch):
     assert "row kernels" not in TargetAdapter(tiny_target()).engine  # fp32: oneDNN
     monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "onednn")
     assert "row kernels" not in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
+
+
+# ---- weight-only int8 (AVX2 kernel) -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def int8_isa(isa):
+    """An instruction set whose kernel takes int8-packed weights (AVX2; AVX512-BF16 keeps torch's int8 kernel)."""
+    if not row_kernels.kernel().int8:
+        pytest.skip(f"the {isa} kernel has no int8 product")
+    return isa
+
+
+def int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from dflashkit.quantize import quantize_weight
+
+    return quantize_weight(bf16(n, k, seed=seed).float(), torch.bfloat16)  # int8 [n, k], bf16 scales [n]
+
+
+@pytest.mark.parametrize("n,k", [(200, 96), (64, 64), (1, 8), (130, 34), (1000, 576)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 70])
+def test_int8_product_matches_fp32_with_scales_bias_and_ragged_columns(int8_isa, n, k, rows):
+    q, scale = int8_weight(n, k, seed=n)
+    b, x = bf16(n, seed=k), bf16(rows, k, seed=rows)
+    packed = row_kernels.pack_int8(q, scale)
+    assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), 16 * k + 64)
+    dequantized = q.float() * scale.float()[:, None]
+    with torch.inference_mode():
+        close_to_fp32(row_kernels.linear(x, packed, n, b.float()), x, dequantized, b)
+        close_to_fp32(row_kernels.linear(x, packed, n), x, dequantized, None)
+
+
+def test_int8_rows_are_bitwise_the_same_whatever_rows_run_with_them(int8_isa):
+    q, scale = int8_weight(300, 128, seed=1)
+    x, packed = bf16(16, 128, seed=2), row_kernels.pack_int8(q, scale)
+    with torch.inference_mode():
+        together = row_kernels.linear(x, packed, 300)
+        for rows in (1, 3, 7, 16):
+            for start in range(0, 16 - rows + 1, rows):
+                assert torch.equal(row_kernels.linear(x[start:start + rows], packed, 300), together[start:start + rows])
+
+
+def test_int8_layers_run_on_the_kernel_and_repack_after_a_change(int8_isa):
+    from dflashkit.kernels import Int8Matmul
+    from dflashkit.quantize import Int8Linear
+
+    q, scale = int8_weight(96, 64, seed=5)
+    b, x = bf16(96, seed=6), bf16(3, 64, seed=7)
+    layer = Int8Linear(q.clone(), scale.clone(), b.clone())
+    with torch.no_grad():  # (weights made under inference_mode carry no version counter to follow)
+        kernel = row_kernels.linear(x, row_kernels.pack_int8(q, scale), 96, b.float())
+        assert torch.equal(Int8Matmul(q, scale, b)(x), kernel) and torch.equal(layer(x), kernel)
+        layer.scale.mul_(2)  # the packed copy follows the layer's weights
+        assert not torch.equal(layer(x), kernel)
+        close_to_fp32(layer(x), x, q.float() * layer.scale.float()[:, None], b)
+    with pytest.raises(RuntimeError, match="int8 packed"):
+        row_kernels.linear(bf16(2, 32, seed=8), row_kernels.pack_int8(q, scale), 96)  # K 32, packed for 64
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_target_verify_rows_are_bitwise_one_token_steps(int8_isa, arch):
+    """The int8 target's fast forward runs every layer and its head on the kernel: a verify pass's rows are its
+    one-token steps, bit for bit, so bf16 speculative greedy decoding of the int8 target is its plain decoding."""
+    from conftest import VOCAB, tiny_drafter, tiny_target
+    from test_decode import run
+
+    from dflashkit.fast_target import FastTargetForward
+    from dflashkit.quantize import quantize_model
+    from dflashkit.target import TargetAdapter
+
+    model = quantize_model(tiny_target(arch, dtype=torch.bfloat16), "int8")
+    fast = FastTargetForward(model)
+    assert fast.row_exact and fast.fused_weights is not None and fast.layers[0].qkv.small.dtype == torch.int8
+    prompt, block = torch.randint(3, VOCAB, (1, 11)), torch.randint(3, VOCAB, (1, 9))
+    caches = [fast.new_cache(64), fast.new_cache(64)]
+    for cache in caches:
+        fast(prompt, 0, cache, 1, [])
+    logits, features = fast(block, 11, caches[0], 9, [1])
+    for i in range(9):
+        step_logits, step_features = fast(block[:, i : i + 1], 11 + i, caches[1], 1, [1])
+        assert torch.equal(step_logits[0], logits[i]) and torch.equal(step_features[0, 0], features[0, i])
+    drafter = tiny_drafter(model, block_size=8)
+    spec, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
+    for ids in ([5, 9, 11, 3], [7] * 6, [12, 40, 3]):
+        assert run(spec, drafter, ids) == run(plain, None, ids)  # identical: no ties to excuse

@@ -10,11 +10,18 @@
 // sequential stream. A 32-bit lane holds a pair: its high half is already the fp32 pattern of the odd weight,
 // the low half shifted up is the even one, so unpacking costs one AND and one shift. x is turned into fp32 once;
 // each output element is one fp32 FMA chain over k in order (2 k2, then 2 k2 + 1), whatever the number of rows.
+//
+// Weight-only int8 (dflashkit/quantize.py): y = (x @ Q.T) * scale (+ bias), int8 Q, one fp32 scale per column.
+// Packed once into an int8 tensor [G, 16 K + 64]: group g's K rows of its 16 columns' weights
+//   packed[g][16 k + c] = Q[16 g + c][k]
+// then the group's 16 scales as fp32 bytes. Half the bytes of bf16 to stream; each weight costs a sign extension
+// and a conversion to fp32 (shared by the rows of a pass), then the same fp32 FMA chain in k order per element.
 #include "row_common.h"
 
 namespace {
 
 constexpr const char* kIsa = "AVX2";
+constexpr bool kInt8 = true;  // linear also takes int8-packed weights
 constexpr int kBlocks = 1;    // 16-column blocks per group
 constexpr int kGroup = 16;    // output columns per group
 constexpr int kMaxRows = 4;   // rows per micro-kernel call: 8 accumulators, 4 weight vectors, 2 broadcasts
@@ -74,74 +81,181 @@ inline __m256 sum_lanes8(const float (*v)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-template <int R>
-void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
-           int64_t valid, const float* bias) {
-  __m256 acc[R][2];
-  _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+// The micro kernels: R <= 4 rows times P = 1 or 2 groups (16 or 32 adjacent output columns, each group's panel a
+// stream of its own, `stride` elements apart). Each output element is one fp32 FMA chain in k order, so P and R
+// change the speed only: a chain waits ~5 cycles per FMA on Zen 1, and one row of one group has only 2 chains to
+// keep the FMA pipe busy, so a single row takes two groups at a time (Zen 1: the 49152 x 576 LM head, 1 row, 3.7 ->
+// 2.8 ms alone; a one-token target step 17.3 -> 16.9 ms, two builds interleaved in one process). Two rows with
+// P = 2 (16 accumulators: spills) were slower.
+template <int R, int P>
+void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t k2_count, uint16_t* y,
+           int64_t ldy, int64_t valid, const float* bias) {
+  __m256 acc[P][R][2];
+  _Pragma("GCC unroll 4") for (int p = 0; p < P; ++p)
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) acc[p][i][0] = acc[p][i][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k2 = 0; k2 < k2_count; ++k2) {
-    const __m256i* wk = reinterpret_cast<const __m256i*>(w + k2 * 32);
-    _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);  // (past a panel: the next one's)
-    const __m256i p0 = _mm256_loadu_si256(wk), p1 = _mm256_loadu_si256(wk + 1);  // columns 0-7, 8-15
-    const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16)), odd0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));
-    const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16)), odd1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) {
-      const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * k2), xo = _mm256_broadcast_ss(x + i * ldx + 2 * k2 + 1);
-      acc[i][0] = _mm256_fmadd_ps(xo, odd0, _mm256_fmadd_ps(xe, even0, acc[i][0]));
-      acc[i][1] = _mm256_fmadd_ps(xo, odd1, _mm256_fmadd_ps(xe, even1, acc[i][1]));
+    _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) {
+      const __m256i* wk = reinterpret_cast<const __m256i*>(w + p * stride + k2 * 32);
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);  // (past a panel: the next one's)
+      const __m256i p0 = _mm256_loadu_si256(wk), p1 = _mm256_loadu_si256(wk + 1);  // columns 0-7, 8-15
+      const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16)), odd0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));
+      const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16)), odd1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));
+      _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) {
+        const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * k2), xo = _mm256_broadcast_ss(x + i * ldx + 2 * k2 + 1);
+        acc[p][i][0] = _mm256_fmadd_ps(xo, odd0, _mm256_fmadd_ps(xe, even0, acc[p][i][0]));
+        acc[p][i][1] = _mm256_fmadd_ps(xo, odd1, _mm256_fmadd_ps(xe, even1, acc[p][i][1]));
+      }
     }
   }
-  for (int j = 0; j < 2; ++j) {  // round to bf16 (nearest even) after the fp32 bias, store valid columns
-    const int64_t n0 = j * 8;
-    if (n0 >= valid) break;
-    const int64_t count = valid - n0 < 8 ? valid - n0 : 8;
-    const __m256 b = bias ? load_f32_n(bias + n0, count) : _mm256_setzero_ps();
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) store_bf16_n(y + i * ldy + n0, count, _mm256_add_ps(acc[i][j], b));
+  for (int p = 0; p < P; ++p)
+    for (int j = 0; j < 2; ++j) {  // round to bf16 (nearest even) after the fp32 bias, store valid columns
+      const int64_t n0 = p * kGroup + j * 8;
+      if (n0 >= valid) break;
+      const int64_t count = valid - n0 < 8 ? valid - n0 : 8;
+      const __m256 b = bias ? load_f32_n(bias + n0, count) : _mm256_setzero_ps();
+      _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) store_bf16_n(y + i * ldy + n0, count, _mm256_add_ps(acc[p][i][j], b));
+    }
+}
+
+// The same for int8 weights (layout at the top): per k, 16 int8 sign-extended and converted to fp32 once for the
+// R rows; the group's scales follow its k_count * 16 weights.
+template <int R, int P>
+void micro_int8(const float* x, int64_t ldx, const int8_t* w, int64_t stride, int64_t k_count, uint16_t* y,
+                int64_t ldy, int64_t valid, const float* bias) {
+  __m256 acc[P][R][2];
+  _Pragma("GCC unroll 4") for (int p = 0; p < P; ++p)
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) acc[p][i][0] = acc[p][i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_count; ++k) {
+    _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) {
+      const int8_t* wk = w + p * stride + k * kGroup;
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk));  // columns 0-15 at this k
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+      _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i) {
+        const __m256 xk = _mm256_broadcast_ss(x + i * ldx + k);
+        acc[p][i][0] = _mm256_fmadd_ps(xk, w0, acc[p][i][0]);
+        acc[p][i][1] = _mm256_fmadd_ps(xk, w1, acc[p][i][1]);
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const float* scale = reinterpret_cast<const float*>(w + p * stride + k_count * kGroup);  // the group's 16 scales
+    for (int j = 0; j < 2; ++j) {  // times the scale, plus the fp32 bias, rounded to bf16; valid columns stored
+      const int64_t n0 = p * kGroup + j * 8;
+      if (n0 >= valid) break;
+      const int64_t count = valid - n0 < 8 ? valid - n0 : 8;
+      const __m256 sc = _mm256_loadu_ps(scale + j * 8);
+      const __m256 b = bias ? load_f32_n(bias + n0, count) : _mm256_setzero_ps();
+      _Pragma("GCC unroll 4") for (int i = 0; i < R; ++i)
+        store_bf16_n(y + i * ldy + n0, count, _mm256_add_ps(_mm256_mul_ps(acc[p][i][j], sc), b));
+    }
   }
 }
 
-void rows(int64_t r, const float* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
-          int64_t valid, const float* bias) {
+struct Bf16Weights {
+  using T = uint16_t;
+  template <int R, int P>
+  static void run(const float* x, int64_t ldx, const T* w, int64_t stride, int64_t steps, uint16_t* y, int64_t ldy,
+                  int64_t valid, const float* bias) { micro<R, P>(x, ldx, w, stride, steps, y, ldy, valid, bias); }
+};
+
+struct Int8Weights {
+  using T = int8_t;
+  template <int R, int P>
+  static void run(const float* x, int64_t ldx, const T* w, int64_t stride, int64_t steps, uint16_t* y, int64_t ldy,
+                  int64_t valid, const float* bias) { micro_int8<R, P>(x, ldx, w, stride, steps, y, ldy, valid, bias); }
+};
+
+// r rows of one group (16 columns).
+template <class K>
+void run_rows(int64_t r, const float* x, int64_t ldx, const typename K::T* w, int64_t stride, int64_t steps,
+              uint16_t* y, int64_t ldy, int64_t valid, const float* bias) {
   switch (r) {
-    case 1: micro<1>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
-    case 2: micro<2>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
-    case 3: micro<3>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
-    default: micro<4>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    case 1: K::template run<1, 1>(x, ldx, w, stride, steps, y, ldy, valid, bias); break;
+    case 2: K::template run<2, 1>(x, ldx, w, stride, steps, y, ldy, valid, bias); break;
+    case 3: K::template run<3, 1>(x, ldx, w, stride, steps, y, ldy, valid, bias); break;
+    default: K::template run<4, 1>(x, ldx, w, stride, steps, y, ldy, valid, bias); break;
   }
 }
 
-}  // namespace
-
-// x [M, K] bf16 contiguous; packed [G, K/2, 1, 16, 2] bf16; bias [N] fp32 or None. Returns y [M, N] bf16.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
-                     const c10::optional<torch::Tensor>& bias) {
-  const LinearShape shape = check_linear(x, packed, n_out, bias, kBlocks);
-  const int64_t m = shape.m, k = shape.k, groups = shape.groups, k2_count = shape.k2_count;
-  const float* b = shape.bias;
-  auto y = torch::empty({m, n_out}, x.options());
-  std::vector<float> xf(m * k);  // x in fp32, once
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(xp[i]);
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+// The rows of x (fp32 [m, k]) times a packed weight of `groups` panels `stride` elements apart (`steps` k or k-pair
+// steps each), in row blocks, groups spread over the threads. A single row takes two groups per pass (4 FMA chains
+// instead of 2); more rows run each group's rows in chunks of <= 4.
+template <class K>
+void each_group(int64_t m, int64_t k, int64_t groups, int64_t stride, int64_t steps, const float* xf,
+                const typename K::T* wp, uint16_t* yp, int64_t n_out, const float* b) {
+  auto valid_of = [&](int64_t g, int64_t count) {
+    return n_out - g * kGroup < count * kGroup ? n_out - g * kGroup : count * kGroup;
+  };
+  if (m == 1) {
+    at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t g = 2 * p0; g < 2 * p1 && g < groups; g += 2) {
+        const float* bg = b ? b + g * kGroup : nullptr;
+        if (g + 1 < groups) K::template run<1, 2>(xf, k, wp + g * stride, stride, steps, yp + g * kGroup, n_out, valid_of(g, 2), bg);
+        else run_rows<K>(1, xf, k, wp + g * stride, stride, steps, yp + g * kGroup, n_out, valid_of(g, 1), bg);
+      }
+    });
+    return;
+  }
   for (int64_t block = 0; block < m; block += kRowBlock) {  // a prefill's rows: blocks whose fp32 x stays in cache
     const int64_t mb = m - block < kRowBlock ? m - block : kRowBlock;
-    const float* xb = xf.data() + block * k;
+    const float* xb = xf + block * k;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        const uint16_t* w = wp + g * k2_count * 32;
-        const int64_t valid = n_out - g * kGroup < kGroup ? n_out - g * kGroup : kGroup;
         const float* bg = b ? b + g * kGroup : nullptr;
         const int64_t chunks = (mb + kMaxRows - 1) / kMaxRows;  // balanced: 6 rows run as 3 + 3, not 4 + 2
         for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
           const int64_t r = (mb - m0 + (chunks - c) - 1) / (chunks - c);
-          rows(r, xb + m0 * k, k, w, k2_count, yp + (block + m0) * n_out + g * kGroup, n_out, valid, bg);
+          run_rows<K>(r, xb + m0 * k, k, wp + g * stride, stride, steps, yp + (block + m0) * n_out + g * kGroup, n_out,
+                      valid_of(g, 1), bg);
           m0 += r;
         }
       }
     });
   }
+}
+
+std::vector<float> rows_in_fp32(const torch::Tensor& x) {
+  const int64_t count = x.numel();
+  std::vector<float> xf(count);
+  const uint16_t* xp = u16(x);
+  for (int64_t i = 0; i < count; ++i) xf[i] = bf16_to_float(xp[i]);
+  return xf;
+}
+
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
+                          const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bf16");
+  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0);
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == kGroup * k + kGroup * 4,
+              "int8 packed: [G, 16 K + 64] int8 for x's K = ", k);
+  TORCH_CHECK(n_out > (groups - 1) * kGroup && n_out <= groups * kGroup, "n_out does not match the packed weight");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, "bias: [N] fp32");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({m, n_out}, x.options());
+  const std::vector<float> xf = rows_in_fp32(x);
+  each_group<Int8Weights>(m, k, groups, packed.size(1), k, xf.data(), packed.data_ptr<int8_t>(), u16w(y), n_out, b);
+  return y;
+}
+
+}  // namespace
+
+// x [M, K] bf16 contiguous; packed [G, K/2, 1, 16, 2] bf16 (or int8 [G, 16 K + 64], see above); bias [N] fp32 or
+// None. Returns y [M, N] bf16.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
+                     const c10::optional<torch::Tensor>& bias) {
+  if (packed.scalar_type() == at::kChar) return linear_int8(x, packed, n_out, bias);
+  const LinearShape shape = check_linear(x, packed, n_out, bias, kBlocks);
+  const int64_t k2_count = shape.k2_count;
+  auto y = torch::empty({shape.m, n_out}, x.options());
+  const std::vector<float> xf = rows_in_fp32(x);  // x in fp32, once
+  each_group<Bf16Weights>(shape.m, shape.k, shape.groups, k2_count * 32, k2_count, xf.data(), u16(packed), u16w(y),
+                          n_out, shape.bias);
   return y;
 }
 

@@ -15,6 +15,7 @@
 namespace {
 
 constexpr const char* kIsa = "AVX512-BF16";
+constexpr bool kInt8 = false;               // bf16 weights only (int8 targets keep torch's int8 kernel here)
 constexpr int kBlocks = 4;                 // 16-column blocks per group
 constexpr int kGroup = kBlocks * 16;       // output columns per group
 constexpr int kMaxRows = 6;                // rows per micro-kernel call

@@ -1,8 +1,8 @@
 // The ISA-independent part of dflashkit's row kernels: every decoder layer in one call, the thread probe and the
 // Python module. Included at the end of row_kernels_avx512.cpp and row_kernels_avx2.cpp, each of which defines
 // before it, for its instruction set: linear, attention (torch-level), and the row helpers rms_norm, rotate_into,
-// add_into, silu_mul, plus kBlocks (16-column blocks per packed group) and kIsa (its name); u16, u16w come from
-// row_common.h.
+// add_into, silu_mul, plus kBlocks (16-column blocks per packed group), kIsa (its name) and kInt8 (whether linear
+// also takes int8-packed weights); u16, u16w come from row_common.h.
 #pragma once
 
 // Every decoder layer of a Llama / Qwen2 / Qwen3 target for n <= 16 rows, in one call: RMS norms, the fused q/k/v
@@ -94,6 +94,7 @@ int64_t parallel_threads() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = kIsa;
   m.attr("blocks") = kBlocks;
+  m.attr("int8") = kInt8;
   m.def("parallel_threads", &parallel_threads, "threads the kernels' parallel loops run on");
   m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
   m.def("attention", &attention, "grouped-query attention, one query row at a time");
