@@ -58,15 +58,18 @@ def test_product_matches_fp32_with_bias_and_ragged_columns(isa, n, k, rows):
     close_to_fp32(plain, x, w, None)
 
 
+def assert_rows_independent(packed: torch.Tensor, x: torch.Tensor, n: int) -> None:
+    """Each of x's rows gives bitwise the same product in calls of 1, 3, 7 or all of its rows."""
+    with torch.inference_mode():
+        together = row_kernels.linear(x, packed, n)
+        for rows in (1, 3, 7, x.shape[0]):
+            for start in range(0, x.shape[0] - rows + 1, rows):
+                assert torch.equal(row_kernels.linear(x[start:start + rows], packed, n), together[start:start + rows])
+
+
 def test_each_row_is_bitwise_the_same_whatever_rows_run_with_it(isa):
     """A verify pass of 16 rows and 16 one-row steps compute the same products, bit for bit."""
-    w, x = bf16(300, 128, seed=1), bf16(16, 128, seed=2)
-    packed = row_kernels.pack(w)
-    with torch.inference_mode():
-        together = row_kernels.linear(x, packed, 300)
-        for rows in (1, 3, 7, 16):
-            for start in range(0, 16 - rows + 1, rows):
-                assert torch.equal(row_kernels.linear(x[start:start + rows], packed, 300), together[start:start + rows])
+    assert_rows_independent(row_kernels.pack(bf16(300, 128, seed=1)), bf16(16, 128, seed=2), 300)
 
 
 def test_leading_dims_and_non_contiguous_input(isa):
@@ -357,13 +360,7 @@ def test_int8_product_matches_fp32_with_scales_bias_and_ragged_columns(int8_isa,
 
 
 def test_int8_rows_are_bitwise_the_same_whatever_rows_run_with_them(int8_isa):
-    q, scale = int8_weight(300, 128, seed=1)
-    x, packed = bf16(16, 128, seed=2), row_kernels.pack_int8(q, scale)
-    with torch.inference_mode():
-        together = row_kernels.linear(x, packed, 300)
-        for rows in (1, 3, 7, 16):
-            for start in range(0, 16 - rows + 1, rows):
-                assert torch.equal(row_kernels.linear(x[start:start + rows], packed, 300), together[start:start + rows])
+    assert_rows_independent(row_kernels.pack_int8(*int8_weight(300, 128, seed=1)), bf16(16, 128, seed=2), 300)
 
 
 def test_int8_layers_run_on_the_kernel_and_repack_after_a_change(int8_isa):
