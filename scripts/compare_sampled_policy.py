@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import statistics
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,13 +27,16 @@ from dflashkit.adaptive import BlockPolicies
 from dflashkit.evalsets import load_set
 
 
-def policies_at(ref: str) -> type[BlockPolicies]:
-    """BlockPolicies as dflashkit/adaptive.py defined it at git revision ``ref`` (to measure a change against)."""
+def policies_at(ref: str, scratch: Path) -> type[BlockPolicies]:
+    """BlockPolicies as dflashkit/adaptive.py defined it at git revision ``ref`` (to measure a change against); the
+    file is written to ``scratch`` and imported from there."""
     root = Path(__file__).resolve().parent.parent
     source = subprocess.check_output(["git", "show", f"{ref}:dflashkit/adaptive.py"], cwd=root, text=True)
-    spec = importlib.util.spec_from_loader(f"adaptive_at_{ref}", loader=None)
+    path = scratch / "adaptive_at_ref.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("adaptive_at_ref", path)
     module = importlib.util.module_from_spec(spec)
-    exec(compile(source, f"adaptive.py@{ref}", "exec"), module.__dict__)
+    spec.loader.exec_module(module)
     return module.BlockPolicies
 
 
@@ -64,7 +68,9 @@ def main() -> None:
     if args.temperature > 0:
         factories["greedy-sizes"] = lambda: BlockPolicies(block, sampled_max_block=block)
     if args.baseline_ref:
-        factories[f"at-{args.baseline_ref}"] = lambda cls=policies_at(args.baseline_ref): cls(block)
+        with tempfile.TemporaryDirectory() as scratch:
+            baseline = policies_at(args.baseline_ref, Path(scratch))
+        factories[f"at-{args.baseline_ref}"] = lambda: baseline(block)
     policies = {name: make() for name, make in factories.items()}
     variants = (*policies, "block-4", "plain")
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
