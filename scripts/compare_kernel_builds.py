@@ -1,0 +1,79 @@
+"""Two builds of dflashkit's row kernels in one process, interleaved: the default target's step time by rows.
+
+    .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR [--rows 1,2,4,8] [--rounds 14]
+
+A build directory is one of ``~/.cache/dflashkit/kernels/dflashkit_rows_<isa>_<hash>`` (the kernels build there
+once per source version: edit the C++, run anything that loads the kernels, and a new directory appears). Both
+builds must take the same packed weight layout (``pack``), which is the running one's. The order of the two
+alternates per round, the first two rounds are dropped; prints medians and the ratio NEW/OLD. On a noisy shared
+machine this is how a kernel change is judged (session 14: a tile store as a plain call made 8-row steps 1.36x
+slower, which timings taken minutes apart would have hidden in the VM's ±25% swings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from dflashkit import row_kernels
+from dflashkit.generator import SpeculativeGenerator
+
+
+def load_build(directory: Path) -> ModuleType:
+    """The compiled extension module in a kernel build directory."""
+    so = next(directory.glob("*.so"), None)
+    if so is None:
+        raise SystemExit(f"no compiled module (*.so) in {directory}")
+    loader = importlib.machinery.ExtensionFileLoader(directory.name, str(so))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(directory.name, so, loader=loader))
+    loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=14)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    builds = {"old": load_build(args.old), "new": load_build(args.new)}
+    if len({b.isa for b in builds.values()} | {row_kernels.label()}) != 1:
+        raise SystemExit("both builds must be of the instruction set that runs here")
+    running = {"module": builds["old"]}
+    row_kernels.kernel = lambda: running["module"]  # every kernel call of the target goes to the chosen build
+    target = SpeculativeGenerator.load().target
+    cache = target.new_cache(capacity=args.context + 64)
+    rows = [int(r) for r in args.rows.split(",")]
+    times: dict[tuple[str, int], list[float]] = {(b, n): [] for b in builds for n in rows}
+    with torch.inference_mode():
+        target.forward(torch.randint(0, 1000, (1, args.context)), 0, cache, logits_rows=1)
+        for round_ in range(args.rounds + 2):
+            for n in rows:
+                for name in ("old", "new") if round_ % 2 else ("new", "old"):
+                    running["module"] = builds[name]
+                    ids = torch.randint(0, 1000, (1, n))
+                    t0 = time.perf_counter()
+                    target.forward(ids, args.context, cache, logits_rows=n)
+                    elapsed = time.perf_counter() - t0
+                    target.crop(cache, args.context)
+                    if round_ >= 2:
+                        times[(name, n)].append(elapsed)
+    print(f"target step at {args.context} cached positions, {args.threads} threads, median of {args.rounds}")
+    for n in rows:
+        old, new = (statistics.median(times[(b, n)]) * 1e3 for b in ("old", "new"))
+        print(f"  {n:2d} rows: old {old:7.2f} ms  new {new:7.2f} ms  new/old {new / old:.3f}")
+
+
+if __name__ == "__main__":
+    main()
