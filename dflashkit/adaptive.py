@@ -99,9 +99,8 @@ class AdaptiveBlockSize:
         unknown = [c for c, t in estimates.items() if t is None]
         if unknown:  # the small sizes: time them first
             return unknown[0]
-        timed = [c for c in self.candidates if c in self.step_seconds]
-        if self.explore_every and self.steps % self.explore_every == self.explore_every - 1:
-            return min(timed, key=lambda c: (self.timed_at[c], -c))  # the stalest timing, measured again
+        if self.explore_every and self.steps % self.explore_every == self.explore_every - 1:  # the stalest timing again
+            return min((c for c in self.candidates if c in self.step_seconds), key=lambda c: (self.timed_at[c], -c))
         # an untimed size wins only if its optimistic time makes it the best: then it is tried (and timed)
         return max(self.candidates, key=lambda c: self.expected_tokens(c) / estimates[c])
 

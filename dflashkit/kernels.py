@@ -18,23 +18,42 @@ from .linear import packing_supported
 from .quantize import Int8Linear
 
 
-class Matmul:
+class _RowKernelProduct:
+    """What :class:`Matmul` and :class:`Int8Matmul` share: the weight packed for :mod:`dflashkit.row_kernels`'s kernel
+    (``small``, None where it does not run), the most rows that kernel takes (read once, when packed) and the bias
+    in fp32. Products of up to that many bf16 rows run on it; the others on ``_fallback``."""
+
+    __slots__ = ("bias", "bias32", "out_features", "small", "small_rows")
+
+    def _rows_kernel(self, small: Tensor | None) -> None:
+        self.small = small
+        self.small_rows = row_kernels.max_rows() if small is not None else 0
+        self.bias32 = self.bias.float().contiguous() if small is not None and self.bias is not None else None
+
+    def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        if self.small is not None and x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= self.small_rows:
+            return row_kernels.linear(x, self.small, self.out_features, self.bias32)
+        return self._fallback(x)
+
+    def _fallback(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class Matmul(_RowKernelProduct):
     """``x @ weight.T + bias``: up to :func:`row_kernels.max_rows` rows on :mod:`dflashkit.row_kernels`'s kernel where
     it runs (more rows through ``F.linear``); elsewhere with the weight prepacked for oneDNN where that runs
     (else ``F.linear``)."""
 
-    __slots__ = ("bias", "bias32", "packed", "small", "small_rows", "weight")
+    __slots__ = ("packed", "weight")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         self.weight = weight.detach()  # [out, in]
         self.bias = bias.detach() if bias is not None else None
-        self.packed = self.small = self.bias32 = None
-        self.small_rows = 0  # the most rows the kernel that packed `small` takes
-        if row_kernels.usable(self.weight):
-            self.small = row_kernels.pack(self.weight)  # no oneDNN copy besides: prefills reorder per call
-            self.small_rows = row_kernels.max_rows()
-            self.bias32 = self.bias.float().contiguous() if self.bias is not None else None
-        elif packing_supported(self.weight.device, self.weight.dtype):
+        self.out_features = self.weight.shape[0]
+        self.packed = None
+        usable = row_kernels.usable(self.weight)
+        self._rows_kernel(row_kernels.pack(self.weight) if usable else None)  # no oneDNN copy besides: prefills
+        if not usable and packing_supported(self.weight.device, self.weight.dtype):  # reorder per call
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
     @classmethod
@@ -59,37 +78,31 @@ class Matmul:
             return Int8Matmul(torch.cat([m.qweight for m in linears]), torch.cat([m.scale for m in linears]), bias)
         return cls(torch.cat([m.weight.detach() for m in linears]), bias)
 
-    def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if self.small is not None and x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= self.small_rows:
-            return row_kernels.linear(x, self.small, self.weight.shape[0], self.bias32)
+    def _fallback(self, x: Tensor) -> Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-class Int8Matmul:
-    """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it: on the AVX2 row
-    kernel where it runs (its int8 product), else with ``aten._weight_int8pack_mm``."""
+class Int8Matmul(_RowKernelProduct):
+    """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it (which calls one):
+    on the AVX2 row kernel where it runs (its int8 product), else with ``aten._weight_int8pack_mm``."""
 
-    __slots__ = ("bias", "bias32", "qweight", "scale", "small", "small_rows")
+    __slots__ = ("qweight", "scale")
 
     def __init__(self, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
         self.qweight, self.scale = qweight.contiguous(), scale.contiguous()  # [out, in] int8, [out]
         self.bias = bias.detach() if bias is not None else None
-        self.small, self.small_rows, self.bias32 = None, 0, None
-        if row_kernels.int8_usable(self.qweight):
-            self.small = row_kernels.pack_int8(self.qweight, self.scale)
-            self.small_rows = row_kernels.max_rows()
-            self.bias32 = self.bias.float().contiguous() if self.bias is not None else None
+        self.out_features = self.qweight.shape[0]
+        usable = row_kernels.int8_usable(self.qweight)
+        self._rows_kernel(row_kernels.pack_int8(self.qweight, self.scale) if usable else None)
 
-    def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if self.small is not None and x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= self.small_rows:
-            return row_kernels.linear(x, self.small, self.qweight.shape[0], self.bias32)
+    def _fallback(self, x: Tensor) -> Tensor:
         shape = x.shape
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scale)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.qweight.shape[0])
+        return y.view(*shape[:-1], self.out_features)
 
 
 class RMSNorm:

@@ -59,7 +59,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import row_kernels
 from .errors import InvalidInputError
 
 METHODS = ("int8",)
@@ -121,28 +120,20 @@ class Int8Linear(nn.Module):
         return Int8Linear(self.qweight[ids].contiguous(), self.scale[ids].contiguous(), bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = self._row_weight() if x.dtype == torch.bfloat16 else None
-        if rows is not None and row_kernels.rows_of(x) <= rows[2]:
-            return row_kernels.linear(x, rows[1], self.out_features, rows[3])
-        shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return self._product()(x)
 
-    def _row_weight(self) -> tuple | None:
-        """(key, weight packed for the AVX2 row kernel, its row limit, fp32 bias) where that kernel runs, else
-        None; packed on first use and again only when the weights or the kernel change."""
-        kernel = row_kernels.kernel()
-        if kernel is None or not getattr(kernel, "int8", False) or self.qweight.device.type != "cpu":
-            return None
-        key = (id(kernel), *((t.data_ptr(), -1 if t.is_inference() else t._version) for t in (self.qweight, self.scale)))
-        cached = self.__dict__.get("_rows")
+    def _product(self):  # -> kernels.Int8Matmul (imported here: kernels imports this module)
+        """The product of these weights (:class:`dflashkit.kernels.Int8Matmul`: on the AVX2 row kernel where it runs,
+        else ``aten._weight_int8pack_mm``), built on first use and again only when a weight changes."""
+        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version)  # inference tensors: no version
+                    for t in (self.qweight, self.scale, *((self.bias,) if self.bias is not None else ())))
+        cached = self.__dict__.get("_cached_product")
         if cached is None or cached[0] != key:
-            bias32 = self.bias.float().contiguous() if self.bias is not None else None
-            cached = (key, row_kernels.pack_int8(self.qweight, self.scale), row_kernels.max_rows(), bias32)
-            self.__dict__["_rows"] = cached
-        return cached
+            from .kernels import Int8Matmul
+
+            cached = (key, Int8Matmul(self.qweight, self.scale, self.bias))
+            self.__dict__["_cached_product"] = cached
+        return cached[1]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"

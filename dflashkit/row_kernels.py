@@ -180,8 +180,7 @@ def int8_usable(qweight: Tensor) -> bool:
     """Whether products with this weight-only int8 weight [out, in] can run on the kernel here (AVX2 only: on
     AVX512-BF16 CPUs int8 targets keep torch's int8 kernel)."""
     k = kernel()
-    return (qweight.dtype == torch.int8 and qweight.device.type == "cpu" and qweight.dim() == 2 and k is not None
-            and bool(getattr(k, "int8", False)))
+    return qweight.dtype == torch.int8 and qweight.device.type == "cpu" and qweight.dim() == 2 and k is not None and k.int8
 
 
 def pack_int8(qweight: Tensor, scale: Tensor) -> Tensor:

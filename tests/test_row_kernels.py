@@ -194,7 +194,7 @@ def test_attention_row_of_a_chain_is_bitwise_the_one_row_step(isa):
 def test_fast_target_verify_rows_are_bitwise_one_token_steps(isa, arch, fused):
     """bf16: a 9-row verify pass gives exactly the logits and features of 9 one-token steps, through the one-call
     C++ layers (decoder_layers) or the Python layer loop with the kernels' products and attention."""
-    from conftest import VOCAB, tiny_target
+    from conftest import tiny_target
 
     from dflashkit.fast_target import FastTargetForward
 
@@ -202,13 +202,21 @@ def test_fast_target_verify_rows_are_bitwise_one_token_steps(isa, arch, fused):
     assert fast.row_exact and fast.fused_weights is not None
     if not fused:
         fast.fused_weights = None
+    assert_verify_rows_are_one_token_steps(fast, [1, 4])
+
+
+def assert_verify_rows_are_one_token_steps(fast, feature_layers: list[int]) -> None:
+    """After an 11-token prompt, a 9-row verify pass gives exactly the logits, features and cache rows of 9
+    one-token steps."""
+    from conftest import VOCAB
+
     prompt, block = torch.randint(3, VOCAB, (1, 11)), torch.randint(3, VOCAB, (1, 9))
     caches = [fast.new_cache(64), fast.new_cache(64)]
     for cache in caches:
         fast(prompt, 0, cache, 1, [])
-    logits, features = fast(block, 11, caches[0], 9, [1, 4])
+    logits, features = fast(block, 11, caches[0], 9, feature_layers)
     for i in range(9):
-        step_logits, step_features = fast(block[:, i : i + 1], 11 + i, caches[1], 1, [1, 4])
+        step_logits, step_features = fast(block[:, i : i + 1], 11 + i, caches[1], 1, feature_layers)
         assert torch.equal(step_logits[0], logits[i]) and torch.equal(step_features[0, 0], features[0, i])
     assert torch.equal(caches[0].keys[:, :, :20], caches[1].keys[:, :, :20])
     assert torch.equal(caches[0].values[:, :, :20], caches[1].values[:, :, :20])
@@ -384,7 +392,7 @@ def test_int8_layers_run_on_the_kernel_and_repack_after_a_change(int8_isa):
 def test_int8_target_verify_rows_are_bitwise_one_token_steps(int8_isa, arch):
     """The int8 target's fast forward runs every layer and its head on the kernel: a verify pass's rows are its
     one-token steps, bit for bit, so bf16 speculative greedy decoding of the int8 target is its plain decoding."""
-    from conftest import VOCAB, tiny_drafter, tiny_target
+    from conftest import tiny_drafter, tiny_target
     from test_decode import run
 
     from dflashkit.fast_target import FastTargetForward
@@ -394,14 +402,7 @@ def test_int8_target_verify_rows_are_bitwise_one_token_steps(int8_isa, arch):
     model = quantize_model(tiny_target(arch, dtype=torch.bfloat16), "int8")
     fast = FastTargetForward(model)
     assert fast.row_exact and fast.fused_weights is not None and fast.layers[0].qkv.small.dtype == torch.int8
-    prompt, block = torch.randint(3, VOCAB, (1, 11)), torch.randint(3, VOCAB, (1, 9))
-    caches = [fast.new_cache(64), fast.new_cache(64)]
-    for cache in caches:
-        fast(prompt, 0, cache, 1, [])
-    logits, features = fast(block, 11, caches[0], 9, [1])
-    for i in range(9):
-        step_logits, step_features = fast(block[:, i : i + 1], 11 + i, caches[1], 1, [1])
-        assert torch.equal(step_logits[0], logits[i]) and torch.equal(step_features[0, 0], features[0, i])
+    assert_verify_rows_are_one_token_steps(fast, [1])
     drafter = tiny_drafter(model, block_size=8)
     spec, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
     for ids in ([5, 9, 11, 3], [7] * 6, [12, 40, 3]):

@@ -23,23 +23,31 @@ struct LinearShape {
   const float* bias;  // null without
 };
 
+// x [M, K] bf16 contiguous.
+inline void check_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bf16");
+}
+
+// n_out columns fit `groups` packed groups of `group` columns, the last one partly; the bias, [N] fp32 or None, as
+// a pointer (null without).
+inline const float* check_columns(int64_t n_out, int64_t groups, int64_t group, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(n_out > (groups - 1) * group && n_out <= groups * group, "n_out does not match the packed weight");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, "bias: [N] fp32");
+  return bias->data_ptr<float>();
+}
+
 // x [M, K] bf16 contiguous; packed [G, K/2, blocks, 16, 2] bf16 (groups of 16 * blocks output columns); bias [N]
 // fp32 or None.
 inline LinearShape check_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                                 const c10::optional<torch::Tensor>& bias, int64_t blocks) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bf16");
+  check_rows(x);
   TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
               packed.size(2) == blocks && packed.size(3) == 16 && packed.size(4) == 2,
               "packed: [G, K/2, ", blocks, ", 16, 2] bf16");
-  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0), k2_count = packed.size(1), group = 16 * blocks;
+  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0), k2_count = packed.size(1);
   TORCH_CHECK(k == 2 * k2_count, "x has ", k, " columns, the packed weight ", 2 * k2_count);
-  TORCH_CHECK(n_out > (groups - 1) * group && n_out <= groups * group, "n_out does not match the packed weight");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, "bias: [N] fp32");
-    b = bias->data_ptr<float>();
-  }
-  return {m, k, groups, k2_count, b};
+  return {m, k, groups, k2_count, check_columns(n_out, groups, 16 * blocks, bias)};
 }
 
 struct AttentionShape {

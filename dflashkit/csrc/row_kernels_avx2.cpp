@@ -233,16 +233,12 @@ std::vector<float> rows_in_fp32(const torch::Tensor& x) {
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                           const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bf16");
-  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0);
+  check_rows(x);
+  const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == kGroup * k + kGroup * 4,
               "int8 packed: [G, 16 K + 64] int8 for x's K = ", k);
-  TORCH_CHECK(n_out > (groups - 1) * kGroup && n_out <= groups * kGroup, "n_out does not match the packed weight");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, "bias: [N] fp32");
-    b = bias->data_ptr<float>();
-  }
+  const int64_t groups = packed.size(0);
+  const float* b = check_columns(n_out, groups, kGroup, bias);
   auto y = torch::empty({m, n_out}, x.options());
   const std::vector<float> xf = rows_in_fp32(x);
   each_group<Int8Weights>(m, k, groups, packed.size(1), k, xf.data(), packed.data_ptr<int8_t>(), u16w(y), n_out, b);
