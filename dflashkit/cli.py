@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
     _add_lookup_option(g)
     _add_tree_option(g)
+    _add_draft_window_option(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
     _add_lookup_option(s)
     _add_tree_option(s)
+    _add_draft_window_option(s)
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one runs")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
@@ -232,6 +234,15 @@ def _add_tree_option(parser: argparse.ArgumentParser) -> None:
         help="drafter steps verify a token tree of up to N nodes (the drafter's likeliest alternatives at each "
         "position, chosen best-first) instead of a chain: more tokens per pass for a wider verify (lossless; "
         "fast forward only; without --block-size, over the drafter's block size; default: chains)",
+    )
+
+
+def _add_draft_window_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft-window", type=int, default=None, metavar="N",
+        help="drafting attends to the last N context tokens only; 0: the whole context (default: the drafter's own "
+        "window, from its config.json; the shipped drafter's was chosen by measurement on long prompts). Changes "
+        "which drafts are proposed, never the output",
     )
 
 
@@ -417,7 +428,10 @@ def _load_generator(args: argparse.Namespace, quiet: bool):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .decode import check_draft_window
+
     dtype = DTYPES[args.dtype]
+    check_draft_window(args.draft_window)  # before the (slow) model load
     _apply_threads(args.threads)
     gen = _load_generator(args, args.json)
     drafter = gen.drafter
@@ -431,6 +445,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,
         lookup=_lookup_wanted(args, drafter is not None), ngram_store=args.ngram_store, tree=args.tree,
+        draft_window=args.draft_window,
     )  # fmt: skip
     gen.warmup()
     stream = gen.stream(args.prompt, **kwargs)
@@ -465,7 +480,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_id=args.model_name or (args.target or DEFAULT_TARGET), max_queue=args.max_queue,
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
         block_size=args.block_size if args.block_size is not None else (None if args.tree else "auto"),
-        proposal=args.proposal, tree=args.tree,
+        proposal=args.proposal, tree=args.tree, draft_window=args.draft_window,
     )  # fmt: skip
     _apply_threads(args.threads)
     gen = _load_generator(args, False)

@@ -42,6 +42,13 @@ def rope_theta_of(target_config: Any) -> float:
     return float(getattr(target_config, "rope_theta", 10000.0))
 
 
+def check_context_window(window: object) -> int | None:
+    """A drafter context window: None (all context tokens) or a positive integer."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise InvalidInputError(f"the drafter's context window must be a positive integer or None, got {window!r}")
+    return window
+
+
 @dataclass
 class DrafterConfig:
     """Shape and conditioning of a DFlash drafter."""
@@ -68,6 +75,9 @@ class DrafterConfig:
     draft_vocab: list[int] | None = None
     # Identity of the target this drafter was built for (see checkpoint.target_identity); None = unknown.
     target: dict[str, Any] | None = field(default=None)
+    # At inference, a drafting step attends to at most this many of the latest context tokens (None: all of
+    # them). A drafter trained on short sequences drafts worse over contexts longer than it ever saw.
+    context_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -82,6 +92,7 @@ class DrafterConfig:
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             raise CheckpointError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
+        check_context_window(self.context_window)
         if self.draft_vocab is not None and (
             not self.draft_vocab or min(self.draft_vocab) < 0 or max(self.draft_vocab) >= self.vocab_size
         ):
@@ -172,6 +183,7 @@ class DrafterConfig:
                 "learned_mask_embedding": self.learned_mask_embedding,
                 "draft_vocab": self.draft_vocab,
                 "target": self.target,
+                "context_window": self.context_window,
             },
         }
 
@@ -197,7 +209,8 @@ class DrafterConfig:
             if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (None, "default"):
                 raise CheckpointError(f"{key} {rope} is not supported yet (only plain RoPE)")
         if any(t != "full_attention" for t in d.get("layer_types") or []) or d.get("use_sliding_window"):
-            raise CheckpointError("sliding-window drafter layers are not supported yet")
+            raise CheckpointError("sliding-window drafter layers are not supported yet (dflashkit's context window, "
+                                  "`dflashkit generate --draft-window N`, limits what every layer attends to)")
         n_layers = field("num_hidden_layers")
         n_target = field("num_target_layers", default=0)
         layer_ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
@@ -207,6 +220,10 @@ class DrafterConfig:
             layer_ids = build_target_layer_ids(n_target, n_layers)
         if not isinstance(layer_ids, list) or not all(isinstance(i, int) for i in layer_ids):
             raise CheckpointError(f"dflash_config.target_layer_ids must be a list of integers, got {layer_ids!r}")
+        try:
+            window = check_context_window(ours.get("context_window"))
+        except InvalidInputError as e:
+            raise CheckpointError(f"drafter config.json: {e}") from e
         heads = field("num_attention_heads")
         hidden = field("hidden_size")
         rope_theta = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e6))
@@ -228,6 +245,7 @@ class DrafterConfig:
             learned_mask_embedding=bool(ours.get("learned_mask_embedding", False)),
             draft_vocab=ours.get("draft_vocab"),
             target=ours.get("target"),
+            context_window=window,
         )
 
     def replace(self, **changes: Any) -> DrafterConfig:

@@ -272,6 +272,7 @@ class _DraftSlot:
     ids: Tensor  # [1, MAX_ROWS] long: the anchor, then mask ids
     pos: Tensor  # [1] long: the anchor's position
     length: Tensor  # [1] long: valid context rows
+    first: Tensor  # [1] long: the first context row drafting attends to (the context window's start)
     rows: Tensor  # [MAX_ROWS] long: 0..MAX_ROWS-1
     key_positions: Tensor  # [capacity] long
     cos: Tensor  # [capacity + MAX_ROWS, head_dim]
@@ -329,6 +330,7 @@ class GraphedDrafts(_Graphs):
                           ids=torch.full((1, rows), d.config.mask_token_id, dtype=torch.long, device=device),
                           pos=torch.zeros(1, dtype=torch.long, device=device),
                           length=torch.zeros(1, dtype=torch.long, device=device),
+                          first=torch.zeros(1, dtype=torch.long, device=device),
                           rows=torch.arange(rows, device=device), key_positions=torch.arange(capacity, device=device),
                           cos=cos, sin=sin)
 
@@ -345,6 +347,7 @@ class GraphedDrafts(_Graphs):
         slot.ids[0, 0].fill_(anchor)
         slot.pos.fill_(pos)
         slot.length.fill_(context.length)
+        slot.first.fill_(context.first)
         shape = slot.shapes.get(key) or self._capture(key, slot, embed_tokens, head, fast)
         if shape is None:
             return eager()
@@ -369,7 +372,8 @@ class GraphedDrafts(_Graphs):
         def step() -> None:
             embeddings = self.drafter.embed(slot.ids[:, :s], embed_tokens)  # [1, s, hidden]
             positions = slot.pos + slot.rows[:s]  # [s]
-            visible = torch.cat((slot.key_positions < slot.length, block_visible))  # [capacity + s]
+            in_context = (slot.key_positions < slot.length) & (slot.key_positions >= slot.first)  # [capacity]
+            visible = torch.cat((in_context, block_visible))  # [capacity + s]
             mask = torch.zeros(capacity + s, dtype=embeddings.dtype, device=self.device)
             mask = mask.masked_fill(~visible, float("-inf"))[None, None, None].expand(1, 1, group * s, capacity + s)
             hidden = fast.run(embeddings, slot.cos[positions], slot.sin[positions], context, mask)

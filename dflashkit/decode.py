@@ -53,12 +53,14 @@ class DecodeOptions:
     lookup: bool = False  # draft by copying after a repeated n-gram where one exists (prompt lookup)
     lookup_store: NgramStore | None = None  # with lookup: the target's past answers, where the text has no repeat
     tree: int | None = None  # drafter steps verify a token tree of this many nodes instead of a chain (dflashkit.tree)
+    draft_window: int | None = None  # drafting attends to the last N context tokens; None: the drafter's own, 0: all
 
     def __post_init__(self) -> None:
         if self.tree is not None:
             check_budget(self.tree)
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
+        check_draft_window(self.draft_window)
         if self.block_size is not None and self.block_size < 2:
             raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {self.block_size}")
 
@@ -70,6 +72,20 @@ class Step:
     tokens: list[int]
     from_draft: list[bool]
     finished: bool = False
+
+
+def check_draft_window(window: object) -> int | None:
+    """A requested drafting window: None (the drafter's own), 0 (the whole context) or a positive integer."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise InvalidInputError(f"draft_window must be an integer >= 0 (0: the whole context), got {window!r}")
+    return window
+
+
+def draft_window(drafter: DFlashDrafter, options: DecodeOptions) -> int | None:
+    """The context window drafting uses: the options' (0: none), else the drafter's own (None: none)."""
+    if options.draft_window is None:
+        return drafter.config.context_window
+    return options.draft_window or None
 
 
 def decode(
@@ -123,7 +139,8 @@ def decode(
 
     pos = len(prompt_ids)
     produced = 1
-    context = drafter.new_context(capacity=pos + max_new + block) if drafter else None
+    stats.draft_window = draft_window(drafter, options) if drafter else None
+    context = drafter.new_context(capacity=pos + max_new + block, window=stats.draft_window) if drafter else None
     pending, pending_start = features, 0
     lookup = NgramLookup(prompt_ids + [token], store=options.lookup_store) if options.lookup else None
     use_trees = options.tree is not None and drafter is not None and target.supports_trees

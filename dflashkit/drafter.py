@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import row_kernels, kernels
-from .config import DrafterConfig
+from .config import DrafterConfig, check_context_window
 from .errors import InvalidInputError
 from .kernels import Matmul, rotate, signed_sin
 from .linear import PackedLinear
@@ -214,11 +214,14 @@ class DFlashDrafter(nn.Module):
         is_mask = (token_ids == self.config.mask_token_id)[..., None]
         return torch.where(is_mask, self.mask_embedding.to(emb.dtype), emb)
 
-    def new_context(self, capacity: int = 256) -> ContextCache:
-        """An empty injected-context cache for one generation (with step graphs: of fixed capacity)."""
+    def new_context(self, capacity: int = 256, window: int | None = None) -> ContextCache:
+        """An empty injected-context cache for one generation (with step graphs: of fixed capacity); drafting
+        attends to its last ``window`` rows only (None: all)."""
         if self.graphs is not None:
-            return self.graphs.new_context(capacity)
-        return ContextCache(len(self.layers), capacity)
+            context = self.graphs.new_context(capacity)
+            context.window = check_context_window(window)
+            return context
+        return ContextCache(len(self.layers), capacity, window)
 
     def use_step_graphs(self, capture: Capture | None = None) -> None:
         """Replay drafting steps from graphs (:mod:`dflashkit.cuda_graphs`; needs the fast path). ``capture``
@@ -385,7 +388,8 @@ class FastDrafterForward:
         cos, sin = self.rotary(positions, block_embeddings.dtype)  # [s, head_dim]
         h, _ = row_kernels.decoder_layers(block_embeddings[0], self.fused_weights, cos, signed_sin(sin), context.keys,
                                           context.values, context.length, None, self.heads, self.kv_heads,
-                                          self.layers[0].intermediate, self.eps, self.head_dim**-0.5, [])
+                                          self.layers[0].intermediate, self.eps, self.head_dim**-0.5, [],
+                                          context.first)
         return self.norm(h)[None]
 
     def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
@@ -463,12 +467,14 @@ class ContextCache:
     Buffers are preallocated (``keys`` and ``values`` [layers, kv_heads, capacity, head_dim]; per layer views
     [1, kv_heads, capacity, head_dim]) and grown by doubling, so appending costs a copy of the new rows only.
     Rows past ``length`` are scratch: the one-call drafter layers (dflashkit.row_kernels) write a block's own
-    keys and values there.
+    keys and values there. With a ``window``, drafting attends to the last ``window`` rows only (:attr:`first`
+    on); the rows before stay in the buffers.
     """
 
-    def __init__(self, num_layers: int, capacity: int = 256) -> None:
+    def __init__(self, num_layers: int, capacity: int = 256, window: int | None = None) -> None:
         self.num_layers = num_layers
         self.capacity = capacity
+        self.window = check_context_window(window)
         self.length = 0
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
@@ -494,10 +500,17 @@ class ContextCache:
             self.keys[:, :, : self.length] = keys[:, :, : self.length]
             self.values[:, :, : self.length] = values[:, :, : self.length]
 
+    @property
+    def first(self) -> int:
+        """The first row a drafting step attends to: 0, or where the window of the last ``window`` rows starts."""
+        return 0 if self.window is None else max(0, self.length - self.window)
+
     def layers(self) -> list[KV]:
-        """Views of the filled part: per layer (keys, values) [1, kv_heads, length, head_dim]."""
+        """Views of the rows drafting attends to (all, or the window): per layer (keys, values)
+        [1, kv_heads, length - first, head_dim]."""
         assert self._buffers is not None, "context cache is empty"
-        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._buffers]
+        first = self.first
+        return [(k[:, :, first : self.length], v[:, :, first : self.length]) for k, v in self._buffers]
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)

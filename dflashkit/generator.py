@@ -185,6 +185,7 @@ class SpeculativeGenerator:
         lookup: bool = False,
         ngram_store: bool = True,
         tree: int | None = None,
+        draft_window: int | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
@@ -197,7 +198,8 @@ class SpeculativeGenerator:
         past answers drafts, if the drafter folder has one (:mod:`dflashkit.ngram_store`; ``ngram_store=False``
         turns it off). ``tree=N``: drafter steps verify a token tree of up to N nodes (the drafter's likeliest
         alternatives, :mod:`dflashkit.tree`) instead of a chain; on the fast forward only (elsewhere: chains).
-        Still lossless.
+        ``draft_window=N``: drafting attends to the last N context tokens (0: all; None: the drafter's own
+        ``config.context_window``). Still lossless.
         """
         adaptive = block_size == "auto"
         if isinstance(block_size, str) and not adaptive:
@@ -219,6 +221,7 @@ class SpeculativeGenerator:
             lookup=lookup,
             lookup_store=store,
             tree=tree,
+            draft_window=draft_window,
         )
         policy = self.block_policies.get(options.sampling.greedy) if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))

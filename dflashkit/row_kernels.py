@@ -236,17 +236,18 @@ def layer_weights(input_norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, o: T
 
 def decoder_layers(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Tensor, keys: Tensor, values: Tensor,
                    start: int, hidden: Tensor | None, heads: int, kv_heads: int, intermediate: int, eps: float,
-                   scaling: float, feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+                   scaling: float, feature_layers: list[int], context_start: int = 0) -> tuple[Tensor, Tensor | None]:
     """Every decoder layer for the rows x [n, hidden] at positions start..start+n-1, in one call (a Llama / Qwen2 /
     Qwen3 target's, or the drafter's, whose block rows see each other and the whole context: hidden None).
 
     ``weights``: 8 per layer (input norm, q/k/v packed, q/k/v fp32 bias or an empty tensor, o packed, post norm,
     gate/up packed, down packed, [q_norm, k_norm] stacked or an empty tensor); cos, sin_signed [n, head_dim];
     keys, values [layers, kv_heads, capacity, head_dim]: the rows' keys and values are written at start..; hidden
-    [n, start+n] bool or None. Each row is computed on its own (bitwise a one-token step). Returns x after the
+    [n, start+n] bool or None; ``context_start``: the rows attend to cache rows context_start.. only (a drafter's
+    context window; 0 with ``hidden``). Each row is computed on its own (bitwise a one-token step). Returns x after the
     last layer [n, hidden] and the feature layers' outputs [1, n, len(feature_layers) * hidden] (None without).
     """
     out, features = kernel().decoder_layers(
         x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), keys, values, start, hidden, heads,
-        kv_heads, intermediate, eps, scaling, list(feature_layers))
+        kv_heads, intermediate, eps, scaling, list(feature_layers), context_start)
     return out, features[None] if feature_layers else None

@@ -31,6 +31,7 @@ class DecodeStats:
     store_steps: list[bool] = field(default_factory=list)  # per step: copied from the n-gram store of past answers
     tree: int | None = None  # drafter steps verified token trees of up to this many nodes (None: chains)
     tree_nodes: list[int] = field(default_factory=list)  # per step: nodes of its tree (0: a chain)
+    draft_window: int | None = None  # drafting attended to the last this many context tokens (None: all)
 
     def record_step(self, drafted: int, accepted: int, copied: bool = False, from_store: bool = False,
                     tree_nodes: int = 0) -> None:
@@ -112,6 +113,7 @@ class DecodeStats:
             "finish_reason": self.finish_reason,
             "target_weights": self.target_weights,
             "engine": self.engine,
+            "draft_window": self.draft_window,
             "lookup": self.lookup_summary() if self.lookup else None,
             "tree": self.tree_summary() if self.tree else None,
         }

@@ -340,7 +340,9 @@ class Trainer:
         else:
             self.vocab = draft_vocabulary(self.train_seqs, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
         self.vocab = self.vocab.to(cfg.device) if self.vocab is not None else None
-        dcfg = shape.replace(draft_vocab=self.vocab.tolist() if self.vocab is not None else None)
+        # its context window: the longest context it trains on (at inference it reads no more than that by default)
+        dcfg = shape.replace(draft_vocab=self.vocab.tolist() if self.vocab is not None else None,
+                             context_window=cfg.max_seq_len)
         self.drafter = DFlashDrafter(dcfg).to(cfg.device)  # fp32 master weights; bf16 autocast
         if start is not None:
             self.drafter.load_state_dict(start.state_dict())

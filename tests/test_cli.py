@@ -148,6 +148,28 @@ def test_token_tree_flag(loads, capsys) -> None:
     assert rc == 0 and "--tree has no effect without a drafter" in err
 
 
+def test_draft_window_flag(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--draft-window N reaches the drafter's context (0: the whole context); output unchanged; bad values refused."""
+    from dflashkit.drafter import DFlashDrafter
+
+    windows = []
+    new_context = DFlashDrafter.new_context
+
+    def recording(self, capacity=256, window=None):
+        windows.append(window)
+        return new_context(self, capacity, window)
+
+    monkeypatch.setattr(DFlashDrafter, "new_context", recording)
+    for flag, window in (("3", 3), ("0", None)):
+        rc, out, err = cli(capsys, "--drafter", "untrained", "--no-lookup", "--draft-window", flag, "--json",
+                           "--dtype", "float32", "--compare-ar")
+        assert rc == 0, err
+        assert json.loads(out)["identical"] is True and windows[-1] == window
+    loads.clear()
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--draft-window", "-2")
+    assert rc == 2 and "draft_window" in err and loads == []
+
+
 class RecordingStdout:
     """Stands in for sys.stdout and keeps every write, to see the text arrive in pieces."""
 
@@ -295,7 +317,7 @@ def test_an_absent_device_fails_before_loading(loads, capsys, monkeypatch: pytes
 
 @pytest.mark.parametrize("args,message", [(["--max-queue", "-1"], "max_queue"), (["--timeout", "-5"], "timeout"),
                                           (["--port", "70000"], "--port"), (["--block-size", "1"], "block_size"),
-                                          (["--tree", "0"], "tree")])
+                                          (["--tree", "0"], "tree"), (["--draft-window", "-1"], "draft_window")])
 def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], message: str) -> None:
     rc = main(["serve", *args])
     _, err = capsys.readouterr()

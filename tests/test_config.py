@@ -170,6 +170,20 @@ def test_rope_parameters_yarn_is_refused() -> None:
         DrafterConfig.from_hf_dict(d)
 
 
+def test_context_window_round_trips_and_bad_values_are_refused() -> None:
+    cfg = make_config(context_window=96)
+    d = json.loads(json.dumps(cfg.to_hf_dict()))
+    assert d["dflashkit"]["context_window"] == 96 and DrafterConfig.from_hf_dict(d) == cfg
+    del d["dflashkit"]["context_window"]  # older checkpoints: no window
+    assert DrafterConfig.from_hf_dict(d).context_window is None
+    for bad in (0, -3, 2.5, "64", True):
+        d["dflashkit"]["context_window"] = bad
+        with pytest.raises(CheckpointError, match="context window"):
+            DrafterConfig.from_hf_dict(d)
+        with pytest.raises(InvalidInputError, match="context window"):
+            make_config(context_window=bad)
+
+
 @pytest.mark.parametrize("change", ["layer_types", "use_sliding_window"])
 def test_sliding_window_layers_are_refused(change: str) -> None:
     d = make_config().to_hf_dict()

@@ -240,6 +240,29 @@ def test_drafting_through_graphs_gives_the_fast_paths_tokens(arch):
     assert capture.captured > 0 and not twin.graphs.failed
 
 
+def test_drafting_graphs_attend_to_the_context_window_only():
+    """A graphed drafting step masks the context rows before the window: the eager step's scores (windowed), which
+    differ from the whole context's here."""
+    plain, _, drafter, _ = pair("qwen3")
+    capture = ReplayCapture()
+    twin = graphed_drafter(drafter, capture)
+    prompt = torch.tensor([PROMPTS[0] * 3])
+    _, features = plain.forward(prompt, 0, plain.new_cache(), logits_rows=1)
+    n = prompt.shape[1]
+
+    def scores(d, window):
+        context = d.new_context(n + 16, window=window)
+        embed, head = plain.embed_tokens, plain.lm_head
+        first = d.draft_scores(context, features, 0, 7, n, 4, embed, head)[0]
+        return [first] + [d.draft_scores(context, None, 0, 7, n, 4, embed, head)[0] for _ in range(3)]
+
+    expected = scores(drafter, 3)[0]
+    assert not torch.allclose(expected, scores(drafter, None)[0], atol=1e-3)
+    for got in scores(twin, 3):  # the first two replays are checked against eager steps, the others not
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert capture.captured == 1 and not twin.graphs.failed
+
+
 def test_draft_contexts_are_pooled_and_fixed():
     _, _, drafter, _ = pair()
     twin = graphed_drafter(drafter)

@@ -11,6 +11,7 @@ from conftest import VOCAB, tiny_drafter, tiny_target
 from dflashkit import row_kernels
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.drafter import DFlashDrafter
+from dflashkit.errors import InvalidInputError
 from dflashkit.sampling import SamplingParams
 from dflashkit.stats import DecodeStats
 from dflashkit.target import TargetAdapter
@@ -279,3 +280,31 @@ def test_draft_vocabulary_restricts_proposals_not_output(arch):
     sampled = run(target, drafter, [5, 6], max_new_tokens=12, seed=0, proposal="sample",
                   sampling=SamplingParams(temperature=1.0))  # fmt: skip
     assert len(sampled) == 12
+
+
+def test_a_draft_window_changes_drafts_not_output(arch, monkeypatch):
+    """The drafter's own context window applies by default, DecodeOptions.draft_window overrides it (0: the whole
+    context); greedy output stays plain greedy output whatever the window, and bad values are refused."""
+    model = tiny_target(arch)
+    base = tiny_drafter(model, block_size=4)
+    drafter = DFlashDrafter(base.config.replace(context_window=3))
+    drafter.load_state_dict(base.state_dict())
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    windows = []
+    new_context = drafter.new_context
+
+    def recording(capacity, window):
+        windows.append(window)
+        return new_context(capacity, window)
+
+    monkeypatch.setattr(drafter, "new_context", recording)
+    for prompt in prompts(4, seed=5):
+        plain = run(TargetAdapter(model), None, prompt)
+        for window, used in ((None, 3), (0, None), (1, 1), (5, 5)):
+            stats = DecodeStats(4)
+            assert run(target, drafter, prompt, stats, draft_window=window) == plain
+            assert stats.draft_window == used and stats.as_dict()["draft_window"] == used
+    assert windows == [3, None, 1, 5] * 4
+    for bad in (-1, 2.5, True):
+        with pytest.raises(InvalidInputError, match="draft_window"):
+            DecodeOptions(draft_window=bad)

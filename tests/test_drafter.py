@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from conftest import tiny_drafter, tiny_target
 from dflashkit.drafter import DFlashDrafter
+from dflashkit.errors import InvalidInputError
 
 
 def naive_layer_attention(layer, block_h, ctx, block_pos, ctx_pos, theta):
@@ -93,6 +95,29 @@ def test_incremental_context_equals_one_shot():
     for (k1, v1), (k2, v2) in zip(context.layers(), one_shot):
         torch.testing.assert_close(k1, k2)
         torch.testing.assert_close(v1, v2)
+
+
+def test_a_context_window_drafts_as_if_the_context_held_only_its_rows():
+    """With a window of w rows, drafting attends to the last w context rows only: the same scores as a context
+    holding just those rows (keys rotated at the same positions); a window as wide as the context changes nothing."""
+    model = tiny_target("qwen3")
+    drafter = tiny_drafter(model, block_size=4)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    feats = torch.randn(1, 13, drafter.fc.in_features, generator=torch.Generator().manual_seed(5))
+
+    def scores(window: int | None, first: int = 0) -> torch.Tensor:
+        context = drafter.new_context(capacity=4, window=window)  # grows while appending
+        with torch.no_grad():
+            out = drafter.draft_scores(context, feats[:, first:], first, 7, 13, 3, embed, head)[0]
+        assert context.length == 13 - first and context.first == max(0, context.length - (window or 13))
+        return out
+
+    windowed = scores(5)
+    assert torch.equal(windowed, scores(None, first=8))
+    assert not torch.allclose(windowed, scores(None))  # the window matters here
+    assert torch.equal(scores(13), scores(None))
+    with pytest.raises(InvalidInputError, match="context window"):
+        drafter.new_context(window=0)
 
 
 def test_drafter_owns_no_embedding_or_head():

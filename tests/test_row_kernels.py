@@ -326,6 +326,37 @@ def test_one_call_drafter_layers_compute_what_the_python_layers_compute(isa, arc
     assert torch.allclose(got, ref, atol=0.03 * ref.abs().max().item())  # measured: 1.0-1.1%
 
 
+def test_one_call_drafter_layers_attend_to_the_context_window_only(isa):
+    """With a window, the one-call drafter layers read the last rows only: bitwise the scores over a context that
+    holds just those rows, and the Python layers' scores within bf16 rounding."""
+    from conftest import VOCAB, tiny_drafter, tiny_target
+
+    from dflashkit.target import TargetAdapter
+
+    model = tiny_target("qwen3", dtype=torch.bfloat16)
+    drafter = tiny_drafter(model, block_size=8)
+    drafter.use_fast_path()
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    fast = drafter._fast_forward()
+    fused = fast.fused_weights
+    assert fused is not None
+    prompt = torch.randint(3, VOCAB, (1, 20))
+    _, features = target.forward(prompt, 0, target.new_cache(), logits_rows=1)
+
+    def scores(window: int | None, first: int = 0) -> torch.Tensor:
+        context = drafter.new_context(capacity=24, window=window)
+        return drafter.draft_scores(context, features[:, first:], first, 7, 20, 5, target.embed_tokens,
+                                    target.lm_head)[0]
+
+    windowed = scores(6)
+    assert torch.equal(windowed, scores(None, first=14))
+    assert not torch.equal(windowed, scores(None))
+    fast.fused_weights = None  # the Python layers
+    ref = scores(6).float()
+    fast.fused_weights = fused
+    assert torch.allclose(windowed.float(), ref, atol=0.03 * ref.abs().max().item())
+
+
 def test_the_engine_line_names_the_row_kernels(isa, monkeypatch):
     from conftest import tiny_target
 

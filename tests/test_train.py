@@ -343,6 +343,7 @@ def test_init_from_a_trained_drafter_keeps_weights_and_draft_vocabulary(tmp_path
     second = make_trainer(tmp_path / "b", model, [*more], init_drafter=str(tmp_path / "d"), draft_vocab_size=40)
     assert second.drafter.config.draft_vocab == first.drafter.config.draft_vocab
     saved = load_drafter(tmp_path / "d", dtype=torch.float32)
+    assert saved.config.context_window == first.cfg.max_seq_len  # it never trained on longer contexts
     for (name, p), q in zip(saved.state_dict().items(), second.drafter.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
     with pytest.raises(InvalidInputError, match="num_hidden_layers"):

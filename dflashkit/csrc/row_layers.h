@@ -10,14 +10,15 @@
 // down, residuals; every step per row, so a verify pass's rows are bitwise one-token steps.
 // x [n, H] bf16; per layer 8 tensors: input norm [H], qkv packed, qkv bias (fp32 [..] or an empty tensor), o packed,
 // post norm [H], gate/up packed, down packed, q/k norms ([2, d] bf16 or empty); cos, sin_signed [n, d] bf16;
-// keys, values [layers, kv_heads, capacity, d]. Returns x after the last layer and the feature layers' outputs
-// concatenated [n, len(feature_layers) * H] (empty without).
+// keys, values [layers, kv_heads, capacity, d]; the rows attend to cache rows context_start..start+n-1 (a drafter's
+// context window; 0: all, the only value with a hidden mask). Returns x after the last layer and the feature layers'
+// outputs concatenated [n, len(feature_layers) * H] (empty without).
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
                                           const torch::Tensor& cos, const torch::Tensor& sin_signed,
                                           torch::Tensor keys, torch::Tensor values, int64_t start,
                                           const c10::optional<torch::Tensor>& hidden, int64_t heads, int64_t kv_heads,
                                           int64_t intermediate, double eps, double scaling,
-                                          const std::vector<int64_t>& feature_layers) {
+                                          const std::vector<int64_t>& feature_layers, int64_t context_start) {
   const int64_t n = x.size(0), width = x.size(1), d = keys.size(3), layers = keys.size(0), end = start + n;
   const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d;
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x: contiguous [n, H] bf16");
@@ -25,6 +26,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<tor
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && end <= keys.size(2), "caches: contiguous, room for the rows");
   TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(0) == n && cos.size(1) == d, "cos/sin: [n, d]");
   TORCH_CHECK(d % 16 == 0 && d <= 256, "head size: a multiple of 16, at most 256");
+  TORCH_CHECK(context_start >= 0 && context_start <= start && (!hidden.has_value() || context_start == 0),
+              "context_start: in 0..start, and 0 with a hidden mask");
   x = x.clone();
   auto opts = x.options();
   auto h = torch::empty({n, width}, opts), q = torch::empty({kv_heads, group * n, d}, opts);
@@ -58,8 +61,10 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<tor
       for (int64_t kh = 0; kh < kv_heads; ++kh)  // values as they are
         std::memcpy(vl + (kh * cap + start + i) * d, row + (heads + kv_heads + kh) * d, d * sizeof(uint16_t));
     }
-    torch::Tensor out = attention(q, keys.select(0, layer).narrow(1, 0, end), values.select(0, layer).narrow(1, 0, end),
-                                  hidden, n, scaling);  // [kv_heads, group * n, d]
+    const int64_t seen = end - context_start;  // cache rows the block attends to
+    torch::Tensor out = attention(q, keys.select(0, layer).narrow(1, context_start, seen),
+                                  values.select(0, layer).narrow(1, context_start, seen), hidden, n,
+                                  scaling);  // [kv_heads, group * n, d]
     for (int64_t i = 0; i < n; ++i)
       for (int64_t head = 0; head < heads; ++head)
         std::memcpy(u16w(attn_rows) + (i * heads + head) * d,

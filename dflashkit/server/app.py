@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from ..decode import check_draft_window
 from ..errors import InvalidInputError
 from ..generator import GenerationStream, SpeculativeGenerator
 from ..sampling import SamplingParams
@@ -48,6 +49,7 @@ class ServerSettings:
     proposal: str = "sample"  # how drafts are proposed when sampling ("sample" or "argmax"; both exact)
     lookup: bool = False  # prompt lookup: copy the continuation of a repeated n-gram instead of drafting
     tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: chains)
+    draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -61,6 +63,7 @@ class ServerSettings:
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         if self.tree is not None:
             check_budget(self.tree)
+        check_draft_window(self.draft_window)
         if self.block_size is not None and self.block_size != "auto" and (
                 not isinstance(self.block_size, int) or self.block_size < 2):
             raise InvalidInputError(f"block_size must be an integer >= 2 or 'auto', got {self.block_size!r}")
@@ -259,6 +262,7 @@ class Service:
             plan.prompt_ids, max_new_tokens=plan.max_new_tokens, temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=b.seed, stop=b.stop_strings, block_size=self.settings.block_size,
             proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
+            draft_window=self.settings.draft_window,
         )  # fmt: skip
 
     async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:
