@@ -288,11 +288,11 @@ class GraphContext(ContextCache):
         self.slot = slot
         self._buffers = list(zip(slot.keys, slot.values))
 
-    def append(self, kvs: list) -> None:
-        n = kvs[0][0].shape[2]
+    def append(self, kvs: list, skipped: int = 0) -> None:
+        n = skipped + kvs[0][0].shape[2]
         if self.length + n > self.capacity:
             raise InvalidInputError(f"{self.length + n} context rows do not fit this graph context of {self.capacity}")
-        super().append(kvs)
+        super().append(kvs, skipped)
 
 
 class GraphedDrafts(_Graphs):

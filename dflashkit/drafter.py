@@ -254,9 +254,11 @@ class DFlashDrafter(nn.Module):
         device = self.fc.weight.device
         fast = self._fast_forward() if self.fast else None
         if new_features is not None and new_features.shape[1]:
-            positions = torch.arange(new_start, new_start + new_features.shape[1], device=device)
+            n = new_features.shape[1]
+            skip = context.outside_window(n)  # rows the window has passed already: not computed
+            positions = torch.arange(new_start + skip, new_start + n, device=device)
             kv = fast.context_key_values if fast is not None else self.context_key_values
-            context.append(kv(new_features, positions))
+            context.append(kv(new_features[:, skip:], positions), skipped=skip)
         head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
 
         def eager() -> Tensor:
@@ -476,20 +478,34 @@ class ContextCache:
         self.capacity = capacity
         self.window = check_context_window(window)
         self.length = 0
+        self.stored_from = 0  # rows before it were skipped (outside the window), never computed
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
         self._buffers: list[tuple[Tensor, Tensor]] | None = None
 
-    def append(self, kvs: list[KV]) -> None:
-        n = kvs[0][0].shape[2]
+    def outside_window(self, n: int) -> int:
+        """How many of the next n rows drafting will never attend to (they fall before the window once all n are
+        in): their keys and values need not be computed."""
+        return 0 if self.window is None else max(0, n - self.window)
+
+    def append(self, kvs: list[KV], skipped: int = 0) -> None:
+        """Append rows: ``skipped`` rows that were not computed (see :meth:`outside_window`; their buffer rows are
+        left as they are and never read), then the rows of ``kvs``."""
+        n = skipped + kvs[0][0].shape[2]
+        if skipped and skipped > self.outside_window(n):
+            raise InvalidInputError(f"{skipped} of {n} rows skipped, but only {self.outside_window(n)} fall outside "
+                                    "the context window")
         if self._buffers is None:
             self._allocate(kvs[0][0], max(self.capacity, n))
         elif self.length + n > self._buffers[0][0].shape[2]:
             self.reserve(self.length + n)
+        start = self.length + skipped
         for (kb, vb), (k, v) in zip(self._buffers, kvs):
-            kb[:, :, self.length : self.length + n] = k
-            vb[:, :, self.length : self.length + n] = v
+            kb[:, :, start : self.length + n] = k
+            vb[:, :, start : self.length + n] = v
         self.length += n
+        if skipped:
+            self.stored_from = start
 
     def reserve(self, end: int) -> None:
         """Room for rows < end (the buffers double when they would not fit)."""
@@ -513,7 +529,10 @@ class ContextCache:
         return [(k[:, :, first : self.length], v[:, :, first : self.length]) for k, v in self._buffers]
 
     def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
+        length = min(self.length, length)
+        if self.window is not None and max(0, length - self.window) < self.stored_from:
+            raise InvalidInputError("cannot crop a windowed context back into rows that were skipped")
+        self.length = length
 
     def _allocate(self, like: Tensor, capacity: int) -> None:
         """New buffers shaped like `like` [1, kv_heads, *, head_dim] for every layer."""

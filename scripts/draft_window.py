@@ -1,6 +1,7 @@
 """The drafter's τ by context window, on the evaluation sets' own prompts and on long ones.
 
     .venv/bin/python scripts/draft_window.py [--drafter DIR] [--windows 0,256,512,768] [--limit 4] [--context-docs 15]
+                                             [--sets humaneval,mt-bench,math500] [--long-only]
 
 A long prompt is an evaluation prompt behind other prompts of its set given as "reference material"
 (--context-docs of them: ~2.5-3.5K tokens for 15 HumanEval problems or 40 MT-Bench / MATH-500 questions at the
@@ -38,14 +39,17 @@ def main() -> None:
     ap.add_argument("--context-docs", type=int, default=15, help="reference prompts in a long HumanEval prompt")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sets", default=",".join(SETS))
+    ap.add_argument("--long-only", action="store_true", help="only the long prompts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     windows = [int(w) for w in args.windows.split(",")]
     gen = SpeculativeGenerator.load(drafter=args.drafter)
     print(f"drafter's own window: {gen.drafter.config.context_window}; windows {windows} (0: all)")
-    for name, scale in SETS.items():
+    for name in args.sets.split(","):
+        scale = SETS[name]
         prompts = load_set(name, limit=max(40, args.limit + int(args.context_docs * scale) + 1), seed=1)
-        for docs in (0, round(args.context_docs * scale)):
+        for docs in ((0,) if not args.long_only else ()) + (round(args.context_docs * scale),):
             taus: dict[int, list[float]] = {w: [] for w in windows}
             draft_ms: dict[int, list[float]] = {w: [] for w in windows}
             lengths = []

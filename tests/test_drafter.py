@@ -119,6 +119,20 @@ def test_a_context_window_drafts_as_if_the_context_held_only_its_rows():
     with pytest.raises(InvalidInputError, match="context window"):
         drafter.new_context(window=0)
 
+    # rows the window has passed when they arrive are never computed, also when they arrive in pieces
+    context = drafter.new_context(capacity=4, window=5)
+    computed = []
+    key_values = drafter.context_key_values
+    drafter.context_key_values = lambda f, p: computed.append(p.tolist()) or key_values(f, p)
+    with torch.no_grad():
+        for a, b in [(0, 6), (6, 9), (9, 13)]:
+            drafter.draft_scores(context, feats[:, a:b], a, 7, b, 3, embed, head)
+        pieces = drafter.draft_scores(context, None, 0, 7, 13, 3, embed, head)[0]
+    assert computed == [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]] and context.stored_from == 1
+    torch.testing.assert_close(pieces, windowed)  # (rows computed in other groupings: float rounding)
+    with pytest.raises(InvalidInputError, match="skipped"):
+        context.crop(5)
+
 
 def test_drafter_owns_no_embedding_or_head():
     model = tiny_target("llama")
