@@ -470,7 +470,7 @@ class ContextCache:
     [1, kv_heads, capacity, head_dim]) and grown by doubling, so appending costs a copy of the new rows only.
     Rows past ``length`` are scratch: the one-call drafter layers (dflashkit.row_kernels) write a block's own
     keys and values there. With a ``window``, drafting attends to the last ``window`` rows only (:attr:`first`
-    on); the rows before stay in the buffers.
+    on); rows the window had already passed when they arrived are not computed at all (:meth:`outside_window`).
     """
 
     def __init__(self, num_layers: int, capacity: int = 256, window: int | None = None) -> None:
