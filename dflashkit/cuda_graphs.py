@@ -283,8 +283,8 @@ class _DraftSlot:
 class GraphContext(ContextCache):
     """A drafter :class:`ContextCache` of fixed capacity over a pooled slot (graphs recorded its buffers)."""
 
-    def __init__(self, slot: _DraftSlot) -> None:
-        super().__init__(len(slot.keys), slot.keys[0].shape[2])
+    def __init__(self, slot: _DraftSlot, window: int | None = None) -> None:
+        super().__init__(len(slot.keys), slot.keys[0].shape[2], window)
         self.slot = slot
         self._buffers = list(zip(slot.keys, slot.values))
 
@@ -315,9 +315,10 @@ class GraphedDrafts(_Graphs):
     def _label(self, key: tuple) -> str:
         return f"drafting {key[0] - 1} tokens"
 
-    def new_context(self, capacity: int) -> GraphContext:
-        """An empty context for one generation of up to ``capacity`` positions (pooled like the target's caches)."""
-        return self._lend(capacity, GraphContext)
+    def new_context(self, capacity: int, window: int | None = None) -> GraphContext:
+        """An empty context for one generation of up to ``capacity`` positions (pooled like the target's caches);
+        drafting attends to its last ``window`` rows only (None: all)."""
+        return self._lend(capacity, lambda slot: GraphContext(slot, window))
 
     def _new_slot(self, capacity: int) -> _DraftSlot:
         d, device, rows = self.drafter, self.device, self.max_rows

@@ -218,9 +218,7 @@ class DFlashDrafter(nn.Module):
         """An empty injected-context cache for one generation (with step graphs: of fixed capacity); drafting
         attends to its last ``window`` rows only (None: all)."""
         if self.graphs is not None:
-            context = self.graphs.new_context(capacity)
-            context.window = check_context_window(window)
-            return context
+            return self.graphs.new_context(capacity, window)
         return ContextCache(len(self.layers), capacity, window)
 
     def use_step_graphs(self, capture: Capture | None = None) -> None:
