@@ -5,6 +5,7 @@ from .config import DrafterConfig, build_target_layer_ids
 from .decode import DecodeOptions, Step, decode
 from .drafter import DFlashDrafter
 from .errors import CheckpointError, DFlashError, IncompatibleDrafterError, InvalidInputError
+from .grammar import Grammar, GrammarError
 from .generator import GenerationResult, SpeculativeGenerator, TextDelta
 from .identity import check_compatible, drafter_config_for
 from .lossless import Divergence
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "DEFAULT_TARGET", "DFlashDrafter", "DFlashError", "DecodeOptions", "DecodeStats",
-    "Divergence", "DrafterConfig", "GenerationResult", "IncompatibleDrafterError", "InvalidInputError",
+    "Divergence", "DrafterConfig", "GenerationResult", "Grammar", "GrammarError", "IncompatibleDrafterError", "InvalidInputError",
     "SamplingParams", "SpeculativeGenerator", "Step", "TargetAdapter", "TextDelta", "build_target_layer_ids",
     "check_compatible", "decode", "drafter_config_for", "load_drafter", "load_target", "save_drafter",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 from contextlib import contextmanager
 from typing import Any
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lookup_option(g)
     _add_tree_option(g)
     _add_draft_window_option(g)
+    _add_grammar_options(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -246,6 +248,46 @@ def _add_draft_window_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_grammar_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "structured output", "constrain the output to a grammar (llguidance); exact with respect to the target "
+        "constrained to it, in speculative and plain decoding alike (token trees are not used)").add_mutually_exclusive_group()
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--json-schema", metavar="SCHEMA",
+                       help="the output is JSON valid under this schema: a file, or the schema's JSON text")
+    group.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression as a whole")
+    group.add_argument("--lark", metavar="FILE", help="the output is in the language of this Lark grammar file "
+                       "(llguidance's dialect; start rule `start`)")
+
+
+def _grammar_from_args(args: argparse.Namespace):
+    """The Grammar the generate flags ask for (None: unconstrained); files are read and JSON parsed here, before
+    the (slow) model load."""
+    from .grammar import Grammar
+
+    if args.json_object:
+        return Grammar.json_object()
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            text = _read_text_file(text, "--json-schema")
+        return Grammar.json_schema(text)
+    if args.regex is not None:
+        return Grammar.regex(args.regex)
+    if args.lark is not None:
+        return Grammar.lark(_read_text_file(args.lark, "--lark"))
+    return None
+
+
+def _read_text_file(path: str, flag: str) -> str:
+    from .errors import InvalidInputError
+
+    try:
+        return pathlib.Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"{flag}: cannot read {path!r}: {exc}") from None
+
+
 def _add_lookup_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ngram-store", action=argparse.BooleanOptionalAction, default=True,
@@ -432,6 +474,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     dtype = DTYPES[args.dtype]
     check_draft_window(args.draft_window)  # before the (slow) model load
+    grammar = _grammar_from_args(args)
     _apply_threads(args.threads)
     gen = _load_generator(args, args.json)
     drafter = gen.drafter
@@ -445,7 +488,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,
         lookup=_lookup_wanted(args, drafter is not None), ngram_store=args.ngram_store, tree=args.tree,
-        draft_window=args.draft_window,
+        draft_window=args.draft_window, grammar=grammar,
     )  # fmt: skip
     gen.warmup()
     stream = gen.stream(args.prompt, **kwargs)
@@ -576,6 +619,8 @@ def _print_summary(result, speculative: bool) -> None:
                  + (f", {tr['mean_nodes']:.1f} nodes and τ {tr['tree_tau']:.2f} on those" if tr["tree_steps"] else "") + ")")
     if is_quantized(s.target_weights):
         line += f" (target: {s.target_weights}; exact w.r.t. the quantized target)"
+    if s.grammar:
+        line += f" (structured output: {s.grammar.replace('_', ' ')})"
     print(line, file=sys.stderr)
     if result.ar is not None:
         ar = result.ar.stats
@@ -595,8 +640,6 @@ def _print_summary(result, speculative: bool) -> None:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    import pathlib
-
     from . import data, models
 
     if args.num_prompts < 1:

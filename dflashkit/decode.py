@@ -11,7 +11,8 @@ State between steps:
            anchor + accepted drafts of the steps since the drafter last ran)
 
 With ``lookup`` on, a step whose text so far ends with an n-gram seen before drafts the tokens that followed
-it (:mod:`dflashkit.lookup`) instead of running the drafter; verification is the same either way.
+it (:mod:`dflashkit.lookup`) instead of running the drafter; verification is the same either way. With a
+``grammar``, the target and the drafts are masked to what it allows (:mod:`dflashkit.grammar`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import Tensor
 from .adaptive import AdaptiveBlockSize
 from .drafter import DFlashDrafter
 from .errors import IncompatibleDrafterError, InvalidInputError
+from .grammar import CompiledGrammar, masked
 from .lookup import NgramLookup
 from .ngram_store import NgramStore
 from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
@@ -54,6 +56,7 @@ class DecodeOptions:
     lookup_store: NgramStore | None = None  # with lookup: the target's past answers, where the text has no repeat
     tree: int | None = None  # drafter steps verify a token tree of this many nodes instead of a chain (dflashkit.tree)
     draft_window: int | None = None  # drafting attends to the last N context tokens; None: the drafter's own, 0: all
+    grammar: CompiledGrammar | None = None  # structured output: every token is one the grammar allows (chains only)
 
     def __post_init__(self) -> None:
         if self.tree is not None:
@@ -125,12 +128,19 @@ def decode(
     def choose(logits: Tensor) -> int:  # target's token from one row of logits
         return int(argmax(logits)) if params.greedy else int(sample(warp(logits, params), gen))
 
+    constraint = options.grammar.start() if options.grammar is not None else None
+    stats.grammar = options.grammar.kind if options.grammar is not None else None
+    stop_ids = options.stop_token_ids | (constraint.eos_token_ids if constraint else frozenset())  # a grammar ends at eos
+
     # ---- prefill ----------------------------------------------------------------------------------------
     t_start = time.perf_counter()
     cache = target.new_cache(capacity=len(prompt_ids) + max_new + block)
     prompt = torch.tensor([prompt_ids], device=device)
     logits, features = target.forward(prompt, 0, cache, logits_rows=1)
+    logits = masked(logits, constraint.allowed()[None] if constraint else None)  # [1, vocab]
     token = choose(logits[-1])
+    if constraint:
+        constraint.consume([token])
     if observer:
         observer(logits, [token])
     stats.target_forwards += 1
@@ -143,12 +153,12 @@ def decode(
     context = drafter.new_context(capacity=pos + max_new + block, window=stats.draft_window) if drafter else None
     pending, pending_start = features, 0
     lookup = NgramLookup(prompt_ids + [token], store=options.lookup_store) if options.lookup else None
-    use_trees = options.tree is not None and drafter is not None and target.supports_trees
+    use_trees = options.tree is not None and drafter is not None and target.supports_trees and constraint is None
     stats.tree = options.tree if use_trees else None
 
-    finished = token in options.stop_token_ids or produced >= max_new
+    finished = token in stop_ids or produced >= max_new
     stats.new_tokens = produced
-    _finish(stats, finished, token in options.stop_token_ids, t_decode)
+    _finish(stats, finished, token in stop_ids, t_decode)
     yield Step([token], [False], finished)
 
     while not finished:
@@ -159,7 +169,10 @@ def decode(
         if lookup is not None:  # copies are as long as their own policy chooses (none: the largest block)
             copy_block = copy_policy.choose() if copy_policy is not None else largest
             copied = lookup.propose(min(copy_block - 1, room))
-        drafts, q, tree = torch.empty(0, dtype=torch.long, device=device), None, None
+        drafts, q, tree, masks = torch.empty(0, dtype=torch.long, device=device), None, None, None
+        if copied and constraint:  # one-hot proposals: cut at the first token the grammar refuses
+            n, masks = constraint.cut(copied)
+            copied = copied[:n]
         if copied:  # a fixed function of the text: a one-hot proposal
             size, k = copy_block, len(copied)
             drafts = torch.tensor(copied, dtype=torch.long, device=device)
@@ -177,9 +190,16 @@ def decode(
                 if use_trees:
                     tree = build_tree(scores, columns, options.tree)
                     drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+                elif constraint:  # each row masked by what the grammar allows after the drafts before it
+                    propose_row = functools.partial(propose, params=params, mode=options.proposal, generator=gen,
+                                                    token_ids=columns, vocab_size=target.vocab_size)
+                    drafts, q, masks = constraint.propose(scores, columns, propose_row)
+                    k = drafts.shape[0]
                 else:
                     drafts, q = propose(scores, params, options.proposal, gen, columns, target.vocab_size)
                 stats.draft_s += time.perf_counter() - t
+            if constraint and masks is None:
+                masks = constraint.allowed()[None]  # no drafts: the one verify row
 
         # ---- verify -----------------------------------------------------------------------------------
         t = time.perf_counter()
@@ -197,6 +217,7 @@ def decode(
             accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
         else:
             logits, features = target.forward(block_ids, pos, cache, logits_rows=rows)  # [rows, vocab]
+            logits = masked(logits, masks)
             if params.greedy:
                 accepted, token = verify_greedy(logits, drafts)
             else:
@@ -227,9 +248,11 @@ def decode(
             policy.observe(size, k, accepted, time.perf_counter() - t_step)
         elif copy_policy is not None and copied:  # ... and its copy policy those of copied drafts
             copy_policy.observe(size, k, accepted, time.perf_counter() - t_step)
-        stop_at = next((i for i, t in enumerate(emitted) if t in options.stop_token_ids), None)
+        stop_at = next((i for i, t in enumerate(emitted) if t in stop_ids), None)
         if stop_at is not None:
             emitted = emitted[: stop_at + 1]
+        if constraint:
+            constraint.consume(emitted)
         produced += len(emitted)
         finished = stop_at is not None or produced >= max_new
         stats.new_tokens = produced

@@ -21,6 +21,7 @@ from .adaptive import AdaptiveBlockSize, BlockPolicies
 from .decode import DecodeOptions, StepObserver, as_token_list, decode
 from .drafter import DFlashDrafter
 from .errors import InvalidInputError
+from .grammar import CompiledGrammar, Grammar, grammar_tokenizer
 from .identity import check_compatible
 from .lossless import Divergence, DivergenceRecorder
 from .sampling import SamplingParams
@@ -112,6 +113,7 @@ class SpeculativeGenerator:
         self.block_policies: BlockPolicies | None = (
             BlockPolicies(drafter.block_size) if drafter is not None and drafter.block_size >= 2 else None
         )  # used by block_size="auto"; greedy and sampled requests each carry their estimates over to the next
+        self._grammar_tokenizer: Any = None  # llguidance's view of the tokenizer, built on the first grammar
 
     @property
     def block_policy(self) -> AdaptiveBlockSize | None:
@@ -186,6 +188,7 @@ class SpeculativeGenerator:
         ngram_store: bool = True,
         tree: int | None = None,
         draft_window: int | None = None,
+        grammar: Grammar | CompiledGrammar | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
@@ -199,7 +202,9 @@ class SpeculativeGenerator:
         turns it off). ``tree=N``: drafter steps verify a token tree of up to N nodes (the drafter's likeliest
         alternatives, :mod:`dflashkit.tree`) instead of a chain; on the fast forward only (elsewhere: chains).
         ``draft_window=N``: drafting attends to the last N context tokens (0: all; None: the drafter's own
-        ``config.context_window``). Still lossless.
+        ``config.context_window``). ``grammar``: structured output, every token one the grammar allows (a
+        :class:`~dflashkit.grammar.Grammar`: ``Grammar.json_schema(schema)``, ``.json_object()``, ``.regex(...)``,
+        ``.lark(...)``); exact with respect to the target constrained to it; chains only (no trees). Still lossless.
         """
         adaptive = block_size == "auto"
         if isinstance(block_size, str) and not adaptive:
@@ -222,6 +227,7 @@ class SpeculativeGenerator:
             lookup_store=store,
             tree=tree,
             draft_window=draft_window,
+            grammar=self.compile_grammar(grammar) if grammar is not None else None,
         )
         policy = self.block_policies.get(options.sampling.greedy) if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))
@@ -280,6 +286,16 @@ class SpeculativeGenerator:
         result.ar = _drain(self.stream(prompt, **kwargs, use_drafter=False, observer=recorder))
         result.divergence = recorder.result(result.ar.token_ids) if recorder else None
         return result
+
+    def compile_grammar(self, grammar: Grammar | CompiledGrammar) -> CompiledGrammar:
+        """`grammar` checked against this target's tokenizer (the tokenizer's grammar view is built once)."""
+        if isinstance(grammar, CompiledGrammar):
+            return grammar
+        if not isinstance(grammar, Grammar):
+            raise InvalidInputError(f"grammar must be a dflashkit.Grammar, got {type(grammar).__name__}")
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.target.vocab_size, self.eos_token_ids)
+        return CompiledGrammar(grammar, self._grammar_tokenizer, self.target.vocab_size, self.eos_token_ids)
 
     def warmup(self) -> None:
         """One short generation with and without the drafter, so first-call costs stay out of timings."""

@@ -32,6 +32,7 @@ class DecodeStats:
     tree: int | None = None  # drafter steps verified token trees of up to this many nodes (None: chains)
     tree_nodes: list[int] = field(default_factory=list)  # per step: nodes of its tree (0: a chain)
     draft_window: int | None = None  # drafting attended to the last this many context tokens (None: all)
+    grammar: str | None = None  # structured output: the kind of grammar the output was constrained to
 
     def record_step(self, drafted: int, accepted: int, copied: bool = False, from_store: bool = False,
                     tree_nodes: int = 0) -> None:
@@ -114,6 +115,7 @@ class DecodeStats:
             "target_weights": self.target_weights,
             "engine": self.engine,
             "draft_window": self.draft_window,
+            "grammar": self.grammar,
             "lookup": self.lookup_summary() if self.lookup else None,
             "tree": self.tree_summary() if self.tree else None,
         }

@@ -29,6 +29,25 @@ def word_tokenizer():
     )
 
 
+BYTE_VOCAB = 4 + 256  # <pad> <s> <eos> <unk>, then one token per byte
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer of BYTE_VOCAB tokens (no merges: one token per byte), for a tiny target built
+    with vocab_size=BYTE_VOCAB: it can spell any text, which grammars (JSON) need, and llguidance reads it."""
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<pad>": 0, "<s>": 1, "<eos>": 2, "<unk>": 3, **{ch: 4 + i for i, ch in enumerate(alphabet)}}
+    backend = Tokenizer(tok_models.BPE(vocab, [], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+    )
+
+
 def tiny_target(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """A random 6-layer causal LM of the given architecture ("llama", "qwen2" or "qwen3")."""
     torch.manual_seed(seed)

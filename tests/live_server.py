@@ -7,7 +7,7 @@ import threading
 import time
 
 import uvicorn
-from conftest import tiny_drafter, tiny_target, word_tokenizer
+from conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target, word_tokenizer
 from fastapi import FastAPI
 
 from dflashkit import SpeculativeGenerator
@@ -49,3 +49,9 @@ def tiny_generator(block_size: int = 4) -> SpeculativeGenerator:
     identical generators (one for the server, one for offline reference runs)."""
     model = tiny_target("llama")
     return SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=block_size))
+
+
+def tiny_byte_generator(block_size: int = 4) -> SpeculativeGenerator:
+    """As tiny_generator, over the byte-level tokenizer: it can spell JSON (structured-output tests)."""
+    model = tiny_target("llama", vocab_size=BYTE_VOCAB)
+    return SpeculativeGenerator(model, byte_tokenizer(), tiny_drafter(model, block_size=block_size))

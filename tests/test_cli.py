@@ -339,3 +339,47 @@ def test_no_cuda_graphs_reaches_the_target(loads, capsys, monkeypatch) -> None:
     assert rc == 0, err
     assert seen and not any(seen)
     assert "CUDA graphs" not in json.loads(out)["engine"]
+
+
+def test_structured_output_flags(capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--regex / --json-schema / --json-object constrain the output (spec == plain); bad grammars are refused
+    before the model loads; the flags exclude one another."""
+    import re
+
+    from conftest import BYTE_VOCAB, byte_tokenizer
+
+    calls = []
+
+    def byte_load_target(name_or_path=None, *, dtype=torch.bfloat16, device="cpu", progress=False, quantize=None):
+        calls.append(name_or_path)
+        return tiny_target("llama", vocab_size=BYTE_VOCAB, dtype=dtype).requires_grad_(False), byte_tokenizer()
+
+    monkeypatch.setattr(dflashkit.models, "load_target", byte_load_target)
+    monkeypatch.setattr(dflashkit.registry, "DRAFTERS_DIR", Path("/nonexistent"))
+    base = ["--drafter", "untrained", "--json", "--dtype", "float32", "--compare-ar", "--max-new-tokens", "200"]
+    rc = main(["generate", "hello", *base, "--regex", "(ab|cd)+x"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    result = json.loads(out)
+    assert re.fullmatch("(ab|cd)+x", result["text"]) and result["identical"] is True
+    assert result["stats"]["grammar"] == "regex" and result["finish_reason"] == "stop"
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    rc = main(["generate", "hello", *base, "--json-schema", str(schema)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert set(json.loads(json.loads(out)["text"])) == {"ok"}
+    calls.clear()
+    for bad, message in ((["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
+                         (["--json-schema", "{not json"], "not valid JSON"),
+                         (["--regex", ""], "needs its text")):
+        rc = main(["generate", "hello", *base, *bad])
+        out, err = capsys.readouterr()
+        assert rc == 2 and message in err and calls == [], (bad, err)
+    rc = main(["generate", "hello", *base, "--regex", "[a-"])  # refused by the grammar compiler, after the load
+    out, err = capsys.readouterr()
+    assert rc == 2 and "invalid regex grammar" in err
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "hello", "--json-object", "--regex", "x"])
+    assert info.value.code == 2

@@ -4,6 +4,7 @@ their own outputs, bad input gets OpenAI-style 4xx errors, queue limits, cancell
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,9 +13,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from live_server import LiveServer, tiny_generator
+from live_server import LiveServer, tiny_byte_generator, tiny_generator
 from prometheus_client.parser import text_string_to_metric_families
 
+from dflashkit import Grammar
 from dflashkit.server import create_app
 
 MODEL = "tiny-llama"
@@ -419,3 +421,43 @@ def test_adaptive_block_size_server_gives_the_plain_greedy_output(offline):
     assert health["adaptive_block_size"] is True and health["block_size"] == "auto"
     with pytest.raises(Exception, match="block_size"):
         create_app(tiny_generator(), block_size="big")
+
+
+# ---- structured output: response_format ------------------------------------------------------------------
+
+COLOR_SCHEMA = {  # finite choices only: a random tiny target fills a free string or integer forever
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_gives_json_and_equals_offline() -> None:
+    offline = tiny_byte_generator()
+    with LiveServer(create_app(tiny_byte_generator(), model_id=MODEL)) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Pick a color."}]
+        fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": COLOR_SCHEMA, "strict": True}}
+        for temperature, seed in ((0.0, None), (1.0, 5)):
+            resp = client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt,
+                                                  temperature=temperature, seed=seed, max_tokens=300)
+            expected = offline.generate(messages, grammar=Grammar.json_schema(COLOR_SCHEMA), temperature=temperature,
+                                        seed=seed, max_new_tokens=300, proposal="sample")
+            text = resp.choices[0].message.content
+            assert text == expected.text and resp.choices[0].finish_reason == "stop"
+            value = json.loads(text)
+            assert value["color"] in ("red", "green") and isinstance(value["ok"], bool) and len(value) == 2
+        # streamed, any JSON object
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, max_tokens=300,
+                                                     temperature=0, response_format={"type": "json_object"}))
+        assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), dict)
+        # a schema the grammar compiler refuses, and a malformed response_format: 400 naming the field
+        for bad in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+                                                                                     "properties": 5}}},
+                    {"type": "json_schema"}, {"type": "yaml"}):
+            r = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                           json={"model": MODEL, "messages": messages, "response_format": bad})
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"] == "response_format"
+        assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4).choices[0].message.content

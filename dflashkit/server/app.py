@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
 from ..generator import GenerationStream, SpeculativeGenerator
+from ..grammar import CompiledGrammar, Grammar
 from ..sampling import SamplingParams
 from ..tree import check_budget
 from .errors import APIError, bad_request, from_exception, install_error_handlers
@@ -78,6 +79,7 @@ class Plan:
     prompt_ids: list[int]
     max_new_tokens: int
     arrived: float
+    grammar: CompiledGrammar | None = None  # response_format, checked against the tokenizer
 
 
 def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None = None, **kwargs: Any) -> FastAPI:
@@ -205,6 +207,17 @@ class Service:
         max_new = requested if requested is not None else min(self.settings.default_max_tokens, room)
         return Plan(body, chat, ids, max_new, arrived)
 
+    def _grammar(self, body: GenerationRequest) -> CompiledGrammar | None:
+        """The request's response_format as a grammar (None: plain text). The first one builds the tokenizer's
+        grammar view (~1 s): called off the event loop."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        try:
+            grammar = Grammar.from_response_format(body.response_format)
+            return self.generator.compile_grammar(grammar) if grammar is not None else None
+        except InvalidInputError as e:
+            raise bad_request(str(e), param="response_format") from e
+
     def _encode(self, body: GenerationRequest, chat: bool) -> list[int]:
         try:
             if isinstance(body, ChatCompletionRequest):
@@ -225,6 +238,7 @@ class Service:
 
     async def handle(self, request: Request, body: GenerationRequest, chat: bool) -> Response:
         plan = self.plan(body, chat)
+        plan.grammar = await asyncio.to_thread(self._grammar, body)
         loop = asyncio.get_running_loop()
         try:
             job = self.scheduler.submit(lambda: self._start(plan), loop)
@@ -262,7 +276,7 @@ class Service:
             plan.prompt_ids, max_new_tokens=plan.max_new_tokens, temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=b.seed, stop=b.stop_strings, block_size=self.settings.block_size,
             proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
-            draft_window=self.settings.draft_window,
+            draft_window=self.settings.draft_window, grammar=plan.grammar,
         )  # fmt: skip
 
     async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:

@@ -123,16 +123,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (structured output)
 
     def _extra_unsupported(self) -> list[str]:
-        fmt = (self.response_format or {}).get("type", "text")
-        return [
-            name
-            for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions)),
-                              ("response_format", fmt != "text"))
-            if bad
-        ]  # fmt: skip
+        return [name for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions))) if bad]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
