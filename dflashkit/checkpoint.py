@@ -66,7 +66,11 @@ def load_drafter(
         raise CheckpointError(f"{path}: architectures {archs} is not a DFlash drafter")
     mask_file = path / MASK_EMBEDDING_FILE
     mask = _read_mask_embedding(mask_file, raw) if mask_file.exists() else None
-    config = DrafterConfig.from_hf_dict(raw).replace(learned_mask_embedding=mask is not None)
+    config = DrafterConfig.from_hf_dict(raw)
+    if config.learned_mask_embedding and mask is None:  # it would draft with the mask token's own embedding
+        raise CheckpointError(f"{path}: config.json says the drafter learned its mask vector, but {MASK_EMBEDDING_FILE} "
+                              "is missing: copy it from where the drafter was trained")
+    config = config.replace(learned_mask_embedding=mask is not None)
     drafter = DFlashDrafter(config)
     state = {}
     for f in sorted(path.glob("*.safetensors")):

@@ -390,7 +390,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     for name in ("layers", "steps", "anchors", "seqs_per_step", "grad_accum"):
         if getattr(args, name) < 1:
             raise InvalidInputError(f"--{name.replace('_', '-')} must be at least 1")
-    layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
+    try:
+        layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
+    except ValueError:
+        raise InvalidInputError(f"--target-layers takes layer indices separated by commas, e.g. 1,14,27; got "
+                                f"{args.target_layers!r}") from None
     cfg = TrainConfig(
         data_dir=str(data_dir), out_dir=str(out), target=args.target, num_layers=args.layers,
         block_size=args.block_size, gamma=args.gamma, target_layer_ids=layer_ids, mask_token_id=args.mask_token_id,
@@ -651,6 +655,8 @@ def cmd_data(args: argparse.Namespace) -> int:
         out = models.cache_dir() / "data" / _target_slug(args.target)
     else:
         out = pathlib.Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise data.InvalidInputError(f"the output {out} is a file, not a folder: choose another --out")
     collection_args = {"sources": args.sources, "num_prompts": args.num_prompts, "seed": args.seed,
                        "min_chars": args.min_chars, "max_chars": args.max_chars,
                        "exclude_eval": not args.no_eval_exclusion}

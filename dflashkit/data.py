@@ -957,8 +957,22 @@ def _canonical(prompt: Prompt) -> Prompt:
 
 
 def _read_shard(path: pathlib.Path) -> list[dict[str, Any]]:
+    """A shard's records; a damaged line is an error naming the file and line (never a bare JSON traceback)."""
+    records = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not a JSON record ({e.msg}); the shard is damaged: delete it "
+                                "and run the same `dflashkit data` command again to regenerate it") from None
+            ids = [rec.get(k) if isinstance(rec, dict) else None for k in ("prompt_ids", "response_ids")]
+            if not all(isinstance(x, list) and all(isinstance(t, int) and t >= 0 for t in x) for x in ids):
+                raise DataError(f"{path}:{lineno}: prompt_ids and response_ids must be lists of token ids >= 0")
+            records.append(rec)
+    return records
 
 
 def load_shards(out_dir: str | os.PathLike, *, require_complete: bool = False) -> list[dict[str, Any]]:

@@ -59,6 +59,14 @@ class DecodeOptions:
     grammar: CompiledGrammar | None = None  # structured output: every token is one the grammar allows (chains only)
 
     def __post_init__(self) -> None:
+        if not _is_int(self.max_new_tokens):
+            raise InvalidInputError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+        if self.block_size is not None and not _is_int(self.block_size):
+            raise InvalidInputError(f"block_size must be an integer >= 2, None or 'auto', got {self.block_size!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
+            raise InvalidInputError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidInputError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if self.tree is not None:
             check_budget(self.tree)
         if self.proposal not in ("argmax", "sample"):
@@ -75,6 +83,10 @@ class Step:
     tokens: list[int]
     from_draft: list[bool]
     finished: bool = False
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def check_draft_window(window: object) -> int | None:
@@ -303,6 +315,9 @@ def _check(target: TargetAdapter, drafter: DFlashDrafter | None, prompt_ids: lis
         raise InvalidInputError(
             f"prompt of {len(prompt_ids)} tokens leaves no room in the target's context of {target.max_positions}"
         )
+    if options.block_size is not None and options.block_size > target.max_positions:
+        raise InvalidInputError(f"block_size {options.block_size} is larger than the target's context "
+                                f"({target.max_positions} tokens)")
     if drafter is None:
         if options.lookup:  # prompt lookup alone: blocks of options.block_size (default 8)
             return options.block_size if options.block_size is not None else LOOKUP_ONLY_BLOCK

@@ -206,10 +206,33 @@ def gguf_command(server: str | Path, target_gguf: str | Path, drafter_gguf: Path
 # ---- exports ----------------------------------------------------------------------------------------------
 
 
+HF_EXPORT_FILES = frozenset({"config.json", "model.safetensors", "mask_embedding.pt"})  # what write_hf writes
+
+
+def check_output_folder(drafter_path: str | os.PathLike, out: Path, replaceable: frozenset[str] | None) -> None:
+    """Refuse an output that would destroy something: the drafter's own folder (or one holding it, or inside it),
+    a file, or (when `replaceable` is given, for exports that replace the folder) a folder holding anything but an
+    earlier export's files."""
+    source, dest = Path(drafter_path).resolve(), out.resolve()
+    if dest == source or source.is_relative_to(dest) or dest.is_relative_to(source):
+        raise ExportError(f"the output {out} would overwrite the drafter being exported ({drafter_path}): "
+                          "choose another --out")
+    if dest.exists() and not dest.is_dir():
+        raise ExportError(f"the output {out} is a file, not a folder: choose another --out")
+    if replaceable is not None and dest.is_dir():
+        others = sorted(p.name for p in dest.iterdir() if p.name not in replaceable)
+        if others:
+            raise ExportError(f"the output folder {out} holds files an export did not write ({', '.join(others[:5])}"
+                              f"{', ...' if len(others) > 5 else ''}); the export would replace it: choose another "
+                              "--out or empty it")
+
+
 def export_hf(drafter_path: str | os.PathLike, out: str | os.PathLike, *, target: str | None = None) -> ExportResult:
-    """The drafter in the published HF layout that vLLM (`method: dflash`) and SGLang (`DFLASH`) load."""
-    drafter, model = load_pair(drafter_path, target)
+    """The drafter in the published HF layout that vLLM (`method: dflash`) and SGLang (`DFLASH`) load. An existing
+    output folder is replaced only when it holds nothing but an earlier export's files."""
     out = Path(out)
+    check_output_folder(drafter_path, out, HF_EXPORT_FILES)
+    drafter, model = load_pair(drafter_path, target)
     with atomic_dir(out) as tmp:
         write_hf(drafter, model, tmp)
     target_ref = target if target is not None else target_folder(None)
@@ -366,10 +389,11 @@ def export_gguf(
     python: str | None = None,
 ) -> ExportResult:
     """A GGUF drafter (OUT/drafter-bf16.gguf) made by llama.cpp's converter; with `target_gguf`, the target too."""
+    out = Path(out)
+    check_output_folder(drafter_path, out, None)  # files are added to an existing folder, nothing removed
     root = find_llama_cpp(llama_cpp)
     drafter, model = load_pair(drafter_path, target)
     target_dir = target_folder(target)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     result = out / DRAFTER_GGUF
     partial = out / f".{DRAFTER_GGUF}.partial"

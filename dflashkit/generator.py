@@ -10,6 +10,7 @@ It owns the chat template, stop strings and detokenisation; the token-level loop
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from .lossless import Divergence, DivergenceRecorder
 from .sampling import SamplingParams
 from .stats import DecodeStats
 from .target import TargetAdapter
-from .text import IncrementalDetokenizer, StopStringMatcher, encode_chat, eos_token_ids
+from .text import IncrementalDetokenizer, StopStringMatcher, check_text, encode_chat, eos_token_ids
 
 Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
@@ -142,7 +143,13 @@ class SpeculativeGenerator:
         from .checkpoint import load_drafter
         from .models import load_target
 
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if isinstance(dtype, str):
+            named = getattr(torch, dtype, None)
+            if not isinstance(named, torch.dtype):
+                raise InvalidInputError(f"dtype {dtype!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+            dtype = named
+        if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
+            raise InvalidInputError(f"drafter must be a folder, 'auto' or None, got {type(drafter).__name__}")
         model, tokenizer = load_target(target, dtype=dtype, device=device, quantize=quantize)
         if drafter == "auto":
             from .registry import shipped_drafter
@@ -160,10 +167,15 @@ class SpeculativeGenerator:
             if not prompt:
                 raise InvalidInputError("the prompt is empty")
             messages = [{"role": "user", "content": prompt}]
-        else:
+        elif isinstance(prompt, (list, tuple)):
             messages = list(prompt)
-            if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
-                raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
+            if not messages or any(not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str)
+                                   for m in messages):
+                raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': text}")
+        else:
+            raise InvalidInputError(f"the prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
+        for m in messages:
+            check_text(m["content"])
         return encode_chat(self.tokenizer, prompt if isinstance(prompt, str) else messages, chat)
 
     # ---- generation ------------------------------------------------------------------------------------

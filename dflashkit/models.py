@@ -145,6 +145,9 @@ def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.d
     from .quantize import check_method, quantize_model
 
     quantize = check_method(quantize)  # an unknown method or device fails before the (slow) load
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidInputError(f"dtype must be a floating-point torch dtype (torch.bfloat16, torch.float32, "
+                                f"torch.float16), got {dtype!r}")
     device = resolve_device(device)
     name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
     with _quiet(progress):

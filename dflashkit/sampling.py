@@ -31,6 +31,10 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise InvalidInputError(f"{name} must be a number, got {value!r}")
         if not (self.temperature >= 0 and self.temperature < float("inf")):
             raise InvalidInputError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:

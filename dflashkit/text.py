@@ -13,7 +13,19 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from .errors import InvalidInputError
+
 Messages = Sequence[dict[str, str]]  # chat messages [{"role": ..., "content": ...}]
+
+
+def check_text(text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate: undecodable bytes on a command line, an escaped
+    half pair in JSON), which the tokenizer would fail on deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"the prompt is not valid Unicode text: {e.reason} at character {e.start} "
+                                f"({text[max(0, e.start - 10):e.start + 10]!r})") from None
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: str | Messages, chat: bool = True) -> list[int]:

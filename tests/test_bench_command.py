@@ -75,7 +75,7 @@ def test_options_quick_preset_and_errors(capsys) -> None:
     assert full["methods"] == ["ar", "hf"] and full["max_turns"] is None and full["limit"] == 10
     assert full["trees"] == [] and settings_from(parser.parse_args(["--trees", "5,11"]))["trees"] == [5, 11]
     for bad in (["--methods", "vllm"], ["--block-sizes", "1"], ["--block-sizes", "4,big"], ["--temperatures", "x"],
-                ["--trees", "0"], ["--trees", "five"]):
+                ["--trees", "0"], ["--trees", "five"], ["--datasets", "bogus"], ["--datasets", "mt-bench,gsm9k"]):
         with pytest.raises(InvalidInputError):
             settings_from(parser.parse_args(bad))
     assert main(["bench", "--methods", "vllm"]) == 2

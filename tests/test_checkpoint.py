@@ -282,6 +282,13 @@ def test_mask_embedding_dict_without_embedding(saved: Path) -> None:
         load_drafter(saved)
 
 
+def test_learned_mask_vector_missing(saved: Path) -> None:
+    """config.json says the mask vector was learned, but the file is gone: refused, not drafted with the wrong one."""
+    (saved / MASK_EMBEDDING_FILE).unlink()
+    with pytest.raises(CheckpointError, match="mask_embedding.pt is missing"):
+        load_drafter(saved)
+
+
 def test_missing_weights(saved: Path) -> None:
     (saved / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="safetensors"):

@@ -512,3 +512,19 @@ def test_cli_bad_sources(fake_target: list, capsys, tmp_path: Path) -> None:
     assert main(["data", "--out", str(tmp_path / "o"), "--sources", "nope", "--no-progress"]) == 2
     _, err = capsys.readouterr()
     assert err.startswith("error:") and "unknown prompt source" in err
+
+
+def test_a_damaged_shard_is_named_with_its_line(tmp_path: Path) -> None:
+    model, tok = make_model(), make_tokenizer()
+    data.regenerate(model, tok, word_prompts(6), tmp_path / "out", batch_size=3, max_new_tokens=4, shard_size=8,
+                    progress=False)
+    shard = data.shard_path(tmp_path / "out", 0)
+    lines = shard.read_text().splitlines()
+    shard.write_text("\n".join(lines[:2] + [lines[2][:20]] + lines[3:]) + "\n")  # a truncated record
+    with pytest.raises(data.DataError, match=rf"{shard.name}:3: not a JSON record"):
+        data.load_shards(tmp_path / "out")
+    bad = json.loads(lines[2])
+    bad["response_ids"] = [5, -4]
+    shard.write_text("\n".join(lines[:2] + [json.dumps(bad)] + lines[3:]) + "\n")
+    with pytest.raises(data.DataError, match=rf"{shard.name}:3: .*token ids >= 0"):
+        data.load_shards(tmp_path / "out")

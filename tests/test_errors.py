@@ -251,3 +251,51 @@ def test_generator_stops_at_the_context_limit(gen) -> None:
 
 def test_all_errors_are_dflash_errors() -> None:
     assert issubclass(InvalidInputError, DFlashError) and issubclass(IncompatibleDrafterError, DFlashError)
+
+
+# ---- wrong types and out-of-range values through the Python API (found by a bad-input sweep) ----------------
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(max_new_tokens="4"), "max_new_tokens"),
+    (dict(max_new_tokens=None), "max_new_tokens"),
+    (dict(block_size=4.5), "block_size"),
+    (dict(block_size=10**12), "block_size"),
+    (dict(seed=2**70), "seed"),
+    (dict(seed="x"), "seed"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(top_p="all"), "top_p"),
+])  # fmt: skip
+def test_wrong_types_and_ranges_are_refused(gen, kwargs: dict, field: str) -> None:
+    with pytest.raises(InvalidInputError, match=field):
+        gen.generate("w5 w6", **{"max_new_tokens": 4, **kwargs})
+
+
+@pytest.mark.parametrize("prompt", [None, 5, [{"role": "user", "content": None}]], ids=["none", "int", "content-none"])
+def test_a_prompt_of_the_wrong_type_is_refused(gen, prompt) -> None:
+    with pytest.raises(InvalidInputError, match="prompt|messages"):
+        gen.generate(prompt, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("text", ["caf\udce9", "w5 \ud800 w6"], ids=["surrogate-escaped-byte", "lone-surrogate"])
+def test_text_that_is_not_valid_unicode_is_refused(gen, text: str) -> None:
+    """What undecodable command-line bytes or an escaped half surrogate pair in JSON turn into."""
+    with pytest.raises(InvalidInputError, match="not valid Unicode"):
+        gen.generate(text, max_new_tokens=4)
+    with pytest.raises(InvalidInputError, match="not valid Unicode"):
+        gen.generate([{"role": "user", "content": text}], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8", torch.int8, 5])
+def test_load_with_a_bad_dtype_says_so(dtype) -> None:
+    with pytest.raises(InvalidInputError, match="dtype"):
+        SpeculativeGenerator.load(dtype=dtype, drafter=None)
+
+
+def test_load_with_a_drafter_of_the_wrong_type(monkeypatch) -> None:
+    import dflashkit.models
+
+    monkeypatch.setattr(dflashkit.models, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(InvalidInputError, match="drafter"):
+        SpeculativeGenerator.load(drafter=5)

@@ -139,6 +139,30 @@ def test_export_refuses_a_drafter_of_another_target(tmp_path: Path, target_dir: 
         assert not (tmp_path / "g" / export.DRAFTER_GGUF).exists()
 
 
+def test_export_never_destroys_what_is_at_its_output(tmp_path: Path, target_dir: Path, capsys) -> None:
+    """The drafter's own folder, a file, or a folder holding other files are refused; an earlier export is
+    replaced."""
+    drafter = make_drafter(tmp_path / "d")
+    (tmp_path / "d" / "README.md").write_text("card")
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    (tmp_path / "a-file").write_text("keep me too")
+    for out, message in ((drafter, "would overwrite the drafter"), (drafter / "sub", "would overwrite the drafter"),
+                         (tmp_path, "would overwrite the drafter"), (precious, "notes.txt"), (tmp_path / "a-file", "is a file")):
+        with pytest.raises(export.ExportError, match=message):
+            export.export_hf(drafter, out, target=str(target_dir))
+        assert main(["export", str(drafter), "--format", "hf", "--target", str(target_dir), "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert (precious / "notes.txt").read_text() == "keep me" and (tmp_path / "a-file").read_text() == "keep me too"
+    assert (drafter / "README.md").read_text() == "card"
+    first = export.export_hf(drafter, tmp_path / "out", target=str(target_dir))
+    again = export.export_hf(drafter, tmp_path / "out", target=str(target_dir))  # an earlier export: replaced
+    assert first.path == again.path and (again.path / "model.safetensors").is_file()
+    with pytest.raises(export.ExportError, match="is a file"):
+        export.export_gguf(drafter, tmp_path / "a-file", target=str(target_dir), llama_cpp=tmp_path)
+
+
 def test_cli_export_prints_the_serving_commands(tmp_path: Path, target_dir: Path, capsys) -> None:
     drafter = make_drafter(tmp_path / "d", learned=False, draft_vocab=None)
     assert main(["export", str(drafter), "--format", "hf", "--target", str(target_dir)]) == 0

@@ -215,6 +215,12 @@ LONG_PROMPT = " ".join(["w5"] * 600)  # 600 tokens > the tiny target's 512 posit
 BAD = [
     ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [', 400, None, "invalid_json"),
     ("/v1/chat/completions", b"[1, 2]", 400, None, None),
+    # a lone surrogate escaped in the JSON (valid JSON, not valid Unicode text)
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "w5 \\ud800"}', 400, "prompt", None),
+    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages", None),
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "\\udc80", "stream": true}', 400, "prompt", None),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "w5"}', 404, "model", "model_not_found"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": "ten"}, 400, "max_tokens", None),
     ("/v1/chat/completions", {**CHAT, "max_tokens": -5}, 400, "max_tokens", None),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", None),

@@ -504,3 +504,35 @@ def test_block_hidden_is_each_block_run_alone_over_the_context_before_its_anchor
             torch.testing.assert_close(got[0, n], alone, rtol=1e-4, atol=1e-5)
     with pytest.raises(InvalidInputError, match="features"):
         block_hidden(drafter, ids, anchors, keep, target.embed_tokens)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"gamma": 0.0}, "gamma"), ({"gamma": float("nan")}, "gamma"), ({"gamma": -3.0}, "gamma"),
+    ({"lr": -1.0}, "lr"), ({"warmup_ratio": 5.0}, "warmup_ratio"), ({"draft_vocab_size": -1}, "draft_vocab_size"),
+    ({"block_size": 1}, "block_size"), ({"steps": 0}, "steps"), ({"target_layer_ids": []}, "target_layer_ids"),
+    ({"distill_weight": 2.0}, "distill_weight"),
+])  # fmt: skip
+def test_train_config_refuses_settings_that_train_nothing_useful(tmp_path, overrides, field):
+    """A NaN loss (gamma 0), a negative rate...: refused before anything runs or is written."""
+    from dflashkit.errors import InvalidInputError
+    from dflashkit.train import TrainConfig
+
+    with pytest.raises(InvalidInputError, match=field):
+        TrainConfig(data_dir="", out_dir=str(tmp_path / "run"), **overrides)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_cli_bad_flags_fail_before_loading(tmp_path, capsys, monkeypatch):
+    import dflashkit.models
+    from dflashkit.cli import main
+
+    monkeypatch.setattr(dflashkit.models, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "a-file").write_text("x")
+    for flags, message in ((["--target-layers", "abc"], "--target-layers"), (["--gamma", "0"], "gamma"),
+                           (["--lr", "-1"], "lr"), (["--out", str(tmp_path / "a-file")], "is a file")):
+        out = [] if "--out" in flags else ["--out", str(tmp_path / "run")]
+        assert main(["train", "--data", str(data), *out, *flags]) == 2
+        assert message in capsys.readouterr().err, flags

@@ -110,6 +110,11 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     if any(b < 2 for b in out["block_sizes"] if b != "auto"):
         raise InvalidInputError(f"--block-sizes must be at least 2, got {out['block_sizes']}")
     out["datasets"] = [d.strip() for d in out["datasets"].split(",") if d.strip()]
+    from .datasets import PACKAGED
+
+    odd = [d for d in out["datasets"] if d not in PACKAGED and not d.startswith(("jsonl:", "hf:")) and not d.endswith(".jsonl")]
+    if odd:  # before any model loads
+        raise InvalidInputError(f"unknown data set(s) {odd}: use {', '.join(PACKAGED)}, jsonl:PATH or hf:NAME[:SPLIT[:FIELD]]")
     out["trees"] = [check_budget(n) for n in _ints(args.trees, "trees")] if args.trees else []
     return out
 

@@ -155,7 +155,7 @@ class Service:
 
     def check_model(self, model: str) -> None:
         if model != self.settings.model_id:
-            raise APIError(404, f"The model '{model}' does not exist: this server serves '{self.settings.model_id}'",
+            raise APIError(404, f"The model {model!r} does not exist: this server serves '{self.settings.model_id}'",
                            param="model", code="model_not_found")
 
     def health(self) -> dict[str, Any]:
