@@ -87,6 +87,15 @@ def load_drafter(
     state = {k: v for k, v in state.items() if not k.startswith(("lm_head", "embed_tokens", "d2t", "t2d"))}
     if mask is not None:
         state["mask_embedding"] = mask
+    expected = drafter.state_dict()
+    wrong = [(k, tuple(v.shape), tuple(expected[k].shape)) for k, v in state.items()
+             if k in expected and v.shape != expected[k].shape]
+    if wrong:
+        k, got, want = wrong[0]
+        raise CheckpointError(f"{path}: {k} has shape {list(got)} but config.json (hidden_size {config.hidden_size}, "
+                              f"{config.num_hidden_layers} layers) implies {list(want)}"
+                              + (f", and {len(wrong) - 1} more tensors differ" if len(wrong) > 1 else "")
+                              + ": the config does not belong to these weights")
     try:
         missing, unexpected = drafter.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatches

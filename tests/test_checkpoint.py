@@ -420,3 +420,13 @@ def test_draft_vocabulary_round_trip(tmp_path: Path) -> None:
     assert "draft_vocab" not in load_file(tmp_path / "d" / "model.safetensors")  # config only: other engines ignore it
     with pytest.raises(CheckpointError, match="draft_vocab"):
         cfg.replace(draft_vocab=[VOCAB])
+
+
+def test_a_config_that_does_not_belong_to_the_weights(tmp_path: Path, target) -> None:
+    """One line naming the first tensor that differs, not the whole state-dict mismatch."""
+    path = save_drafter(random_drafter(target, learned=False), tmp_path / "ckpt")
+    edit_config(path, hidden_size=2 * HIDDEN, head_dim=2 * HIDDEN // json.loads((path / "config.json").read_text())
+                ["num_attention_heads"])
+    with pytest.raises(CheckpointError, match=r"has shape .* implies .* more tensors differ: the config does not belong") as info:
+        load_drafter(path)
+    assert "\n" not in str(info.value)
