@@ -137,8 +137,10 @@ def decode(
     )
     max_new = min(options.max_new_tokens, target.max_positions - len(prompt_ids))
 
-    def choose(logits: Tensor) -> int:  # target's token from one row of logits
-        return int(argmax(logits)) if params.greedy else int(sample(warp(logits, params), gen))
+    def choose(logits: Tensor, allowed: Tensor | None = None) -> int:  # target's token from one row of logits
+        if params.greedy:
+            return int(argmax(logits, allowed))
+        return int(sample(warp(masked(logits[None], allowed[None] if allowed is not None else None)[0], params), gen))
 
     constraint = options.grammar.start() if options.grammar is not None else None
     stats.grammar = options.grammar.kind if options.grammar is not None else None
@@ -149,12 +151,12 @@ def decode(
     cache = target.new_cache(capacity=len(prompt_ids) + max_new + block)
     prompt = torch.tensor([prompt_ids], device=device)
     logits, features = target.forward(prompt, 0, cache, logits_rows=1)
-    logits = masked(logits, constraint.allowed()[None] if constraint else None)  # [1, vocab]
-    token = choose(logits[-1])
+    masks = constraint.allowed()[None] if constraint else None  # [1, vocab]
+    token = choose(logits[-1], masks[0] if masks is not None else None)
     if constraint:
         constraint.consume([token])
     if observer:
-        observer(logits, [token])
+        observer(masked(logits, masks), [token])
     stats.target_forwards += 1
     stats.prefill_s = time.perf_counter() - t_start
     t_decode = time.perf_counter()
@@ -229,11 +231,10 @@ def decode(
             accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
         else:
             logits, features = target.forward(block_ids, pos, cache, logits_rows=rows)  # [rows, vocab]
-            logits = masked(logits, masks)
             if params.greedy:
-                accepted, token = verify_greedy(logits, drafts)
+                accepted, token = verify_greedy(logits, drafts, masks)
             else:
-                accepted, token = verify_sampled(warp(logits, params), drafts, q, gen)
+                accepted, token = verify_sampled(warp(masked(logits, masks), params), drafts, q, gen)
             accepted_drafts = drafts[:accepted].tolist()
         stats.verify_s += time.perf_counter() - t
         stats.target_forwards += 1
@@ -252,7 +253,7 @@ def decode(
         if lookup is not None:
             lookup.extend(emitted)
         if observer:
-            observer(logits[kept] if tree is not None else logits, emitted)
+            observer(logits[kept] if tree is not None else masked(logits, masks), emitted)
         stats.record_step(tree.depth if tree is not None else k, accepted, copied=bool(copied),
                           from_store=bool(copied) and lookup.from_store,
                           tree_nodes=len(tree) if tree is not None else 0)

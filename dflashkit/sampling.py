@@ -65,13 +65,25 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     return logits.softmax(-1)
 
 
-def argmax(logits: Tensor) -> Tensor:
+def argmax(logits: Tensor, allowed: Tensor | None = None) -> Tensor:
     """Index of the largest logit per row [..., vocab] -> [...]; the first one on ties, as ``Tensor.argmax``.
 
     Computed in fp32: the conversion is exact and keeps the order, and torch's CPU argmax is 4-5x faster on
     fp32 than on bf16 (16 x 49152 logits: 1.6 ms in bf16, 0.33 ms with the conversion).
+
+    With ``allowed`` [..., vocab] (bool; a grammar's masks): the largest allowed logit, i.e. the argmax of the
+    logits set to -inf elsewhere. Where the plain argmax is allowed it is that one (masking only removes
+    entries, and no earlier entry ties with the first maximum), so only the other rows are masked.
     """
-    return logits.float().argmax(-1)
+    best = logits.float().argmax(-1)
+    if allowed is None:
+        return best
+    flat_best, flat_allowed = best.reshape(-1), allowed.to(best.device).reshape(-1, allowed.shape[-1])
+    redo = ~flat_allowed.gather(1, flat_best[:, None])[:, 0]  # [rows]: plain argmax not allowed
+    if bool(redo.any()):
+        rows = logits.reshape(-1, logits.shape[-1])[redo].float()
+        flat_best[redo] = rows.masked_fill(~flat_allowed[redo], float("-inf")).argmax(-1)
+    return flat_best.view(best.shape)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -125,12 +137,13 @@ def propose(
     return token_ids[column], full
 
 
-def verify_greedy(target_logits: Tensor, drafts: Tensor) -> tuple[int, int]:
+def verify_greedy(target_logits: Tensor, drafts: Tensor, allowed: Tensor | None = None) -> tuple[int, int]:
     """Longest prefix of drafts [k] matching the target's argmax, and the target's next token.
 
-    target_logits [k+1, vocab]: row j predicts the token after the j-th verified input.
+    target_logits [k+1, vocab]: row j predicts the token after the j-th verified input; ``allowed`` [k+1, vocab]:
+    each row's tokens under a grammar (None: all).
     """
-    best = argmax(target_logits)  # [k+1]
+    best = argmax(target_logits, allowed)  # [k+1]
     k = drafts.shape[0]
     accepted = int(torch.cumprod((drafts == best[:k]).int(), 0).sum()) if k else 0
     return accepted, int(best[accepted])

@@ -29,7 +29,7 @@ from conftest import VOCAB, tiny_drafter, tiny_target
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.drafter import DFlashDrafter
 from dflashkit.errors import InvalidInputError
-from dflashkit.sampling import SamplingParams, propose, verify_sampled, warp
+from dflashkit.sampling import SamplingParams, argmax, propose, verify_sampled, warp
 from dflashkit.stats import DecodeStats
 from dflashkit.target import TargetAdapter
 
@@ -713,3 +713,19 @@ def test_same_seed_same_tokens(world, kind, proposal):
         assert run(seed) == (tokens, accepted)
     assert len({tuple(t) for t, _ in runs.values()}) > 1  # the seed matters
     assert sum(sum(a) for _, a in runs.values()) > 0  # drafts were accepted: the speculative path ran
+
+
+def test_argmax_over_allowed_tokens_equals_the_argmax_of_masked_logits():
+    """argmax(logits, allowed) skips the masking where the plain argmax is allowed: same index, ties included."""
+    from dflashkit.grammar import masked
+
+    g = torch.Generator().manual_seed(BASE_SEED + 11)
+    logits = torch.randint(0, 4, (64, 40), generator=g).float()  # many ties
+    allowed = torch.rand(64, 40, generator=g) < 0.5
+    allowed[:, 0] = True  # every row allows something
+    expected = masked(logits, allowed).argmax(-1)
+    assert torch.equal(argmax(logits, allowed), expected)
+    assert torch.equal(argmax(logits.bfloat16(), allowed), expected)
+    assert torch.equal(argmax(logits[3], allowed[3]), expected[3])
+    plain_ok = allowed.gather(1, logits.argmax(-1)[:, None])[:, 0]
+    assert 0 < int(plain_ok.sum()) < 64  # both paths ran
