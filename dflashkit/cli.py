@@ -318,6 +318,9 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
         sequences = [s.input_ids[max(0, s.num_prompt - args.n) :] for s in load_sequences(args.data, sys.maxsize)]
     with _status(f"Counting {args.n}-grams of {len(sequences)} answers...", False):
         store = NgramStore.build(sequences, n=args.n, min_count=args.min_count, max_draft=args.max_draft)
+    vocab = json.loads((out / "config.json").read_text()).get("vocab_size")
+    if isinstance(vocab, int):
+        store.check_vocab(vocab)  # answers of another target: refused here, not when generate loads the store
     store.save(out / FILENAME)
     print(f"{len(store)} {args.n}-grams (seen >= {args.min_count} times) from {len(sequences)} answers -> "
           f"{out / FILENAME}", file=sys.stderr)
@@ -495,6 +498,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_window=args.draft_window, grammar=grammar,
     )  # fmt: skip
     gen.warmup()
+    _note_context_limit(gen, args)
     stream = gen.stream(args.prompt, **kwargs)
     for delta in stream:
         if not args.json:
@@ -544,6 +548,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _note_tree_without_drafter(args: argparse.Namespace, has_drafter: bool) -> None:
     if args.tree is not None and not has_drafter:
         print("--tree has no effect without a drafter (token trees are made of the drafter's alternatives).",
+              file=sys.stderr)
+    elif args.tree is not None and getattr(args, "eager", False):
+        print("--tree has no effect with --eager (token trees need the fast forward): chains are verified.",
+              file=sys.stderr)
+    if getattr(args, "draft_window", None) is not None and not has_drafter:
+        print("--draft-window has no effect without a drafter.", file=sys.stderr)
+
+
+def _note_context_limit(gen, args: argparse.Namespace) -> None:
+    """Say so when the target's context leaves room for fewer tokens than --max-new-tokens asks."""
+    if not isinstance(args.prompt, str):
+        return
+    try:
+        prompt_tokens = len(gen.encode_prompt(args.prompt, chat=not args.no_chat))
+    except Exception:  # noqa: BLE001 - the generation itself reports a bad prompt clearly
+        return
+    room = gen.target.max_positions - prompt_tokens
+    if 0 < room < args.max_new_tokens:
+        print(f"note: the target's context ({gen.target.max_positions} tokens) leaves room for {room} new tokens "
+              f"after the {prompt_tokens}-token prompt, fewer than --max-new-tokens {args.max_new_tokens}.",
               file=sys.stderr)
 
 

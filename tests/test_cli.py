@@ -383,3 +383,13 @@ def test_structured_output_flags(capsys, monkeypatch: pytest.MonkeyPatch, tmp_pa
     with pytest.raises(SystemExit) as info:
         main(["generate", "hello", "--json-object", "--regex", "x"])
     assert info.value.code == 2
+
+
+def test_notes_for_ignored_flags_and_the_context_limit(loads, capsys) -> None:
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "3", "--eager")
+    assert rc == 0 and "--tree has no effect with --eager" in err
+    rc, out, err = cli(capsys, "--drafter", "none", "--draft-window", "5")
+    assert rc == 0 and "--draft-window has no effect without a drafter" in err
+    rc = main(["generate", PROMPT, "--drafter", "none", "--max-new-tokens", "100000", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "leaves room for" in err and json.loads(out)["finish_reason"] == "length"

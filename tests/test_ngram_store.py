@@ -119,3 +119,15 @@ def test_cli_builds_the_store_into_a_drafter_folder_that_loads_with_it(tmp_path:
     with pytest.raises(SystemExit):
         main(["ngram-store", "--data", str(data)])  # --out is required
     assert main(["ngram-store", "--data", str(data), "--out", str(tmp_path)]) == 2  # not a drafter folder
+
+
+def test_cli_refuses_answers_of_another_vocabulary(tmp_path: Path, capsys):
+    folder = tmp_path / "drafter"
+    save_drafter(tiny_drafter(tiny_target("llama"), block_size=4), folder)
+    data = tmp_path / "data"
+    data.mkdir()
+    records = [{"id": 0, "prompt_ids": [1, 2, 3], "response_ids": [4, 999999, 6, 7] * 2, "finished": True}]
+    (data / "meta.json").write_text(json.dumps({"num_shards": 1}))
+    (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["ngram-store", "--data", str(data), "--out", str(folder), "--n", "2", "--min-count", "1"]) == 2
+    assert "another tokenizer" in capsys.readouterr().err and not (folder / "ngram_store.safetensors").exists()
