@@ -220,6 +220,7 @@ class TokenConstraint:
         masks = [self.allowed()]
         drafts: list[Tensor] = []
         qs: list[Tensor | None] = []
+        consumed = 0
         for i in range(scores.shape[0]):
             ok = masks[-1] if columns is None else masks[-1][columns.to(masks[-1].device)]  # [V']
             if not ok.numpy().any():
@@ -231,8 +232,9 @@ class TokenConstraint:
             if self._ends(int(token[0]), masks):
                 break
             self.consume([int(token[0])])
+            consumed += 1
             masks.append(self.allowed())
-        self.rollback(len(drafts) - (len(drafts) > 0 and int(drafts[-1][0]) in self.eos_token_ids))
+        self.rollback(consumed)
         device = scores.device
         draft_ids = torch.cat(drafts).to(device) if drafts else torch.empty(0, dtype=torch.long, device=device)
         q = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]

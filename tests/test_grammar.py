@@ -273,3 +273,14 @@ def test_sampled_decode_under_a_grammar_matches_the_constrained_target(params):
     steps = [(a, d) for a, d in zip(stats.accepted_lengths, stats.drafted_lengths) if d > 0]
     assert sum(a for a, _ in steps) >= 0.05 * len(steps) and sum(a < d for a, d in steps) >= 0.05 * len(steps)
     assert_matches(counts, exact, f"grammar {params}: joint (t1, t2, t3)", p_min=P_MIN_E2E)
+
+
+def test_proposals_stop_after_an_end_of_sequence_draft_without_consuming_it():
+    c = compiled(Grammar.regex(REGEX)).start()
+    scores = torch.zeros(6, BYTE_VOCAB)
+    for j, token in enumerate(ids("abx") + [EOS] + ids("ab")):
+        scores[j, token] = 5.0
+    drafts, _, masks = c.propose(scores, None, lambda row: propose(row, SamplingParams(), "argmax", None))
+    assert drafts.tolist() == ids("abx") + [EOS] and masks.shape == (5, BYTE_VOCAB) and bool(masks[4].all())
+    assert allowed_tokens(c.allowed()) == set(ids("a") + ids("c"))  # rolled back exactly what was consumed
+    c.consume(ids("abx") + [EOS])
