@@ -498,13 +498,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_window=args.draft_window, grammar=grammar,
     )  # fmt: skip
     gen.warmup()
-    _note_context_limit(gen, args)
     stream = gen.stream(args.prompt, **kwargs)
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
     result = stream.result
+    _note_context_limit(result, gen.target.max_positions, args.max_new_tokens)
     if args.compare_ar:
         result = gen.compare_ar(result, args.prompt, **kwargs)
     if args.json:
@@ -556,19 +556,12 @@ def _note_tree_without_drafter(args: argparse.Namespace, has_drafter: bool) -> N
         print("--draft-window has no effect without a drafter.", file=sys.stderr)
 
 
-def _note_context_limit(gen, args: argparse.Namespace) -> None:
-    """Say so when the target's context leaves room for fewer tokens than --max-new-tokens asks."""
-    if not isinstance(args.prompt, str):
-        return
-    try:
-        prompt_tokens = len(gen.encode_prompt(args.prompt, chat=not args.no_chat))
-    except Exception:  # noqa: BLE001 - the generation itself reports a bad prompt clearly
-        return
-    room = gen.target.max_positions - prompt_tokens
-    if 0 < room < args.max_new_tokens:
-        print(f"note: the target's context ({gen.target.max_positions} tokens) leaves room for {room} new tokens "
-              f"after the {prompt_tokens}-token prompt, fewer than --max-new-tokens {args.max_new_tokens}.",
-              file=sys.stderr)
+def _note_context_limit(result, context: int, max_new_tokens: int) -> None:
+    """Say so when the target's context ended the generation before --max-new-tokens."""
+    room = context - result.prompt_tokens
+    if result.finish_reason == "length" and len(result.token_ids) == room < max_new_tokens:
+        print(f"note: the target's context ({context} tokens) leaves room for {room} new tokens after the "
+              f"{result.prompt_tokens}-token prompt, fewer than --max-new-tokens {max_new_tokens}.", file=sys.stderr)
 
 
 def _resolve_drafter(choice: str | None, target: str | None, gen) -> tuple[Any, str | None]:

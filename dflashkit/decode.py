@@ -91,7 +91,7 @@ def _is_int(x: object) -> bool:
 
 def check_draft_window(window: object) -> int | None:
     """A requested drafting window: None (the drafter's own), 0 (the whole context) or a positive integer."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+    if window is not None and (not _is_int(window) or window < 0):
         raise InvalidInputError(f"draft_window must be an integer >= 0 (0: the whole context), got {window!r}")
     return window
 
@@ -140,7 +140,7 @@ def decode(
     def choose(logits: Tensor, allowed: Tensor | None = None) -> int:  # target's token from one row of logits
         if params.greedy:
             return int(argmax(logits, allowed))
-        return int(sample(warp(masked(logits[None], allowed[None] if allowed is not None else None)[0], params), gen))
+        return int(sample(warp(masked(logits, allowed), params), gen))
 
     constraint = options.grammar.start() if options.grammar is not None else None
     stats.grammar = options.grammar.kind if options.grammar is not None else None

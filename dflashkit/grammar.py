@@ -186,28 +186,11 @@ class TokenConstraint:
     def cut(self, drafts: Sequence[int]) -> tuple[int, Tensor]:
         """How many of `drafts` the grammar accepts in order (n), and the allowed sets before each of them and
         after the n-th: [n + 1, vocab] bool, the masks of the n + 1 verify rows. The state is left unchanged."""
-        masks = [self.allowed()]
-        n = consumed = 0
-        for token in drafts:
-            if not masks[-1][int(token)]:
-                break
-            n += 1
-            if self._ends(int(token), masks):
-                break
-            self.consume([token])
-            consumed += 1
-            masks.append(self.allowed())
-        self.rollback(consumed)
-        return n, torch.stack(masks)
+        def next_draft(i: int, allowed: Tensor) -> int | None:
+            return int(drafts[i]) if i < len(drafts) and allowed[int(drafts[i])] else None
 
-    def _ends(self, token: int, masks: list[Tensor]) -> bool:
-        """True for an end-of-sequence draft, after adding the mask of the row behind it: any token (the text
-        ends there, so that row's token is never emitted). The grammar does not consume it: llguidance counts an
-        end-of-sequence token apart from the others, and rolling it back would take one token too many."""
-        if token not in self.eos_token_ids:
-            return False
-        masks.append(torch.ones_like(masks[-1]))
-        return True
+        accepted, masks = self._walk(next_draft)
+        return len(accepted), masks
 
     def propose(
         self, scores: Tensor, columns: Tensor | None, propose_row: Callable[[Tensor], tuple[Tensor, Tensor | None]]
@@ -217,32 +200,44 @@ class TokenConstraint:
         [1], q [1, vocab] or None) proposes one token. Returns drafts [n <= k], their q [n, vocab] (None:
         one-hot) and the verify rows' masks [n + 1, vocab]; drafting stops early where the grammar allows none
         of the columns. The state is left unchanged."""
-        masks = [self.allowed()]
-        drafts: list[Tensor] = []
+        cpu_columns = columns.cpu() if columns is not None else None  # the masks live on the CPU
         qs: list[Tensor | None] = []
-        consumed = 0
-        for i in range(scores.shape[0]):
-            ok = masks[-1] if columns is None else masks[-1][columns.to(masks[-1].device)]  # [V']
-            if not ok.numpy().any():
-                break
-            row = scores[i : i + 1].masked_fill(~ok.to(scores.device), float("-inf"))  # [1, V']
-            token, q = propose_row(row)
-            drafts.append(token)
+
+        def next_draft(i: int, allowed: Tensor) -> int | None:
+            ok = allowed if cpu_columns is None else allowed[cpu_columns]  # [V']
+            if i >= scores.shape[0] or not ok.numpy().any():
+                return None
+            token, q = propose_row(scores[i : i + 1].masked_fill(~ok.to(scores.device), float("-inf")))  # [1, V']
             qs.append(q)
-            if self._ends(int(token[0]), masks):
+            return int(token[0])
+
+        drafts, masks = self._walk(next_draft)
+        q = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]
+        return torch.tensor(drafts, dtype=torch.long, device=scores.device), q, masks
+
+    def _walk(self, next_draft: Callable[[int, Tensor], int | None]) -> tuple[list[int], Tensor]:
+        """Drafts chosen one by one, ``next_draft(i, allowed [vocab])`` -> a token the grammar allows or None (stop),
+        with the allowed set before each and after the last: ([n] drafts, [n + 1, vocab] masks). The state is left
+        unchanged. An end-of-sequence draft ends the walk; the row behind it may hold any token (the text ends
+        there, so its token is never emitted), and the matcher does not consume it: llguidance counts an
+        end-of-sequence token apart from the others, and a rollback over it would take one token too many."""
+        masks = [self.allowed()]
+        drafts: list[int] = []
+        consumed = 0
+        while (token := next_draft(len(drafts), masks[-1])) is not None:
+            drafts.append(token)
+            if token in self.eos_token_ids:
+                masks.append(torch.ones_like(masks[-1]))
                 break
-            self.consume([int(token[0])])
+            self.consume([token])
             consumed += 1
             masks.append(self.allowed())
         self.rollback(consumed)
-        device = scores.device
-        draft_ids = torch.cat(drafts).to(device) if drafts else torch.empty(0, dtype=torch.long, device=device)
-        q = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]
-        return draft_ids, q, torch.stack(masks)
+        return drafts, torch.stack(masks)
 
 
 def masked(logits: Tensor, masks: Tensor | None) -> Tensor:
-    """logits [rows, vocab] with -inf where masks [rows, vocab] (bool) is False (None: unchanged)."""
+    """logits [..., vocab] with -inf where masks [..., vocab] (bool) is False (None: unchanged)."""
     if masks is None:
         return logits
     return logits.masked_fill(~masks.to(logits.device), float("-inf"))

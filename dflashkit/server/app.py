@@ -207,11 +207,9 @@ class Service:
         max_new = requested if requested is not None else min(self.settings.default_max_tokens, room)
         return Plan(body, chat, ids, max_new, arrived)
 
-    def _grammar(self, body: GenerationRequest) -> CompiledGrammar | None:
+    def _grammar(self, body: ChatCompletionRequest) -> CompiledGrammar | None:
         """The request's response_format as a grammar (None: plain text). The first one builds the tokenizer's
         grammar view (~1 s): called off the event loop."""
-        if not isinstance(body, ChatCompletionRequest):
-            return None
         try:
             grammar = Grammar.from_response_format(body.response_format)
             return self.generator.compile_grammar(grammar) if grammar is not None else None
@@ -238,7 +236,8 @@ class Service:
 
     async def handle(self, request: Request, body: GenerationRequest, chat: bool) -> Response:
         plan = self.plan(body, chat)
-        plan.grammar = await asyncio.to_thread(self._grammar, body)
+        if isinstance(body, ChatCompletionRequest) and body.response_format:  # compiled off the event loop
+            plan.grammar = await asyncio.to_thread(self._grammar, body)
         loop = asyncio.get_running_loop()
         try:
             job = self.scheduler.submit(lambda: self._start(plan), loop)
