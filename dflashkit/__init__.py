@@ -8,6 +8,7 @@ from .errors import CheckpointError, DFlashError, IncompatibleDrafterError, Inva
 from .grammar import Grammar, GrammarError
 from .generator import GenerationResult, SpeculativeGenerator, TextDelta
 from .identity import check_compatible, drafter_config_for
+from .logprobs import TokenLogprob
 from .lossless import Divergence
 from .models import DEFAULT_TARGET, load_target
 from .sampling import SamplingParams
@@ -19,6 +20,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError", "DEFAULT_TARGET", "DFlashDrafter", "DFlashError", "DecodeOptions", "DecodeStats",
     "Divergence", "DrafterConfig", "GenerationResult", "Grammar", "GrammarError", "IncompatibleDrafterError", "InvalidInputError",
-    "SamplingParams", "SpeculativeGenerator", "Step", "TargetAdapter", "TextDelta", "build_target_layer_ids",
+    "SamplingParams", "SpeculativeGenerator", "Step", "TargetAdapter", "TextDelta", "TokenLogprob", "build_target_layer_ids",
     "check_compatible", "decode", "drafter_config_for", "load_drafter", "load_target", "save_drafter",
 ]

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads_option(g)
     g.add_argument("--compare-ar", action="store_true", help="also decode plainly; print speedup and whether outputs match")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="also print each token's log-probability under the target and its K likeliest "
+                   "alternatives (0-20; in --json: a 'logprobs' list)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser(
@@ -478,9 +481,11 @@ def _load_generator(args: argparse.Namespace, quiet: bool):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .decode import check_draft_window
+    from .logprobs import check_top_logprobs
 
     dtype = DTYPES[args.dtype]
     check_draft_window(args.draft_window)  # before the (slow) model load
+    check_top_logprobs(args.logprobs)
     grammar = _grammar_from_args(args)
     _apply_threads(args.threads)
     gen = _load_generator(args, args.json)
@@ -495,7 +500,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,
         lookup=_lookup_wanted(args, drafter is not None), ngram_store=args.ngram_store, tree=args.tree,
-        draft_window=args.draft_window, grammar=grammar,
+        draft_window=args.draft_window, grammar=grammar, logprobs=args.logprobs,
     )  # fmt: skip
     gen.warmup()
     stream = gen.stream(args.prompt, **kwargs)
@@ -507,12 +512,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _note_context_limit(result, gen.target.max_positions, args.max_new_tokens)
     if args.compare_ar:
         result = gen.compare_ar(result, args.prompt, **kwargs)
+    logprobs = _logprobs_json(gen, result.logprobs) if result.logprobs is not None else None
     if args.json:
-        print(json.dumps(_as_json(result, args, dtype, drafter is not None), indent=2))
+        out = _as_json(result, args, dtype, drafter is not None)
+        if logprobs is not None:
+            out["logprobs"] = logprobs
+        print(json.dumps(out, indent=2))
     else:
         print()
         _print_summary(result, drafter is not None)
+        if logprobs is not None:
+            _print_logprobs(logprobs)
     return 0
+
+
+def _logprobs_json(gen, logprobs) -> list[dict[str, Any]]:
+    """Each token's text and log-probability, with its alternatives (OpenAI's chat format, without bytes)."""
+    def text(token_id: int) -> str:
+        return gen.token_bytes(token_id).decode("utf-8", "replace")
+
+    return [{"token": text(lp.token_id), "logprob": lp.logprob,
+             "top_logprobs": [{"token": text(t), "logprob": v} for t, v in lp.top]} for lp in logprobs]
+
+
+def _print_logprobs(logprobs: list[dict[str, Any]]) -> None:
+    print("log-probabilities under the target (token, logprob, alternatives):")
+    for entry in logprobs:
+        alternatives = ", ".join(f"{t['token']!r} {t['logprob']:.3f}" for t in entry["top_logprobs"])
+        print(f"  {entry['token']!r:>16} {entry['logprob']:8.3f}" + (f"   {alternatives}" if alternatives else ""))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

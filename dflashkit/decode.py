@@ -31,6 +31,7 @@ from .adaptive import AdaptiveBlockSize
 from .drafter import DFlashDrafter
 from .errors import IncompatibleDrafterError, InvalidInputError
 from .grammar import CompiledGrammar, masked
+from .logprobs import TokenLogprob, check_top_logprobs, token_logprobs
 from .lookup import NgramLookup
 from .ngram_store import NgramStore
 from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
@@ -57,6 +58,7 @@ class DecodeOptions:
     tree: int | None = None  # drafter steps verify a token tree of this many nodes instead of a chain (dflashkit.tree)
     draft_window: int | None = None  # drafting attends to the last N context tokens; None: the drafter's own, 0: all
     grammar: CompiledGrammar | None = None  # structured output: every token is one the grammar allows (chains only)
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (dflashkit.logprobs)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens):
@@ -72,17 +74,20 @@ class DecodeOptions:
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         check_draft_window(self.draft_window)
+        check_top_logprobs(self.logprobs)
         if self.block_size is not None and self.block_size < 2:
             raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {self.block_size}")
 
 
 @dataclass
 class Step:
-    """Tokens emitted by one target pass; from_draft[i] says whether token i was the drafter's."""
+    """Tokens emitted by one target pass; from_draft[i] says whether token i was the drafter's; logprobs[i]
+    its log-probability under the target (with options.logprobs, else None)."""
 
     tokens: list[int]
     from_draft: list[bool]
     finished: bool = False
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _is_int(x: object) -> bool:
@@ -146,6 +151,9 @@ def decode(
     stats.grammar = options.grammar.kind if options.grammar is not None else None
     stop_ids = options.stop_token_ids | (constraint.eos_token_ids if constraint else frozenset())  # a grammar ends at eos
 
+    def logprobs_of(rows: Tensor, tokens: list[int]) -> list[TokenLogprob] | None:  # rows [>= len(tokens), vocab]
+        return token_logprobs(rows, tokens, options.logprobs) if options.logprobs is not None else None
+
     # ---- prefill ----------------------------------------------------------------------------------------
     t_start = time.perf_counter()
     cache = target.new_cache(capacity=len(prompt_ids) + max_new + block)
@@ -173,7 +181,7 @@ def decode(
     finished = token in stop_ids or produced >= max_new
     stats.new_tokens = produced
     _finish(stats, finished, token in stop_ids, t_decode)
-    yield Step([token], [False], finished)
+    yield Step([token], [False], finished, logprobs_of(logits[-1:], [token]))
 
     while not finished:
         # ---- draft ------------------------------------------------------------------------------------
@@ -270,7 +278,8 @@ def decode(
         finished = stop_at is not None or produced >= max_new
         stats.new_tokens = produced
         _finish(stats, finished, stop_at is not None, t_decode)
-        yield Step(emitted, ([True] * accepted + [False])[: len(emitted)], finished)
+        yield Step(emitted, ([True] * accepted + [False])[: len(emitted)], finished,
+                   logprobs_of(logits[kept] if tree is not None else logits, emitted))
 
 
 def as_token_list(ids: list[int] | Tensor) -> list[int]:

@@ -11,7 +11,7 @@ It owns the chat template, stop strings and detokenisation; the token-level loop
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from .drafter import DFlashDrafter
 from .errors import InvalidInputError
 from .grammar import CompiledGrammar, Grammar, grammar_tokenizer
 from .identity import check_compatible
+from .logprobs import TokenLogprob
 from .lossless import Divergence, DivergenceRecorder
 from .sampling import SamplingParams
 from .stats import DecodeStats
@@ -39,13 +40,14 @@ class TextDelta:
 
     token_text[i] is the text released when token i arrived ("" while held back: a split character, a
     possible stop string); the pieces concatenate to `text`, and text released at the end of generation
-    goes to the last token.
+    goes to the last token. logprobs[i]: token i's log-probability under the target (when requested).
     """
 
     text: str
     token_ids: list[int]
     from_draft: list[bool]
     token_text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -58,6 +60,7 @@ class GenerationResult:
     prompt_tokens: int
     ar: GenerationResult | None = None  # the plain-decoding run, with compare_ar
     divergence: Divergence | None = None  # with compare_ar and greedy: first differing token, judged
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when requested (stream(logprobs=...))
 
     @property
     def identical(self) -> bool | None:
@@ -115,6 +118,7 @@ class SpeculativeGenerator:
             BlockPolicies(drafter.block_size) if drafter is not None and drafter.block_size >= 2 else None
         )  # used by block_size="auto"; greedy and sampled requests each carry their estimates over to the next
         self._grammar_tokenizer: Any = None  # llguidance's view of the tokenizer, built on the first grammar
+        self._token_bytes: Callable[[int], bytes] | None = None
 
     @property
     def block_policy(self) -> AdaptiveBlockSize | None:
@@ -201,6 +205,7 @@ class SpeculativeGenerator:
         tree: int | None = None,
         draft_window: int | None = None,
         grammar: Grammar | CompiledGrammar | None = None,
+        logprobs: int | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
@@ -217,6 +222,8 @@ class SpeculativeGenerator:
         ``config.context_window``). ``grammar``: structured output, every token one the grammar allows (a
         :class:`~dflashkit.grammar.Grammar`: ``Grammar.json_schema(schema)``, ``.json_object()``, ``.regex(...)``,
         ``.lark(...)``); exact with respect to the target constrained to it; chains only (no trees). Still lossless.
+        ``logprobs=K``: every delta (and the result) carries each token's log-probability under the target and
+        its K likeliest alternatives (0 to 20; :mod:`dflashkit.logprobs`), read off the verify passes.
         """
         adaptive = block_size == "auto"
         if isinstance(block_size, str) and not adaptive:
@@ -240,6 +247,7 @@ class SpeculativeGenerator:
             tree=tree,
             draft_window=draft_window,
             grammar=self.compile_grammar(grammar) if grammar is not None else None,
+            logprobs=logprobs,
         )
         policy = self.block_policies.get(options.sampling.greedy) if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))
@@ -253,6 +261,7 @@ class SpeculativeGenerator:
         matcher = StopStringMatcher(stop)
         tokens: list[int] = []
         flags: list[bool] = []
+        logprobs: list[TokenLogprob] | None = [] if options.logprobs is not None else None
         steps = decode(self.target, drafter, ids, options, stats, observer, policy)
         stats.adaptive = policy is not None
         try:
@@ -268,7 +277,10 @@ class SpeculativeGenerator:
                 if (step.finished and not matcher.stopped) and pieces:
                     pieces[-1] += matcher.push(detok.flush()) + matcher.flush()
                 if len(tokens) > start:
-                    yield TextDelta("".join(pieces), tokens[start:], flags[start:], pieces)
+                    step_logprobs = step.logprobs[: len(tokens) - start] if logprobs is not None else None
+                    if logprobs is not None:
+                        logprobs.extend(step_logprobs)
+                    yield TextDelta("".join(pieces), tokens[start:], flags[start:], pieces, step_logprobs)
                 if matcher.stopped:
                     stats.finish_reason = "stop"
                     break
@@ -277,7 +289,7 @@ class SpeculativeGenerator:
         stats.new_tokens = len(tokens)
         stream.result = GenerationResult(
             text=matcher.text, token_ids=tokens, from_draft=flags, stats=stats,
-            finish_reason=stats.finish_reason, prompt_tokens=len(ids),
+            finish_reason=stats.finish_reason, prompt_tokens=len(ids), logprobs=logprobs,
         )  # fmt: skip
 
     def generate(self, prompt: Prompt | list[int], *, compare_ar: bool = False, **kwargs: Any) -> GenerationResult:
@@ -305,9 +317,24 @@ class SpeculativeGenerator:
             return grammar
         if not isinstance(grammar, Grammar):
             raise InvalidInputError(f"grammar must be a dflashkit.Grammar, got {type(grammar).__name__}")
+        return CompiledGrammar(grammar, self._llg_tokenizer(), self.target.vocab_size, self.eos_token_ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a token may hold part of a UTF-8 character); special tokens: their text.
+        Read from llguidance's view of the tokenizer; where it cannot read the tokenizer, the token's decoded text."""
+        if self._token_bytes is None:
+            try:
+                view = self._llg_tokenizer()
+                self._token_bytes = lambda t: view.decode_bytes([t])
+            except InvalidInputError:
+                self._token_bytes = lambda t: self.tokenizer.decode([t]).encode("utf-8", "surrogatepass")
+        return self._token_bytes(token_id)
+
+    def _llg_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer (grammars, token bytes), built on first use (~1 s)."""
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.target.vocab_size, self.eos_token_ids)
-        return CompiledGrammar(grammar, self._grammar_tokenizer, self.target.vocab_size, self.eos_token_ids)
+        return self._grammar_tokenizer
 
     def warmup(self) -> None:
         """One short generation with and without the drafter, so first-call costs stay out of timings."""

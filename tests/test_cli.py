@@ -393,3 +393,23 @@ def test_notes_for_ignored_flags_and_the_context_limit(loads, capsys) -> None:
     rc = main(["generate", PROMPT, "--drafter", "none", "--max-new-tokens", "100000", "--json"])
     out, err = capsys.readouterr()
     assert rc == 0 and "leaves room for" in err and json.loads(out)["finish_reason"] == "length"
+
+
+def test_logprobs_flag(loads, capsys) -> None:
+    """--logprobs K: a 'logprobs' list in --json (one entry per token, K alternatives, the likeliest first), a
+    table after the summary otherwise; a K outside 0..20 is refused before the model loads."""
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--json", "--dtype", "float32", "--logprobs", "2")
+    assert rc == 0, err
+    result = json.loads(out)
+    entries = result["logprobs"]
+    assert len(entries) == result["new_tokens"] and all(e["token"] in result["text"] for e in entries)
+    for e in entries:
+        assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2
+        assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+        assert e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+    assert e["top_logprobs"][0]["token"] == e["token"]  # greedy: the last token is the likeliest
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--logprobs", "0")
+    assert rc == 0 and "log-probabilities under the target" in out
+    n = len(loads)
+    rc, out, err = cli(capsys, "--logprobs", "21")
+    assert rc == 2 and "logprobs" in err and len(loads) == n

@@ -178,6 +178,53 @@ def test_token_origins(client, offline) -> None:
         assert "".join(t["text"] for t in pieces) == (c.choices[0].delta.content or "")
 
 
+def test_logprobs_equal_offline_in_chat_and_completions(client, offline) -> None:
+    """Chat's logprobs.content and the legacy completions object carry the offline run's log-probabilities."""
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+    expected = reference(offline, "w5 w6 w7", True, logprobs=3, **SAMPLED)
+
+    def check_entry(entry, lp) -> None:
+        raw = offline.token_bytes(lp.token_id)
+        assert (entry.token, entry.bytes) == (raw.decode(), list(raw))
+        assert entry.logprob == pytest.approx(lp.logprob, abs=1e-6)
+        assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+            (offline.token_bytes(i).decode(), pytest.approx(v, abs=1e-6)) for i, v in lp.top]
+
+    resp = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=3, **SAMPLED)
+    content = resp.choices[0].logprobs.content
+    assert resp.choices[0].message.content == expected.text and len(content) == len(expected.token_ids)
+    for entry, lp in zip(content, expected.logprobs):
+        check_entry(entry, lp)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=3,
+                                                 stream=True, **SAMPLED))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, **SAMPLED)
+    assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[]] * len(content)
+    assert client.chat.completions.create(model=MODEL, messages=messages, **SAMPLED).choices[0].logprobs is None
+
+    expected = reference(offline, "w5 w6 w7", False, logprobs=2, **SAMPLED)
+    resp = client.completions.create(model=MODEL, prompt="w5 w6 w7", logprobs=2, **SAMPLED)
+    legacy = resp.choices[0].logprobs
+    assert legacy.tokens == [offline.token_bytes(t).decode() for t in expected.token_ids]
+    assert legacy.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-6)
+    assert [len(d) for d in legacy.top_logprobs] == [len({offline.token_bytes(i) for i, _ in lp.top})
+                                                     for lp in expected.logprobs]
+    released = [len(piece) for piece in _token_texts(offline, "w5 w6 w7")]
+    assert len(released) == len(expected.token_ids)
+    assert legacy.text_offset == [sum(released[:i]) for i in range(len(released))]
+    streamed = [t for c in client.completions.create(model=MODEL, prompt="w5 w6 w7", logprobs=2, stream=True, **SAMPLED)
+                if c.choices[0].logprobs for t in c.choices[0].logprobs.text_offset]
+    assert streamed == legacy.text_offset
+
+
+def _token_texts(offline, prompt: str) -> list[str]:
+    """The text each token of the offline completion released (the pieces of its stream)."""
+    stream = offline.stream(prompt, chat=False, proposal="sample", max_new_tokens=SAMPLED["max_tokens"],
+                            temperature=SAMPLED["temperature"], seed=SAMPLED["seed"])
+    return [piece for delta in stream for piece in delta.token_text]
+
+
 # ---- many clients at once -----------------------------------------------------------------------------------
 
 
@@ -246,6 +293,13 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [5, 96]}, 400, "prompt", None),  # id outside the vocabulary
     ("/v1/completions", {"model": MODEL, "prompt": ["w5", "w6"]}, 400, "prompt", None),
     ("/v1/completions", {"model": MODEL, "prompt": "w5", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),  # needs logprobs: true
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 3}, 400, "logprobs", None),  # chat: a boolean
+    ("/v1/completions", {"model": MODEL, "prompt": "w5", "logprobs": -1}, 400, "logprobs", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "w5", "logprobs": True}, 400, "logprobs", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "w5", "top_logprobs": 2}, 400, "top_logprobs",
+     "unsupported_parameter"),
     ("/v1/completions", {"model": "gpt-7", "prompt": "w5"}, 404, "model", "model_not_found"),
 ]
 

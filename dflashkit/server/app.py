@@ -238,6 +238,8 @@ class Service:
         plan = self.plan(body, chat)
         if isinstance(body, ChatCompletionRequest) and body.response_format:  # compiled off the event loop
             plan.grammar = await asyncio.to_thread(self._grammar, body)
+        if body.requested_logprobs() is not None:  # the tokenizer's byte view (built once, ~1 s) off the event loop
+            await asyncio.to_thread(self.generator.token_bytes, 0)
         loop = asyncio.get_running_loop()
         try:
             job = self.scheduler.submit(lambda: self._start(plan), loop)
@@ -250,7 +252,7 @@ class Service:
             event = await self._next(job, deadline, request)  # also waits out the queue
             if isinstance(event, Failed):
                 raise from_exception(event.error)
-            response = ResponseBuilder(plan, self.settings.model_id)
+            response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes)
             if plan.body.stream:  # from here on, the SSE generator owns the job
                 return StreamingResponse(
                     self._sse(job, event, response, deadline), media_type="text/event-stream",
@@ -275,7 +277,7 @@ class Service:
             plan.prompt_ids, max_new_tokens=plan.max_new_tokens, temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=b.seed, stop=b.stop_strings, block_size=self.settings.block_size,
             proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
-            draft_window=self.settings.draft_window, grammar=plan.grammar,
+            draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=b.requested_logprobs(),
         )  # fmt: skip
 
     async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..generator import GenerationResult, TextDelta
@@ -43,9 +44,14 @@ def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int) -> dic
 class ResponseBuilder:
     """Builds one request's OpenAI objects: chunks while streaming, or the full response at the end."""
 
-    def __init__(self, plan: Plan, model_id: str) -> None:
+    def __init__(self, plan: Plan, model_id: str, token_bytes: Callable[[int], bytes] | None = None) -> None:
+        """`token_bytes`: a token id's bytes (needed when the request asks for logprobs)."""
         self.chat = plan.chat
         self.origins = plan.body.token_origins
+        self.logprobs = plan.body.requested_logprobs() is not None
+        self.token_bytes = token_bytes
+        self.logprob_entries: list[dict[str, Any]] = []  # chat: per token; completions: see _legacy_logprobs
+        self.text_offset = 0  # completions: characters released before the next token
         self.prompt_tokens = len(plan.prompt_ids)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -66,21 +72,57 @@ class ResponseBuilder:
         self.text.append(delta.text)
         if self.origins:
             self.tokens.extend(self._origins(delta))
+        if self.logprobs:
+            self.logprob_entries.extend(self._logprob_entries(delta))
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+    # ---- logprobs: chat's {"content": [...]} or the legacy {"tokens", "token_logprobs", ...} -------------------
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        assert self.token_bytes is not None
+        raw = self.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def _logprob_entries(self, delta: TextDelta) -> list[dict[str, Any]]:
+        """One entry per token of `delta` (chat's format; completions keep the text offset too)."""
+        texts = delta.token_text or [delta.text] + [""] * (len(delta.token_ids) - 1)
+        entries = []
+        for lp, released in zip(delta.logprobs or [], texts):
+            entry = self._token(lp.token_id, lp.logprob)
+            entry["top_logprobs"] = [self._token(t, v) for t, v in lp.top]
+            if not self.chat:
+                entry["text_offset"] = self.text_offset
+                self.text_offset += len(released)
+            entries.append(entry)
+        return entries
+
+    def _logprobs_object(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": [e["text_offset"] for e in entries],
+        }
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
     def first_chunk(self) -> dict[str, Any]:
         """Chat streams open with the assistant role; completions with an empty text."""
         return self._envelope(self._choice(None if self.chat else "", None, role=True), chunk=True)
 
     def chunk(self, delta: TextDelta) -> dict[str, Any]:
-        choice = self._choice(delta.text, None)
+        logprobs = self._logprobs_object(self._logprob_entries(delta)) if self.logprobs else None
+        choice = self._choice(delta.text, None, logprobs=logprobs)
         if self.origins:
             choice["token_origins"] = self._origins(delta)
         return self._envelope(choice, chunk=True)
@@ -92,11 +134,12 @@ class ResponseBuilder:
 
     def complete(self, result: GenerationResult) -> dict[str, Any]:
         text = "".join(self.text)
+        logprobs = self._logprobs_object(self.logprob_entries)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": result.finish_reason}  # fmt: skip
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
         if self.origins:
             choice["token_origins"] = self.tokens
         out = self._envelope(choice, chunk=False)

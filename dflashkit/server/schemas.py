@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
-Fields the engine cannot honour (n > 1, logprobs, penalties, tools...) are refused with a 400 naming the
+Fields the engine cannot honour (n > 1, penalties, tools...) are refused with a 400 naming the
 field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
 """
 
@@ -10,11 +10,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..logprobs import MAX_TOP_LOGPROBS
 from .errors import bad_request
 
 MAX_STOP_STRINGS = 4
 
 Probability = Annotated[float, Field(gt=0, le=1)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
@@ -48,8 +50,6 @@ class GenerationRequest(BaseModel):
     # accepted only at their neutral values
     n: int = 1
     best_of: int | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, Any] | None = None
@@ -60,8 +60,6 @@ class GenerationRequest(BaseModel):
         unsupported = {
             "n": self.n != 1,
             "best_of": self.best_of not in (None, 1),
-            "logprobs": self.logprobs not in (None, False, 0),
-            "top_logprobs": self.top_logprobs not in (None, 0),
             "presence_penalty": self.presence_penalty != 0,
             "frequency_penalty": self.frequency_penalty != 0,
             "logit_bias": bool(self.logit_bias),
@@ -86,6 +84,10 @@ class GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """Alternatives to list per token (0: only the token's own log-probability); None: no logprobs."""
+        return None
+
 
 class CompletionRequest(GenerationRequest):
     """/v1/completions: raw text (no chat template) or token ids."""
@@ -93,9 +95,21 @@ class CompletionRequest(GenerationRequest):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
     echo: bool = False
     suffix: str | None = None
+    logprobs: TopLogprobs | None = None  # the legacy API's form: the number of alternatives per token
+    top_logprobs: Any = None  # chat's form: refused here, with a pointer to logprobs
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None:
+            raise bad_request("top_logprobs is a chat completions parameter: /v1/completions takes logprobs=N "
+                              f"(0 to {MAX_TOP_LOGPROBS} alternatives per token)", param="top_logprobs",
+                              code="unsupported_parameter")  # fmt: skip
 
     def _extra_unsupported(self) -> list[str]:
         return [name for name, bad in (("echo", self.echo), ("suffix", bool(self.suffix))) if bad]
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -124,9 +138,19 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None  # text, json_object or json_schema (structured output)
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None  # alternatives per token; needs logprobs
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
 
     def _extra_unsupported(self) -> list[str]:
         return [name for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions))) if bad]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
