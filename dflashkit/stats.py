@@ -43,6 +43,23 @@ class DecodeStats:
         self.store_steps.append(from_store)
         self.tree_nodes.append(tree_nodes)
 
+    @classmethod
+    def combined(cls, runs: list[DecodeStats]) -> DecodeStats:
+        """The stats of several generations of one prompt as one (the server's n choices): their steps
+        together, tokens and times summed; settings (block size, engine, ...) from the first."""
+        first = runs[0]
+        out = cls(block_size=max(r.block_size for r in runs), prompt_tokens=first.prompt_tokens,
+                  adaptive=first.adaptive, target_weights=first.target_weights, engine=first.engine,
+                  lookup=first.lookup, tree=first.tree, draft_window=first.draft_window, grammar=first.grammar)
+        for r in runs:
+            out.new_tokens += r.new_tokens
+            out.target_forwards += r.target_forwards
+            for name in ("accepted_lengths", "drafted_lengths", "copied_steps", "store_steps", "tree_nodes"):
+                getattr(out, name).extend(getattr(r, name))
+            for name in ("prefill_s", "draft_s", "verify_s", "decode_s"):
+                setattr(out, name, getattr(out, name) + getattr(r, name))
+        return out
+
     @property
     def steps(self) -> int:
         return len(self.accepted_lengths)

@@ -225,6 +225,51 @@ def _token_texts(offline, prompt: str) -> list[str]:
     return [piece for delta in stream for piece in delta.token_text]
 
 
+def test_n_choices_are_generations_with_consecutive_seeds(client, offline) -> None:
+    """n choices: choice i is the offline generation with seed + i (0: the request's own seed); usage counts
+    the prompt once and every choice's tokens and steps; streamed, each choice in turn with its index."""
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+    expected = [reference(offline, "w5 w6 w7", True, logprobs=1, **{**SAMPLED, "seed": SAMPLED["seed"] + i})
+                for i in range(3)]
+    assert len({e.text for e in expected}) == 3
+    resp = client.chat.completions.create(model=MODEL, messages=messages, n=3, logprobs=True, top_logprobs=1,
+                                          **SAMPLED)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.message.content for c in resp.choices] == [e.text for e in expected]
+    assert [c.finish_reason for c in resp.choices] == [e.finish_reason for e in expected]
+    for choice, e in zip(resp.choices, expected):
+        assert [x.logprob for x in choice.logprobs.content] == pytest.approx([lp.logprob for lp in e.logprobs])
+    u, spec = resp.usage, resp.usage.model_extra["speculative"]
+    assert u.prompt_tokens == expected[0].prompt_tokens
+    assert u.completion_tokens == sum(len(e.token_ids) for e in expected)
+    assert spec["drafting_steps"] == sum(e.stats.steps for e in expected)
+    assert spec["accepted_tokens"] == sum(sum(e.stats.accepted_lengths) for e in expected)
+    assert spec["accepted_per_position"] == [sum(c) for c in zip(*(e.stats.accepted_per_position for e in expected))]
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=3, stream=True, **SAMPLED))
+    for i, e in enumerate(expected):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in mine) == e.text
+        assert [c.choices[0].finish_reason for c in mine][-1] == e.finish_reason
+    indices = [c.choices[0].index for c in chunks]
+    assert indices == sorted(indices)  # one choice after another
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].usage.completion_tokens == u.completion_tokens
+
+    texts = client.completions.create(model=MODEL, prompt="w9 w30", n=2, max_tokens=8, temperature=0)
+    assert texts.choices[0].text == texts.choices[1].text  # greedy: the same choice twice
+    assert texts.choices[0].text == reference(offline, "w9 w30", False, temperature=0, seed=None, max_tokens=8).text
+
+
+def test_more_choices_than_the_queue_holds_are_refused() -> None:
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, max_queue=1)) as live:
+        r = httpx.post(live.url + "/v1/chat/completions", json={**CHAT, "n": 3, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "max-queue" in r.json()["error"]["message"]
+        r = httpx.post(live.url + "/v1/chat/completions", json={**CHAT, "n": 2, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
 # ---- many clients at once -----------------------------------------------------------------------------------
 
 
@@ -280,7 +325,9 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "stop": 7}, 400, "stop", None),
     ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),  # at most 4
     ("/v1/chat/completions", {**CHAT, "stream": "yes"}, 400, "stream", None),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, 400, "n", None),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "n", None),  # at most 16
+    ("/v1/chat/completions", {**CHAT, "best_of": 3}, 400, "best_of", "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "messages": "w5"}, 400, "messages", None),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "w5"}]}, 400, "messages", None),
@@ -391,6 +438,23 @@ def test_full_queue_answers_429_and_disconnect_cancels() -> None:
         wait_until(lambda: metric(live.url, "dflashkit_generations_total", outcome="cancelled") == 1)
         assert metric(live.url, "dflashkit_completion_tokens_total") < 500 + 5
         assert metric(live.url, "dflashkit_requests_total", endpoint="/v1/completions", status="429") == 2
+
+
+def test_choices_take_queue_places_together_and_a_disconnect_cancels_them_all() -> None:
+    app = create_app(tiny_generator(), model_id=MODEL, max_queue=2)
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        scheduler = app.state.scheduler
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True, "n": 2}) as a:
+            lines = a.iter_lines()
+            next(lines)
+            assert scheduler.running == 1 and scheduler.queued == 1  # choice 1 waits behind choice 0
+            c = http.post("/v1/completions", json={**LONG, "max_tokens": 5, "n": 2})  # 2 + 2 > 3 places
+            assert c.status_code == 429
+            assert scheduler.queued == 1  # all or none: nothing of the refused request was queued
+        wait_until(lambda: metric(live.url, "dflashkit_generations_total", outcome="cancelled") == 2)
+        assert metric(live.url, "dflashkit_completion_tokens_total") < 500
+        r = http.post("/v1/completions", json={**LONG, "max_tokens": 5, "n": 3})
+        assert r.status_code == 200 and [len(c["text"].split()) for c in r.json()["choices"]] == [5, 5, 5]
 
 
 def test_client_that_disconnects_while_queued_is_dropped() -> None:

@@ -26,3 +26,16 @@ def test_plain_decoding_has_tau_one_and_times_add_up():
     assert s.tau == 1.0 and s.acceptance_histogram == [5] and s.accepted_per_position == []
     assert s.other_s == 0.25 and s.tokens_per_s == 6 / 1.5
     assert DecodeStats(block_size=8).tau == 0.0  # no steps yet
+
+
+def test_combined_stats_of_several_runs():
+    a, b = DecodeStats(block_size=4), DecodeStats(block_size=4)
+    for s, steps in ((a, [(3, 2), (3, 0)]), (b, [(3, 3)])):
+        for drafted, accepted in steps:
+            s.record_step(drafted, accepted)
+    a.new_tokens, b.new_tokens, a.decode_s, b.decode_s, a.prefill_s = 5, 4, 1.0, 0.5, 0.5
+    both = DecodeStats.combined([a, b])
+    assert both.steps == 3 and both.accepted_lengths == [2, 0, 3] and both.new_tokens == 9
+    assert both.tau == (5 / 3 + 1) and both.accepted_per_position == [2, 2, 1]
+    assert both.decode_s == 1.5 and both.tokens_per_s == 9 / 2.0
+    assert (a.steps, b.steps) == (2, 1)  # the runs themselves are unchanged

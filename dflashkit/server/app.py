@@ -8,6 +8,7 @@ Endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
-from ..generator import GenerationStream, SpeculativeGenerator
+from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator
 from ..grammar import CompiledGrammar, Grammar
 from ..sampling import SamplingParams
 from ..tree import check_budget
@@ -137,6 +138,11 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
     return app
 
 
+def _cancel_all(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.cancel("cancelled")  # a no-op for a job that already ended
+
+
 def _playground_html() -> str:
     return resources.files(__package__).joinpath("static/playground.html").read_text(encoding="utf-8")
 
@@ -183,6 +189,9 @@ class Service:
         arrived = asyncio.get_running_loop().time()
         self.check_model(body.model)
         body.check_supported()
+        if body.n > self.settings.max_queue + 1:
+            raise bad_request(f"n={body.n} choices need {body.n} places in the queue, and this server holds "
+                              f"{self.settings.max_queue + 1} (--max-queue {self.settings.max_queue})", param="n")
         try:
             SamplingParams(body.temperature, body.effective_top_k, body.top_p)
         except InvalidInputError as e:
@@ -241,41 +250,49 @@ class Service:
         if body.requested_logprobs() is not None:  # the tokenizer's byte view (built once, ~1 s) off the event loop
             await asyncio.to_thread(self.generator.token_bytes, 0)
         loop = asyncio.get_running_loop()
-        try:
-            job = self.scheduler.submit(lambda: self._start(plan), loop)
+        n = body.n
+        try:  # the n choices are n generations, queued together, run one after another
+            jobs = self.scheduler.submit_all([functools.partial(self._start, plan, i) for i in range(n)], loop)
         except QueueFullError as e:
             raise APIError(429, f"The server is busy ({self.scheduler.queued} requests waiting): retry after "
                            f"{e.retry_after} s", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from e  # fmt: skip
         deadline = plan.arrived + self.settings.timeout if self.settings.timeout is not None else None
+        response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes, n=n)
         try:
-            event = await self._next(job, deadline, request)  # also waits out the queue
+            event = await self._next(jobs[0], deadline, request)  # also waits out the queue
             if isinstance(event, Failed):
                 raise from_exception(event.error)
-            response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes)
-            if plan.body.stream:  # from here on, the SSE generator owns the job
+            if plan.body.stream:  # from here on, the SSE generator owns the jobs
                 return StreamingResponse(
-                    self._sse(job, event, response, deadline), media_type="text/event-stream",
+                    self._sse(jobs, event, response, deadline), media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )  # fmt: skip
-            while isinstance(event, Delta):
-                response.add(event.delta)
-                event = await self._next(job, deadline, request)
-            if isinstance(event, Failed):
-                raise from_exception(event.error)
-            return JSONResponse(response.complete(event.result))
+            results = []
+            for index, job in enumerate(jobs):
+                if index:
+                    event = await self._next(job, deadline, request)
+                while isinstance(event, Delta):
+                    response.add(event.delta, index)
+                    event = await self._next(job, deadline, request)
+                if isinstance(event, Failed):
+                    raise from_exception(event.error)
+                results.append(event.result)
+            return JSONResponse(response.complete(results))
         except ClientGone:
-            job.cancel("cancelled")
+            _cancel_all(jobs)
             return Response(status_code=499)  # nobody reads it
         except BaseException:
-            job.cancel("cancelled")  # a no-op when the job already ended
+            _cancel_all(jobs)  # a no-op for jobs that already ended
             raise
 
-    def _start(self, plan: Plan) -> GenerationStream:  # worker thread
+    def _start(self, plan: Plan, index: int = 0) -> GenerationStream:  # worker thread
+        """Choice `index` of the request: with a seed, choice i > 0 samples with seed + i (mod 2**64)."""
         b = plan.body
+        seed = b.seed if b.seed is None or index == 0 else (b.seed + index) % 2**64
         return self.generator.stream(
             plan.prompt_ids, max_new_tokens=plan.max_new_tokens, temperature=b.temperature, top_k=b.effective_top_k,
-            top_p=b.top_p, seed=b.seed, stop=b.stop_strings, block_size=self.settings.block_size,
+            top_p=b.top_p, seed=seed, stop=b.stop_strings, block_size=self.settings.block_size,
             proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
             draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=b.requested_logprobs(),
         )  # fmt: skip
@@ -304,31 +321,34 @@ class Service:
             if not getter.done():
                 getter.cancel()
 
-    async def _sse(self, job: Job, first: Event, response: ResponseBuilder, deadline: float | None) -> AsyncIterator[str]:
-        """Server-sent events: the chunks, usage on the final one, then [DONE]. A disconnect cancels the
-        job (Starlette cancels this generator when the client goes)."""
-        finished = False
+    async def _sse(self, jobs: list[Job], first: Event, response: ResponseBuilder,
+                   deadline: float | None) -> AsyncIterator[str]:
+        """Server-sent events: each choice's chunks in turn (its index on each), its finish_reason on its last
+        chunk and, on the last choice's, the usage of all; then [DONE]. A disconnect, an error or a timeout cancels
+        the jobs not yet ended (Starlette cancels this generator when the client goes)."""
+        results: list[GenerationResult] = []
         try:
-            yield sse_event(response.first_chunk())
-            event = first
-            while True:
-                if isinstance(event, Delta):
-                    yield sse_event(response.chunk(event.delta))
-                elif isinstance(event, Done):
-                    finished = True
-                    yield sse_event(response.final_chunk(event.result))
-                    yield "data: [DONE]\n\n"
-                    return
-                else:
-                    finished = True
-                    yield sse_event(from_exception(event.error).body())
-                    return
-                try:
-                    event = await self._next(job, deadline, None)
-                except APIError as e:  # timeout
-                    finished = True
-                    yield sse_event(e.body())
-                    return
+            for index, job in enumerate(jobs):
+                yield sse_event(response.first_chunk(index))
+                event = first if index == 0 else None
+                while True:
+                    if event is None:
+                        try:
+                            event = await self._next(job, deadline, None)
+                        except APIError as e:  # timeout
+                            yield sse_event(e.body())
+                            return
+                    if isinstance(event, Delta):
+                        yield sse_event(response.chunk(event.delta, index))
+                    elif isinstance(event, Done):
+                        results.append(event.result)
+                        last = index == len(jobs) - 1
+                        yield sse_event(response.final_chunk(event.result, index, results if last else None))
+                        break
+                    else:
+                        yield sse_event(from_exception(event.error).body())
+                        return
+                    event = None
+            yield "data: [DONE]\n\n"
         finally:
-            if not finished:
-                job.cancel("cancelled")
+            _cancel_all(jobs)

@@ -41,61 +41,70 @@ def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int) -> dic
     }
 
 
-class ResponseBuilder:
-    """Builds one request's OpenAI objects: chunks while streaming, or the full response at the end."""
+class ChoiceBuilder:
+    """One choice's content: its text, token origins and logprobs as they stream in."""
 
-    def __init__(self, plan: Plan, model_id: str, token_bytes: Callable[[int], bytes] | None = None) -> None:
-        """`token_bytes`: a token id's bytes (needed when the request asks for logprobs)."""
-        self.chat = plan.chat
-        self.origins = plan.body.token_origins
-        self.logprobs = plan.body.requested_logprobs() is not None
-        self.token_bytes = token_bytes
-        self.logprob_entries: list[dict[str, Any]] = []  # chat: per token; completions: see _legacy_logprobs
-        self.text_offset = 0  # completions: characters released before the next token
-        self.prompt_tokens = len(plan.prompt_ids)
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = model_id
+    def __init__(self, builder: ResponseBuilder, index: int) -> None:
+        self.builder, self.index = builder, index
         self.text: list[str] = []
-        self.tokens: list[dict[str, Any]] = []
-
-    def _envelope(self, choice: dict[str, Any], chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
-
-    @staticmethod
-    def _origins(delta: TextDelta) -> list[dict[str, Any]]:
-        texts = delta.token_text or [delta.text] + [""] * (len(delta.token_ids) - 1)
-        return [{"id": t, "text": s, "from_draft": f} for t, s, f in zip(delta.token_ids, texts, delta.from_draft)]
+        self.tokens: list[dict[str, Any]] = []  # token_origins
+        self.logprob_entries: list[dict[str, Any]] = []  # chat's format; completions add text_offset
+        self.text_offset = 0  # completions: characters released before the next token
 
     def add(self, delta: TextDelta) -> None:
         self.text.append(delta.text)
-        if self.origins:
-            self.tokens.extend(self._origins(delta))
-        if self.logprobs:
-            self.logprob_entries.extend(self._logprob_entries(delta))
+        if self.builder.origins:
+            self.tokens.extend(_origins(delta))
+        if self.builder.logprobs:
+            self.logprob_entries.extend(self.logprob_entries_of(delta))
 
-    # ---- logprobs: chat's {"content": [...]} or the legacy {"tokens", "token_logprobs", ...} -------------------
-
-    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        assert self.token_bytes is not None
-        raw = self.token_bytes(token_id)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
-
-    def _logprob_entries(self, delta: TextDelta) -> list[dict[str, Any]]:
-        """One entry per token of `delta` (chat's format; completions keep the text offset too)."""
+    def logprob_entries_of(self, delta: TextDelta) -> list[dict[str, Any]]:
+        """One entry per token of `delta`: {token, logprob, bytes, top_logprobs} (+ text_offset for completions)."""
         texts = delta.token_text or [delta.text] + [""] * (len(delta.token_ids) - 1)
         entries = []
         for lp, released in zip(delta.logprobs or [], texts):
-            entry = self._token(lp.token_id, lp.logprob)
-            entry["top_logprobs"] = [self._token(t, v) for t, v in lp.top]
-            if not self.chat:
+            entry = self.builder.token_entry(lp.token_id, lp.logprob)
+            entry["top_logprobs"] = [self.builder.token_entry(t, v) for t, v in lp.top]
+            if not self.builder.chat:
                 entry["text_offset"] = self.text_offset
                 self.text_offset += len(released)
             entries.append(entry)
         return entries
 
+
+def _origins(delta: TextDelta) -> list[dict[str, Any]]:
+    texts = delta.token_text or [delta.text] + [""] * (len(delta.token_ids) - 1)
+    return [{"id": t, "text": s, "from_draft": f} for t, s, f in zip(delta.token_ids, texts, delta.from_draft)]
+
+
+class ResponseBuilder:
+    """Builds one request's OpenAI objects: chunks while streaming, or the full response at the end; `n`
+    choices, each generated in turn (index i)."""
+
+    def __init__(self, plan: Plan, model_id: str, token_bytes: Callable[[int], bytes] | None = None,
+                 n: int = 1) -> None:
+        """`token_bytes`: a token id's bytes (needed when the request asks for logprobs)."""
+        self.chat = plan.chat
+        self.origins = plan.body.token_origins
+        self.logprobs = plan.body.requested_logprobs() is not None
+        self.token_bytes = token_bytes
+        self.prompt_tokens = len(plan.prompt_ids)
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model_id
+        self.choices = [ChoiceBuilder(self, i) for i in range(n)]
+
+    def token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        assert self.token_bytes is not None
+        raw = self.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
     def _logprobs_object(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Chat's {"content": [...]}, or the legacy completions {"tokens", "token_logprobs", ...}."""
         if not self.logprobs:
             return None
         if self.chat:
@@ -107,42 +116,60 @@ class ResponseBuilder:
             "text_offset": [e["text_offset"] for e in entries],
         }
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _chunk_choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def first_chunk(self) -> dict[str, Any]:
-        """Chat streams open with the assistant role; completions with an empty text."""
-        return self._envelope(self._choice(None if self.chat else "", None, role=True), chunk=True)
+    # ---- streaming -----------------------------------------------------------------------------------------
 
-    def chunk(self, delta: TextDelta) -> dict[str, Any]:
-        logprobs = self._logprobs_object(self._logprob_entries(delta)) if self.logprobs else None
-        choice = self._choice(delta.text, None, logprobs=logprobs)
+    def first_chunk(self, index: int = 0) -> dict[str, Any]:
+        """Chat streams open each choice with the assistant role; completions with an empty text."""
+        return self._envelope([self._chunk_choice(index, None if self.chat else "", None, role=True)], chunk=True)
+
+    def chunk(self, delta: TextDelta, index: int = 0) -> dict[str, Any]:
+        choice_state = self.choices[index]
+        logprobs = self._logprobs_object(choice_state.logprob_entries_of(delta)) if self.logprobs else None
+        choice = self._chunk_choice(index, delta.text, None, logprobs=logprobs)
         if self.origins:
-            choice["token_origins"] = self._origins(delta)
-        return self._envelope(choice, chunk=True)
+            choice["token_origins"] = _origins(delta)
+        return self._envelope([choice], chunk=True)
 
-    def final_chunk(self, result: GenerationResult) -> dict[str, Any]:
-        out = self._envelope(self._choice(None if self.chat else "", result.finish_reason), chunk=True)
-        out["usage"] = usage(result.stats, self.prompt_tokens, len(result.token_ids))
+    def final_chunk(self, result: GenerationResult, index: int = 0,
+                    results: list[GenerationResult] | None = None) -> dict[str, Any]:
+        """A choice's finish_reason; with `results` (all the choices', on the last one) the request's usage."""
+        out = self._envelope([self._chunk_choice(index, None if self.chat else "", result.finish_reason)], chunk=True)
+        if results is not None:
+            out["usage"] = self.usage(results)
         return out
 
-    def complete(self, result: GenerationResult) -> dict[str, Any]:
-        text = "".join(self.text)
-        logprobs = self._logprobs_object(self.logprob_entries)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": result.finish_reason}  # fmt: skip
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
-        if self.origins:
-            choice["token_origins"] = self.tokens
-        out = self._envelope(choice, chunk=False)
-        out["usage"] = usage(result.stats, self.prompt_tokens, len(result.token_ids))
-        return out
+    # ---- whole responses -----------------------------------------------------------------------------------
 
+    def add(self, delta: TextDelta, index: int = 0) -> None:
+        self.choices[index].add(delta)
+
+    def usage(self, results: list[GenerationResult]) -> dict[str, Any]:
+        stats = results[0].stats if len(results) == 1 else DecodeStats.combined([r.stats for r in results])
+        return usage(stats, self.prompt_tokens, sum(len(r.token_ids) for r in results))
+
+    def complete(self, results: list[GenerationResult]) -> dict[str, Any]:
+        choices = []
+        for state, result in zip(self.choices, results):
+            text = "".join(state.text)
+            logprobs = self._logprobs_object(state.logprob_entries)
+            if self.chat:
+                choice = {"index": state.index, "message": {"role": "assistant", "content": text},
+                          "logprobs": logprobs, "finish_reason": result.finish_reason}  # fmt: skip
+            else:
+                choice = {"index": state.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": result.finish_reason}
+            if self.origins:
+                choice["token_origins"] = state.tokens
+            choices.append(choice)
+        out = self._envelope(choices, chunk=False)
+        out["usage"] = self.usage(results)
+        return out

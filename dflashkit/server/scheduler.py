@@ -146,16 +146,21 @@ class Scheduler:
 
     def submit(self, start: Callable[[], GenerationStream], loop: asyncio.AbstractEventLoop) -> Job:
         """Queue a generation; raises QueueFullError when one job runs and max_queue jobs already wait."""
-        job = Job(start, loop)
+        return self.submit_all([start], loop)[0]
+
+    def submit_all(self, starts: list[Callable[[], GenerationStream]], loop: asyncio.AbstractEventLoop) -> list[Job]:
+        """Queue several generations one after another (a request's n choices), all or none: QueueFullError
+        when the running job and those waiting leave fewer than len(starts) of the max_queue + 1 places."""
+        jobs = [Job(start, loop) for start in starts]
         with self._cond:
             if self._stopping or self._thread is None:
                 raise RuntimeError("the scheduler is not running")
             held = self.queued + (self._running is not None and not self._running.cancelled)
-            if held >= self.max_queue + 1:
+            if held + len(jobs) > self.max_queue + 1:
                 raise QueueFullError(self.retry_after())
-            self._queue.append(job)
+            self._queue.extend(jobs)
             self._cond.notify()
-        return job
+        return jobs
 
     # ---- worker ------------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
-Fields the engine cannot honour (n > 1, penalties, tools...) are refused with a 400 naming the
+Fields the engine cannot honour (penalties, logit_bias, tools...) are refused with a 400 naming the
 field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
 """
 
@@ -14,6 +14,7 @@ from ..logprobs import MAX_TOP_LOGPROBS
 from .errors import bad_request
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16  # n: choices per request, generated one after another
 
 Probability = Annotated[float, Field(gt=0, le=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
@@ -47,8 +48,8 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     # dflashkit extension: every chunk / choice lists its tokens with their text and origin
     token_origins: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices, generated in turn (sampled: different seeds)
     # accepted only at their neutral values
-    n: int = 1
     best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -58,7 +59,6 @@ class GenerationRequest(BaseModel):
     def check_supported(self) -> None:
         """Refuse options the engine does not implement, naming the field."""
         unsupported = {
-            "n": self.n != 1,
             "best_of": self.best_of not in (None, 1),
             "presence_penalty": self.presence_penalty != 0,
             "frequency_penalty": self.frequency_penalty != 0,
