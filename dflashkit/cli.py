@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's presence penalty, -2..2: subtracted once from tokens already in the output")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's frequency penalty, -2..2: subtracted per occurrence in the output")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="transformers' repetition penalty (> 0; 1: off) over the prompt's and the output's tokens")
     _add_lookup_option(g)
     _add_tree_option(g)
     _add_draft_window_option(g)
@@ -482,10 +488,12 @@ def _load_generator(args: argparse.Namespace, quiet: bool):
 def cmd_generate(args: argparse.Namespace) -> int:
     from .decode import check_draft_window
     from .logprobs import check_top_logprobs
+    from .penalties import Penalties
 
     dtype = DTYPES[args.dtype]
     check_draft_window(args.draft_window)  # before the (slow) model load
     check_top_logprobs(args.logprobs)
+    Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)  # refuses bad values early
     grammar = _grammar_from_args(args)
     _apply_threads(args.threads)
     gen = _load_generator(args, args.json)
@@ -501,6 +509,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,
         lookup=_lookup_wanted(args, drafter is not None), ngram_store=args.ngram_store, tree=args.tree,
         draft_window=args.draft_window, grammar=grammar, logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )  # fmt: skip
     gen.warmup()
     stream = gen.stream(args.prompt, **kwargs)

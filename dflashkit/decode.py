@@ -12,7 +12,8 @@ State between steps:
 
 With ``lookup`` on, a step whose text so far ends with an n-gram seen before drafts the tokens that followed
 it (:mod:`dflashkit.lookup`) instead of running the drafter; verification is the same either way. With a
-``grammar``, the target and the drafts are masked to what it allows (:mod:`dflashkit.grammar`).
+``grammar``, the target and the drafts are masked to what it allows (:mod:`dflashkit.grammar`); with
+``penalties``, each verify row's logits are adjusted by its own history (:mod:`dflashkit.penalties`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .grammar import CompiledGrammar, masked
 from .logprobs import TokenLogprob, check_top_logprobs, token_logprobs
 from .lookup import NgramLookup
 from .ngram_store import NgramStore
+from .penalties import Penalties
 from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
 from .stats import DecodeStats
 from .target import TargetAdapter
@@ -59,6 +61,7 @@ class DecodeOptions:
     draft_window: int | None = None  # drafting attends to the last N context tokens; None: the drafter's own, 0: all
     grammar: CompiledGrammar | None = None  # structured output: every token is one the grammar allows (chains only)
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (dflashkit.logprobs)
+    penalties: Penalties | None = None  # presence / frequency / repetition penalties, logit bias (chains only)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens):
@@ -75,6 +78,8 @@ class DecodeOptions:
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         check_draft_window(self.draft_window)
         check_top_logprobs(self.logprobs)
+        if self.penalties is not None and not isinstance(self.penalties, Penalties):
+            raise InvalidInputError(f"penalties must be a Penalties, got {type(self.penalties).__name__}")
         if self.block_size is not None and self.block_size < 2:
             raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {self.block_size}")
 
@@ -150,6 +155,11 @@ def decode(
     constraint = options.grammar.start() if options.grammar is not None else None
     stats.grammar = options.grammar.kind if options.grammar is not None else None
     stop_ids = options.stop_token_ids | (constraint.eos_token_ids if constraint else frozenset())  # a grammar ends at eos
+    penalties = options.penalties if options.penalties is not None and options.penalties.active else None
+    history = penalties.start(prompt_ids, target.vocab_size, device) if penalties else None
+
+    def adjusted(rows: Tensor, drafts: Tensor | list[int] = ()) -> Tensor:  # the logits the decision is made on
+        return history.apply(rows, drafts) if history is not None else rows
 
     def logprobs_of(rows: Tensor, tokens: list[int]) -> list[TokenLogprob] | None:  # rows [>= len(tokens), vocab]
         return token_logprobs(rows, tokens, options.logprobs) if options.logprobs is not None else None
@@ -159,12 +169,15 @@ def decode(
     cache = target.new_cache(capacity=len(prompt_ids) + max_new + block)
     prompt = torch.tensor([prompt_ids], device=device)
     logits, features = target.forward(prompt, 0, cache, logits_rows=1)
+    decided = adjusted(logits[-1:])  # [1, vocab]
     masks = constraint.allowed()[None] if constraint else None  # [1, vocab]
-    token = choose(logits[-1], masks[0] if masks is not None else None)
+    token = choose(decided[-1], masks[0] if masks is not None else None)
     if constraint:
         constraint.consume([token])
+    if history is not None:
+        history.consume([token])
     if observer:
-        observer(masked(logits, masks), [token])
+        observer(masked(decided, masks), [token])
     stats.target_forwards += 1
     stats.prefill_s = time.perf_counter() - t_start
     t_decode = time.perf_counter()
@@ -175,7 +188,8 @@ def decode(
     context = drafter.new_context(capacity=pos + max_new + block, window=stats.draft_window) if drafter else None
     pending, pending_start = features, 0
     lookup = NgramLookup(prompt_ids + [token], store=options.lookup_store) if options.lookup else None
-    use_trees = options.tree is not None and drafter is not None and target.supports_trees and constraint is None
+    use_trees = (options.tree is not None and drafter is not None and target.supports_trees and constraint is None
+                 and penalties is None)
     stats.tree = options.tree if use_trees else None
 
     finished = token in stop_ids or produced >= max_new
@@ -239,10 +253,11 @@ def decode(
             accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
         else:
             logits, features = target.forward(block_ids, pos, cache, logits_rows=rows)  # [rows, vocab]
+            decided = adjusted(logits, drafts)  # row r: penalties over the output so far + drafts[:r]
             if params.greedy:
-                accepted, token = verify_greedy(logits, drafts, masks)
+                accepted, token = verify_greedy(decided, drafts, masks)
             else:
-                accepted, token = verify_sampled(warp(masked(logits, masks), params), drafts, q, gen)
+                accepted, token = verify_sampled(warp(masked(decided, masks), params), drafts, q, gen)
             accepted_drafts = drafts[:accepted].tolist()
         stats.verify_s += time.perf_counter() - t
         stats.target_forwards += 1
@@ -261,7 +276,7 @@ def decode(
         if lookup is not None:
             lookup.extend(emitted)
         if observer:
-            observer(logits[kept] if tree is not None else masked(logits, masks), emitted)
+            observer(logits[kept] if tree is not None else masked(decided, masks), emitted)
         stats.record_step(tree.depth if tree is not None else k, accepted, copied=bool(copied),
                           from_store=bool(copied) and lookup.from_store,
                           tree_nodes=len(tree) if tree is not None else 0)
@@ -274,6 +289,8 @@ def decode(
             emitted = emitted[: stop_at + 1]
         if constraint:
             constraint.consume(emitted)
+        if history is not None:
+            history.consume(emitted)
         produced += len(emitted)
         finished = stop_at is not None or produced >= max_new
         stats.new_tokens = produced
@@ -319,6 +336,8 @@ def _check(target: TargetAdapter, drafter: DFlashDrafter | None, prompt_ids: lis
         raise InvalidInputError(f"prompt token ids must be in [0, {vocab}), got {min(prompt_ids)}..{max(prompt_ids)}")
     if options.lookup and options.lookup_store is not None:
         options.lookup_store.check_vocab(vocab)
+    if options.penalties is not None:
+        options.penalties.check_vocab(vocab)
     if options.max_new_tokens < 1:
         raise InvalidInputError(f"max_new_tokens must be at least 1, got {options.max_new_tokens}")
     if len(prompt_ids) >= target.max_positions:

@@ -11,7 +11,7 @@ It owns the chat template, stop strings and detokenisation; the token-level loop
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from .grammar import CompiledGrammar, Grammar, grammar_tokenizer
 from .identity import check_compatible
 from .logprobs import TokenLogprob
 from .lossless import Divergence, DivergenceRecorder
+from .penalties import Penalties
 from .sampling import SamplingParams
 from .stats import DecodeStats
 from .target import TargetAdapter
@@ -206,6 +207,10 @@ class SpeculativeGenerator:
         draft_window: int | None = None,
         grammar: Grammar | CompiledGrammar | None = None,
         logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
@@ -224,6 +229,9 @@ class SpeculativeGenerator:
         ``.lark(...)``); exact with respect to the target constrained to it; chains only (no trees). Still lossless.
         ``logprobs=K``: every delta (and the result) carries each token's log-probability under the target and
         its K likeliest alternatives (0 to 20; :mod:`dflashkit.logprobs`), read off the verify passes.
+        ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over the output), ``repetition_penalty``
+        (transformers', over prompt and output), ``logit_bias`` ({token id: bias}): the target decodes with its
+        logits so adjusted (:mod:`dflashkit.penalties`); exact with respect to that adjusted target; chains only.
         """
         adaptive = block_size == "auto"
         if isinstance(block_size, str) and not adaptive:
@@ -248,6 +256,7 @@ class SpeculativeGenerator:
             draft_window=draft_window,
             grammar=self.compile_grammar(grammar) if grammar is not None else None,
             logprobs=logprobs,
+            penalties=Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias or {}),
         )
         policy = self.block_policies.get(options.sampling.greedy) if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))

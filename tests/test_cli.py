@@ -413,3 +413,19 @@ def test_logprobs_flag(loads, capsys) -> None:
     n = len(loads)
     rc, out, err = cli(capsys, "--logprobs", "21")
     assert rc == 2 and "logprobs" in err and len(loads) == n
+
+
+def test_penalty_flags(loads, capsys) -> None:
+    """--frequency-penalty etc. change the output and keep it identical to plain decoding; bad values are
+    refused before the model loads."""
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--json", "--dtype", "float32", "--compare-ar")
+    plain = json.loads(out)
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--json", "--dtype", "float32", "--compare-ar",
+                       "--frequency-penalty", "2", "--repetition-penalty", "3")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["identical"] is True and result["text"] != plain["text"]
+    n = len(loads)
+    for flag, value in (("--presence-penalty", "3"), ("--repetition-penalty", "0")):
+        rc, out, err = cli(capsys, flag, value)
+        assert rc == 2 and "penalty" in err and len(loads) == n

@@ -225,6 +225,19 @@ def _token_texts(offline, prompt: str) -> list[str]:
     return [piece for delta in stream for piece in delta.token_text]
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0, "seed": None}, {"temperature": 1.0, "seed": 5}])
+def test_penalties_and_logit_bias_equal_offline(client, offline, sampling) -> None:
+    adjust = {"presence_penalty": 0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.3}
+    expected = reference(offline, "w5 w6 w7", True, max_tokens=30, **sampling, **adjust, logit_bias={8: 2.0})
+    plain = reference(offline, "w5 w6 w7", True, max_tokens=30, **sampling)
+    assert expected.text != plain.text  # the adjustments change the output
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}],
+                                          max_tokens=30, logit_bias={"8": 2.0}, **sampling,
+                                          presence_penalty=0.5, frequency_penalty=1.5,
+                                          extra_body={"repetition_penalty": 1.3})  # fmt: skip
+    assert resp.choices[0].message.content == expected.text
+
+
 def test_n_choices_are_generations_with_consecutive_seeds(client, offline) -> None:
     """n choices: choice i is the offline generation with seed + i (0: the request's own seed); usage counts
     the prompt once and every choice's tokens and steps; streamed, each choice in turn with its index."""
@@ -328,6 +341,12 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "n": 0}, 400, "n", None),
     ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "n", None),  # at most 16
     ("/v1/chat/completions", {**CHAT, "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 2.5}, 400, "presence_penalty", None),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": "high"}, 400, "frequency_penalty", None),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"w5": 3}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"96": 1}}, 400, "logit_bias", None),  # outside the vocabulary
     ("/v1/chat/completions", {**CHAT, "messages": "w5"}, 400, "messages", None),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "w5"}]}, 400, "messages", None),

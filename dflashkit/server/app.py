@@ -23,6 +23,7 @@ from ..decode import check_draft_window
 from ..errors import InvalidInputError
 from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator
 from ..grammar import CompiledGrammar, Grammar
+from ..penalties import Penalties
 from ..sampling import SamplingParams
 from ..tree import check_budget
 from .errors import APIError, bad_request, from_exception, install_error_handlers
@@ -81,6 +82,7 @@ class Plan:
     max_new_tokens: int
     arrived: float
     grammar: CompiledGrammar | None = None  # response_format, checked against the tokenizer
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None = None, **kwargs: Any) -> FastAPI:
@@ -196,6 +198,12 @@ class Service:
             SamplingParams(body.temperature, body.effective_top_k, body.top_p)
         except InvalidInputError as e:
             raise bad_request(str(e)) from e
+        logit_bias = body.token_logit_bias()
+        try:
+            Penalties(body.presence_penalty, body.frequency_penalty, body.repetition_penalty,
+                      logit_bias).check_vocab(self.generator.target.vocab_size)
+        except InvalidInputError as e:
+            raise bad_request(str(e), param="logit_bias") from e
         ids = self._encode(body, chat)
         context = self.generator.target.max_positions
         param = "messages" if chat else "prompt"
@@ -214,7 +222,7 @@ class Service:
                 code="context_length_exceeded",
             )  # fmt: skip
         max_new = requested if requested is not None else min(self.settings.default_max_tokens, room)
-        return Plan(body, chat, ids, max_new, arrived)
+        return Plan(body, chat, ids, max_new, arrived, logit_bias=logit_bias)
 
     def _grammar(self, body: ChatCompletionRequest) -> CompiledGrammar | None:
         """The request's response_format as a grammar (None: plain text). The first one builds the tokenizer's
@@ -295,6 +303,8 @@ class Service:
             top_p=b.top_p, seed=seed, stop=b.stop_strings, block_size=self.settings.block_size,
             proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
             draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=b.requested_logprobs(),
+            presence_penalty=b.presence_penalty, frequency_penalty=b.frequency_penalty,
+            repetition_penalty=b.repetition_penalty, logit_bias=plan.logit_bias,
         )  # fmt: skip
 
     async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:

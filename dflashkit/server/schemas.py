@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
-Fields the engine cannot honour (penalties, logit_bias, tools...) are refused with a 400 naming the
+Fields the engine cannot honour (best_of, tools, echo...) are refused with a 400 naming the
 field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
 """
 
@@ -18,6 +18,7 @@ MAX_CHOICES = 16  # n: choices per request, generated one after another
 
 Probability = Annotated[float, Field(gt=0, le=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
@@ -49,20 +50,18 @@ class GenerationRequest(BaseModel):
     # dflashkit extension: every chunk / choice lists its tokens with their text and origin
     token_origins: bool = False
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices, generated in turn (sampled: different seeds)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0  # vLLM's extension (1: off)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     # accepted only at their neutral values
     best_of: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, Any] | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
         """Refuse options the engine does not implement, naming the field."""
         unsupported = {
             "best_of": self.best_of not in (None, 1),
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "logit_bias": bool(self.logit_bias),
         }
         for name in self._extra_unsupported():
             unsupported[name] = True
@@ -72,6 +71,15 @@ class GenerationRequest(BaseModel):
 
     def _extra_unsupported(self) -> list[str]:
         return []
+
+    def token_logit_bias(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids; a key that is not one raises a 400."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids (e.g. \"50256\"), got {key!r}", param="logit_bias")
+            out[int(key)] = bias
+        return out
 
     @property
     def stop_strings(self) -> list[str]:
