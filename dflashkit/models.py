@@ -164,6 +164,9 @@ def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.d
         else:
             local = pathlib.Path(name).expanduser()
             if local.is_dir():
+                if not (local / "config.json").is_file():
+                    raise ModelLoadError(f"Target model {name!r}: the folder has no config.json (a transformers "
+                                         "model folder holds config.json, the weights and the tokenizer's files)")
                 source, hint = local, "is it a complete transformers model folder with a tokenizer?"
             elif _HUB_ID.match(name):
                 source, hint = name, "treated as a Hugging Face hub id; downloads need network access (or a warm HF cache)"

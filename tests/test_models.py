@@ -74,10 +74,13 @@ def test_missing_local_path_raises_clear_error() -> None:
     assert isinstance(info.value, DFlashError) and isinstance(info.value, RuntimeError)
 
 
-def test_folder_without_model_chains_original(tmp_path: pathlib.Path) -> None:
-    with pytest.raises(ModelLoadError, match="Could not load target model") as info:
+def test_folder_without_model_says_what_is_missing_or_chains_original(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ModelLoadError, match="has no config.json") as info:
         load_target(tmp_path)
     assert str(tmp_path) in str(info.value)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a config, but no weights or tokenizer
+    with pytest.raises(ModelLoadError, match="Could not load target model") as info:
+        load_target(tmp_path)
     assert info.value.__cause__ is not None
 
 
