@@ -24,7 +24,7 @@ from .drafter import DFlashDrafter
 from .errors import InvalidInputError
 from .grammar import CompiledGrammar, Grammar, grammar_tokenizer
 from .identity import check_compatible
-from .logprobs import TokenLogprob
+from .logprobs import TokenLogprob, check_top_logprobs
 from .lossless import Divergence, DivergenceRecorder
 from .penalties import Penalties
 from .sampling import SamplingParams
@@ -49,6 +49,7 @@ class TextDelta:
     from_draft: list[bool]
     token_text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a stream's first delta only, when requested
 
 
 @dataclass
@@ -62,6 +63,7 @@ class GenerationResult:
     ar: GenerationResult | None = None  # the plain-decoding run, with compare_ar
     divergence: Divergence | None = None  # with compare_ar and greedy: first differing token, judged
     logprobs: list[TokenLogprob] | None = None  # one per token id, when requested (stream(logprobs=...))
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..n-1, when requested
 
     @property
     def identical(self) -> bool | None:
@@ -207,6 +209,7 @@ class SpeculativeGenerator:
         draft_window: int | None = None,
         grammar: Grammar | CompiledGrammar | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
@@ -229,6 +232,8 @@ class SpeculativeGenerator:
         ``.lark(...)``); exact with respect to the target constrained to it; chains only (no trees). Still lossless.
         ``logprobs=K``: every delta (and the result) carries each token's log-probability under the target and
         its K likeliest alternatives (0 to 20; :mod:`dflashkit.logprobs`), read off the verify passes.
+        ``prompt_logprobs=K``: the same for the prompt's tokens after the first (one more pass over the prompt),
+        on the first delta and the result.
         ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over the output), ``repetition_penalty``
         (transformers', over prompt and output), ``logit_bias`` ({token id: bias}): the target decodes with its
         logits so adjusted (:mod:`dflashkit.penalties`); exact with respect to that adjusted target; chains only.
@@ -260,11 +265,13 @@ class SpeculativeGenerator:
         )
         policy = self.block_policies.get(options.sampling.greedy) if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))
-        stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream, policy)
+        stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream, policy,
+                                   check_top_logprobs(prompt_logprobs))
         return stream
 
     def _run(self, ids, drafter, options, stop, observer, stream: GenerationStream,
-             policy: AdaptiveBlockSize | None = None) -> Iterator[TextDelta]:
+             policy: AdaptiveBlockSize | None = None, prompt_top: int | None = None) -> Iterator[TextDelta]:
+        prompt_logprobs = self.target.prompt_logprobs(ids, prompt_top) if prompt_top is not None else None
         stats = DecodeStats(block_size=1)
         detok = IncrementalDetokenizer(self.tokenizer)
         matcher = StopStringMatcher(stop)
@@ -289,7 +296,8 @@ class SpeculativeGenerator:
                     step_logprobs = step.logprobs[: len(tokens) - start] if logprobs is not None else None
                     if logprobs is not None:
                         logprobs.extend(step_logprobs)
-                    yield TextDelta("".join(pieces), tokens[start:], flags[start:], pieces, step_logprobs)
+                    yield TextDelta("".join(pieces), tokens[start:], flags[start:], pieces, step_logprobs,
+                                    prompt_logprobs if start == 0 else None)
                 if matcher.stopped:
                     stats.finish_reason = "stop"
                     break
@@ -299,6 +307,7 @@ class SpeculativeGenerator:
         stream.result = GenerationResult(
             text=matcher.text, token_ids=tokens, from_draft=flags, stats=stats,
             finish_reason=stats.finish_reason, prompt_tokens=len(ids), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
     def generate(self, prompt: Prompt | list[int], *, compare_ar: bool = False, **kwargs: Any) -> GenerationResult:

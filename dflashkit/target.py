@@ -21,6 +21,7 @@ from .cuda_graphs import unsupported_reason as graphs_unsupported_reason
 from .errors import IncompatibleDrafterError, InvalidInputError
 from .fast_target import FastTargetForward, StaticKVCache, unsupported_reason
 from .linear import has_packed_linears, pack_linears, unpack_linears
+from .logprobs import TokenLogprob, token_logprobs
 from .quantize import target_weights
 
 
@@ -237,6 +238,18 @@ class TargetAdapter:
             logprobs.append(top.values)
         shape = (*hidden.shape[:2], k)
         return features, torch.cat(ids).view(shape), torch.cat(logprobs).view(shape)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt_ids: list[int], top: int, chunk: int = 512) -> list[TokenLogprob]:
+        """The log-probability of each prompt token after the ones before it (tokens 1..n-1; the first has no
+        context), with its `top` alternatives: one pass of the decoder over the prompt, the LM head `chunk` rows
+        at a time. For scoring text (e.g. the completions API's echo)."""
+        ids = torch.tensor([prompt_ids], device=self.device)
+        hidden = self._decoder_pass(ids)[1][0, :-1]  # [n-1, hidden]: position i predicts token i+1
+        out: list[TokenLogprob] = []
+        for lo in range(0, hidden.shape[0], chunk):
+            out += token_logprobs(self.lm_head(hidden[lo : lo + chunk]), prompt_ids[lo + 1 : lo + 1 + chunk], top)
+        return out
 
     def _decoder_pass(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
         """The decoder over whole sequences (no cache): feature-layer outputs and the final-normed hidden states."""

@@ -130,3 +130,17 @@ def test_token_bytes_hold_partial_characters():
     gen = SpeculativeGenerator(tiny_target("llama", vocab_size=BYTE_VOCAB), byte_tokenizer())
     ids = gen.tokenizer.encode("é", add_special_tokens=False)
     assert b"".join(gen.token_bytes(t) for t in ids) == "é".encode()
+
+
+def test_prompt_logprobs_equal_a_forward_over_the_prompt_and_come_with_the_first_delta():
+    model = tiny_target("qwen3")
+    gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=4))
+    prompt = [40, 8, 8, 61, 12, 90, 7]
+    stream = gen.stream(prompt, max_new_tokens=8, prompt_logprobs=2)
+    deltas = list(stream)
+    assert deltas[0].prompt_logprobs == stream.result.prompt_logprobs
+    assert all(d.prompt_logprobs is None for d in deltas[1:]) and stream.result.logprobs is None
+    assert_match_reference(model, prompt[:1], prompt[1:], stream.result.prompt_logprobs, top=2)
+    assert stream.result.token_ids == gen.generate(prompt, max_new_tokens=8).token_ids  # decoding unchanged
+    with pytest.raises(InvalidInputError, match="logprobs"):
+        gen.generate(prompt, prompt_logprobs=-1)

@@ -218,6 +218,38 @@ def test_logprobs_equal_offline_in_chat_and_completions(client, offline) -> None
     assert streamed == legacy.text_offset
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_for_scoring(client, offline) -> None:
+    """completions echo (as lm-evaluation-harness scores text: echo, logprobs 1, max_tokens 1): the prompt
+    before the completion, its tokens' logprobs from one forward of the target (the first: null)."""
+    import torch
+
+    prompt = "w9 w30 w31 w5"
+    ids = offline.tokenizer.encode(prompt)
+    expected = reference(offline, prompt, False, temperature=0.0, seed=None, max_tokens=1, logprobs=1)
+    resp = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    choice = resp.choices[0]
+    assert choice.text == prompt + expected.text
+    lp = choice.logprobs
+    assert lp.tokens == [offline.token_bytes(t).decode() for t in ids + expected.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(offline.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx([float(ref[i, ids[i + 1]]) for i in range(len(ids) - 1)],
+                                                            abs=1e-5)
+    assert lp.token_logprobs[len(ids)] == pytest.approx(expected.logprobs[0].logprob, abs=1e-6)
+    assert all(len(d) == 1 for d in lp.top_logprobs[1:])
+    offsets = lp.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[len(ids)] == len(prompt)
+    words = prompt.split()
+    assert [choice.text[o:].lstrip()[: len(w)] for o, w in zip(offsets, words)] == words
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    plain = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=3, temperature=0)
+    assert plain.choices[0].text.startswith(offline.tokenizer.decode(ids)) and plain.choices[0].logprobs is None
+
+
 def _token_texts(offline, prompt: str) -> list[str]:
     """The text each token of the offline completion released (the pieces of its stream)."""
     stream = offline.stream(prompt, chat=False, proposal="sample", max_new_tokens=SAMPLED["max_tokens"],
@@ -358,7 +390,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 96]}, 400, "prompt", None),  # id outside the vocabulary
     ("/v1/completions", {"model": MODEL, "prompt": ["w5", "w6"]}, 400, "prompt", None),
-    ("/v1/completions", {"model": MODEL, "prompt": "w5", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("/v1/completions", {"model": MODEL, "prompt": "w5", "suffix": "w6"}, 400, "suffix", "unsupported_parameter"),
+    ("/v1/completions", {"model": MODEL, "prompt": "w5", "echo": "yes"}, 400, "echo", None),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),  # needs logprobs: true
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {**CHAT, "logprobs": 3}, 400, "logprobs", None),  # chat: a boolean

@@ -25,10 +25,11 @@ from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator
 from ..grammar import CompiledGrammar, Grammar
 from ..penalties import Penalties
 from ..sampling import SamplingParams
+from ..text import IncrementalDetokenizer
 from ..tree import check_budget
 from .errors import APIError, bad_request, from_exception, install_error_handlers
 from .metrics import RequestCounter, ServerMetrics
-from .responses import ResponseBuilder, sse_event
+from .responses import Echo, ResponseBuilder, sse_event
 from .scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
@@ -83,6 +84,7 @@ class Plan:
     arrived: float
     grammar: CompiledGrammar | None = None  # response_format, checked against the tokenizer
     logit_bias: dict[int, float] = field(default_factory=dict)
+    echo: Echo | None = None  # completions with echo: the prompt to put before the completion
 
 
 def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None = None, **kwargs: Any) -> FastAPI:
@@ -222,7 +224,19 @@ class Service:
                 code="context_length_exceeded",
             )  # fmt: skip
         max_new = requested if requested is not None else min(self.settings.default_max_tokens, room)
-        return Plan(body, chat, ids, max_new, arrived, logit_bias=logit_bias)
+        return Plan(body, chat, ids, max_new, arrived, logit_bias=logit_bias, echo=self._echo(body, ids))
+
+    def _echo(self, body: GenerationRequest, ids: list[int]) -> Echo | None:
+        """A completions prompt to echo: the text as sent (token ids: decoded), and each token's piece of it."""
+        if not isinstance(body, CompletionRequest) or not body.echo:
+            return None
+        tokenizer = self.generator.tokenizer
+        text = body.prompt if isinstance(body.prompt, str) else (
+            body.prompt[0] if isinstance(body.prompt[0], str) else tokenizer.decode(ids))
+        detok = IncrementalDetokenizer(tokenizer)
+        pieces = [detok.push([t]) for t in ids]
+        pieces[-1] += detok.flush()
+        return Echo(text, list(ids), pieces)
 
     def _grammar(self, body: ChatCompletionRequest) -> CompiledGrammar | None:
         """The request's response_format as a grammar (None: plain text). The first one builds the tokenizer's
@@ -266,7 +280,7 @@ class Service:
                            f"{e.retry_after} s", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from e  # fmt: skip
         deadline = plan.arrived + self.settings.timeout if self.settings.timeout is not None else None
-        response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes, n=n)
+        response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes, n=n, echo=plan.echo)
         try:
             event = await self._next(jobs[0], deadline, request)  # also waits out the queue
             if isinstance(event, Failed):
@@ -303,6 +317,7 @@ class Service:
             top_p=b.top_p, seed=seed, stop=b.stop_strings, block_size=self.settings.block_size,
             proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
             draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=b.requested_logprobs(),
+            prompt_logprobs=b.requested_logprobs() if plan.echo is not None else None,
             presence_penalty=b.presence_penalty, frequency_penalty=b.frequency_penalty,
             repetition_penalty=b.repetition_penalty, logit_bias=plan.logit_bias,
         )  # fmt: skip

@@ -6,9 +6,11 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..generator import GenerationResult, TextDelta
+from ..logprobs import TokenLogprob
 from ..stats import DecodeStats
 
 if TYPE_CHECKING:
@@ -50,13 +52,41 @@ class ChoiceBuilder:
         self.tokens: list[dict[str, Any]] = []  # token_origins
         self.logprob_entries: list[dict[str, Any]] = []  # chat's format; completions add text_offset
         self.text_offset = 0  # completions: characters released before the next token
+        self.echoed = builder.echo is None  # completions with echo: the prompt goes before the first delta
 
     def add(self, delta: TextDelta) -> None:
-        self.text.append(delta.text)
+        text, entries = self.piece(delta)
+        self.text.append(text)
         if self.builder.origins:
             self.tokens.extend(_origins(delta))
+        self.logprob_entries.extend(entries)
+
+    def piece(self, delta: TextDelta) -> tuple[str, list[dict[str, Any]]]:
+        """The text and logprob entries `delta` adds (the echoed prompt first, on the first delta)."""
+        text, entries = delta.text, []
+        if not self.echoed:
+            self.echoed = True
+            echo = self.builder.echo
+            assert echo is not None
+            text = echo.text + text
+            if self.builder.logprobs:
+                entries = self._prompt_entries(echo, delta.prompt_logprobs or [])
+            self.text_offset = len(echo.text)
         if self.builder.logprobs:
-            self.logprob_entries.extend(self.logprob_entries_of(delta))
+            entries += self.logprob_entries_of(delta)
+        return text, entries
+
+    def _prompt_entries(self, echo: Echo, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+        """The prompt's tokens, the first with no log-probability (nothing comes before it)."""
+        offsets = [sum(len(p) for p in echo.pieces[:i]) for i in range(len(echo.pieces))]
+        first = self.builder.token_entry(echo.token_ids[0], None)
+        first.update(top_logprobs=None, text_offset=offsets[0])
+        entries = [first]
+        for lp, offset in zip(logprobs, offsets[1:]):
+            entry = self.builder.token_entry(lp.token_id, lp.logprob)
+            entry.update(top_logprobs=[self.builder.token_entry(t, v) for t, v in lp.top], text_offset=offset)
+            entries.append(entry)
+        return entries
 
     def logprob_entries_of(self, delta: TextDelta) -> list[dict[str, Any]]:
         """One entry per token of `delta`: {token, logprob, bytes, top_logprobs} (+ text_offset for completions)."""
@@ -72,6 +102,15 @@ class ChoiceBuilder:
         return entries
 
 
+@dataclass
+class Echo:
+    """A completions prompt to echo: its text, token ids and the text each token releases (for text_offset)."""
+
+    text: str
+    token_ids: list[int]
+    pieces: list[str]
+
+
 def _origins(delta: TextDelta) -> list[dict[str, Any]]:
     texts = delta.token_text or [delta.text] + [""] * (len(delta.token_ids) - 1)
     return [{"id": t, "text": s, "from_draft": f} for t, s, f in zip(delta.token_ids, texts, delta.from_draft)]
@@ -82,8 +121,9 @@ class ResponseBuilder:
     choices, each generated in turn (index i)."""
 
     def __init__(self, plan: Plan, model_id: str, token_bytes: Callable[[int], bytes] | None = None,
-                 n: int = 1) -> None:
-        """`token_bytes`: a token id's bytes (needed when the request asks for logprobs)."""
+                 n: int = 1, echo: Echo | None = None) -> None:
+        """`token_bytes`: a token id's bytes (needed when the request asks for logprobs); `echo`: the prompt, for
+        completions that echo it."""
         self.chat = plan.chat
         self.origins = plan.body.token_origins
         self.logprobs = plan.body.requested_logprobs() is not None
@@ -92,9 +132,10 @@ class ResponseBuilder:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_id
+        self.echo = echo
         self.choices = [ChoiceBuilder(self, i) for i in range(n)]
 
-    def token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+    def token_entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         assert self.token_bytes is not None
         raw = self.token_bytes(token_id)
         return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
@@ -112,7 +153,8 @@ class ResponseBuilder:
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
             "text_offset": [e["text_offset"] for e in entries],
         }
 
@@ -132,9 +174,8 @@ class ResponseBuilder:
         return self._envelope([self._chunk_choice(index, None if self.chat else "", None, role=True)], chunk=True)
 
     def chunk(self, delta: TextDelta, index: int = 0) -> dict[str, Any]:
-        choice_state = self.choices[index]
-        logprobs = self._logprobs_object(choice_state.logprob_entries_of(delta)) if self.logprobs else None
-        choice = self._chunk_choice(index, delta.text, None, logprobs=logprobs)
+        text, entries = self.choices[index].piece(delta)
+        choice = self._chunk_choice(index, text, None, logprobs=self._logprobs_object(entries))
         if self.origins:
             choice["token_origins"] = _origins(delta)
         return self._envelope([choice], chunk=True)

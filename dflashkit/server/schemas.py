@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
-Fields the engine cannot honour (best_of, tools, echo...) are refused with a 400 naming the
+Fields the engine cannot honour (best_of, tools, suffix...) are refused with a 400 naming the
 field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
 """
 
@@ -101,7 +101,7 @@ class CompletionRequest(GenerationRequest):
     """/v1/completions: raw text (no chat template) or token ids."""
 
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too)
     suffix: str | None = None
     logprobs: TopLogprobs | None = None  # the legacy API's form: the number of alternatives per token
     top_logprobs: Any = None  # chat's form: refused here, with a pointer to logprobs
@@ -114,7 +114,7 @@ class CompletionRequest(GenerationRequest):
                               code="unsupported_parameter")  # fmt: skip
 
     def _extra_unsupported(self) -> list[str]:
-        return [name for name, bad in (("echo", self.echo), ("suffix", bool(self.suffix))) if bad]
+        return ["suffix"] if self.suffix else []
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
