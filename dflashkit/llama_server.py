@@ -107,7 +107,8 @@ class Completion:
 
 
 class LlamaServer:
-    """`llama-server -m MODEL [-md DRAFTER --spec-type draft-dflash]` on 127.0.0.1, one slot, for one process.
+    """`llama-server -m MODEL [-md DRAFTER --spec-type draft-dflash]` on 127.0.0.1, `parallel` slots (1 by default;
+    more: requests decoded together in continuous batches), `context` tokens each, for one process.
 
     Use as a context manager (or call `start()` / `close()`); the log goes to `log_path` (a temporary file
     by default) and its tail is quoted when the server fails.
@@ -122,6 +123,7 @@ class LlamaServer:
         block_size: int = 16,
         threads: int = 1,
         context: int = 4096,
+        parallel: int = 1,
         log_path: str | os.PathLike | None = None,
         extra_args: tuple[str, ...] = (),
         start_timeout_s: float = 180.0,
@@ -131,7 +133,7 @@ class LlamaServer:
         self.drafter = Path(drafter) if drafter is not None else None
         if self.drafter is not None and block_size < 2:
             raise ValueError(f"block size must be at least 2, got {block_size}")
-        self.block_size, self.threads, self.context = block_size, threads, context
+        self.block_size, self.threads, self.context, self.parallel = block_size, threads, context, parallel
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
         self.start_timeout_s, self.request_timeout_s = start_timeout_s, request_timeout_s
@@ -142,7 +144,7 @@ class LlamaServer:
 
     def command(self, port: int) -> list[str]:
         cmd = [str(self.binary), "-m", str(self.model), "-t", str(self.threads), "-tb", str(self.threads),
-               "-c", str(self.context), "-np", "1", "-fa", "on", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+               "-c", str(self.context * self.parallel), "-np", str(self.parallel), "-fa", "on", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
         if self.drafter is not None:
             cmd += ["-md", str(self.drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(self.block_size - 1)]
         return cmd + list(self.extra_args)

@@ -67,6 +67,13 @@ def test_speculative_server_reports_drafts(binary, ggufs) -> None:
     assert (c.draft_n, c.draft_n_accepted, c.target_passes) == (40, 5, 5)
 
 
+def test_slots_share_out_the_context(binary, ggufs) -> None:
+    cmd = LlamaServer(binary, ggufs[0], context=1024, parallel=4).command(1234)
+    assert cmd[cmd.index("-np") + 1] == "4" and cmd[cmd.index("-c") + 1] == "4096"  # 1024 tokens per slot
+    cmd = LlamaServer(binary, ggufs[0]).command(1234)
+    assert cmd[cmd.index("-np") + 1] == "1" and cmd[cmd.index("-c") + 1] == "4096"
+
+
 def test_a_server_that_dies_while_starting_is_a_clear_error(binary, ggufs, monkeypatch) -> None:
     monkeypatch.setenv("FAKE_LLAMA_SERVER_EXIT", "1")
     with pytest.raises(LlamaServerError, match="(?s)exited with code 1.*failed to load model"):

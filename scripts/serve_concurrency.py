@@ -1,0 +1,136 @@
+"""Serving under concurrent clients: aggregate throughput and latency of `dflashkit serve` against llama-server.
+
+    .venv/bin/python scripts/serve_concurrency.py [--concurrency 1,2,4] [--prompts 8] [--rounds 2] [--threads 2]
+
+Starts, on loopback, the dflashkit server (shipped drafter, the serve command's defaults: adaptive block size,
+prompt lookup), the same server with no drafter, and llama-server on the bf16 and Q4_1 GGUFs of the target with
+as many slots as the largest concurrency (continuous batching: its slots decode together). For each concurrency C,
+each round sends the same greedy requests to every server in turn (the order rotates per round): the prompts
+(MT-Bench / HumanEval / MATH-500 questions through the chat template, as token ids, so every server gets the same
+tokens), `max_tokens` each, from C client threads at once. Prints, per server and C, the completion tokens per
+second of wall time over all requests (aggregate throughput) and the median request latency, medians over
+rounds. dflashkit decodes one sequence at a time, so its throughput cannot grow with C and its latency grows
+with the queue; llama-server batches its slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+import uvicorn
+
+from dflashkit import SpeculativeGenerator
+from dflashkit.bench.assets import target_bf16_gguf, target_gguf
+from dflashkit.evalsets import load_set
+from dflashkit.llama_server import LlamaServer, find_llama_server, free_port
+from dflashkit.server import create_app
+
+
+class InProcessServer:
+    """A dflashkit app served by uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, generator: SpeculativeGenerator, **settings) -> None:
+        self.app = create_app(generator, max_queue=64, timeout=None, **settings)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, port=self.port, log_level="warning", log_config=None))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> InProcessServer:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        return self
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def run_batch(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int, list[float]]:
+    """All prompts from `concurrency` client threads: (wall seconds, completion tokens, latencies)."""
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+    def ask(ids: list[int]) -> tuple[int, float]:
+        start = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", timeout=900,
+                       json={"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0})
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"], time.perf_counter() - start
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(ask, prompts))
+    return time.perf_counter() - start, sum(n for n, _ in answers), [t for _, t in answers]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,2,4")
+    ap.add_argument("--prompts", type=int, default=8, help="requests per batch (split over the three sets)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    torch.set_num_threads(args.threads)
+
+    spec = SpeculativeGenerator.load()
+    plain = SpeculativeGenerator.load(drafter=None)
+    per_set = -(-args.prompts // 3)
+    texts = [t for name in ("mt-bench", "humaneval", "math500") for t in load_set(name, limit=per_set)][: args.prompts]
+    prompts = [spec.encode_prompt(t) for t in texts]
+
+    servers: dict[str, str] = {}
+    closers = []
+    for name, gen, settings in (("dflashkit (drafter + lookup, auto block)", spec, {"block_size": "auto", "lookup": True}),
+                                ("dflashkit, no drafter", plain, {})):
+        s = InProcessServer(gen, **settings).start()
+        servers[name], closers = s.url, [*closers, s.close]
+    binary = find_llama_server()
+    for label, (gguf, why) in (("bf16", target_bf16_gguf(None)), ("Q4_1", target_gguf(None))):
+        if binary is None or gguf is None:
+            print(f"llama-server {label}: skipped ({why or 'no llama-server binary'})")
+            continue
+        ls = LlamaServer(binary, gguf, threads=args.threads, parallel=max(levels), context=2048).start()
+        servers[f"llama-server {label}, {max(levels)} slots"] = ls.url
+        closers.append(ls.close)
+
+    try:
+        for url in servers.values():  # warm-up
+            run_batch(url, prompts[:1], 1, 8)
+        results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        names = list(servers)
+        for c in levels:
+            for r in range(args.rounds):
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    wall, tokens, latencies = run_batch(servers[name], prompts, c, args.max_tokens)
+                    results.setdefault((name, c), []).append((tokens / wall, statistics.median(latencies)))
+                    print(f"  C={c} round {r} {name}: {tokens / wall:.1f} tok/s, median latency "
+                          f"{statistics.median(latencies):.2f} s", flush=True)
+        print(f"\n{len(prompts)} greedy requests of at most {args.max_tokens} tokens per batch, {args.rounds} rounds, "
+              f"{args.threads} threads per server; medians over rounds")
+        print("| server | " + " | ".join(f"C={c}: tok/s, latency" for c in levels) + " |")
+        print("|---|" + "---:|" * len(levels))
+        for name in names:
+            cells = []
+            for c in levels:
+                rows = results[(name, c)]
+                cells.append(f"{statistics.median(t for t, _ in rows):.1f}, {statistics.median(l for _, l in rows):.2f} s")
+            print(f"| {name} | " + " | ".join(cells) + " |")
+    finally:
+        for close in closers:
+            close()
+
+
+if __name__ == "__main__":
+    main()
