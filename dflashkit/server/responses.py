@@ -185,7 +185,7 @@ class ResponseBuilder:
         """A choice's finish_reason; with `results` (all the choices', on the last one) the request's usage."""
         out = self._envelope([self._chunk_choice(index, None if self.chat else "", result.finish_reason)], chunk=True)
         if results is not None:
-            out["usage"] = self.usage(results)
+            out["usage"] = self.usage_of(results)
         return out
 
     # ---- whole responses -----------------------------------------------------------------------------------
@@ -193,7 +193,8 @@ class ResponseBuilder:
     def add(self, delta: TextDelta, index: int = 0) -> None:
         self.choices[index].add(delta)
 
-    def usage(self, results: list[GenerationResult]) -> dict[str, Any]:
+    def usage_of(self, results: list[GenerationResult]) -> dict[str, Any]:
+        """The request's usage: the prompt once, every choice's tokens and draft steps."""
         stats = results[0].stats if len(results) == 1 else DecodeStats.combined([r.stats for r in results])
         return usage(stats, self.prompt_tokens, sum(len(r.token_ids) for r in results))
 
@@ -212,5 +213,5 @@ class ResponseBuilder:
                 choice["token_origins"] = state.tokens
             choices.append(choice)
         out = self._envelope(choices, chunk=False)
-        out["usage"] = self.usage(results)
+        out["usage"] = self.usage_of(results)
         return out
