@@ -67,6 +67,12 @@ def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
     )
     assert "".join(t for t, _, _ in tokens) == expected.text == page.inner_text("#output")
     assert [d for _, d, _ in tokens] == expected.from_draft
+    titles = page.eval_on_selector_all("#output .tok", "els => els.map(e => e.title)")
+    logprobs = reference.generate(prompt, chat=mode == "chat", temperature=1.0, seed=11, max_new_tokens=40,
+                                  proposal="sample", logprobs=3).logprobs  # fmt: skip
+    assert [float(t.split("logprob ")[1].split(" ")[0]) for t in titles] == pytest.approx(
+        [lp.logprob for lp in logprobs], abs=1e-3)  # the hover text: the token's logprob and its alternatives
+    assert all(t.count(",") == 2 for t in titles)
     assert all(d != t for _, d, t in tokens)  # every token has exactly one origin class
     colours = {page.eval_on_selector(sel, "e => getComputedStyle(e).backgroundColor")
                for sel in ("#output .tok.draft", "#output .tok.target")}  # fmt: skip
