@@ -589,8 +589,19 @@ def _note_tree_without_drafter(args: argparse.Namespace, has_drafter: bool) -> N
     elif args.tree is not None and getattr(args, "eager", False):
         print("--tree has no effect with --eager (token trees need the fast forward): chains are verified.",
               file=sys.stderr)
+    elif args.tree is not None and _chains_only(args):
+        print(f"--tree has no effect with {_chains_only(args)} (each verify row depends on the drafts before it): "
+              "chains are verified.", file=sys.stderr)
     if getattr(args, "draft_window", None) is not None and not has_drafter:
         print("--draft-window has no effect without a drafter.", file=sys.stderr)
+
+
+def _chains_only(args: argparse.Namespace) -> str:
+    """The generate options that rule out token trees, in words ("" if none)."""
+    grammar = any(getattr(args, name, None) for name in ("json_object", "json_schema", "regex", "lark"))
+    penalties = (getattr(args, "presence_penalty", 0.0) or getattr(args, "frequency_penalty", 0.0)
+                 or getattr(args, "repetition_penalty", 1.0) != 1.0)
+    return " or ".join(what for what, on in (("a grammar", grammar), ("penalties", penalties)) if on)
 
 
 def _note_context_limit(result, context: int, max_new_tokens: int) -> None:

@@ -266,7 +266,7 @@ class SpeculativeGenerator:
         policy = self.block_policies.get(options.sampling.greedy) if adaptive and drafter is not None else None
         stream = GenerationStream(iter(()))
         stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream, policy,
-                                   check_top_logprobs(prompt_logprobs))
+                                   check_top_logprobs(prompt_logprobs, "prompt_logprobs"))
         return stream
 
     def _run(self, ids, drafter, options, stop, observer, stream: GenerationStream,

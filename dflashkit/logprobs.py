@@ -31,11 +31,11 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def check_top_logprobs(top: object) -> int | None:
+def check_top_logprobs(top: object, name: str = "logprobs") -> int | None:
     """A requested number of alternatives: None (no log-probabilities) or an integer in [0, 20]."""
     if top is not None and (not isinstance(top, numbers.Integral) or isinstance(top, bool)
                             or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise InvalidInputError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
+        raise InvalidInputError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
                                 f"listed per token), got {top!r}")
     return top
 

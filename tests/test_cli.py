@@ -388,6 +388,8 @@ def test_structured_output_flags(capsys, monkeypatch: pytest.MonkeyPatch, tmp_pa
 def test_notes_for_ignored_flags_and_the_context_limit(loads, capsys) -> None:
     rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "3", "--eager")
     assert rc == 0 and "--tree has no effect with --eager" in err
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "3", "--frequency-penalty", "0.5")
+    assert rc == 0 and "--tree has no effect with penalties" in err
     rc, out, err = cli(capsys, "--drafter", "none", "--draft-window", "5")
     assert rc == 0 and "--draft-window has no effect without a drafter" in err
     rc = main(["generate", PROMPT, "--drafter", "none", "--max-new-tokens", "100000", "--json"])
