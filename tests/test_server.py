@@ -307,6 +307,21 @@ def test_n_choices_are_generations_with_consecutive_seeds(client, offline) -> No
     assert texts.choices[0].text == reference(offline, "w9 w30", False, temperature=0, seed=None, max_tokens=8).text
 
 
+def test_best_of_returns_the_candidates_of_highest_logprob_per_token(client, offline) -> None:
+    candidates = [reference(offline, "w5 w6 w7", False, logprobs=0, **{**SAMPLED, "seed": SAMPLED["seed"] + i})
+                  for i in range(4)]
+    scores = [sum(lp.logprob for lp in c.logprobs) / len(c.logprobs) for c in candidates]
+    ranked = sorted(range(4), key=lambda i: -scores[i])
+    assert len({c.text for c in candidates}) == 4 and ranked[0] != 0  # the best is not simply the first
+    resp = client.completions.create(model=MODEL, prompt="w5 w6 w7", best_of=4, n=2, **SAMPLED)
+    assert [c.text for c in resp.choices] == [candidates[i].text for i in ranked[:2]]
+    assert [c.index for c in resp.choices] == [0, 1] and all(c.logprobs is None for c in resp.choices)
+    assert resp.usage.completion_tokens == sum(len(c.token_ids) for c in candidates)  # every candidate was run
+    with_logprobs = client.completions.create(model=MODEL, prompt="w5 w6 w7", best_of=4, logprobs=1, **SAMPLED)
+    assert with_logprobs.choices[0].text == candidates[ranked[0]].text
+    assert len(with_logprobs.choices[0].logprobs.tokens) == len(candidates[ranked[0]].token_ids)
+
+
 def test_more_choices_than_the_queue_holds_are_refused() -> None:
     with LiveServer(create_app(tiny_generator(), model_id=MODEL, max_queue=1)) as live:
         r = httpx.post(live.url + "/v1/chat/completions", json={**CHAT, "n": 3, "max_tokens": 2}, timeout=30)
@@ -372,7 +387,10 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "stream": "yes"}, 400, "stream", None),
     ("/v1/chat/completions", {**CHAT, "n": 0}, 400, "n", None),
     ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "n", None),  # at most 16
-    ("/v1/chat/completions", {**CHAT, "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "best_of": 3}, 400, "best_of", "unsupported_parameter"),  # completions only
+    ("/v1/completions", {"model": MODEL, "prompt": "w5", "best_of": 2, "n": 3}, 400, "best_of", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "w5", "best_of": 3, "stream": True}, 400, "best_of", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "w5", "best_of": 17}, 400, "best_of", None),
     ("/v1/chat/completions", {**CHAT, "presence_penalty": 2.5}, 400, "presence_penalty", None),
     ("/v1/chat/completions", {**CHAT, "frequency_penalty": "high"}, 400, "frequency_penalty", None),
     ("/v1/chat/completions", {**CHAT, "repetition_penalty": 0}, 400, "repetition_penalty", None),

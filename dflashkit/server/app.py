@@ -142,6 +142,17 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
     return app
 
 
+def _best(results: list[GenerationResult], n: int) -> list[int]:
+    """The indices of the n results of highest mean log-probability per token, best first (all of them, in
+    order, when there are only n)."""
+    if len(results) == n:
+        return list(range(n))
+    def score(i: int) -> float:
+        lps = results[i].logprobs or []
+        return sum(lp.logprob for lp in lps) / max(1, len(lps))
+    return sorted(range(len(results)), key=lambda i: (-score(i), i))[:n]
+
+
 def _cancel_all(jobs: list[Job]) -> None:
     for job in jobs:
         job.cancel("cancelled")  # a no-op for a job that already ended
@@ -193,9 +204,11 @@ class Service:
         arrived = asyncio.get_running_loop().time()
         self.check_model(body.model)
         body.check_supported()
-        if body.n > self.settings.max_queue + 1:
-            raise bad_request(f"n={body.n} choices need {body.n} places in the queue, and this server holds "
-                              f"{self.settings.max_queue + 1} (--max-queue {self.settings.max_queue})", param="n")
+        if body.candidates > self.settings.max_queue + 1:
+            param = "best_of" if body.candidates > body.n else "n"
+            raise bad_request(f"{param}={body.candidates} generations need {body.candidates} places in the queue, and "
+                              f"this server holds {self.settings.max_queue + 1} (--max-queue {self.settings.max_queue})",
+                              param=param)
         try:
             SamplingParams(body.temperature, body.effective_top_k, body.top_p)
         except InvalidInputError as e:
@@ -272,8 +285,8 @@ class Service:
         if body.requested_logprobs() is not None:  # the tokenizer's byte view (built once, ~1 s) off the event loop
             await asyncio.to_thread(self.generator.token_bytes, 0)
         loop = asyncio.get_running_loop()
-        n = body.n
-        try:  # the n choices are n generations, queued together, run one after another
+        n = body.candidates  # n choices, or best_of candidates of which the n best are returned
+        try:  # queued together, run one after another
             jobs = self.scheduler.submit_all([functools.partial(self._start, plan, i) for i in range(n)], loop)
         except QueueFullError as e:
             raise APIError(429, f"The server is busy ({self.scheduler.queued} requests waiting): retry after "
@@ -300,7 +313,7 @@ class Service:
                 if isinstance(event, Failed):
                     raise from_exception(event.error)
                 results.append(event.result)
-            return JSONResponse(response.complete(results))
+            return JSONResponse(response.complete(results, keep=_best(results, body.n)))
         except ClientGone:
             _cancel_all(jobs)
             return Response(status_code=499)  # nobody reads it
@@ -312,11 +325,14 @@ class Service:
         """Choice `index` of the request: with a seed, choice i > 0 samples with seed + i (mod 2**64)."""
         b = plan.body
         seed = b.seed if b.seed is None or index == 0 else (b.seed + index) % 2**64
+        logprobs = b.requested_logprobs()
+        if b.candidates > b.n and logprobs is None:
+            logprobs = 0  # best_of ranks the candidates by their log-probability per token
         return self.generator.stream(
             plan.prompt_ids, max_new_tokens=plan.max_new_tokens, temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=seed, stop=b.stop_strings, block_size=self.settings.block_size,
             proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
-            draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=b.requested_logprobs(),
+            draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=logprobs,
             prompt_logprobs=b.requested_logprobs() if plan.echo is not None else None,
             presence_penalty=b.presence_penalty, frequency_penalty=b.frequency_penalty,
             repetition_penalty=b.repetition_penalty, logit_bias=plan.logit_bias,

@@ -198,17 +198,19 @@ class ResponseBuilder:
         stats = results[0].stats if len(results) == 1 else DecodeStats.combined([r.stats for r in results])
         return usage(stats, self.prompt_tokens, sum(len(r.token_ids) for r in results))
 
-    def complete(self, results: list[GenerationResult]) -> dict[str, Any]:
+    def complete(self, results: list[GenerationResult], keep: list[int] | None = None) -> dict[str, Any]:
+        """The whole response: the choices `keep` names (indices of the generations, in the order returned;
+        None: all), numbered 0.. in that order; usage covers every generation run."""
         choices = []
-        for state, result in zip(self.choices, results):
+        for index, i in enumerate(keep if keep is not None else range(len(results))):
+            state, result = self.choices[i], results[i]
             text = "".join(state.text)
             logprobs = self._logprobs_object(state.logprob_entries)
             if self.chat:
-                choice = {"index": state.index, "message": {"role": "assistant", "content": text},
+                choice = {"index": index, "message": {"role": "assistant", "content": text},
                           "logprobs": logprobs, "finish_reason": result.finish_reason}  # fmt: skip
             else:
-                choice = {"index": state.index, "text": text, "logprobs": logprobs,
-                          "finish_reason": result.finish_reason}
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
             if self.origins:
                 choice["token_origins"] = state.tokens
             choices.append(choice)

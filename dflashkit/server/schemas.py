@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
-Fields the engine cannot honour (best_of, tools, suffix...) are refused with a 400 naming the
+Fields the engine cannot honour (tools, suffix, best_of in chat...) are refused with a 400 naming the
 field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
 """
 
@@ -54,14 +54,11 @@ class GenerationRequest(BaseModel):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0  # vLLM's extension (1: off)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
-    # accepted only at their neutral values
-    best_of: int | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
         """Refuse options the engine does not implement, naming the field."""
         unsupported = {
-            "best_of": self.best_of not in (None, 1),
         }
         for name in self._extra_unsupported():
             unsupported[name] = True
@@ -96,6 +93,11 @@ class GenerationRequest(BaseModel):
         """Alternatives to list per token (0: only the token's own log-probability); None: no logprobs."""
         return None
 
+    @property
+    def candidates(self) -> int:
+        """Generations to run: n, or best_of of which the n best are returned (completions)."""
+        return self.n
+
 
 class CompletionRequest(GenerationRequest):
     """/v1/completions: raw text (no chat template) or token ids."""
@@ -105,9 +107,18 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
     logprobs: TopLogprobs | None = None  # the legacy API's form: the number of alternatives per token
     top_logprobs: Any = None  # chat's form: refused here, with a pointer to logprobs
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None  # generate these, return the n best
+
+    @property
+    def candidates(self) -> int:
+        return self.best_of or self.n
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad_request(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise bad_request("best_of > n cannot be streamed: the best are known only at the end", param="best_of")
         if self.top_logprobs is not None:
             raise bad_request("top_logprobs is a chat completions parameter: /v1/completions takes logprobs=N "
                               f"(0 to {MAX_TOP_LOGPROBS} alternatives per token)", param="top_logprobs",
@@ -155,7 +166,9 @@ class ChatCompletionRequest(GenerationRequest):
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
 
     def _extra_unsupported(self) -> list[str]:
-        return [name for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions))) if bad]
+        return [name for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions)),
+                                       ("best_of", self.model_extra is not None and
+                                        self.model_extra.get("best_of") not in (None, 1))) if bad]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
