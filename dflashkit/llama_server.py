@@ -195,16 +195,18 @@ class LlamaServer:
         return "\n".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
 
     def complete(
-        self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0, seed: int = 0
+        self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0, seed: int = 0,
+        extra: dict[str, Any] | None = None,
     ) -> Completion:
         """Generate up to `max_tokens` after `prompt_ids`; greedy at temperature 0, else plain sampling at that
-        temperature (top-k, top-p, min-p, typical-p and penalties off). The prompt is processed afresh."""
+        temperature (top-k, top-p, min-p, typical-p and penalties off). The prompt is processed afresh. `extra`:
+        more fields of llama-server's /completion request (e.g. {"json_schema": {...}} for structured output)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         body = {
             "prompt": list(prompt_ids), "n_predict": max_tokens, "temperature": temperature, "seed": seed,
             "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
-            "cache_prompt": False, "return_tokens": True, "stream": False,
+            "cache_prompt": False, "return_tokens": True, "stream": False, **(extra or {}),
         }  # fmt: skip
         request = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})  # fmt: skip

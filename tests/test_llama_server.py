@@ -74,6 +74,13 @@ def test_slots_share_out_the_context(binary, ggufs) -> None:
     assert cmd[cmd.index("-np") + 1] == "1" and cmd[cmd.index("-c") + 1] == "4096"
 
 
+def test_extra_request_fields_reach_the_server(binary, ggufs) -> None:
+    with LlamaServer(binary, ggufs[0]) as server:
+        c = server.complete([20], 3, extra={"json_schema": {"type": "object"}})
+        assert c.timings["json_schema"] == {"type": "object"}
+        assert "json_schema" not in server.complete([20], 3).timings
+
+
 def test_a_server_that_dies_while_starting_is_a_clear_error(binary, ggufs, monkeypatch) -> None:
     monkeypatch.setenv("FAKE_LLAMA_SERVER_EXIT", "1")
     with pytest.raises(LlamaServerError, match="(?s)exited with code 1.*failed to load model"):

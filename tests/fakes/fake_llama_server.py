@@ -51,6 +51,8 @@ class Handler(BaseHTTPRequestHandler):
                    "predicted_ms": 5.0 * len(tokens)}
         if args.md:
             timings.update(draft_n=4 * len(tokens), draft_n_accepted=len(tokens) // 2)
+        if "json_schema" in req:  # echoed, so that tests see extra request fields arrive
+            timings["json_schema"] = req["json_schema"]
         self._send(200, {"tokens": tokens, "content": "", "stop_type": "limit", "timings": timings})
 
 
