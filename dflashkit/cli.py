@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflashkit", description="Lossless speculative decoding with DFlash drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for a prompt (streams; prints τ and tok/s)")
-    g.add_argument("prompt", help="prompt text (sent through the chat template unless --no-chat)")
+    g.add_argument("prompt", help="prompt text (sent through the chat template unless --no-chat); - reads it from "
+                   "standard input")
+    g.add_argument("--system", default=None, metavar="TEXT", help="a system message before the prompt (chat template)")
     g.add_argument("--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument(
         "--drafter",
@@ -495,6 +497,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_top_logprobs(args.logprobs)
     Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)  # refuses bad values early
     grammar = _grammar_from_args(args)
+    prompt = _prompt_from_args(args)
     _apply_threads(args.threads)
     gen = _load_generator(args, args.json)
     drafter = gen.drafter
@@ -513,7 +516,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
     )  # fmt: skip
     gen.warmup()
-    stream = gen.stream(args.prompt, **kwargs)
+    stream = gen.stream(prompt, **kwargs)
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta.text)
@@ -521,7 +524,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = stream.result
     _note_context_limit(result, gen.target.max_positions, args.max_new_tokens)
     if args.compare_ar:
-        result = gen.compare_ar(result, args.prompt, **kwargs)
+        result = gen.compare_ar(result, prompt, **kwargs)
     logprobs = _logprobs_json(gen, result.logprobs) if result.logprobs is not None else None
     if args.json:
         out = _as_json(result, args, dtype, drafter is not None)
@@ -594,6 +597,20 @@ def _note_tree_without_drafter(args: argparse.Namespace, has_drafter: bool) -> N
               "chains are verified.", file=sys.stderr)
     if getattr(args, "draft_window", None) is not None and not has_drafter:
         print("--draft-window has no effect without a drafter.", file=sys.stderr)
+
+
+def _prompt_from_args(args: argparse.Namespace) -> str | list[dict[str, str]]:
+    """The prompt text (- : standard input), as chat messages behind --system when one is given."""
+    from .errors import InvalidInputError
+
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not text:
+        raise InvalidInputError("the prompt is empty" + (" (nothing on standard input)" if args.prompt == "-" else ""))
+    if args.system is None:
+        return text
+    if args.no_chat:
+        raise InvalidInputError("--system needs the chat template: it cannot be combined with --no-chat")
+    return [{"role": "system", "content": args.system}, {"role": "user", "content": text}]
 
 
 def _chains_only(args: argparse.Namespace) -> str:

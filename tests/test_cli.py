@@ -431,3 +431,27 @@ def test_penalty_flags(loads, capsys) -> None:
     for flag, value in (("--presence-penalty", "3"), ("--repetition-penalty", "0")):
         rc, out, err = cli(capsys, flag, value)
         assert rc == 2 and "penalty" in err and len(loads) == n
+
+
+def test_prompt_from_stdin_and_a_system_message(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    def run(*args: str, stdin: str | None = None) -> dict:
+        if stdin is not None:
+            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        rc = main(["generate", *args, "--drafter", "none", "--max-new-tokens", "4", "--json", "--dtype", "float32"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        return json.loads(out)
+
+    direct = run(PROMPT)
+    piped = run("-", stdin=PROMPT)
+    assert piped["text"] == direct["text"] and piped["stats"]["prompt_tokens"] == direct["stats"]["prompt_tokens"]
+    system = run(PROMPT, "--system", "a story")
+    assert system["stats"]["prompt_tokens"] == direct["stats"]["prompt_tokens"] + 3  # "system a story"
+    n = len(loads)
+    assert main(["generate", PROMPT, "--system", "x", "--no-chat"]) == 2
+    assert "--system needs the chat template" in capsys.readouterr().err and len(loads) == n
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["generate", "-", "--drafter", "none"]) == 2 and "nothing on standard input" in capsys.readouterr().err
+    assert len(loads) == n  # refused before the model loads
