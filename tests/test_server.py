@@ -322,6 +322,24 @@ def test_best_of_returns_the_candidates_of_highest_logprob_per_token(client, off
     assert len(with_logprobs.choices[0].logprobs.tokens) == len(candidates[ranked[0]].token_ids)
 
 
+def test_several_prompts_in_one_completions_request(client, offline) -> None:
+    """A list of prompts (texts or token-id lists): prompt p's choice i has index p * n + i, and equals the
+    offline generation of that prompt with seed + i; usage counts every prompt once; echo puts each prompt first."""
+    texts = ["w5 w6 w7", "w20 w21"]
+    expected = [[reference(offline, t, False, **{**SAMPLED, "seed": SAMPLED["seed"] + i}) for i in range(2)]
+                for t in texts]
+    for prompt in (texts, [offline.tokenizer.encode(t) for t in texts]):
+        resp = client.completions.create(model=MODEL, prompt=prompt, n=2, **SAMPLED)
+        assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+        assert [c.text for c in resp.choices] == [e.text for per_prompt in expected for e in per_prompt]
+        assert resp.usage.prompt_tokens == sum(e[0].prompt_tokens for e in expected)
+        assert resp.usage.completion_tokens == sum(len(e.token_ids) for per_prompt in expected for e in per_prompt)
+    chunks = list(client.completions.create(model=MODEL, prompt=texts, stream=True, echo=True, **SAMPLED))
+    for index, text in enumerate(texts):
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index)
+        assert streamed == text + expected[index][0].text
+
+
 def test_more_choices_than_the_queue_holds_are_refused() -> None:
     with LiveServer(create_app(tiny_generator(), model_id=MODEL, max_queue=1)) as live:
         r = httpx.post(live.url + "/v1/chat/completions", json={**CHAT, "n": 3, "max_tokens": 2}, timeout=30)
@@ -407,7 +425,10 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 96]}, 400, "prompt", None),  # id outside the vocabulary
-    ("/v1/completions", {"model": MODEL, "prompt": ["w5", "w6"]}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL, "prompt": ["w5"] * 17}, 400, "prompt", None),  # at most 16 prompts
+    ("/v1/completions", {"model": MODEL, "prompt": [[5], []]}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL, "prompt": [[5], [5, 96]]}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL, "prompt": [[5], "w6"]}, 400, "prompt", None),  # one kind per request
     ("/v1/completions", {"model": MODEL, "prompt": "w5", "suffix": "w6"}, 400, "suffix", "unsupported_parameter"),
     ("/v1/completions", {"model": MODEL, "prompt": "w5", "echo": "yes"}, 400, "echo", None),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),  # needs logprobs: true

@@ -75,16 +75,21 @@ class ServerSettings:
 
 @dataclass
 class Plan:
-    """A validated request, ready to queue."""
+    """A validated request, ready to queue: one prompt (chat), or the completions prompts in order."""
 
     body: GenerationRequest
     chat: bool
-    prompt_ids: list[int]
-    max_new_tokens: int
+    prompts: list[list[int]]  # token ids of each prompt
+    max_new_tokens: list[int]  # per prompt
     arrived: float
     grammar: CompiledGrammar | None = None  # response_format, checked against the tokenizer
     logit_bias: dict[int, float] = field(default_factory=dict)
-    echo: Echo | None = None  # completions with echo: the prompt to put before the completion
+    echoes: list[Echo] | None = None  # completions with echo: each prompt, to put before its completions
+
+    @property
+    def generations(self) -> int:
+        """Generations to run: every prompt's n choices (or best_of candidates), one after another."""
+        return len(self.prompts) * self.body.candidates
 
 
 def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None = None, **kwargs: Any) -> FastAPI:
@@ -204,11 +209,6 @@ class Service:
         arrived = asyncio.get_running_loop().time()
         self.check_model(body.model)
         body.check_supported()
-        if body.candidates > self.settings.max_queue + 1:
-            param = "best_of" if body.candidates > body.n else "n"
-            raise bad_request(f"{param}={body.candidates} generations need {body.candidates} places in the queue, and "
-                              f"this server holds {self.settings.max_queue + 1} (--max-queue {self.settings.max_queue})",
-                              param=param)
         try:
             SamplingParams(body.temperature, body.effective_top_k, body.top_p)
         except InvalidInputError as e:
@@ -219,7 +219,21 @@ class Service:
                       logit_bias).check_vocab(self.generator.target.vocab_size)
         except InvalidInputError as e:
             raise bad_request(str(e), param="logit_bias") from e
-        ids = self._encode(body, chat)
+        prompts = self._encode(body, chat)
+        generations = len(prompts) * body.candidates
+        if generations > self.settings.max_queue + 1:
+            param = "best_of" if body.candidates > body.n else "n" if len(prompts) == 1 else "prompt"
+            raise bad_request(f"{generations} generations ({len(prompts)} prompt(s) x {body.candidates}) need as many "
+                              f"places in the queue, and this server holds {self.settings.max_queue + 1} (--max-queue "
+                              f"{self.settings.max_queue})", param=param)  # fmt: skip
+        max_new = [self._max_new_tokens(body, chat, ids) for ids in prompts]
+        echoes = None
+        if isinstance(body, CompletionRequest) and body.echo:
+            echoes = [self._echo(prompt, ids) for prompt, ids in zip(body.prompts, prompts)]
+        return Plan(body, chat, prompts, max_new, arrived, logit_bias=logit_bias, echoes=echoes)
+
+    def _max_new_tokens(self, body: GenerationRequest, chat: bool, ids: list[int]) -> int:
+        """The completion's token budget after `ids`: the request's, or the default within the context."""
         context = self.generator.target.max_positions
         param = "messages" if chat else "prompt"
         if len(ids) >= context:
@@ -236,16 +250,12 @@ class Service:
                 param="max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens",
                 code="context_length_exceeded",
             )  # fmt: skip
-        max_new = requested if requested is not None else min(self.settings.default_max_tokens, room)
-        return Plan(body, chat, ids, max_new, arrived, logit_bias=logit_bias, echo=self._echo(body, ids))
+        return requested if requested is not None else min(self.settings.default_max_tokens, room)
 
-    def _echo(self, body: GenerationRequest, ids: list[int]) -> Echo | None:
+    def _echo(self, prompt: str | list[int], ids: list[int]) -> Echo:
         """A completions prompt to echo: the text as sent (token ids: decoded), and each token's piece of it."""
-        if not isinstance(body, CompletionRequest) or not body.echo:
-            return None
         tokenizer = self.generator.tokenizer
-        text = body.prompt if isinstance(body.prompt, str) else (
-            body.prompt[0] if isinstance(body.prompt[0], str) else tokenizer.decode(ids))
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
         detok = IncrementalDetokenizer(tokenizer)
         pieces = [detok.push([t]) for t in ids]
         pieces[-1] += detok.flush()
@@ -260,19 +270,22 @@ class Service:
         except InvalidInputError as e:
             raise bad_request(str(e), param="response_format") from e
 
-    def _encode(self, body: GenerationRequest, chat: bool) -> list[int]:
+    def _encode(self, body: GenerationRequest, chat: bool) -> list[list[int]]:
+        """Token ids of the request's prompt(s)."""
         try:
             if isinstance(body, ChatCompletionRequest):
-                return self.generator.encode_prompt([m.as_template_message() for m in body.messages], chat=True)
+                return [self.generator.encode_prompt([m.as_template_message() for m in body.messages], chat=True)]
             assert isinstance(body, CompletionRequest)
-            prompt = body.prompt
-            if isinstance(prompt, list) and isinstance(prompt[0], int):
-                vocab = self.generator.target.vocab_size
-                if min(prompt) < 0 or max(prompt) >= vocab:
-                    raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
-                return list(prompt)
-            text = prompt[0] if isinstance(prompt, list) else prompt
-            return self.generator.encode_prompt(text, chat=False)
+            out = []
+            vocab = self.generator.target.vocab_size
+            for prompt in body.prompts:
+                if isinstance(prompt, list):
+                    if min(prompt) < 0 or max(prompt) >= vocab:
+                        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+                    out.append(list(prompt))
+                else:
+                    out.append(self.generator.encode_prompt(prompt, chat=False))
+            return out
         except InvalidInputError as e:
             raise bad_request(str(e), param="messages" if chat else "prompt") from e
 
@@ -285,15 +298,15 @@ class Service:
         if body.requested_logprobs() is not None:  # the tokenizer's byte view (built once, ~1 s) off the event loop
             await asyncio.to_thread(self.generator.token_bytes, 0)
         loop = asyncio.get_running_loop()
-        n = body.candidates  # n choices, or best_of candidates of which the n best are returned
-        try:  # queued together, run one after another
-            jobs = self.scheduler.submit_all([functools.partial(self._start, plan, i) for i in range(n)], loop)
+        try:  # every prompt's n choices (or best_of candidates), queued together, run one after another
+            jobs = self.scheduler.submit_all([functools.partial(self._start, plan, i) for i in range(plan.generations)],
+                                             loop)
         except QueueFullError as e:
             raise APIError(429, f"The server is busy ({self.scheduler.queued} requests waiting): retry after "
                            f"{e.retry_after} s", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from e  # fmt: skip
         deadline = plan.arrived + self.settings.timeout if self.settings.timeout is not None else None
-        response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes, n=n, echo=plan.echo)
+        response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes)
         try:
             event = await self._next(jobs[0], deadline, request)  # also waits out the queue
             if isinstance(event, Failed):
@@ -313,7 +326,10 @@ class Service:
                 if isinstance(event, Failed):
                     raise from_exception(event.error)
                 results.append(event.result)
-            return JSONResponse(response.complete(results, keep=_best(results, body.n)))
+            per_prompt = body.candidates
+            keep = [p * per_prompt + i for p in range(len(plan.prompts))
+                    for i in _best(results[p * per_prompt : (p + 1) * per_prompt], body.n)]
+            return JSONResponse(response.complete(results, keep=keep))
         except ClientGone:
             _cancel_all(jobs)
             return Response(status_code=499)  # nobody reads it
@@ -321,19 +337,21 @@ class Service:
             _cancel_all(jobs)  # a no-op for jobs that already ended
             raise
 
-    def _start(self, plan: Plan, index: int = 0) -> GenerationStream:  # worker thread
-        """Choice `index` of the request: with a seed, choice i > 0 samples with seed + i (mod 2**64)."""
+    def _start(self, plan: Plan, job: int = 0) -> GenerationStream:  # worker thread
+        """Generation `job` of the request: choice i of prompt p for job = p * candidates + i; with a seed, choice
+        i > 0 samples with seed + i (mod 2**64)."""
         b = plan.body
+        p, index = divmod(job, b.candidates)
         seed = b.seed if b.seed is None or index == 0 else (b.seed + index) % 2**64
         logprobs = b.requested_logprobs()
         if b.candidates > b.n and logprobs is None:
             logprobs = 0  # best_of ranks the candidates by their log-probability per token
         return self.generator.stream(
-            plan.prompt_ids, max_new_tokens=plan.max_new_tokens, temperature=b.temperature, top_k=b.effective_top_k,
+            plan.prompts[p], max_new_tokens=plan.max_new_tokens[p], temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=seed, stop=b.stop_strings, block_size=self.settings.block_size,
             proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
             draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=logprobs,
-            prompt_logprobs=b.requested_logprobs() if plan.echo is not None else None,
+            prompt_logprobs=b.requested_logprobs() if plan.echoes is not None else None,
             presence_penalty=b.presence_penalty, frequency_penalty=b.frequency_penalty,
             repetition_penalty=b.repetition_penalty, logit_bias=plan.logit_bias,
         )  # fmt: skip

@@ -46,13 +46,13 @@ def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int) -> dic
 class ChoiceBuilder:
     """One choice's content: its text, token origins and logprobs as they stream in."""
 
-    def __init__(self, builder: ResponseBuilder, index: int) -> None:
-        self.builder, self.index = builder, index
+    def __init__(self, builder: ResponseBuilder, index: int, echo: Echo | None = None) -> None:
+        self.builder, self.index, self.echo = builder, index, echo
         self.text: list[str] = []
         self.tokens: list[dict[str, Any]] = []  # token_origins
         self.logprob_entries: list[dict[str, Any]] = []  # chat's format; completions add text_offset
         self.text_offset = 0  # completions: characters released before the next token
-        self.echoed = builder.echo is None  # completions with echo: the prompt goes before the first delta
+        self.echoed = echo is None  # completions with echo: the prompt goes before the first delta
 
     def add(self, delta: TextDelta) -> None:
         text, entries = self.piece(delta)
@@ -66,7 +66,7 @@ class ChoiceBuilder:
         text, entries = delta.text, []
         if not self.echoed:
             self.echoed = True
-            echo = self.builder.echo
+            echo = self.echo
             assert echo is not None
             text = echo.text + text
             if self.builder.logprobs:
@@ -117,23 +117,22 @@ def _origins(delta: TextDelta) -> list[dict[str, Any]]:
 
 
 class ResponseBuilder:
-    """Builds one request's OpenAI objects: chunks while streaming, or the full response at the end; `n`
-    choices, each generated in turn (index i)."""
+    """Builds one request's OpenAI objects: chunks while streaming, or the full response at the end; one choice
+    per generation of the plan (prompt p's choice i has index p * candidates + i), generated in turn."""
 
-    def __init__(self, plan: Plan, model_id: str, token_bytes: Callable[[int], bytes] | None = None,
-                 n: int = 1, echo: Echo | None = None) -> None:
-        """`token_bytes`: a token id's bytes (needed when the request asks for logprobs); `echo`: the prompt, for
-        completions that echo it."""
+    def __init__(self, plan: Plan, model_id: str, token_bytes: Callable[[int], bytes] | None = None) -> None:
+        """`token_bytes`: a token id's bytes (needed when the request asks for logprobs)."""
         self.chat = plan.chat
         self.origins = plan.body.token_origins
         self.logprobs = plan.body.requested_logprobs() is not None
         self.token_bytes = token_bytes
-        self.prompt_tokens = len(plan.prompt_ids)
+        self.prompt_tokens = sum(len(ids) for ids in plan.prompts)  # each prompt once
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_id
-        self.echo = echo
-        self.choices = [ChoiceBuilder(self, i) for i in range(n)]
+        per_prompt = plan.body.candidates
+        self.choices = [ChoiceBuilder(self, i, plan.echoes[i // per_prompt] if plan.echoes else None)
+                        for i in range(plan.generations)]
 
     def token_entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         assert self.token_bytes is not None

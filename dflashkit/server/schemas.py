@@ -102,7 +102,10 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     """/v1/completions: raw text (no chat template) or token ids."""
 
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    # one text, several texts, one token-id prompt, or several (each prompt's choices follow one another)
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
+             | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)])
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too)
     suffix: str | None = None
     logprobs: TopLogprobs | None = None  # the legacy API's form: the number of alternatives per token
@@ -112,6 +115,13 @@ class CompletionRequest(GenerationRequest):
     @property
     def candidates(self) -> int:
         return self.best_of or self.n
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a text or a list of token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     def check_supported(self) -> None:
         super().check_supported()
