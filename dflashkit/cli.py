@@ -267,6 +267,8 @@ def _add_grammar_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json-schema", metavar="SCHEMA",
                        help="the output is JSON valid under this schema: a file, or the schema's JSON text")
     group.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression as a whole")
+    group.add_argument("--choice", metavar="TEXT", action="append", default=None,
+                       help="the output is exactly one of these texts (repeat the flag for each)")
     group.add_argument("--lark", metavar="FILE", help="the output is in the language of this Lark grammar file "
                        "(llguidance's dialect; start rule `start`)")
 
@@ -285,6 +287,8 @@ def _grammar_from_args(args: argparse.Namespace):
         return Grammar.json_schema(text)
     if args.regex is not None:
         return Grammar.regex(args.regex)
+    if getattr(args, "choice", None):
+        return Grammar.choice(args.choice)
     if args.lark is not None:
         return Grammar.lark(_read_text_file(args.lark, "--lark"))
     return None
@@ -615,7 +619,7 @@ def _prompt_from_args(args: argparse.Namespace) -> str | list[dict[str, str]]:
 
 def _chains_only(args: argparse.Namespace) -> str:
     """The generate options that rule out token trees, in words ("" if none)."""
-    grammar = any(getattr(args, name, None) for name in ("json_object", "json_schema", "regex", "lark"))
+    grammar = any(getattr(args, name, None) for name in ("json_object", "json_schema", "regex", "lark", "choice"))
     penalties = (getattr(args, "presence_penalty", 0.0) or getattr(args, "frequency_penalty", 0.0)
                  or getattr(args, "repetition_penalty", 1.0) != 1.0)
     return " or ".join(what for what, on in (("a grammar", grammar), ("penalties", penalties)) if on)

@@ -75,6 +75,13 @@ class Grammar:
         return cls("regex", pattern)
 
     @classmethod
+    def choice(cls, options: Sequence[str]) -> Grammar:
+        """Exactly one of `options` (a Lark grammar of their literal texts)."""
+        if isinstance(options, str) or not options or not all(isinstance(o, str) and o for o in options):
+            raise InvalidInputError(f"choices must be a non-empty list of non-empty texts, got {options!r}")
+        return cls("lark", "start: " + " | ".join(json.dumps(o) for o in options))
+
+    @classmethod
     def lark(cls, grammar: str) -> Grammar:
         """Text in the language of a Lark grammar (llguidance's dialect; start rule `start`)."""
         return cls("lark", grammar)

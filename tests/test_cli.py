@@ -362,6 +362,10 @@ def test_structured_output_flags(capsys, monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert rc == 0, err
     result = json.loads(out)
     assert re.fullmatch("(ab|cd)+x", result["text"]) and result["identical"] is True
+    rc = main(["generate", "hello", *base, "--choice", "left", "--choice", "right turn"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads(out)["text"] in ("left", "right turn") and json.loads(out)["identical"] is True
     assert result["stats"]["grammar"] == "regex" and result["finish_reason"] == "stop"
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],

@@ -284,3 +284,18 @@ def test_proposals_stop_after_an_end_of_sequence_draft_without_consuming_it():
     assert drafts.tolist() == ids("abx") + [EOS] and masks.shape == (5, BYTE_VOCAB) and bool(masks[4].all())
     assert allowed_tokens(c.allowed()) == set(ids("a") + ids("c"))  # rolled back exactly what was consumed
     c.consume(ids("abx") + [EOS])
+
+
+def test_a_choice_grammar_accepts_exactly_its_texts():
+    options = ["ab", 'say "x"', "a|b (c)\n"]
+    g = compiled(Grammar.choice(options))
+    for text in options:
+        c = g.start()
+        c.consume(ids(text))
+        assert bool(c.allowed()[EOS])  # complete: the text may end here
+    c = g.start()
+    c.consume(ids("a"))
+    assert allowed_tokens(c.allowed()) == set(ids("b") + ids("|"))  # on to "ab" or "a|b (c)\n", nothing else
+    for bad in ([], "ab", [""], ["ok", 3]):
+        with pytest.raises(InvalidInputError, match="choices"):
+            Grammar.choice(bad)

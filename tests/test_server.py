@@ -5,6 +5,7 @@ their own outputs, bad input gets OpenAI-style 4xx errors, queue limits, cancell
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -676,3 +677,38 @@ def test_response_format_gives_json_and_equals_offline() -> None:
             assert r.status_code == 400, (bad, r.text)
             assert r.json()["error"]["param"] == "response_format"
         assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4).choices[0].message.content
+
+
+def test_vllm_guided_fields_on_both_endpoints() -> None:
+    """guided_choice / guided_regex / guided_json / guided_grammar (vLLM's names) constrain completions and chat
+    alike, equal offline generation under the same grammar; at most one per request; bad ones name their field."""
+    offline = tiny_byte_generator()
+    with LiveServer(create_app(tiny_byte_generator(), model_id=MODEL)) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        choices = ["yes", "no", "maybe so"]
+        for temperature, seed in ((0.0, None), (1.0, 3)):
+            resp = client.completions.create(model=MODEL, prompt="Answer: ", max_tokens=20, temperature=temperature,
+                                             seed=seed, extra_body={"guided_choice": choices})
+            expected = offline.generate("Answer: ", chat=False, grammar=Grammar.choice(choices), max_new_tokens=20,
+                                        temperature=temperature, seed=seed, proposal="sample")
+            assert resp.choices[0].text == expected.text and expected.text in choices
+        messages = [{"role": "user", "content": "A number?"}]
+        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                              extra_body={"guided_regex": "[0-9]{2,4}"})
+        assert re.fullmatch("[0-9]{2,4}", resp.choices[0].message.content)
+        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=0,
+                                              extra_body={"guided_json": COLOR_SCHEMA})
+        assert json.loads(resp.choices[0].message.content)["color"] in ("red", "green")
+        resp = client.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0,
+                                         extra_body={"guided_grammar": 'start: "ab" | "cd"'})
+        assert resp.choices[0].text in ("ab", "cd")
+        for body, param in (({"guided_regex": "(", "prompt": "x"}, "guided_regex"),
+                            ({"guided_choice": [], "prompt": "x"}, "guided_choice"),
+                            ({"guided_json": "{not json", "prompt": "x"}, "guided_json"),
+                            ({"guided_regex": "a", "guided_choice": ["a"], "prompt": "x"}, "guided_choice")):
+            r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, **body}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        r = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "messages": messages, "response_format": {"type": "json_object"},
+                             "guided_regex": "a"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"

@@ -261,14 +261,15 @@ class Service:
         pieces[-1] += detok.flush()
         return Echo(text, list(ids), pieces)
 
-    def _grammar(self, body: ChatCompletionRequest) -> CompiledGrammar | None:
-        """The request's response_format as a grammar (None: plain text). The first one builds the tokenizer's
-        grammar view (~1 s): called off the event loop."""
+    def _compile(self, grammar: Grammar, body: GenerationRequest) -> CompiledGrammar:
+        """The request's grammar checked against the tokenizer; the first one builds the tokenizer's grammar view
+        (~1 s): called off the event loop. A refused grammar is a 400 naming the field it came from."""
         try:
-            grammar = Grammar.from_response_format(body.response_format)
-            return self.generator.compile_grammar(grammar) if grammar is not None else None
+            return self.generator.compile_grammar(grammar)
         except InvalidInputError as e:
-            raise bad_request(str(e), param="response_format") from e
+            field_name = next(n for n in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                          "guided_grammar") if getattr(body, n, None) is not None)
+            raise bad_request(str(e), param=field_name) from e
 
     def _encode(self, body: GenerationRequest, chat: bool) -> list[list[int]]:
         """Token ids of the request's prompt(s)."""
@@ -293,8 +294,9 @@ class Service:
 
     async def handle(self, request: Request, body: GenerationRequest, chat: bool) -> Response:
         plan = self.plan(body, chat)
-        if isinstance(body, ChatCompletionRequest) and body.response_format:  # compiled off the event loop
-            plan.grammar = await asyncio.to_thread(self._grammar, body)
+        grammar = body.grammar()
+        if grammar is not None:  # compiled off the event loop
+            plan.grammar = await asyncio.to_thread(self._compile, grammar, body)
         if body.requested_logprobs() is not None:  # the tokenizer's byte view (built once, ~1 s) off the event loop
             await asyncio.to_thread(self.generator.token_bytes, 0)
         loop = asyncio.get_running_loop()

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..errors import InvalidInputError
+from ..grammar import Grammar
 from ..logprobs import MAX_TOP_LOGPROBS
 from .errors import bad_request
 
@@ -55,6 +57,11 @@ class GenerationRequest(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0  # vLLM's extension (1: off)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     user: str | None = None
+    # structured output, vLLM's extension fields (chat also takes OpenAI's response_format); at most one
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None  # a Lark grammar (llguidance's dialect; start rule `start`)
 
     def check_supported(self) -> None:
         """Refuse options the engine does not implement, naming the field."""
@@ -68,6 +75,23 @@ class GenerationRequest(BaseModel):
 
     def _extra_unsupported(self) -> list[str]:
         return []
+
+    def grammar(self) -> Grammar | None:
+        """The structured output asked for (None: plain text); a 400 names the field that is wrong."""
+        asked = {name: getattr(self, name) for name in ("response_format", "guided_json", "guided_regex",
+                                                         "guided_choice", "guided_grammar")
+                 if getattr(self, name, None) is not None}
+        if len(asked) > 1:
+            raise bad_request(f"give at most one of {', '.join(asked)}", param=list(asked)[1])
+        if not asked:
+            return None
+        (name, value), = asked.items()
+        make = {"response_format": Grammar.from_response_format, "guided_json": Grammar.json_schema,
+                "guided_regex": Grammar.regex, "guided_choice": Grammar.choice, "guided_grammar": Grammar.lark}[name]
+        try:
+            return make(value)
+        except InvalidInputError as e:
+            raise bad_request(str(e), param=name) from e
 
     def token_logit_bias(self) -> dict[int, float]:
         """logit_bias with its keys as token ids; a key that is not one raises a 400."""
