@@ -310,6 +310,27 @@ class SpeculativeGenerator:
             prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
+    def score(self, prompt: Prompt | list[int], *, prompt_logprobs: int = 0, chat: bool = True) -> GenerationStream:
+        """The prompt's log-probabilities only, nothing generated (the completions API's echo with max_tokens 0):
+        a stream of one empty delta carrying `prompt_logprobs`, its result with no tokens."""
+        check_top_logprobs(prompt_logprobs, "prompt_logprobs")
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise InvalidInputError("the prompt is empty")
+        ids = as_token_list(prompt) if _is_token_ids(prompt) else self.encode_prompt(prompt, chat)
+        if min(ids) < 0 or max(ids) >= self.target.vocab_size:
+            raise InvalidInputError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        stream = GenerationStream(iter(()))
+
+        def run() -> Iterator[TextDelta]:
+            logprobs = self.target.prompt_logprobs(ids, prompt_logprobs)
+            yield TextDelta("", [], [], [], [], logprobs)
+            stream.result = GenerationResult(text="", token_ids=[], from_draft=[], stats=DecodeStats(block_size=1),
+                                             finish_reason="length", prompt_tokens=len(ids), logprobs=[],
+                                             prompt_logprobs=logprobs)  # fmt: skip
+
+        stream._deltas = run()
+        return stream
+
     def generate(self, prompt: Prompt | list[int], *, compare_ar: bool = False, **kwargs: Any) -> GenerationResult:
         """Generate to the end (kwargs as for `stream`). With compare_ar, also decode plainly (see compare_ar)."""
         result = _drain(self.stream(prompt, **kwargs))

@@ -144,3 +144,8 @@ def test_prompt_logprobs_equal_a_forward_over_the_prompt_and_come_with_the_first
     assert stream.result.token_ids == gen.generate(prompt, max_new_tokens=8).token_ids  # decoding unchanged
     with pytest.raises(InvalidInputError, match="logprobs"):
         gen.generate(prompt, prompt_logprobs=-1)
+    scored = gen.score(prompt, prompt_logprobs=2)
+    assert [d.token_ids for d in scored] == [[]] and scored.result.token_ids == []
+    assert scored.result.prompt_logprobs == stream.result.prompt_logprobs
+    with pytest.raises(InvalidInputError, match="empty"):
+        gen.score([])

@@ -249,6 +249,13 @@ def test_echo_returns_the_prompt_and_its_logprobs_for_scoring(client, offline) -
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
     plain = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=3, temperature=0)
     assert plain.choices[0].text.startswith(offline.tokenizer.decode(ids)) and plain.choices[0].logprobs is None
+    scored = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0  # nothing generated
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    assert scored.choices[0].logprobs.text_offset == offsets[: len(ids)]
+    r = httpx.post(f"{client.base_url}completions", timeout=30,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def _token_texts(offline, prompt: str) -> list[str]:

@@ -344,6 +344,8 @@ class Service:
         i > 0 samples with seed + i (mod 2**64)."""
         b = plan.body
         p, index = divmod(job, b.candidates)
+        if plan.max_new_tokens[p] == 0:  # echo with max_tokens 0: the prompt scored, nothing generated
+            return self.generator.score(plan.prompts[p], prompt_logprobs=b.requested_logprobs() or 0)
         seed = b.seed if b.seed is None or index == 0 else (b.seed + index) % 2**64
         logprobs = b.requested_logprobs()
         if b.candidates > b.n and logprobs is None:

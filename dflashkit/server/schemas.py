@@ -132,6 +132,7 @@ class CompletionRequest(GenerationRequest):
              | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)])
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too)
     suffix: str | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: with echo, the prompt scored, nothing generated
     logprobs: TopLogprobs | None = None  # the legacy API's form: the number of alternatives per token
     top_logprobs: Any = None  # chat's form: refused here, with a pointer to logprobs
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None  # generate these, return the n best
@@ -149,6 +150,8 @@ class CompletionRequest(GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens 0 generates nothing: it needs echo (to score the prompt)", param="max_tokens")
         if self.best_of is not None and self.best_of < self.n:
             raise bad_request(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
         if self.best_of is not None and self.best_of > self.n and self.stream:
