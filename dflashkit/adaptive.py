@@ -29,6 +29,7 @@ Any block size is exact: this only changes speed, never the output.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 COPY_CANDIDATES = (2, 4, 8, 16)  # lengths + 1 of copied drafts (prompt lookup), within the policy's largest block
@@ -58,6 +59,7 @@ class AdaptiveBlockSize:
         self.full_steps: dict[int, int] = {}  # block size -> full-size steps seen (the first is not timed)
         self.timed_at: dict[int, int] = {}  # block size -> step count when it was last timed
         self.steps = 0
+        self._lock = threading.Lock()  # the generations of a batch share one policy (dflashkit.batching)
         # With prompt lookup: the policy that sizes copied drafts (their own acceptance and step times; None: as
         # long as this policy's largest block). Its sizes are >= 2: a step with a match always copies.
         self.copies: AdaptiveBlockSize | None = None
@@ -95,6 +97,10 @@ class AdaptiveBlockSize:
         return t1 + max(0.0, (t1 - t0) / (b1 - b0)) * (block - b1)
 
     def choose(self) -> int:
+        with self._lock:
+            return self._choose()
+
+    def _choose(self) -> int:
         estimates = {c: self.estimated_seconds(c) for c in self.candidates}
         unknown = [c for c, t in estimates.items() if t is None]
         if unknown:  # the small sizes: time them first
@@ -106,6 +112,10 @@ class AdaptiveBlockSize:
 
     def observe(self, block: int, drafted: int, accepted: int, seconds: float) -> None:
         """Record a step: its block size, drafts proposed and accepted, and its wall time (draft + verify + rest)."""
+        with self._lock:
+            self._observe(block, drafted, accepted, seconds)
+
+    def _observe(self, block: int, drafted: int, accepted: int, seconds: float) -> None:
         self.steps += 1
         for i in range(self.max_block):
             self.reached[i] *= self.decay
@@ -124,6 +134,10 @@ class AdaptiveBlockSize:
                 self.timed_at[block] = self.steps
 
     def summary(self) -> dict:
+        with self._lock:
+            return self._summary()
+
+    def _summary(self) -> dict:
         return {
             "candidates": self.candidates,
             "step_ms": {b: round(t * 1e3, 3) for b, t in sorted(self.step_seconds.items())},
@@ -157,11 +171,18 @@ class BlockPolicies:
     """
 
     def __init__(self, max_block: int, sampled_max_block: int = 4, **kwargs) -> None:
-        self._policies = {True: AdaptiveBlockSize(max_block, **kwargs),
-                          False: AdaptiveBlockSize(min(sampled_max_block, max_block), **kwargs)}
-        for policy in self._policies.values():
-            copies = [c for c in kwargs.get("candidates", COPY_CANDIDATES) if c >= 2] or [policy.max_block]
-            policy.copies = AdaptiveBlockSize(policy.max_block, **{**kwargs, "candidates": copies})
+        self.max_block, self.sampled_max_block, self.kwargs = max_block, sampled_max_block, kwargs
+        self._policies: dict[tuple[bool, bool], AdaptiveBlockSize] = {}
+        self._lock = threading.Lock()
 
-    def get(self, greedy: bool) -> AdaptiveBlockSize:
-        return self._policies[greedy]
+    def get(self, greedy: bool, batched: bool = False) -> AdaptiveBlockSize:
+        """The policy of greedy or sampled requests, decoding alone or as members of a batch (whose steps wait
+        for the others' and whose passes hold their rows too: other costs, so other estimates)."""
+        with self._lock:
+            if (greedy, batched) not in self._policies:
+                policy = AdaptiveBlockSize(self.max_block if greedy else min(self.sampled_max_block, self.max_block),
+                                           **self.kwargs)
+                copies = [c for c in self.kwargs.get("candidates", COPY_CANDIDATES) if c >= 2] or [policy.max_block]
+                policy.copies = AdaptiveBlockSize(policy.max_block, **{**self.kwargs, "candidates": copies})
+                self._policies[(greedy, batched)] = policy
+            return self._policies[(greedy, batched)]

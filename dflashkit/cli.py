@@ -7,6 +7,7 @@ import argparse
 import json
 import pathlib
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Any
 
@@ -85,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="OpenAI-compatible HTTP server (streaming, speculative stats, /metrics) with a live playground",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and a playground "
-        "at /. One generation runs at a time (first come, first served); up to --max-queue requests wait, "
-        "more are answered 429 with Retry-After.",
+        "at /. Up to --max-batch generations run at once, their target passes batched (first come, first "
+        "served); up to --max-queue requests wait, more are answered 429 with Retry-After.",
     )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s; 0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000)
@@ -99,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lookup_option(s)
     _add_tree_option(s)
     _add_draft_window_option(s)
-    s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one runs")
+    s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while --max-batch run")
+    s.add_argument("--max-batch", type=int, default=1,
+                   help="generations that run at once, their target passes batched into one (1-16; default: 1, "
+                   "one at a time); each generation's output is unchanged")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -566,13 +570,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from .batching import ComputeThread
         from .server import ServerSettings, create_app
     except ImportError as e:
         raise InvalidInputError(f"serving needs the 'serve' extra: pip install 'dflashkit[serve]' ({e})") from e
     if not 0 <= args.port <= 65535:
         raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
     settings = ServerSettings(  # checked before the (slow) model load
-        model_id=args.model_name or (args.target or DEFAULT_TARGET), max_queue=args.max_queue,
+        model_id=args.model_name or (args.target or DEFAULT_TARGET), max_queue=args.max_queue, max_batch=args.max_batch,
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
         block_size=args.block_size if args.block_size is not None else (None if args.tree else "auto"),
         proposal=args.proposal, tree=args.tree, draft_window=args.draft_window,
@@ -581,11 +586,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gen = _load_generator(args, False)
     settings.lookup = _lookup_wanted(args, gen.drafter is not None)
     _note_tree_without_drafter(args, gen.drafter is not None)
-    app = create_app(gen, settings)
+    compute = ComputeThread()  # this thread, which loaded the model: every pass runs here (dflashkit.batching)
+    app = create_app(gen, settings, compute=compute)
     gen.warmup()
     print(f"Serving {settings.model_id!r} at http://{args.host}:{args.port} (playground: /, API: /v1, "
           "metrics: /metrics)", file=sys.stderr)  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+
+    def run_server() -> None:  # the HTTP side in a thread of its own; the main thread computes
+        try:
+            server.run()
+        finally:
+            compute.wake()
+
+    thread = threading.Thread(target=run_server, name="dflashkit-http", daemon=True)
+    thread.start()
+    try:
+        compute.serve(until=lambda: not thread.is_alive())
+    except KeyboardInterrupt:
+        print("Shutting down", file=sys.stderr)
+    finally:
+        server.should_exit = True
+        thread.join(30)
     return 0
 
 

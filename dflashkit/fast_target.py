@@ -159,6 +159,17 @@ class _Layer:
 
 
 @dataclass
+class ForwardCall:
+    """One sequence's target step, as :meth:`FastTargetForward.__call__` takes it (for :meth:`FastTargetForward.batch`)."""
+
+    input_ids: Tensor  # [1, n]
+    start: int  # position of the first row; the cache holds exactly the positions before it
+    cache: StaticKVCache
+    logits_rows: int  # logits of the last this many rows
+    tree: tuple[Tensor, Tensor] | None = None  # (position offsets [n], visibility [n, n]): the rows are a token tree
+
+
+@dataclass
 class StepInputs:
     """Tensors that drive :meth:`FastTargetForward.static_step` (static buffers when replayed from a CUDA graph)."""
 
@@ -235,29 +246,12 @@ class FastTargetForward:
         sequence (:mod:`dflashkit.tree`): row i runs at position start + offsets[i] and sees the cache and the
         rows that visibility[i] marks (its ancestors and itself) instead of the rows before it.
         """
-        if cache.length != start:
-            raise InvalidInputError(f"the KV cache holds {cache.length} positions, but the tokens start at {start}")
-        n = input_ids.shape[1]
-        end = start + n
-        cache.reserve(end)
-        group = self.heads // self.kv_heads
+        n, end = input_ids.shape[1], start + input_ids.shape[1]
+        positions, hidden = self._rows(n, start, cache, tree)
         x = self.embed(input_ids)  # [1, n, hidden]
-        if tree is None:
-            positions = torch.arange(start, end, device=x.device)
-        else:
-            offsets, visible = tree
-            if offsets.shape != (n,) or visible.shape != (n, n):
-                raise InvalidInputError(f"a tree of {n} rows needs offsets [{n}] and visibility [{n}, {n}]")
-            positions = offsets.to(x.device) + start
+        group = self.heads // self.kv_heads
         cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim] each, in x's dtype
         cos, sin = cos[:, None], signed_sin(sin[:, None])  # [1, 1, n, head_dim]: broadcast over heads
-        hidden = None  # bool [n, end]: True where query i does not see key j
-        if n > 1:  # query i (position start+i) sees keys 0..start+i
-            if tree is None:
-                hidden = torch.ones(n, end, dtype=torch.bool, device=x.device).triu(start + 1)
-            else:  # the cache, then the tree's own visibility
-                hidden = torch.zeros(n, end, dtype=torch.bool, device=x.device)
-                hidden[:, start:] = ~visible.to(x.device)
         if self.fused_weights is not None and n <= self.row_limit:  # every layer in one C++ call
             x, features = row_kernels.decoder_layers(
                 x[0], self.fused_weights, cos[0, 0], sin[0, 0], cache.keys, cache.values, start, hidden, self.heads,
@@ -282,6 +276,67 @@ class FastTargetForward:
         cache.length = end
         logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
         return logits, features
+
+    def _rows(self, n: int, start: int, cache: StaticKVCache, tree: tuple[Tensor, Tensor] | None
+              ) -> tuple[Tensor, Tensor | None]:
+        """Checks a step of n rows at ``start`` against its cache, makes room for it, and returns the rows'
+        positions [n] and what they do not see, bool [n, start+n] (None for one row: it sees everything)."""
+        if cache.length != start:
+            raise InvalidInputError(f"the KV cache holds {cache.length} positions, but the tokens start at {start}")
+        end = start + n
+        cache.reserve(end)
+        device = cache.keys.device
+        if tree is None:
+            positions = torch.arange(start, end, device=device)
+        else:
+            offsets, visible = tree
+            if offsets.shape != (n,) or visible.shape != (n, n):
+                raise InvalidInputError(f"a tree of {n} rows needs offsets [{n}] and visibility [{n}, {n}]")
+            positions = offsets.to(device) + start
+        hidden = None  # query i (position start+i) sees keys 0..start+i; a tree's rows see the cache and their path
+        if n > 1:
+            if tree is None:
+                hidden = torch.ones(n, end, dtype=torch.bool, device=device).triu(start + 1)
+            else:
+                hidden = torch.zeros(n, end, dtype=torch.bool, device=device)
+                hidden[:, start:] = ~visible.to(device)
+        return positions, hidden
+
+    def batches(self, rows: int) -> bool:
+        """Whether :meth:`batch` runs steps of this many rows in total as one pass (the row kernels' one-call path)."""
+        return self.fused_weights is not None and rows <= self.row_limit
+
+    @torch.inference_mode()
+    def batch(self, calls: list[ForwardCall], feature_layers: list[int]) -> list[tuple[Tensor, Tensor | None]]:
+        """Several sequences' steps in one pass: what :meth:`__call__` returns for each call, in order.
+
+        Where :meth:`batches` allows the rows, every layer's products run once over all the calls' rows (the
+        weights stream from memory once, not once per sequence) and each sequence attends over its own cache;
+        each row is computed on its own, so every result is bitwise the one its call alone would give. Elsewhere
+        the calls run one after another.
+        """
+        total = sum(call.input_ids.shape[1] for call in calls)
+        if len(calls) == 1 or not self.batches(total):
+            return [self(c.input_ids, c.start, c.cache, c.logits_rows, feature_layers, c.tree) for c in calls]
+        counts = [call.input_ids.shape[1] for call in calls]
+        prepared = [self._rows(n, c.start, c.cache, c.tree) for n, c in zip(counts, calls)]
+        x = self.embed(torch.cat([call.input_ids[0] for call in calls]))  # [N, hidden]
+        positions = torch.cat([p for p, _ in prepared])  # [N]
+        cos, sin = self.rotary(x[None], positions[None])  # [1, N, head_dim] each
+        x, features = row_kernels.decoder_layers_batch(
+            x, self.fused_weights, cos[0], signed_sin(sin[0]), [(c.cache.keys, c.cache.values) for c in calls],
+            [c.start for c in calls], counts, [h for _, h in prepared], self.heads, self.kv_heads,
+            self.layers[0].intermediate, self.eps, self.layers[0].scaling, feature_layers)
+        first = [sum(counts[:i]) for i in range(len(calls))]  # each sequence's first row in x
+        wanted = torch.cat([torch.arange(f + n - c.logits_rows, f + n) for f, n, c in zip(first, counts, calls)])
+        logits = self.head(self.final_norm(x[wanted.to(x.device)]))  # [sum of logits_rows, vocab]
+        out, taken = [], 0
+        for f, n, call in zip(first, counts, calls):
+            call.cache.length = call.start + n
+            rows = logits[taken : taken + call.logits_rows]
+            taken += call.logits_rows
+            out.append((rows, features[f : f + n][None] if features is not None else None))
+        return out
 
     def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
                 write: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]],

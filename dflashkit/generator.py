@@ -11,6 +11,7 @@ It owns the chat template, stop strings and detokenisation; the token-level loop
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .adaptive import AdaptiveBlockSize, BlockPolicies
+from .batching import BatchMember, ComputeThread, ForwardBatcher, member_thread
 from .decode import DecodeOptions, StepObserver, as_token_list, decode
 from .drafter import DFlashDrafter
 from .errors import InvalidInputError
@@ -214,6 +216,7 @@ class SpeculativeGenerator:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
+        batch: BatchMember | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
@@ -237,6 +240,8 @@ class SpeculativeGenerator:
         ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over the output), ``repetition_penalty``
         (transformers', over prompt and output), ``logit_bias`` ({token id: bias}): the target decodes with its
         logits so adjusted (:mod:`dflashkit.penalties`); exact with respect to that adjusted target; chains only.
+        ``batch``: this generation's target passes run together with those of the batcher's other members (a
+        :class:`~dflashkit.batching.BatchMember`; see :meth:`generate_batch`); its tokens are unchanged.
         """
         adaptive = block_size == "auto"
         if isinstance(block_size, str) and not adaptive:
@@ -263,22 +268,30 @@ class SpeculativeGenerator:
             logprobs=logprobs,
             penalties=Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias or {}),
         )
-        policy = self.block_policies.get(options.sampling.greedy) if adaptive and drafter is not None else None
+        policy = (self.block_policies.get(options.sampling.greedy, batched=batch is not None)
+                  if adaptive and drafter is not None else None)
         stream = GenerationStream(iter(()))
         stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream, policy,
-                                   check_top_logprobs(prompt_logprobs, "prompt_logprobs"))
+                                   check_top_logprobs(prompt_logprobs, "prompt_logprobs"), batch)
         return stream
 
     def _run(self, ids, drafter, options, stop, observer, stream: GenerationStream,
-             policy: AdaptiveBlockSize | None = None, prompt_top: int | None = None) -> Iterator[TextDelta]:
-        prompt_logprobs = self.target.prompt_logprobs(ids, prompt_top) if prompt_top is not None else None
+             policy: AdaptiveBlockSize | None = None, prompt_top: int | None = None,
+             batch: BatchMember | None = None) -> Iterator[TextDelta]:
+        prompt_logprobs = None
+        if prompt_top is not None:  # one pass over the prompt (a batch member's, in the batch's compute thread)
+            run = batch.compute if batch is not None else lambda fn, *args: fn(*args)
+            prompt_logprobs = run(self.target.prompt_logprobs, ids, prompt_top)
         stats = DecodeStats(block_size=1)
         detok = IncrementalDetokenizer(self.tokenizer)
         matcher = StopStringMatcher(stop)
         tokens: list[int] = []
         flags: list[bool] = []
         logprobs: list[TokenLogprob] | None = [] if options.logprobs is not None else None
-        steps = decode(self.target, drafter, ids, options, stats, observer, policy)
+        target = batch.target(self.target) if batch is not None else self.target
+        drafter = batch.drafter(drafter) if batch is not None else drafter
+        policy = batch.policy(policy) if batch is not None else policy
+        steps = decode(target, drafter, ids, options, stats, observer, policy)
         stats.adaptive = policy is not None
         try:
             for step in steps:
@@ -310,9 +323,11 @@ class SpeculativeGenerator:
             prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
-    def score(self, prompt: Prompt | list[int], *, prompt_logprobs: int = 0, chat: bool = True) -> GenerationStream:
+    def score(self, prompt: Prompt | list[int], *, prompt_logprobs: int = 0, chat: bool = True,
+              batch: BatchMember | None = None) -> GenerationStream:
         """The prompt's log-probabilities only, nothing generated (the completions API's echo with max_tokens 0):
-        a stream of one empty delta carrying `prompt_logprobs`, its result with no tokens."""
+        a stream of one empty delta carrying `prompt_logprobs`, its result with no tokens. ``batch``: the pass
+        runs in that batch member's compute thread."""
         check_top_logprobs(prompt_logprobs, "prompt_logprobs")
         if isinstance(prompt, (list, tuple)) and not prompt:
             raise InvalidInputError("the prompt is empty")
@@ -322,7 +337,8 @@ class SpeculativeGenerator:
         stream = GenerationStream(iter(()))
 
         def run() -> Iterator[TextDelta]:
-            logprobs = self.target.prompt_logprobs(ids, prompt_logprobs)
+            compute = batch.compute if batch is not None else lambda fn, *args: fn(*args)
+            logprobs = compute(self.target.prompt_logprobs, ids, prompt_logprobs)
             yield TextDelta("", [], [], [], [], logprobs)
             stream.result = GenerationResult(text="", token_ids=[], from_draft=[], stats=DecodeStats(block_size=1),
                                              finish_reason="length", prompt_tokens=len(ids), logprobs=[],
@@ -335,6 +351,60 @@ class SpeculativeGenerator:
         """Generate to the end (kwargs as for `stream`). With compare_ar, also decode plainly (see compare_ar)."""
         result = _drain(self.stream(prompt, **kwargs))
         return self.compare_ar(result, prompt, **kwargs) if compare_ar else result
+
+    def generate_batch(self, prompts: Sequence[Prompt | list[int]], *, seeds: Sequence[int | None] | None = None,
+                       **kwargs: Any) -> list[GenerationResult]:
+        """Generate for several prompts at once (kwargs as for `stream`, the same for all; ``seeds``: one per prompt):
+        one thread per prompt, their target passes batched into one pass per round (:mod:`dflashkit.batching`).
+        Each result is exactly what `generate` gives for its prompt alone (greedy, or sampled with its seed);
+        the batch as a whole finishes sooner where the passes batch (the fast forward's CPU row kernels)."""
+        prompts = list(prompts)
+        if not prompts:
+            raise InvalidInputError("generate_batch needs at least one prompt")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InvalidInputError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one per prompt")
+        if "batch" in kwargs or "observer" in kwargs:
+            raise InvalidInputError("generate_batch takes neither `batch` nor `observer`")
+        seed = kwargs.pop("seed", None)
+        if len(prompts) == 1:  # nothing to batch with (and a batch of one pays for the threads' handoffs)
+            return [self.generate(prompts[0], seed=seeds[0] if seeds is not None else seed, **kwargs)]
+        compute = ComputeThread()  # this thread: it runs every pass and drafter forward of the batch
+        batcher = ForwardBatcher(self.target, compute)
+        members = [batcher.join() for _ in prompts]  # all joined before any decodes: the first round has them all
+        try:
+            streams = [self.stream(p, seed=seeds[i] if seeds is not None else seed, batch=members[i], **kwargs)
+                       for i, p in enumerate(prompts)]  # bad input fails here, before any thread starts
+        except BaseException:
+            for member in members:
+                batcher.leave(member)
+            raise
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        errors: list[BaseException] = []
+        running = [len(prompts)]
+
+        def run(i: int) -> None:
+            member_thread()
+            try:
+                results[i] = _drain(streams[i])
+            except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
+                errors.append(exc)
+            finally:
+                batcher.leave(members[i])
+                running[0] -= 1
+                compute.wake()
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"dflashkit-batch-{i}") for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        try:
+            compute.serve(until=lambda: running[0] == 0)
+        finally:
+            torch.set_num_threads(compute.threads)  # the members' setting also changed torch's default for new threads
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        return results  # type: ignore[return-value]
 
     def compare_ar(self, result: GenerationResult, prompt: Prompt | list[int], **kwargs: Any) -> GenerationResult:
         """Decode `prompt` plainly with the same settings and attach that run to `result`.

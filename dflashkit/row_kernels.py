@@ -251,3 +251,21 @@ def decoder_layers(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Te
         x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), keys, values, start, hidden, heads,
         kv_heads, intermediate, eps, scaling, list(feature_layers), context_start)
     return out, features[None] if feature_layers else None
+
+
+def decoder_layers_batch(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Tensor, caches: list[tuple[Tensor, Tensor]],
+                         starts: list[int], counts: list[int], hiddens: list[Tensor | None], heads: int, kv_heads: int,
+                         intermediate: int, eps: float, scaling: float,
+                         feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+    """:func:`decoder_layers` for the rows of several sequences at once: x [N, hidden] holds sequence s's
+    ``counts[s]`` rows (positions ``starts[s]``..) after those of the sequences before it; each writes and attends
+    over its own cache ``caches[s]`` = (keys, values) with its own hidden mask (None: every row sees every key).
+    The products run once over all N rows, so the weights are read once for every sequence; each row is bitwise
+    what a one-token step of its own sequence computes. Returns x [N, hidden] and the features [N, F] (or None).
+    """
+    empty = torch.empty(0, dtype=torch.bool, device=x.device)
+    out, features = kernel().decoder_layers_batch(
+        x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), [k for k, _ in caches],
+        [v for _, v in caches], list(starts), list(counts), [h.contiguous() if h is not None else empty for h in hiddens],
+        heads, kv_heads, intermediate, eps, scaling, list(feature_layers), 0)
+    return out, features if feature_layers else None

@@ -19,7 +19,7 @@ from .attention import use_packed_gqa
 from .cuda_graphs import Capture, GraphCache, GraphedSteps
 from .cuda_graphs import unsupported_reason as graphs_unsupported_reason
 from .errors import IncompatibleDrafterError, InvalidInputError
-from .fast_target import FastTargetForward, StaticKVCache, unsupported_reason
+from .fast_target import FastTargetForward, ForwardCall, StaticKVCache, unsupported_reason
 from .linear import has_packed_linears, pack_linears, unpack_linears
 from .logprobs import TokenLogprob, token_logprobs
 from .quantize import target_weights
@@ -184,16 +184,8 @@ class TargetAdapter:
         :meth:`keep_rows`.
         """
         n = input_ids.shape[1]
-        depth = n if tree is None else int(tree[0].max()) + 1
-        if start + depth > self.max_positions:
-            raise InvalidInputError(
-                f"context of {start + depth} tokens exceeds the target's maximum of {self.max_positions} positions"
-            )
-        if tree is not None and not (self.supports_trees and isinstance(cache, StaticKVCache)):
-            raise InvalidInputError("token trees need the fast forward and its StaticKVCache")
+        self._check_call(ForwardCall(input_ids, start, cache, logits_rows, tree))
         if isinstance(cache, StaticKVCache):
-            if self.fast_forward is None:
-                raise InvalidInputError("a StaticKVCache needs the fast forward (TargetAdapter(..., fast=True))")
             if isinstance(cache, GraphCache) and self.graphs is not None:
                 return self.graphs(input_ids, start, cache, logits_rows, self.feature_layer_ids, tree)
             return self.fast_forward(input_ids, start, cache, logits_rows, self.feature_layer_ids, tree)
@@ -211,6 +203,38 @@ class TargetAdapter:
             features = torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
             self._captured.clear()
         return out.logits[0], features
+
+    def _check_call(self, call: ForwardCall) -> None:
+        n = call.input_ids.shape[1]
+        depth = n if call.tree is None else int(call.tree[0].max()) + 1
+        if call.start + depth > self.max_positions:
+            raise InvalidInputError(
+                f"context of {call.start + depth} tokens exceeds the target's maximum of {self.max_positions} positions"
+            )
+        if call.tree is not None and not (self.supports_trees and isinstance(call.cache, StaticKVCache)):
+            raise InvalidInputError("token trees need the fast forward and its StaticKVCache")
+        if isinstance(call.cache, StaticKVCache) and self.fast_forward is None:
+            raise InvalidInputError("a StaticKVCache needs the fast forward (TargetAdapter(..., fast=True))")
+
+    def forward_call(self, call: ForwardCall) -> tuple[Tensor, Tensor | None]:
+        """:meth:`forward` of one :class:`~dflashkit.fast_target.ForwardCall`."""
+        return self.forward(call.input_ids, call.start, call.cache, call.logits_rows, call.tree)
+
+    @torch.inference_mode()
+    def forward_batch(self, calls: Sequence[ForwardCall]) -> list[tuple[Tensor, Tensor | None]]:
+        """Several sequences' :meth:`forward` calls (each with its own cache): their results, in order.
+
+        On the fast forward's one-call row kernels they run as one pass (every product once over all their rows,
+        each sequence attending over its own cache: :meth:`FastTargetForward.batch`), elsewhere one after another;
+        either way each result is bitwise what its call alone returns.
+        """
+        for call in calls:
+            self._check_call(call)
+        batched = (self.fast_forward is not None and self.graphs is None and len(calls) > 1
+                   and all(type(c.cache) is StaticKVCache for c in calls))
+        if batched:
+            return self.fast_forward.batch(list(calls), self.feature_layer_ids)
+        return [self.forward_call(call) for call in calls]
 
     @torch.inference_mode()
     def features(self, input_ids: Tensor) -> Tensor:

@@ -1,16 +1,18 @@
 """Serving under concurrent clients: aggregate throughput and latency of `dflashkit serve` against llama-server.
 
     .venv/bin/python scripts/serve_concurrency.py [--concurrency 1,2,4] [--prompts 8] [--rounds 2] [--threads 2]
+        [--max-batch 4]
 
 Starts, on loopback, the dflashkit server (shipped drafter, the serve command's defaults: adaptive block size,
-prompt lookup), the same server with no drafter, and llama-server on the bf16 and Q4_1 GGUFs of the target with
+prompt lookup), the same server with no drafter, both again with `--max-batch N` (N generations at once, their
+target passes batched), and llama-server on the bf16 and Q4_1 GGUFs of the target with
 as many slots as the largest concurrency (continuous batching: its slots decode together). For each concurrency C,
 each round sends the same greedy requests to every server in turn (the order rotates per round): the prompts
 (MT-Bench / HumanEval / MATH-500 questions through the chat template, as token ids, so every server gets the same
 tokens), `max_tokens` each, from C client threads at once. Prints, per server and C, the completion tokens per
 second of wall time over all requests (aggregate throughput) and the median request latency, medians over
-rounds. dflashkit decodes one sequence at a time, so its throughput cannot grow with C and its latency grows
-with the queue; llama-server batches its slots.
+rounds. With --max-batch 1 dflashkit decodes one sequence at a time, so its throughput cannot grow with C and its
+latency grows with the queue; llama-server batches its slots, as dflashkit does with --max-batch N.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-batch", type=int, default=4, help="the batched dflashkit servers' --max-batch (0: none)")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     torch.set_num_threads(args.threads)
@@ -92,8 +95,12 @@ def main() -> None:
 
     servers: dict[str, str] = {}
     closers = []
-    for name, gen, settings in (("dflashkit (drafter + lookup, auto block)", spec, {"block_size": "auto", "lookup": True}),
-                                ("dflashkit, no drafter", plain, {})):
+    variants = [("dflashkit (drafter + lookup, auto block)", spec, {"block_size": "auto", "lookup": True}),
+                ("dflashkit, no drafter", plain, {})]
+    if args.max_batch > 1:  # the same generators: one server is asked at a time
+        variants += [(f"{name}, --max-batch {args.max_batch}", gen, {**settings, "max_batch": args.max_batch})
+                     for name, gen, settings in variants]
+    for name, gen, settings in variants:
         s = InProcessServer(gen, **settings).start()
         servers[name], closers = s.url, [*closers, s.close]
     binary = find_llama_server()

@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import torch
 import uvicorn
 from conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target, word_tokenizer
 from fastapi import FastAPI
@@ -44,10 +45,10 @@ class LiveServer:
         self.thread.join(30)
 
 
-def tiny_generator(block_size: int = 4) -> SpeculativeGenerator:
-    """The tiny fp32 llama target with a random drafter: built deterministically, so two calls give two
-    identical generators (one for the server, one for offline reference runs)."""
-    model = tiny_target("llama")
+def tiny_generator(block_size: int = 4, dtype: torch.dtype = torch.float32) -> SpeculativeGenerator:
+    """The tiny llama target (fp32 unless told) with a random drafter: built deterministically, so two calls give
+    two identical generators (one for the server, one for offline reference runs)."""
+    model = tiny_target("llama", dtype=dtype)
     return SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=block_size))
 
 

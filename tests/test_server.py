@@ -14,10 +14,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 from live_server import LiveServer, tiny_byte_generator, tiny_generator
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflashkit import Grammar
+from dflashkit import Grammar, row_kernels
+from dflashkit.errors import InvalidInputError
 from dflashkit.server import create_app
 
 MODEL = "tiny-llama"
@@ -384,6 +386,50 @@ def test_concurrent_clients_get_their_own_outputs(server, client, offline) -> No
         texts = list(pool.map(ask, range(n)))
     assert texts == [e.text for e in expected]
     assert max(s for s, _ in spans) < min(e for _, e in spans)  # all were in flight together
+
+
+def test_batched_server_gives_every_client_its_own_output() -> None:
+    """--max-batch 3: six clients at once (greedy and seeded sampling, streamed and not, one asking n=2) get the
+    outputs of offline generation, while up to three generations run together, their target passes batched (bf16
+    on the CPU row kernels where they run: one pass per round; elsewhere the calls of a round run in turn)."""
+    dtype = torch.bfloat16 if row_kernels.kernel() is not None else torch.float32
+    offline = tiny_generator(dtype=dtype)
+    # a fixed block size: an adaptive one learns from every request, so sampled outputs would depend on their order
+    app = create_app(tiny_generator(dtype=dtype), model_id=MODEL, proposal="sample", max_batch=3, lookup=True)
+    cases = [("w5 w6 w7", 1.0, 1), ("w20 w21", 0.0, None), ("w9 w9 w10", 1.0, 2), ("w30", 0.7, 3),
+             ("w40 w41 w42 w43", 0.0, None), ("w11 w12", 1.0, 4)]
+    lengths = [40, 25, 33, 50, 12, 44]
+    expected = [reference(offline, p, True, temperature=t, seed=s, max_tokens=n, lookup=True)
+                for (p, t, s), n in zip(cases, lengths)]
+    extra = reference(offline, "w5 w6", True, temperature=1.0, seed=8, max_tokens=20, lookup=True)
+    with LiveServer(app) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert httpx.get(live.url + "/health").json()["max_batch"] == 3
+        barrier = threading.Barrier(len(cases))
+        seen_running: list[int] = []
+
+        def ask(i: int) -> str:
+            (prompt, temperature, seed), n = cases[i], lengths[i]
+            kwargs = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": temperature,
+                      "seed": seed, "max_tokens": n}  # fmt: skip
+            barrier.wait()
+            seen_running.append(app.state.scheduler.running)
+            if i % 2:
+                return "".join(c.choices[0].delta.content or ""
+                               for c in client.chat.completions.create(stream=True, **kwargs))
+            return client.chat.completions.create(**kwargs).choices[0].message.content
+
+        with ThreadPoolExecutor(len(cases)) as pool:
+            texts = list(pool.map(ask, range(len(cases))))
+        assert texts == [e.text for e in expected]
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6"}], n=2, seed=8,
+                                           temperature=1.0, max_tokens=20)
+        assert r.choices[0].message.content == extra.text
+        batcher = app.state.scheduler.batcher
+        assert batcher.passes < batcher.calls  # rounds held several generations' calls
+        assert max(seen_running) <= 3
+    with pytest.raises(InvalidInputError, match="max_batch"):
+        create_app(offline, model_id=MODEL, max_batch=0)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------

@@ -5,85 +5,133 @@
 // also takes int8-packed weights); u16, u16w come from row_common.h.
 #pragma once
 
-// Every decoder layer of a Llama / Qwen2 / Qwen3 target for n <= 16 rows, in one call: RMS norms, the fused q/k/v
-// product, per-head q/k norms (Qwen3), rotary, the cache write, attention, o, the fused gate/up product, SiLU,
-// down, residuals; every step per row, so a verify pass's rows are bitwise one-token steps.
-// x [n, H] bf16; per layer 8 tensors: input norm [H], qkv packed, qkv bias (fp32 [..] or an empty tensor), o packed,
-// post norm [H], gate/up packed, down packed, q/k norms ([2, d] bf16 or empty); cos, sin_signed [n, d] bf16;
-// keys, values [layers, kv_heads, capacity, d]; the rows attend to cache rows context_start..start+n-1 (a drafter's
-// context window; 0: all, the only value with a hidden mask). Returns x after the last layer and the feature layers'
-// outputs concatenated [n, len(feature_layers) * H] (empty without).
+// Every decoder layer of a Llama / Qwen2 / Qwen3 target for the rows of several sequences, in one call: RMS norms,
+// the fused q/k/v product, per-head q/k norms (Qwen3), rotary, the cache write, attention, o, the fused gate/up
+// product, SiLU, down, residuals; every step per row, so a row is bitwise what a one-token step computes, whatever
+// rows (of its own sequence or of others) run beside it. The products run once over all rows (the weights are read
+// once per step, not once per sequence); the cache write and attention run per sequence, over its own cache.
+// x [N, H] bf16: the rows of sequence s are counts[s] consecutive rows, in sequence order; per layer 8 tensors:
+// input norm [H], qkv packed, qkv bias (fp32 [..] or an empty tensor), o packed, post norm [H], gate/up packed, down
+// packed, q/k norms ([2, d] bf16 or empty); cos, sin_signed [N, d] bf16; per sequence: keys, values [layers,
+// kv_heads, capacity, d], the position of its first row `starts[s]` (its rows are written there) and its hidden mask
+// [counts[s], starts[s] + counts[s]] bool (an empty tensor: every row sees every key). The rows attend to cache rows
+// context_start..start+n-1 (a drafter's context window; 0: all, the only value with a hidden mask). Returns x after
+// the last layer and the feature layers' outputs concatenated [N, len(feature_layers) * H] (empty without).
+std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                                const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                                                const std::vector<torch::Tensor>& keys,
+                                                const std::vector<torch::Tensor>& values,
+                                                const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+                                                const std::vector<torch::Tensor>& hiddens, int64_t heads,
+                                                int64_t kv_heads, int64_t intermediate, double eps, double scaling,
+                                                const std::vector<int64_t>& feature_layers, int64_t context_start) {
+  const int64_t sequences = static_cast<int64_t>(counts.size());
+  TORCH_CHECK(sequences >= 1 && static_cast<int64_t>(keys.size()) == sequences &&
+              static_cast<int64_t>(values.size()) == sequences && static_cast<int64_t>(starts.size()) == sequences &&
+              static_cast<int64_t>(hiddens.size()) == sequences,
+              "one cache pair, start, row count and hidden mask per sequence");
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x: contiguous [N, H] bf16");
+  const int64_t n_all = x.size(0), width = x.size(1), d = keys[0].size(3), layers = keys[0].size(0);
+  const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d;
+  std::vector<int64_t> offsets(sequences + 1, 0);  // first row of each sequence in x
+  for (int64_t s = 0; s < sequences; ++s) {
+    const int64_t n = counts[s], end = starts[s] + n;
+    TORCH_CHECK(n >= 1, "every sequence has at least one row");
+    TORCH_CHECK(keys[s].dim() == 4 && keys[s].sizes() == values[s].sizes() && keys[s].size(0) == layers &&
+                keys[s].size(1) == kv_heads && keys[s].size(3) == d && keys[s].scalar_type() == at::kBFloat16 &&
+                values[s].scalar_type() == at::kBFloat16, "caches: [layers, kv_heads, capacity, d] bf16, alike");
+    TORCH_CHECK(keys[s].is_contiguous() && values[s].is_contiguous() && starts[s] >= 0 && end <= keys[s].size(2),
+                "caches: contiguous, room for the rows");
+    TORCH_CHECK(hiddens[s].numel() == 0 || (hiddens[s].dim() == 2 && hiddens[s].size(0) == n && hiddens[s].size(1) == end),
+                "hidden: [n, start + n] bool or empty");
+    TORCH_CHECK(context_start >= 0 && context_start <= starts[s] && (hiddens[s].numel() == 0 || context_start == 0),
+                "context_start: in 0..start, and 0 with a hidden mask");
+    offsets[s + 1] = offsets[s] + n;
+  }
+  TORCH_CHECK(offsets[sequences] == n_all, "the row counts add up to the rows of x");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * layers, "8 tensors per layer");
+  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(0) == n_all && cos.size(1) == d, "cos/sin: [N, d]");
+  TORCH_CHECK(d % 16 == 0 && d <= 256, "head size: a multiple of 16, at most 256");
+  x = x.clone();
+  auto opts = x.options();
+  auto h = torch::empty({n_all, width}, opts);
+  auto attn_rows = torch::empty({n_all, heads * d}, opts), act = torch::empty({n_all, intermediate}, opts);
+  auto normed_head = torch::empty({d}, opts);
+  std::vector<torch::Tensor> qs;  // per sequence: its queries, the heads sharing a K/V head stacked [kv_heads, group n, d]
+  std::vector<c10::optional<torch::Tensor>> hidden;
+  for (int64_t s = 0; s < sequences; ++s) {
+    qs.push_back(torch::empty({kv_heads, group * counts[s], d}, opts));
+    hidden.push_back(hiddens[s].numel() ? c10::optional<torch::Tensor>(hiddens[s]) : c10::nullopt);
+  }
+  const int64_t features_count = static_cast<int64_t>(feature_layers.size());
+  auto features = features_count ? torch::empty({n_all, features_count * width}, opts) : torch::empty({0}, opts);
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const torch::Tensor* w = &weights[8 * layer];
+    rms_norm(u16(x), width, n_all, width, u16(w[0]), static_cast<float>(eps), u16w(h), width);
+    c10::optional<torch::Tensor> qkv_bias = w[2].numel() ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt;
+    torch::Tensor qkv = linear(h, w[1], qkv_width, qkv_bias);  // [N, (heads + 2 kv_heads) d]
+    const bool qk_norm = w[7].numel() > 0;
+    for (int64_t s = 0; s < sequences; ++s) {
+      const int64_t n = counts[s], start = starts[s], first = offsets[s], cap = keys[s].size(2);
+      torch::Tensor ks = keys[s], vs = values[s];  // handles to the caller's buffers (written in place)
+      uint16_t* kl = u16w(ks) + layer * kv_heads * cap * d;
+      uint16_t* vl = u16w(vs) + layer * kv_heads * cap * d;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t* row = u16(qkv) + (first + i) * qkv_width;
+        const uint16_t* c = u16(cos) + (first + i) * d;
+        const uint16_t* sn = u16(sin_signed) + (first + i) * d;
+        for (int64_t head = 0; head < heads + kv_heads; ++head) {  // queries, then keys: (normed,) rotated
+          const uint16_t* src = row + head * d;
+          if (qk_norm) {
+            rms_norm(src, d, 1, d, u16(w[7]) + (head < heads ? 0 : d), static_cast<float>(eps), u16w(normed_head), d);
+            src = u16(normed_head);
+          }
+          uint16_t* dst = head < heads ? u16w(qs[s]) + ((head / group) * group * n + (head % group) * n + i) * d
+                                       : kl + ((head - heads) * cap + start + i) * d;
+          rotate_into(src, c, sn, d, dst);
+        }
+        for (int64_t kh = 0; kh < kv_heads; ++kh)  // values as they are
+          std::memcpy(vl + (kh * cap + start + i) * d, row + (heads + kv_heads + kh) * d, d * sizeof(uint16_t));
+      }
+      const int64_t seen = start + n - context_start;  // cache rows the sequence's rows attend to
+      torch::Tensor out = attention(qs[s], keys[s].select(0, layer).narrow(1, context_start, seen),
+                                    values[s].select(0, layer).narrow(1, context_start, seen), hidden[s], n,
+                                    scaling);  // [kv_heads, group * n, d]
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t head = 0; head < heads; ++head)
+          std::memcpy(u16w(attn_rows) + ((first + i) * heads + head) * d,
+                      u16(out) + ((head / group) * group * n + (head % group) * n + i) * d, d * sizeof(uint16_t));
+    }
+    torch::Tensor o = linear(attn_rows, w[3], width, c10::nullopt);
+    add_into(u16w(x), u16(o), n_all * width);
+    rms_norm(u16(x), width, n_all, width, u16(w[4]), static_cast<float>(eps), u16w(h), width);
+    torch::Tensor gate_up = linear(h, w[5], 2 * intermediate, c10::nullopt);  // [N, 2 I]
+    for (int64_t i = 0; i < n_all; ++i)
+      silu_mul(u16(gate_up) + i * 2 * intermediate, u16(gate_up) + i * 2 * intermediate + intermediate, intermediate,
+               u16w(act) + i * intermediate);
+    torch::Tensor down = linear(act, w[6], width, c10::nullopt);
+    add_into(u16w(x), u16(down), n_all * width);
+    for (int64_t f = 0; f < features_count; ++f)
+      if (feature_layers[f] == layer)
+        for (int64_t i = 0; i < n_all; ++i)
+          std::memcpy(u16w(features) + (i * features_count + f) * width, u16(x) + i * width, width * sizeof(uint16_t));
+  }
+  return {x, features};
+}
+
+// decoder_layers_batch for one sequence: x [n, H]; keys, values [layers, kv_heads, capacity, d]; hidden [n, start+n]
+// bool or None.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
                                           const torch::Tensor& cos, const torch::Tensor& sin_signed,
                                           torch::Tensor keys, torch::Tensor values, int64_t start,
                                           const c10::optional<torch::Tensor>& hidden, int64_t heads, int64_t kv_heads,
                                           int64_t intermediate, double eps, double scaling,
                                           const std::vector<int64_t>& feature_layers, int64_t context_start) {
-  const int64_t n = x.size(0), width = x.size(1), d = keys.size(3), layers = keys.size(0), end = start + n;
-  const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d;
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x: contiguous [n, H] bf16");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * layers, "8 tensors per layer");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && end <= keys.size(2), "caches: contiguous, room for the rows");
-  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(0) == n && cos.size(1) == d, "cos/sin: [n, d]");
-  TORCH_CHECK(d % 16 == 0 && d <= 256, "head size: a multiple of 16, at most 256");
-  TORCH_CHECK(context_start >= 0 && context_start <= start && (!hidden.has_value() || context_start == 0),
-              "context_start: in 0..start, and 0 with a hidden mask");
-  x = x.clone();
-  auto opts = x.options();
-  auto h = torch::empty({n, width}, opts), q = torch::empty({kv_heads, group * n, d}, opts);
-  auto attn_rows = torch::empty({n, heads * d}, opts), act = torch::empty({n, intermediate}, opts);
-  auto normed_head = torch::empty({d}, opts);
-  const int64_t features_count = static_cast<int64_t>(feature_layers.size());
-  auto features = features_count ? torch::empty({n, features_count * width}, opts) : torch::empty({0}, opts);
-  const int64_t cap = keys.size(2);
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    const torch::Tensor* w = &weights[8 * layer];
-    rms_norm(u16(x), width, n, width, u16(w[0]), static_cast<float>(eps), u16w(h), width);
-    c10::optional<torch::Tensor> qkv_bias = w[2].numel() ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt;
-    torch::Tensor qkv = linear(h, w[1], qkv_width, qkv_bias);  // [n, (heads + 2 kv_heads) d]
-    const bool qk_norm = w[7].numel() > 0;
-    uint16_t* kl = u16w(keys) + layer * kv_heads * cap * d;
-    uint16_t* vl = u16w(values) + layer * kv_heads * cap * d;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint16_t* row = u16(qkv) + i * qkv_width;
-      const uint16_t* c = u16(cos) + i * d;
-      const uint16_t* sn = u16(sin_signed) + i * d;
-      for (int64_t head = 0; head < heads + kv_heads; ++head) {  // queries, then keys: (normed,) rotated
-        const uint16_t* src = row + head * d;
-        if (qk_norm) {
-          rms_norm(src, d, 1, d, u16(w[7]) + (head < heads ? 0 : d), static_cast<float>(eps), u16w(normed_head), d);
-          src = u16(normed_head);
-        }
-        uint16_t* dst = head < heads ? u16w(q) + ((head / group) * group * n + (head % group) * n + i) * d
-                                     : kl + ((head - heads) * cap + start + i) * d;
-        rotate_into(src, c, sn, d, dst);
-      }
-      for (int64_t kh = 0; kh < kv_heads; ++kh)  // values as they are
-        std::memcpy(vl + (kh * cap + start + i) * d, row + (heads + kv_heads + kh) * d, d * sizeof(uint16_t));
-    }
-    const int64_t seen = end - context_start;  // cache rows the block attends to
-    torch::Tensor out = attention(q, keys.select(0, layer).narrow(1, context_start, seen),
-                                  values.select(0, layer).narrow(1, context_start, seen), hidden, n,
-                                  scaling);  // [kv_heads, group * n, d]
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t head = 0; head < heads; ++head)
-        std::memcpy(u16w(attn_rows) + (i * heads + head) * d,
-                    u16(out) + ((head / group) * group * n + (head % group) * n + i) * d, d * sizeof(uint16_t));
-    torch::Tensor o = linear(attn_rows, w[3], width, c10::nullopt);
-    add_into(u16w(x), u16(o), n * width);
-    rms_norm(u16(x), width, n, width, u16(w[4]), static_cast<float>(eps), u16w(h), width);
-    torch::Tensor gate_up = linear(h, w[5], 2 * intermediate, c10::nullopt);  // [n, 2 I]
-    for (int64_t i = 0; i < n; ++i)
-      silu_mul(u16(gate_up) + i * 2 * intermediate, u16(gate_up) + i * 2 * intermediate + intermediate, intermediate,
-               u16w(act) + i * intermediate);
-    torch::Tensor down = linear(act, w[6], width, c10::nullopt);
-    add_into(u16w(x), u16(down), n * width);
-    for (int64_t f = 0; f < features_count; ++f)
-      if (feature_layers[f] == layer)
-        for (int64_t i = 0; i < n; ++i)
-          std::memcpy(u16w(features) + (i * features_count + f) * width, u16(x) + i * width, width * sizeof(uint16_t));
-  }
-  return {x, features};
+  TORCH_CHECK(x.dim() == 2, "x: contiguous [n, H] bf16");
+  torch::Tensor mask = hidden.has_value() ? *hidden : torch::empty({0}, x.options().dtype(at::kBool));
+  TORCH_CHECK(!hidden.has_value() || (mask.scalar_type() == at::kBool && mask.is_contiguous()), "hidden: contiguous bool");
+  return decoder_layers_batch(x, weights, cos, sin_signed, {keys}, {values}, {start}, {x.size(0)}, {mask}, heads,
+                              kv_heads, intermediate, eps, scaling, feature_layers, context_start);
 }
 
 // How many threads at::parallel_for gives the kernels' work: it is compiled into this file, so without -fopenmp
@@ -104,4 +152,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
   m.def("attention", &attention, "grouped-query attention, one query row at a time");
   m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
+  m.def("decoder_layers_batch", &decoder_layers_batch,
+        "every decoder layer for the rows of several sequences, each over its own cache, each row on its own");
 }

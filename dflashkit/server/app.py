@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from ..batching import BatchMember, ComputeThread, ForwardBatcher
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
 from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator
@@ -41,12 +42,16 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
+MAX_BATCH = 16  # generations running at once, at most
+
+
 @dataclass
 class ServerSettings:
     """How the server serves; invalid values raise InvalidInputError."""
 
     model_id: str | None = None  # the name clients send; None: the target's name or path
-    max_queue: int = 16  # requests that may wait while one runs; more are answered 429
+    max_queue: int = 16  # requests that may wait while max_batch run; more are answered 429
+    max_batch: int = 1  # generations that run at once, their target passes batched (dflashkit.batching)
     timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     default_max_tokens: int = 256  # when a request gives none (capped by the context)
     block_size: int | str | None = None  # verify block size (None: the drafter's; "auto": adaptive)
@@ -59,6 +64,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise InvalidInputError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= MAX_BATCH:
+            raise InvalidInputError(f"max_batch must be an integer in 1..{MAX_BATCH}, got {self.max_batch!r}")
         if self.timeout is not None and not self.timeout > 0:
             raise InvalidInputError(f"timeout must be positive, got {self.timeout}")
         if self.default_max_tokens < 1:
@@ -92,23 +99,35 @@ class Plan:
         return len(self.prompts) * self.body.candidates
 
 
-def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None = None, **kwargs: Any) -> FastAPI:
-    """An app serving `generator`; `settings`, or ServerSettings fields as keyword arguments."""
+def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None = None, *,
+               compute: ComputeThread | None = None, **kwargs: Any) -> FastAPI:
+    """An app serving `generator`; `settings`, or ServerSettings fields as keyword arguments.
+
+    Every pass of the target and the drafter runs in one thread (:class:`~dflashkit.batching.ComputeThread`):
+    ``compute``, served by the caller (``dflashkit serve`` serves it in the main thread, where the model was loaded
+    and warmed up), or by default one the app starts with itself."""
     settings = settings if settings is not None else ServerSettings(**kwargs)
     if settings.model_id is None:
         settings.model_id = getattr(generator.model.config, "name_or_path", "") or "dflashkit"
     metrics = ServerMetrics()
-    scheduler = Scheduler(settings.max_queue, observer=metrics)
+    owned = compute is None
+    compute = compute if compute is not None else ComputeThread()
+    batcher = ForwardBatcher(generator.target, compute)
+    scheduler = Scheduler(settings.max_queue, observer=metrics, max_batch=settings.max_batch, batcher=batcher)
     metrics.watch_scheduler(lambda: scheduler.queued, lambda: scheduler.running)
     service = Service(generator, settings, scheduler)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if owned:
+            compute.start()
         scheduler.start()
         try:
             yield
         finally:
             scheduler.stop()
+            if owned:
+                compute.stop()
 
     app = FastAPI(title="dflashkit", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
     app.state.service, app.state.scheduler, app.state.metrics = service, scheduler, metrics
@@ -201,6 +220,7 @@ class Service:
             "queued": self.scheduler.queued,
             "running": self.scheduler.running,
             "max_queue": self.settings.max_queue,
+            "max_batch": self.settings.max_batch,
         }
 
     # ---- validation --------------------------------------------------------------------------------------
@@ -221,11 +241,12 @@ class Service:
             raise bad_request(str(e), param="logit_bias") from e
         prompts = self._encode(body, chat)
         generations = len(prompts) * body.candidates
-        if generations > self.settings.max_queue + 1:
+        places = self.settings.max_queue + self.settings.max_batch
+        if generations > places:
             param = "best_of" if body.candidates > body.n else "n" if len(prompts) == 1 else "prompt"
             raise bad_request(f"{generations} generations ({len(prompts)} prompt(s) x {body.candidates}) need as many "
-                              f"places in the queue, and this server holds {self.settings.max_queue + 1} (--max-queue "
-                              f"{self.settings.max_queue})", param=param)  # fmt: skip
+                              f"places in the queue, and this server holds {places} (--max-queue "
+                              f"{self.settings.max_queue} + --max-batch {self.settings.max_batch})", param=param)  # fmt: skip
         max_new = [self._max_new_tokens(body, chat, ids) for ids in prompts]
         echoes = None
         if isinstance(body, CompletionRequest) and body.echo:
@@ -339,13 +360,13 @@ class Service:
             _cancel_all(jobs)  # a no-op for jobs that already ended
             raise
 
-    def _start(self, plan: Plan, job: int = 0) -> GenerationStream:  # worker thread
+    def _start(self, plan: Plan, job: int = 0, batch: BatchMember | None = None) -> GenerationStream:  # worker thread
         """Generation `job` of the request: choice i of prompt p for job = p * candidates + i; with a seed, choice
-        i > 0 samples with seed + i (mod 2**64)."""
+        i > 0 samples with seed + i (mod 2**64). ``batch``: it runs as that member of the server's batcher."""
         b = plan.body
         p, index = divmod(job, b.candidates)
         if plan.max_new_tokens[p] == 0:  # echo with max_tokens 0: the prompt scored, nothing generated
-            return self.generator.score(plan.prompts[p], prompt_logprobs=b.requested_logprobs() or 0)
+            return self.generator.score(plan.prompts[p], prompt_logprobs=b.requested_logprobs() or 0, batch=batch)
         seed = b.seed if b.seed is None or index == 0 else (b.seed + index) % 2**64
         logprobs = b.requested_logprobs()
         if b.candidates > b.n and logprobs is None:
@@ -357,7 +378,7 @@ class Service:
             draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=logprobs,
             prompt_logprobs=b.requested_logprobs() if plan.echoes is not None else None,
             presence_penalty=b.presence_penalty, frequency_penalty=b.frequency_penalty,
-            repetition_penalty=b.repetition_penalty, logit_bias=plan.logit_bias,
+            repetition_penalty=b.repetition_penalty, logit_bias=plan.logit_bias, batch=batch,
         )  # fmt: skip
 
     async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:

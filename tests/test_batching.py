@@ -1,0 +1,171 @@
+"""Batched generation (dflashkit.batching): several sequences' target passes in one, outputs unchanged."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_drafter, tiny_target, word_tokenizer
+
+from dflashkit import SpeculativeGenerator, row_kernels
+from dflashkit.batching import ComputeThread, ForwardBatcher, member_thread
+from dflashkit.errors import InvalidInputError
+from dflashkit.fast_target import FastTargetForward, ForwardCall
+from dflashkit.target import TargetAdapter
+from dflashkit.tree import build_tree
+
+needs_kernels = pytest.mark.skipif(row_kernels.kernel() is None, reason="the CPU row kernels do not run here")
+
+
+def _prefilled(forward: FastTargetForward, prompts: list[torch.Tensor]):
+    caches = []
+    for p in prompts:
+        cache = forward.new_cache(64)
+        forward(p, 0, cache, 1, [1, 3])
+        caches.append(cache)
+    return caches
+
+
+@needs_kernels
+def test_batched_pass_is_bitwise_each_call_alone(arch):
+    """FastTargetForward.batch over chains of 1-5 rows and a token tree equals each call run alone: logits,
+    features, the cache rows written and the cache lengths (bf16, the row kernels' one-call path)."""
+    model = tiny_target(arch, dtype=torch.bfloat16)
+    forward = FastTargetForward(model)
+    assert forward.fused_weights is not None
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, VOCAB, (1, n), generator=g) for n in (9, 23, 4, 15)]
+    scores = torch.randn(3, VOCAB, generator=g)
+    tree = build_tree(scores.log_softmax(-1), None, 5)
+    tree_shape = (tree.position_offsets(torch.device("cpu")), tree.attention_mask(torch.device("cpu")))
+    steps = [torch.randint(4, VOCAB, (1, n), generator=g) for n in (5, 1, 3)] + [
+        torch.tensor([[7] + tree.tokens])]
+    trees = [None, None, None, tree_shape]
+    alone, together = _prefilled(forward, prompts), _prefilled(forward, prompts)
+    expected = [forward(s, p.shape[1], c, s.shape[1], [1, 3], t) for s, p, c, t in zip(steps, prompts, alone, trees)]
+    got = forward.batch([ForwardCall(s, p.shape[1], c, s.shape[1], t)
+                         for s, p, c, t in zip(steps, prompts, together, trees)], [1, 3])
+    for (l1, f1), (l2, f2), c1, c2 in zip(expected, got, alone, together):
+        assert torch.equal(l1, l2) and torch.equal(f1, f2)
+        assert c1.length == c2.length
+        assert torch.equal(c1.keys[:, :, : c1.length], c2.keys[:, :, : c2.length])
+        assert torch.equal(c1.values[:, :, : c1.length], c2.values[:, :, : c2.length])
+
+
+@needs_kernels
+def test_batched_pass_refuses_a_cache_out_of_step():
+    model = tiny_target(dtype=torch.bfloat16)
+    adapter = TargetAdapter(model, [1, 3])
+    caches = [adapter.new_cache(32), adapter.new_cache(32)]
+    calls = [ForwardCall(torch.tensor([[5, 6]]), 0, caches[0], 1), ForwardCall(torch.tensor([[5]]), 3, caches[1], 1)]
+    with pytest.raises(InvalidInputError, match="holds 0 positions"):
+        adapter.forward_batch(calls)
+
+
+def _generator(dtype: torch.dtype, block_size: int = 4) -> SpeculativeGenerator:
+    model = tiny_target(dtype=dtype)
+    return SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=block_size))
+
+
+PROMPTS = [[1, 5, 9, 11, 5, 9, 11], [1, 40, 41, 42], [1, 7] * 6, [1, 60, 61, 62, 63, 64, 65, 66, 67, 68]]
+
+
+def _count_batched_passes(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    original = TargetAdapter.forward_batch
+
+    def counting(self, calls):
+        sizes.append(len(calls))
+        return original(self, calls)
+
+    monkeypatch.setattr(TargetAdapter, "forward_batch", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [
+    {},  # greedy, drafter chains
+    {"lookup": True, "block_size": "auto"},
+    {"tree": 5},
+    {"temperature": 1.0},
+    {"temperature": 0.8, "top_p": 0.9, "logprobs": 2},
+], ids=["greedy", "lookup-auto", "tree", "t1", "t08-logprobs"])
+def test_generate_batch_equals_each_prompt_alone(dtype, options, monkeypatch):
+    """Each result of generate_batch is token for token the prompt's own `generate` (greedy, or sampled with its
+    seed), with sequences of different lengths ending at different rounds; the rounds really were batched."""
+    if dtype == torch.bfloat16 and row_kernels.kernel() is None:
+        pytest.skip("bf16 on this CPU without the row kernels is slow and not batched")
+    gen = _generator(dtype)
+    seeds = [11, 12, 13, 14]
+    lengths = [24, 9, 17, 3]
+    expected = []
+    for prompt, seed, n in zip(PROMPTS, seeds, lengths):
+        expected.append(gen.generate(prompt, max_new_tokens=n, seed=seed, **options))
+    sizes = _count_batched_passes(monkeypatch)
+    results = [None] * len(PROMPTS)
+    # generate_batch takes one set of options; members of one batcher may each have their own (here: lengths)
+    compute = ComputeThread()  # served by this thread below, as generate_batch does
+    batcher = ForwardBatcher(gen.target, compute)
+    members = [batcher.join() for _ in PROMPTS]
+    streams = [gen.stream(p, max_new_tokens=n, seed=s, batch=m, **options)
+               for p, n, s, m in zip(PROMPTS, lengths, seeds, members)]
+
+    running = [len(PROMPTS)]
+
+    def run(i: int) -> None:
+        member_thread()
+        try:
+            for _ in streams[i]:
+                pass
+            results[i] = streams[i].result
+        finally:
+            batcher.leave(members[i])
+            running[0] -= 1
+            compute.wake()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    compute.serve(until=lambda: running[0] == 0)
+    torch.set_num_threads(1)  # as conftest set it (member_thread changed torch's default for new threads)
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a batched generation hung"
+    for r, e in zip(results, expected):
+        assert r is not None and r.token_ids == e.token_ids
+        if options.get("logprobs"):
+            assert [x.logprob for x in r.logprobs] == [x.logprob for x in e.logprobs]
+    assert max(sizes) == len(PROMPTS)  # the first rounds had every sequence in them
+    assert batcher.passes < batcher.calls
+
+
+def test_generate_batch_api(monkeypatch):
+    gen = _generator(torch.float32)
+    sizes = _count_batched_passes(monkeypatch)
+    results = gen.generate_batch(PROMPTS, max_new_tokens=12, temperature=1.0, seeds=[3, 4, 5, 6], lookup=True)
+    assert [r.token_ids for r in results] == [
+        gen.generate(p, max_new_tokens=12, temperature=1.0, seed=s, lookup=True).token_ids
+        for p, s in zip(PROMPTS, [3, 4, 5, 6])]
+    assert sizes and max(sizes) == len(PROMPTS)
+    with pytest.raises(InvalidInputError, match="one per prompt"):
+        gen.generate_batch(PROMPTS, seeds=[1])
+    with pytest.raises(InvalidInputError, match="at least one prompt"):
+        gen.generate_batch([])
+
+
+def test_a_failing_member_does_not_stall_the_others():
+    """A prompt too long for the target's context fails in its thread; the others finish and the error is raised."""
+    gen = _generator(torch.float32)
+    too_long = [1] + [5] * 600  # tiny targets hold 512 positions
+    done = []
+
+    def call() -> None:
+        with pytest.raises(InvalidInputError, match="no room"):
+            gen.generate_batch([PROMPTS[0], too_long, PROMPTS[1]], max_new_tokens=8)
+        done.append(True)
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(120)
+    assert done == [True]
