@@ -17,9 +17,9 @@ thread that runs a parallel region keeps a team of its own, and once the process
 CPUs, all of them stop spinning between regions and sleep, so each of the hundreds of regions of a step pays a
 wake-up (measured on the 2-core Zen 1 VM: plain decoding in a second thread while the main thread held a team,
 64 tok/s against 72 in one thread). Handing the work between threads is not free either: a batch of one decodes
-~12% slower than the same generation in one thread (its target pass itself takes 13.9 ms instead of 12.0), so
-``generate_batch`` runs a single prompt directly, and the server with ``max_batch`` 1 runs each generation whole in
-the compute thread.
+~2-3% slower than the same generation in one thread (6 prompts of the three evaluation sets, 3 rounds interleaved:
+50.0 against 48.5 tok/s speculative at block 4, 55.1 against 53.8 plain), so ``generate_batch`` runs a single
+prompt directly, and the server with ``max_batch`` 1 runs each generation whole in the compute thread.
 
 The adaptive block size (:mod:`dflashkit.adaptive`) of a member judges a step by its cost to the batch, not by
 its wall time (which holds the other members' drafting and rows): its own drafting and bookkeeping plus its
@@ -150,10 +150,19 @@ class ComputeThread:
             thread.join(timeout)
 
 
-def member_thread() -> None:
+def member_thread(compute: ComputeThread) -> None:
     """Set up the calling thread to decode as a batch member: its own tensor ops on one torch thread (the heavy
-    ones run in the batch's :class:`ComputeThread`)."""
+    ones run in ``compute``).
+
+    ``torch.set_num_threads`` sets the calling thread's OpenMP threads and also the process default, which every
+    thread reads once, lazily, per library (torch's own, each C++ extension's) at its first parallel loop there.
+    Left at 1, that default would put the compute thread's first row-kernel pass, and every one after it, on one
+    thread (measured: a server with ``--max-batch 4`` decoded at 39 tok/s instead of 65 with one client). So this
+    thread takes its own lazy setting first (it cannot undo the 1 afterwards), and the compute thread sets the
+    default back (its own setting again, too, should a pass of its have read the 1 meanwhile)."""
+    torch.get_num_threads()  # torch's lazy per-thread setting, taken now
     torch.set_num_threads(1)
+    compute.call(torch.set_num_threads, compute.threads)
 
 
 class ForwardBatcher:

@@ -101,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tree_option(s)
     _add_draft_window_option(s)
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while --max-batch run")
-    s.add_argument("--max-batch", type=int, default=1,
-                   help="generations that run at once, their target passes batched into one (1-16; default: 1, "
-                   "one at a time); each generation's output is unchanged")
+    s.add_argument("--max-batch", type=int, default=4,
+                   help="generations that run at once, their target passes batched into one (1-16; default: "
+                   "%(default)s; 1: one at a time); each generation's output is unchanged")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")

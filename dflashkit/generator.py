@@ -383,7 +383,7 @@ class SpeculativeGenerator:
         running = [len(prompts)]
 
         def run(i: int) -> None:
-            member_thread()
+            member_thread(compute)
             try:
                 results[i] = _drain(streams[i])
             except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
@@ -399,7 +399,6 @@ class SpeculativeGenerator:
         try:
             compute.serve(until=lambda: running[0] == 0)
         finally:
-            torch.set_num_threads(compute.threads)  # the members' setting also changed torch's default for new threads
             for t in threads:
                 t.join()
         if errors:

@@ -4,8 +4,8 @@
         [--max-batch 4]
 
 Starts, on loopback, the dflashkit server (shipped drafter, the serve command's defaults: adaptive block size,
-prompt lookup), the same server with no drafter, both again with `--max-batch N` (N generations at once, their
-target passes batched), and llama-server on the bf16 and Q4_1 GGUFs of the target with
+prompt lookup) with `--max-batch 1` (one generation at a time), the same server with no drafter, both again with
+`--max-batch N` (N generations at once, their target passes batched; the serve default is 4), and llama-server on the bf16 and Q4_1 GGUFs of the target with
 as many slots as the largest concurrency (continuous batching: its slots decode together). For each concurrency C,
 each round sends the same greedy requests to every server in turn (the order rotates per round): the prompts
 (MT-Bench / HumanEval / MATH-500 questions through the chat template, as token ids, so every server gets the same
@@ -28,6 +28,7 @@ import torch
 import uvicorn
 
 from dflashkit import SpeculativeGenerator
+from dflashkit.batching import ComputeThread
 from dflashkit.bench.assets import target_bf16_gguf, target_gguf
 from dflashkit.evalsets import load_set
 from dflashkit.llama_server import LlamaServer, find_llama_server, free_port
@@ -35,10 +36,10 @@ from dflashkit.server import create_app
 
 
 class InProcessServer:
-    """A dflashkit app served by uvicorn in a thread on a free loopback port."""
+    """A dflashkit app served by uvicorn in a thread on a free loopback port; its passes run in ``compute``."""
 
-    def __init__(self, generator: SpeculativeGenerator, **settings) -> None:
-        self.app = create_app(generator, max_queue=64, timeout=None, **settings)
+    def __init__(self, generator: SpeculativeGenerator, compute: ComputeThread, **settings) -> None:
+        self.app = create_app(generator, max_queue=64, timeout=None, compute=compute, **settings)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, port=self.port, log_level="warning", log_config=None))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -76,32 +77,54 @@ def run_batch(url: str, prompts: list[list[int]], concurrency: int, max_tokens: 
 
 
 def main() -> None:
+    """The models load and every server's passes run in this (the main) thread, as `dflashkit serve` runs them;
+    the servers and their clients run in others."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,2,4")
     ap.add_argument("--prompts", type=int, default=8, help="requests per batch (split over the three sets)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-batch", type=int, default=4, help="the batched dflashkit servers' --max-batch (0: none)")
+    ap.add_argument("--max-batch", type=int, default=4, help="the batched dflashkit servers' --max-batch (1: none)")
     args = ap.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
     torch.set_num_threads(args.threads)
-
     spec = SpeculativeGenerator.load()
     plain = SpeculativeGenerator.load(drafter=None)
+    spec.warmup()  # in this thread, as `dflashkit serve` does before it serves
+    plain.warmup()
+    compute = ComputeThread()
+    done = threading.Event()
+
+    def measure() -> None:
+        try:
+            run(args, spec, plain, compute)
+        finally:
+            done.set()
+            compute.wake()
+
+    thread = threading.Thread(target=measure, name="measure")
+    thread.start()
+    compute.serve(until=done.is_set)
+    thread.join()
+
+
+def run(args: argparse.Namespace, spec: SpeculativeGenerator, plain: SpeculativeGenerator,
+        compute: ComputeThread) -> None:
+    levels = [int(c) for c in args.concurrency.split(",")]
     per_set = -(-args.prompts // 3)
     texts = [t for name in ("mt-bench", "humaneval", "math500") for t in load_set(name, limit=per_set)][: args.prompts]
     prompts = [spec.encode_prompt(t) for t in texts]
 
     servers: dict[str, str] = {}
     closers = []
-    variants = [("dflashkit (drafter + lookup, auto block)", spec, {"block_size": "auto", "lookup": True}),
-                ("dflashkit, no drafter", plain, {})]
+    variants = [("dflashkit (drafter + lookup, auto block), --max-batch 1", spec,
+                 {"block_size": "auto", "lookup": True, "max_batch": 1}),
+                ("dflashkit, no drafter, --max-batch 1", plain, {"max_batch": 1})]
     if args.max_batch > 1:  # the same generators: one server is asked at a time
-        variants += [(f"{name}, --max-batch {args.max_batch}", gen, {**settings, "max_batch": args.max_batch})
-                     for name, gen, settings in variants]
+        variants += [(name.replace("--max-batch 1", f"--max-batch {args.max_batch}"), gen,
+                      {**settings, "max_batch": args.max_batch}) for name, gen, settings in variants]
     for name, gen, settings in variants:
-        s = InProcessServer(gen, **settings).start()
+        s = InProcessServer(gen, compute, **settings).start()
         servers[name], closers = s.url, [*closers, s.close]
     binary = find_llama_server()
     for label, (gguf, why) in (("bf16", target_bf16_gguf(None)), ("Q4_1", target_gguf(None))):

@@ -351,7 +351,7 @@ def test_several_prompts_in_one_completions_request(client, offline) -> None:
 
 
 def test_more_choices_than_the_queue_holds_are_refused() -> None:
-    with LiveServer(create_app(tiny_generator(), model_id=MODEL, max_queue=1)) as live:
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, max_batch=1, max_queue=1)) as live:
         r = httpx.post(live.url + "/v1/chat/completions", json={**CHAT, "n": 3, "max_tokens": 2}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "max-queue" in r.json()["error"]["message"]
         r = httpx.post(live.url + "/v1/chat/completions", json={**CHAT, "n": 2, "max_tokens": 2}, timeout=30)
@@ -556,7 +556,8 @@ LONG = {"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 500, "temperature": 
 
 
 def test_full_queue_answers_429_and_disconnect_cancels() -> None:
-    app = create_app(tiny_generator(), model_id=MODEL, max_queue=1)
+    # one generation at a time (max_batch 1): which requests run and which wait is then known
+    app = create_app(tiny_generator(), model_id=MODEL, max_batch=1, max_queue=1)
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
         scheduler = app.state.scheduler
         # A streams a long generation; read one chunk so that it is running
@@ -586,7 +587,7 @@ def test_full_queue_answers_429_and_disconnect_cancels() -> None:
 
 
 def test_choices_take_queue_places_together_and_a_disconnect_cancels_them_all() -> None:
-    app = create_app(tiny_generator(), model_id=MODEL, max_queue=2)
+    app = create_app(tiny_generator(), model_id=MODEL, max_batch=1, max_queue=2)
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
         scheduler = app.state.scheduler
         with http.stream("POST", "/v1/completions", json={**LONG, "stream": True, "n": 2}) as a:
@@ -603,7 +604,7 @@ def test_choices_take_queue_places_together_and_a_disconnect_cancels_them_all() 
 
 
 def test_client_that_disconnects_while_queued_is_dropped() -> None:
-    app = create_app(tiny_generator(), model_id=MODEL, max_queue=4)
+    app = create_app(tiny_generator(), model_id=MODEL, max_batch=1, max_queue=4)
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as a:
             lines = a.iter_lines()  # kept: dropping the iterator closes the response

@@ -51,7 +51,7 @@ class ServerSettings:
 
     model_id: str | None = None  # the name clients send; None: the target's name or path
     max_queue: int = 16  # requests that may wait while max_batch run; more are answered 429
-    max_batch: int = 1  # generations that run at once, their target passes batched (dflashkit.batching)
+    max_batch: int = 4  # generations that run at once, their target passes batched (dflashkit.batching)
     timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     default_max_tokens: int = 256  # when a request gives none (capped by the context)
     block_size: int | str | None = None  # verify block size (None: the drafter's; "auto": adaptive)

@@ -3,9 +3,9 @@
 Worker threads (``max_batch`` of them) take queued jobs in arrival order, each running one generation at a
 time. With a :class:`~dflashkit.batching.ForwardBatcher`, the running generations are its members: their target
 passes run as one batched pass per round in the batcher's compute thread (:mod:`dflashkit.batching`), each
-generation's tokens unchanged; with ``max_batch`` 1 (the default) one generation runs at a time, all of it in the
-compute thread (a step's work passed between threads costs ~12% on a 2-core CPU). Each job streams its deltas to its own asyncio
-queue (outputs are never mixed), and is checked for cancellation between decode steps: a client that
+generation's tokens unchanged; with ``max_batch`` 1 one generation runs at a time, all of it in the compute thread
+(no handoffs between threads: they cost a lone generation ~2-3% on a 2-core CPU). Each job streams its deltas to
+its own asyncio queue (outputs are never mixed), and is checked for cancellation between decode steps: a client that
 disconnects or runs out of time stops its generation within one step. The waiting line is bounded: `submit`
 raises `QueueFullError` when it is full.
 """
@@ -181,7 +181,7 @@ class Scheduler:
     def _work(self) -> None:
         alone = self.batcher is not None and self.max_batch == 1
         if self.batcher is not None and not alone:
-            member_thread()  # heavy work goes to the batcher's compute thread
+            member_thread(self.batcher.compute)  # heavy work goes to the batcher's compute thread
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
