@@ -33,6 +33,7 @@ from .sampling import SamplingParams
 from .stats import DecodeStats
 from .target import TargetAdapter
 from .text import IncrementalDetokenizer, StopStringMatcher, check_text, encode_chat, eos_token_ids
+from .tool_calls import ToolRequest, check_template, marker_terms, template_messages
 
 Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
@@ -170,22 +171,31 @@ class SpeculativeGenerator:
 
     # ---- prompts ---------------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        """Token ids of a prompt; text goes through the chat template (as one user turn) when there is one."""
+    def encode_prompt(self, prompt: Prompt, chat: bool = True, tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a prompt; text goes through the chat template (as one user turn) when there is one.
+
+        ``tools``: OpenAI function tools the template shows the model (a template that writes calls as
+        ``<tool_call>`` is required; :mod:`dflashkit.tool_calls` parses them out of the answer)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInputError("the prompt is empty")
             messages = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, (list, tuple)):
-            messages = list(prompt)
-            if not messages or any(not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str)
-                                   for m in messages):
+            if not prompt or any(not isinstance(m, dict) or "role" not in m for m in prompt):
+                raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': text}")
+            messages = template_messages(prompt)  # OpenAI's forms of tool calls as templates take them
+            if any(not isinstance(m["content"], str) for m in messages):
                 raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': text}")
         else:
             raise InvalidInputError(f"the prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
         for m in messages:
             check_text(m["content"])
-        return encode_chat(self.tokenizer, prompt if isinstance(prompt, str) else messages, chat)
+        if tools:
+            if not chat:
+                raise InvalidInputError("tools go through the chat template: they cannot be given with chat=False")
+            check_template(self.tokenizer)
+        return encode_chat(self.tokenizer, prompt if isinstance(prompt, str) else messages, chat,
+                           tools=list(tools) if tools else None)
 
     # ---- generation ------------------------------------------------------------------------------------
 
@@ -426,6 +436,16 @@ class SpeculativeGenerator:
         if not isinstance(grammar, Grammar):
             raise InvalidInputError(f"grammar must be a dflashkit.Grammar, got {type(grammar).__name__}")
         return CompiledGrammar(grammar, self._llg_tokenizer(), self.target.vocab_size, self.eos_token_ids)
+
+    def tool_call_grammar(self, tools: ToolRequest) -> CompiledGrammar | None:
+        """The grammar of ``tool_choice`` "required" or a named function over this tokenizer (its tool-call tags
+        as the tokens it has for them), compiled; None when the choice forces nothing."""
+        if not tools.forced:
+            return None
+        markers = marker_terms(self.tokenizer, self._llg_tokenizer())
+        grammar = tools.grammar(markers)
+        assert grammar is not None
+        return self.compile_grammar(grammar)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (a token may hold part of a UTF-8 character); special tokens: their text.

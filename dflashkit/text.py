@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .errors import InvalidInputError
 
-Messages = Sequence[dict[str, str]]  # chat messages [{"role": ..., "content": ...}]
+Messages = Sequence[dict[str, Any]]  # chat messages [{"role": ..., "content": ...}] (+ tool_calls, tool_call_id)
 
 
 def check_text(text: str) -> None:
@@ -28,12 +28,14 @@ def check_text(text: str) -> None:
                                 f"({text[max(0, e.start - 10):e.start + 10]!r})") from None
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: str | Messages, chat: bool = True) -> list[int]:
+def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: str | Messages, chat: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a prompt as the target sees it: text is one user turn through the chat template
-    (when the tokenizer has one and `chat`); without a template, the plain text."""
+    (when the tokenizer has one and `chat`, with `tools` if given); without a template, the plain text."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages))
 

@@ -56,3 +56,27 @@ def tiny_byte_generator(block_size: int = 4) -> SpeculativeGenerator:
     """As tiny_generator, over the byte-level tokenizer: it can spell JSON (structured-output tests)."""
     model = tiny_target("llama", vocab_size=BYTE_VOCAB)
     return SpeculativeGenerator(model, byte_tokenizer(), tiny_drafter(model, block_size=block_size))
+
+
+# A chat template in the Qwen2.5 / Hermes convention (tools shown in the system turn, calls as <tool_call> blocks,
+# answers as tool turns), written for these tests.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|system|>You can call these tools:{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    'Answer a call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>\n{% endif %}'
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|tool|>{{ message.content }}\n"
+    "{%- elif message.tool_calls %}<|assistant|>{% for call in message.tool_calls %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}\n"
+    "{%- else %}<|{{ message.role }}|>{{ message.content }}\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tool_generator() -> SpeculativeGenerator:
+    """The tiny byte-level target (its context long enough for two tools' schemas, one byte per token) with a
+    random drafter and TOOLS_TEMPLATE."""
+    model = tiny_target("llama", vocab_size=BYTE_VOCAB, max_position_embeddings=2048)
+    gen = SpeculativeGenerator(model, byte_tokenizer(), tiny_drafter(model, block_size=4))
+    gen.tokenizer.chat_template = TOOLS_TEMPLATE
+    return gen

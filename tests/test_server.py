@@ -15,12 +15,13 @@ import httpx
 import openai
 import pytest
 import torch
-from live_server import LiveServer, tiny_byte_generator, tiny_generator
+from live_server import LiveServer, tiny_byte_generator, tiny_generator, tool_generator
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflashkit import Grammar, row_kernels
 from dflashkit.errors import InvalidInputError
 from dflashkit.server import create_app
+from dflashkit.tool_calls import ToolRequest, parse_tool_calls
 
 MODEL = "tiny-llama"
 SAMPLED = {"temperature": 1.0, "seed": 3, "max_tokens": 40}
@@ -493,6 +494,14 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "w5", "top_logprobs": 2}, 400, "top_logprobs",
      "unsupported_parameter"),
     ("/v1/completions", {"model": "gpt-7", "prompt": "w5"}, 404, "model", "model_not_found"),
+    # tools: this tiny target's tokenizer has no chat template that shows tools
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice", None),  # no tools
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "always"}, 400, "tool_choice", None),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "code_interpreter"}]}, 400, "tools", None),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "tool_call_id": "c1"}]}, 400, "messages", None),
 ]
 
 
@@ -766,3 +775,73 @@ def test_vllm_guided_fields_on_both_endpoints() -> None:
                        json={"model": MODEL, "messages": messages, "response_format": {"type": "json_object"},
                              "guided_regex": "a"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+
+
+# ---- tool calls -------------------------------------------------------------------------------------------------
+
+PICK_TOOL = {"type": "function", "function": {  # finite arguments: a random tiny target fills free strings forever
+    "name": "pick_color", "description": "Pick a color",
+    "parameters": {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
+                   "additionalProperties": False}}}
+STOP_TOOL = {"type": "function", "function": {"name": "stop_now"}}
+
+
+def test_tool_calls_forced_streamed_and_sent_back() -> None:
+    """tool_choice required / named: the answer is OpenAI tool_calls (valid arguments, finish_reason tool_calls),
+    equal to offline generation under the same grammar, streamed too; the call and the tool's answer go back
+    through the template in the next request; auto and none answer with text."""
+    offline = tool_generator()
+    with LiveServer(create_app(tool_generator(), model_id=MODEL)) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Pick a color."}]
+        tools = [PICK_TOOL, STOP_TOOL]
+        named = {"type": "function", "function": {"name": "pick_color"}}
+        for choice, temperature, seed in (("required", 0.0, None), (named, 1.0, 4)):
+            # one call: a random target, free to add calls, may write them until max_tokens
+            resp = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=choice,
+                                                  parallel_tool_calls=False, temperature=temperature, seed=seed,
+                                                  max_tokens=800)  # sampled: up to 33 spaces between JSON tokens
+            request = ToolRequest.parse(tools, choice, parallel_tool_calls=False)
+            expected = offline.generate(offline.encode_prompt(messages, tools=request.template_tools()),
+                                        grammar=offline.tool_call_grammar(request), temperature=temperature, seed=seed,
+                                        max_new_tokens=800, proposal="sample")
+            _, expected_calls = parse_tool_calls(expected.text, request.names)
+            out = resp.choices[0]
+            assert out.finish_reason == "tool_calls" and out.message.content is None
+            assert [(c.function.name, c.function.arguments) for c in out.message.tool_calls] == [
+                (c.name, c.arguments) for c in expected_calls]
+            for call in out.message.tool_calls:
+                assert call.type == "function" and call.id.startswith("call_")
+                if call.function.name == "pick_color":
+                    assert json.loads(call.function.arguments)["color"] in ("red", "green")
+            if choice == named:
+                assert [c.function.name for c in out.message.tool_calls] == ["pick_color"]
+        # streamed: no <tool_call> text in the content deltas, the calls in a tool_calls delta before the finish
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=named,
+                                                     temperature=0, max_tokens=200, stream=True))
+        assert "<tool_call>" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+        assert [t.function.name for t in calls] == ["pick_color"] and calls[0].index == 0
+        assert json.loads(calls[0].function.arguments)["color"] in ("red", "green")
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        # the call and the tool's answer sent back (content null in the assistant turn): a normal text answer
+        sent = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0].id, "type": "function", "function": {"name": "pick_color",
+                                                                 "arguments": calls[0].function.arguments}}]},
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "done"}]
+        resp = client.chat.completions.create(model=MODEL, messages=sent, tools=tools, max_tokens=8, temperature=0)
+        expected = offline.generate(offline.encode_prompt(sent, tools=tools), max_new_tokens=8)
+        assert resp.usage.prompt_tokens == len(offline.encode_prompt(sent, tools=tools))
+        assert resp.choices[0].message.content == expected.text and not resp.choices[0].message.tool_calls
+        # "none": the template is not shown the tools (a shorter prompt); auto with a text answer: content as is
+        without = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="none",
+                                                 max_tokens=4, temperature=0)
+        auto = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4, temperature=0)
+        assert without.usage.prompt_tokens == len(offline.encode_prompt(messages)) < auto.usage.prompt_tokens
+        assert auto.choices[0].message.content == offline.generate(
+            offline.encode_prompt(messages, tools=tools), max_new_tokens=4).text
+        # a forced call cannot also follow a response_format
+        r = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "messages": messages, "tools": tools, "tool_choice": "required",
+                             "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"

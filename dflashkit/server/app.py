@@ -27,6 +27,7 @@ from ..grammar import CompiledGrammar, Grammar
 from ..penalties import Penalties
 from ..sampling import SamplingParams
 from ..text import IncrementalDetokenizer
+from ..tool_calls import ToolError, ToolRequest
 from ..tree import check_budget
 from .errors import APIError, bad_request, from_exception, install_error_handlers
 from .metrics import RequestCounter, ServerMetrics
@@ -92,6 +93,7 @@ class Plan:
     grammar: CompiledGrammar | None = None  # response_format, checked against the tokenizer
     logit_bias: dict[int, float] = field(default_factory=dict)
     echoes: list[Echo] | None = None  # completions with echo: each prompt, to put before its completions
+    tools: ToolRequest | None = None  # chat: the request's tools (calls are parsed out of the answer when active)
 
     @property
     def generations(self) -> int:
@@ -239,7 +241,8 @@ class Service:
                       logit_bias).check_vocab(self.generator.target.vocab_size)
         except InvalidInputError as e:
             raise bad_request(str(e), param="logit_bias") from e
-        prompts = self._encode(body, chat)
+        tools = body.tool_request() if isinstance(body, ChatCompletionRequest) else None
+        prompts = self._encode(body, chat, tools)
         generations = len(prompts) * body.candidates
         places = self.settings.max_queue + self.settings.max_batch
         if generations > places:
@@ -251,7 +254,7 @@ class Service:
         echoes = None
         if isinstance(body, CompletionRequest) and body.echo:
             echoes = [self._echo(prompt, ids) for prompt, ids in zip(body.prompts, prompts)]
-        return Plan(body, chat, prompts, max_new, arrived, logit_bias=logit_bias, echoes=echoes)
+        return Plan(body, chat, prompts, max_new, arrived, logit_bias=logit_bias, echoes=echoes, tools=tools)
 
     def _max_new_tokens(self, body: GenerationRequest, chat: bool, ids: list[int]) -> int:
         """The completion's token budget after `ids`: the request's, or the default within the context."""
@@ -292,11 +295,19 @@ class Service:
                                           "guided_grammar") if getattr(body, n, None) is not None)
             raise bad_request(str(e), param=field_name) from e
 
-    def _encode(self, body: GenerationRequest, chat: bool) -> list[list[int]]:
-        """Token ids of the request's prompt(s)."""
+    def _compile_tools(self, tools: ToolRequest) -> CompiledGrammar | None:
+        try:
+            return self.generator.tool_call_grammar(tools)
+        except InvalidInputError as e:  # e.g. a parameters schema the grammar compiler refuses
+            raise bad_request(str(e), param="tools") from e
+
+    def _encode(self, body: GenerationRequest, chat: bool, tools: ToolRequest | None = None) -> list[list[int]]:
+        """Token ids of the request's prompt(s) (chat: with the tools the template shows, if any)."""
         try:
             if isinstance(body, ChatCompletionRequest):
-                return [self.generator.encode_prompt([m.as_template_message() for m in body.messages], chat=True)]
+                messages = [m.as_template_message() for m in body.messages]
+                return [self.generator.encode_prompt(messages, chat=True,
+                                                     tools=tools.template_tools() if tools is not None else None)]
             assert isinstance(body, CompletionRequest)
             out = []
             vocab = self.generator.target.vocab_size
@@ -308,6 +319,8 @@ class Service:
                 else:
                     out.append(self.generator.encode_prompt(prompt, chat=False))
             return out
+        except ToolError as e:
+            raise bad_request(str(e), param=e.field) from e
         except InvalidInputError as e:
             raise bad_request(str(e), param="messages" if chat else "prompt") from e
 
@@ -318,6 +331,8 @@ class Service:
         grammar = body.grammar()
         if grammar is not None:  # compiled off the event loop
             plan.grammar = await asyncio.to_thread(self._compile, grammar, body)
+        elif plan.tools is not None and plan.tools.forced:  # tool_choice required / a named function
+            plan.grammar = await asyncio.to_thread(self._compile_tools, plan.tools)
         if body.requested_logprobs() is not None:  # the tokenizer's byte view (built once, ~1 s) off the event loop
             await asyncio.to_thread(self.generator.token_bytes, 0)
         loop = asyncio.get_running_loop()
@@ -426,6 +441,8 @@ class Service:
                         yield sse_event(response.chunk(event.delta, index))
                     elif isinstance(event, Done):
                         results.append(event.result)
+                        for chunk in response.tool_chunks(index):  # calls are known when the answer ends
+                            yield sse_event(chunk)
                         last = index == len(jobs) - 1
                         yield sse_event(response.final_chunk(event.result, index, results if last else None))
                         break

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..generator import GenerationResult, TextDelta
 from ..logprobs import TokenLogprob
 from ..stats import DecodeStats
+from ..tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 if TYPE_CHECKING:
     from .app import Plan
@@ -53,6 +54,9 @@ class ChoiceBuilder:
         self.logprob_entries: list[dict[str, Any]] = []  # chat's format; completions add text_offset
         self.text_offset = 0  # completions: characters released before the next token
         self.echoed = echo is None  # completions with echo: the prompt goes before the first delta
+        tools = builder.tool_names
+        self.tool_stream = ToolCallStream(tools) if tools is not None and builder.streaming else None
+        self.tool_calls: list[ToolCall] = []  # streamed: the calls found when the answer ended
 
     def add(self, delta: TextDelta) -> None:
         text, entries = self.piece(delta)
@@ -111,6 +115,11 @@ class Echo:
     pieces: list[str]
 
 
+def _finish_reason(result: GenerationResult, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for an answer that ended (not cut by max_tokens) with tool calls."""
+    return "tool_calls" if called and result.finish_reason == "stop" else result.finish_reason
+
+
 def _origins(delta: TextDelta) -> list[dict[str, Any]]:
     texts = delta.token_text or [delta.text] + [""] * (len(delta.token_ids) - 1)
     return [{"id": t, "text": s, "from_draft": f} for t, s, f in zip(delta.token_ids, texts, delta.from_draft)]
@@ -123,6 +132,9 @@ class ResponseBuilder:
     def __init__(self, plan: Plan, model_id: str, token_bytes: Callable[[int], bytes] | None = None) -> None:
         """`token_bytes`: a token id's bytes (needed when the request asks for logprobs)."""
         self.chat = plan.chat
+        self.streaming = plan.body.stream
+        # chat with tools (not "none"): the names of the tools whose calls are parsed out of the answers
+        self.tool_names = plan.tools.names if plan.tools is not None and plan.tools.active else None
         self.origins = plan.body.token_origins
         self.logprobs = plan.body.requested_logprobs() is not None
         self.token_bytes = token_bytes
@@ -173,16 +185,35 @@ class ResponseBuilder:
         return self._envelope([self._chunk_choice(index, None if self.chat else "", None, role=True)], chunk=True)
 
     def chunk(self, delta: TextDelta, index: int = 0) -> dict[str, Any]:
-        text, entries = self.choices[index].piece(delta)
+        state = self.choices[index]
+        text, entries = state.piece(delta)
+        if state.tool_stream is not None:  # what may be a tool call is held back until the answer ends
+            text = state.tool_stream.feed(text)
         choice = self._chunk_choice(index, text, None, logprobs=self._logprobs_object(entries))
         if self.origins:
             choice["token_origins"] = _origins(delta)
         return self._envelope([choice], chunk=True)
 
+    def tool_chunks(self, index: int = 0) -> list[dict[str, Any]]:
+        """When a choice with tools ends: the text held back as content (if not calls), then its tool calls."""
+        state = self.choices[index]
+        if state.tool_stream is None:
+            return []
+        rest, state.tool_calls = state.tool_stream.finish()
+        out = []
+        if rest:
+            out.append(self._envelope([self._chunk_choice(index, rest, None)], chunk=True))
+        if state.tool_calls:
+            delta = {"tool_calls": [call.as_openai(i) for i, call in enumerate(state.tool_calls)]}
+            out.append(self._envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                                      chunk=True))
+        return out
+
     def final_chunk(self, result: GenerationResult, index: int = 0,
                     results: list[GenerationResult] | None = None) -> dict[str, Any]:
         """A choice's finish_reason; with `results` (all the choices', on the last one) the request's usage."""
-        out = self._envelope([self._chunk_choice(index, None if self.chat else "", result.finish_reason)], chunk=True)
+        reason = _finish_reason(result, bool(self.choices[index].tool_calls))
+        out = self._envelope([self._chunk_choice(index, None if self.chat else "", reason)], chunk=True)
         if results is not None:
             out["usage"] = self.usage_of(results)
         return out
@@ -206,8 +237,15 @@ class ResponseBuilder:
             text = "".join(state.text)
             logprobs = self._logprobs_object(state.logprob_entries)
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text},
-                          "logprobs": logprobs, "finish_reason": result.finish_reason}  # fmt: skip
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                calls: list[ToolCall] = []
+                if self.tool_names is not None:
+                    content, calls = parse_tool_calls(text, self.tool_names)
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": [call.as_openai() for call in calls]}
+                choice = {"index": index, "message": message, "logprobs": logprobs,
+                          "finish_reason": _finish_reason(result, bool(calls))}
             else:
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
             if self.origins:

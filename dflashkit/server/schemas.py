@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
-Fields the engine cannot honour (tools, suffix, best_of in chat...) are refused with a 400 naming the
+Fields the engine cannot honour (functions, suffix, best_of in chat...) are refused with a 400 naming the
 field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
 """
 
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..errors import InvalidInputError
 from ..grammar import Grammar
 from ..logprobs import MAX_TOP_LOGPROBS
+from ..tool_calls import ToolError, ToolRequest
 from .errors import bad_request
 
 MAX_STOP_STRINGS = 4
@@ -174,16 +175,52 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (sent back with the tool's answer)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant turn that made tool calls
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call answered
 
-    def as_template_message(self) -> dict[str, str]:
-        """{"role", "content"} as chat templates expect (developer → system, text parts joined)."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates expect it (developer → system, text parts joined; an assistant's tool
+        calls and a tool answer's call id kept)."""
+        if self.content is None:
+            text = ""
+        else:
+            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -191,8 +228,10 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
+    tools: list[Any] | None = None  # OpenAI function tools (dflashkit.tool_calls: the <tool_call> convention)
+    tool_choice: str | dict[str, Any] | None = None  # none, auto (default), required, or a named function
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # the deprecated form of tools: refused
     response_format: dict[str, Any] | None = None  # text, json_object or json_schema (structured output)
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None  # alternatives per token; needs logprobs
@@ -202,8 +241,25 @@ class ChatCompletionRequest(GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
 
+    def tool_request(self) -> ToolRequest | None:
+        """The request's tools and tool_choice, checked (None: no tools); a 400 names the field at fault."""
+        try:
+            return ToolRequest.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolError as e:
+            raise bad_request(str(e), param=e.field) from e
+
+    def grammar(self) -> Grammar | None:
+        """response_format / guided_* (tool_choice "required" or a named function has its own grammar, built over
+        the tokenizer: SpeculativeGenerator.tool_call_grammar); a 400 when both are asked for."""
+        asked = super().grammar()
+        tools = self.tool_request()
+        if asked is not None and tools is not None and tools.forced:
+            raise bad_request(f"tool_choice {self.tool_choice!r} makes the answer a tool call: it cannot also follow "
+                              "response_format or guided_*", param="tool_choice")
+        return asked
+
     def _extra_unsupported(self) -> list[str]:
-        return [name for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions)),
+        return [name for name, bad in (("functions", bool(self.functions)),
                                        ("best_of", self.model_extra is not None and
                                         self.model_extra.get("best_of") not in (None, 1))) if bad]
 
