@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tree_option(g)
     _add_draft_window_option(g)
     _add_grammar_options(g)
+    t = g.add_argument_group("tool calling", "offer functions to a target whose chat template writes <tool_call> "
+                             "blocks (Qwen2.5, Qwen3, Hermes); the calls are printed after the text")
+    t.add_argument("--tools", metavar="TOOLS", help="OpenAI function tools: a JSON file, or the JSON text of the list")
+    t.add_argument("--tool-choice", default=None, metavar="CHOICE",
+                   help="auto (default), none, required, or a tool's name (required and a name force a call)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -298,6 +303,32 @@ def _grammar_from_args(args: argparse.Namespace):
     return None
 
 
+def _tools_from_args(args: argparse.Namespace, other_grammar: bool):
+    """The --tools / --tool-choice request, checked before the model loads (None without --tools)."""
+    from .errors import InvalidInputError
+    from .tool_calls import ToolRequest
+
+    if args.tools is None:
+        if args.tool_choice is not None:
+            raise InvalidInputError("--tool-choice needs --tools")
+        return None
+    text = args.tools if args.tools.lstrip().startswith("[") else _read_text_file(args.tools, "--tools")
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidInputError(f"--tools is not valid JSON: {e}") from None
+    choice = args.tool_choice
+    if choice not in (None, "auto", "none", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    request = ToolRequest.parse(tools, choice)
+    if args.no_chat:
+        raise InvalidInputError("--tools go through the chat template: they cannot be combined with --no-chat")
+    if request is not None and request.forced and other_grammar:
+        raise InvalidInputError("--tool-choice required / a name makes the answer a tool call: it cannot also follow "
+                                "a structured-output flag")
+    return request
+
+
 def _read_text_file(path: str, flag: str) -> str:
     from .errors import InvalidInputError
 
@@ -499,6 +530,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .decode import check_draft_window
     from .logprobs import check_top_logprobs
     from .penalties import Penalties
+    from .tool_calls import parse_tool_calls
 
     dtype = DTYPES[args.dtype]
     check_draft_window(args.draft_window)  # before the (slow) model load
@@ -506,9 +538,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)  # refuses bad values early
     grammar = _grammar_from_args(args)
     prompt = _prompt_from_args(args)
+    tools = _tools_from_args(args, grammar is not None)
     _apply_threads(args.threads)
     gen = _load_generator(args, args.json)
     drafter = gen.drafter
+    if tools is not None and tools.active:  # the template shows the tools; a forced call is a grammar
+        prompt = gen.encode_prompt(prompt, tools=tools.template_tools())
+        grammar = gen.tool_call_grammar(tools) or grammar
 
     # Without --block-size, the adaptive policy: with the shipped drafter's τ ≈ 1.5, a 16-token verify costs
     # more than it yields on a CPU, and "auto" falls back to the sizes (or plain steps) that pay.
@@ -534,13 +570,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.compare_ar:
         result = gen.compare_ar(result, prompt, **kwargs)
     logprobs = _logprobs_json(gen, result.logprobs) if result.logprobs is not None else None
+    calls = parse_tool_calls(result.text, tools.names)[1] if tools is not None and tools.active else []
     if args.json:
         out = _as_json(result, args, dtype, drafter is not None)
         if logprobs is not None:
             out["logprobs"] = logprobs
+        if tools is not None:
+            out["tool_calls"] = [call.as_openai() for call in calls]
         print(json.dumps(out, indent=2))
     else:
         print()
+        for call in calls:
+            print(f"tool call: {call.name}({call.arguments})")
         _print_summary(result, drafter is not None)
         if logprobs is not None:
             _print_logprobs(logprobs)
@@ -590,7 +631,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(gen, settings, compute=compute)
     gen.warmup()
     print(f"Serving {settings.model_id!r} at http://{args.host}:{args.port} (playground: /, API: /v1, "
-          "metrics: /metrics)", file=sys.stderr)  # fmt: skip
+          f"metrics: /metrics); up to {settings.max_batch} generations at once, {settings.max_queue} waiting",
+          file=sys.stderr)  # fmt: skip
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
 
     def run_server() -> None:  # the HTTP side in a thread of its own; the main thread computes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -350,8 +351,6 @@ def test_no_cuda_graphs_reaches_the_target(loads, capsys, monkeypatch) -> None:
 def test_structured_output_flags(capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """--regex / --json-schema / --json-object constrain the output (spec == plain); bad grammars are refused
     before the model loads; the flags exclude one another."""
-    import re
-
     from conftest import BYTE_VOCAB, byte_tokenizer
 
     calls = []
@@ -465,3 +464,53 @@ def test_prompt_from_stdin_and_a_system_message(loads, capsys, monkeypatch: pyte
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert main(["generate", "-", "--drafter", "none"]) == 2 and "nothing on standard input" in capsys.readouterr().err
     assert len(loads) == n  # refused before the model loads
+
+
+def test_generate_with_tools(capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--tools / --tool-choice: a forced call comes out as a tool call (spec == plain), printed and in --json;
+    bad tool flags are refused before the model loads; a template without tools is refused after it."""
+    from conftest import BYTE_VOCAB, byte_tokenizer
+    from live_server import TOOLS_TEMPLATE
+
+    calls, template = [], [TOOLS_TEMPLATE]
+
+    def tool_load_target(name_or_path=None, *, dtype=torch.bfloat16, device="cpu", progress=False, quantize=None):
+        calls.append(name_or_path)
+        tokenizer = byte_tokenizer()
+        tokenizer.chat_template = template[0]
+        model = tiny_target("llama", vocab_size=BYTE_VOCAB, max_position_embeddings=2048, dtype=dtype)
+        return model.requires_grad_(False), tokenizer
+
+    monkeypatch.setattr(dflashkit.models, "load_target", tool_load_target)
+    monkeypatch.setattr(dflashkit.registry, "DRAFTERS_DIR", Path("/nonexistent"))
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
+        "additionalProperties": False}}}]
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(tools))
+    base = ["--drafter", "untrained", "--dtype", "float32", "--max-new-tokens", "400", "--tools", str(path)]
+    rc = main(["generate", "Pick one.", *base, "--tool-choice", "pick", "--json", "--compare-ar"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["identical"] is True and result["finish_reason"] == "stop"
+    (call,) = result["tool_calls"]
+    assert call["function"]["name"] == "pick" and json.loads(call["function"]["arguments"])["color"] in ("red", "green")
+    rc = main(["generate", "Pick one.", *base[:-2], "--tools", json.dumps(tools), "--tool-choice", "required"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and re.search(r'^tool call: pick\(\{"color": "(red|green)"\}\)$', out, re.MULTILINE), (out, err)
+    calls.clear()
+    for bad, message in ((["--tool-choice", "sometimes"], "not among the tools"),
+                         (["--tools", "[{\"type\": \"x\"}]"], "tools[0] must be"),
+                         (["--tools", "[not json"], "not valid JSON"),
+                         (["--tools", str(tmp_path / "none.json")], "cannot read"),
+                         (["--no-chat"], "--no-chat"),
+                         (["--tool-choice", "required", "--json-object"], "structured-output flag")):
+        rc = main(["generate", "Pick one.", *base, *bad])
+        out, err = capsys.readouterr()
+        assert rc == 2 and message in err and calls == [], (bad, err)
+    rc = main(["generate", "hi", "--tool-choice", "required"])
+    assert rc == 2 and "--tool-choice needs --tools" in capsys.readouterr().err
+    template[0] = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    rc = main(["generate", "Pick one.", *base])
+    assert rc == 2 and "no tools" in capsys.readouterr().err
