@@ -184,7 +184,7 @@ class SpeculativeGenerator:
             if not prompt or any(not isinstance(m, dict) or "role" not in m for m in prompt):
                 raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': text}")
             messages = template_messages(prompt)  # OpenAI's forms of tool calls as templates take them
-            if any(not isinstance(m["content"], str) for m in messages):
+            if any(not isinstance(m.get("content"), str) for m in messages):
                 raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': text}")
         else:
             raise InvalidInputError(f"the prompt must be text, chat messages or token ids, got {type(prompt).__name__}")

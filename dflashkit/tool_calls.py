@@ -196,11 +196,12 @@ def check_template(tokenizer: Any) -> None:
 
 def template_messages(messages: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI chat messages as chat templates take them: an assistant's tool call arguments as objects (OpenAI
-    sends JSON text, templates print ``arguments | tojson``), a missing content as empty text."""
+    sends JSON text, templates print ``arguments | tojson``), the null content of a turn with tool calls as
+    empty text (other messages are left as they are, to be checked by the caller)."""
     out = []
     for message in messages:
         m = dict(message)
-        if m.get("content") is None:
+        if m.get("content") is None and m.get("tool_calls"):
             m["content"] = ""
         if m.get("tool_calls"):
             calls = []
