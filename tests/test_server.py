@@ -845,3 +845,27 @@ def test_tool_calls_forced_streamed_and_sent_back() -> None:
                        json={"model": MODEL, "messages": messages, "tools": tools, "tool_choice": "required",
                              "response_format": {"type": "json_object"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+def test_tool_calls_per_choice_with_n() -> None:
+    """n=2 sampled choices of a forced call: each choice has its own calls and finish_reason, streamed or not,
+    and the streamed calls equal the whole response's (same seeds)."""
+    with LiveServer(create_app(tool_generator(), model_id=MODEL)) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        ask = {"model": MODEL, "messages": [{"role": "user", "content": "Pick."}], "tools": [PICK_TOOL],
+               "tool_choice": "required", "parallel_tool_calls": False, "n": 2, "temperature": 1.0, "seed": 3,
+               "max_tokens": 800}
+        whole = client.chat.completions.create(**ask)
+        expected = {c.index: [t.function.arguments for t in c.message.tool_calls] for c in whole.choices}
+        assert all(c.finish_reason == "tool_calls" for c in whole.choices) and len(expected) == 2
+        streamed: dict[int, list[str]] = {}
+        finish: dict[int, str] = {}
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            for choice in chunk.choices:
+                streamed.setdefault(choice.index, []).extend(t.function.arguments
+                                                             for t in choice.delta.tool_calls or [])
+                if choice.finish_reason:
+                    finish[choice.index] = choice.finish_reason
+        assert streamed == expected and finish == {0: "tool_calls", 1: "tool_calls"}
+        for calls in expected.values():
+            assert len(calls) == 1 and json.loads(calls[0])["color"] in ("red", "green")
