@@ -36,11 +36,10 @@ alone, greedy or sampled with its seed (tests check both).
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,17 +191,9 @@ class ForwardBatcher:
             self._members -= 1
             self._cond.notify_all()  # those waiting may now be everyone
 
-    @contextlib.contextmanager
-    def member(self) -> Iterator[BatchMember]:
-        """:meth:`join` for one generation, :meth:`leave` when the block ends (however it ends)."""
-        member = self.join()
-        try:
-            yield member
-        finally:
-            self.leave(member)
-
     @property
     def members(self) -> int:
+        """Generations joined and not yet left."""
         return self._members
 
     def forward(self, call: ForwardCall) -> tuple[tuple[Tensor, Tensor | None], float]:

@@ -315,10 +315,9 @@ class FastTargetForward:
         each row is computed on its own, so every result is bitwise the one its call alone would give. Elsewhere
         the calls run one after another.
         """
-        total = sum(call.input_ids.shape[1] for call in calls)
-        if len(calls) == 1 or not self.batches(total):
-            return [self(c.input_ids, c.start, c.cache, c.logits_rows, feature_layers, c.tree) for c in calls]
         counts = [call.input_ids.shape[1] for call in calls]
+        if len(calls) == 1 or not self.batches(sum(counts)):
+            return [self(c.input_ids, c.start, c.cache, c.logits_rows, feature_layers, c.tree) for c in calls]
         prepared = [self._rows(n, c.start, c.cache, c.tree) for n, c in zip(counts, calls)]
         x = self.embed(torch.cat([call.input_ids[0] for call in calls]))  # [N, hidden]
         positions = torch.cat([p for p, _ in prepared])  # [N]

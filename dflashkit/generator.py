@@ -181,11 +181,12 @@ class SpeculativeGenerator:
                 raise InvalidInputError("the prompt is empty")
             messages = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, (list, tuple)):
+            malformed = InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': text}")
             if not prompt or any(not isinstance(m, dict) or "role" not in m for m in prompt):
-                raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': text}")
+                raise malformed
             messages = template_messages(prompt)  # OpenAI's forms of tool calls as templates take them
             if any(not isinstance(m.get("content"), str) for m in messages):
-                raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': text}")
+                raise malformed
         else:
             raise InvalidInputError(f"the prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
         for m in messages:
@@ -290,8 +291,7 @@ class SpeculativeGenerator:
              batch: BatchMember | None = None) -> Iterator[TextDelta]:
         prompt_logprobs = None
         if prompt_top is not None:  # one pass over the prompt (a batch member's, in the batch's compute thread)
-            run = batch.compute if batch is not None else lambda fn, *args: fn(*args)
-            prompt_logprobs = run(self.target.prompt_logprobs, ids, prompt_top)
+            prompt_logprobs = _computed(batch, self.target.prompt_logprobs, ids, prompt_top)
         stats = DecodeStats(block_size=1)
         detok = IncrementalDetokenizer(self.tokenizer)
         matcher = StopStringMatcher(stop)
@@ -347,8 +347,7 @@ class SpeculativeGenerator:
         stream = GenerationStream(iter(()))
 
         def run() -> Iterator[TextDelta]:
-            compute = batch.compute if batch is not None else lambda fn, *args: fn(*args)
-            logprobs = compute(self.target.prompt_logprobs, ids, prompt_logprobs)
+            logprobs = _computed(batch, self.target.prompt_logprobs, ids, prompt_logprobs)
             yield TextDelta("", [], [], [], [], logprobs)
             stream.result = GenerationResult(text="", token_ids=[], from_draft=[], stats=DecodeStats(block_size=1),
                                              finish_reason="length", prompt_tokens=len(ids), logprobs=[],
@@ -390,7 +389,6 @@ class SpeculativeGenerator:
             raise
         results: list[GenerationResult | None] = [None] * len(prompts)
         errors: list[BaseException] = []
-        running = [len(prompts)]
 
         def run(i: int) -> None:
             member_thread(compute)
@@ -399,15 +397,14 @@ class SpeculativeGenerator:
             except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
                 errors.append(exc)
             finally:
-                batcher.leave(members[i])
-                running[0] -= 1
+                batcher.leave(members[i])  # under the batcher's lock: the count below is exact
                 compute.wake()
 
         threads = [threading.Thread(target=run, args=(i,), name=f"dflashkit-batch-{i}") for i in range(len(prompts))]
         for t in threads:
             t.start()
         try:
-            compute.serve(until=lambda: running[0] == 0)
+            compute.serve(until=lambda: batcher.members == 0)
         finally:
             for t in threads:
                 t.join()
@@ -468,6 +465,11 @@ class SpeculativeGenerator:
         """One short generation with and without the drafter, so first-call costs stay out of timings."""
         for use_drafter in (True, False):
             _drain(self.stream("Hello", max_new_tokens=4, use_drafter=use_drafter))
+
+
+def _computed(batch: BatchMember | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``: in the batch's compute thread for a batch member, here otherwise."""
+    return batch.compute(fn, *args) if batch is not None else fn(*args)
 
 
 def _drain(stream: GenerationStream) -> GenerationResult:

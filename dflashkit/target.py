@@ -184,7 +184,7 @@ class TargetAdapter:
         :meth:`keep_rows`.
         """
         n = input_ids.shape[1]
-        self._check_call(ForwardCall(input_ids, start, cache, logits_rows, tree))
+        self._check_call(input_ids, start, cache, tree)
         if isinstance(cache, StaticKVCache):
             if isinstance(cache, GraphCache) and self.graphs is not None:
                 return self.graphs(input_ids, start, cache, logits_rows, self.feature_layer_ids, tree)
@@ -204,16 +204,16 @@ class TargetAdapter:
             self._captured.clear()
         return out.logits[0], features
 
-    def _check_call(self, call: ForwardCall) -> None:
-        n = call.input_ids.shape[1]
-        depth = n if call.tree is None else int(call.tree[0].max()) + 1
-        if call.start + depth > self.max_positions:
+    def _check_call(self, input_ids: Tensor, start: int, cache: DynamicCache | StaticKVCache, tree: tuple[Tensor, Tensor] | None) -> None:
+        n = input_ids.shape[1]
+        depth = n if tree is None else int(tree[0].max()) + 1
+        if start + depth > self.max_positions:
             raise InvalidInputError(
-                f"context of {call.start + depth} tokens exceeds the target's maximum of {self.max_positions} positions"
+                f"context of {start + depth} tokens exceeds the target's maximum of {self.max_positions} positions"
             )
-        if call.tree is not None and not (self.supports_trees and isinstance(call.cache, StaticKVCache)):
+        if tree is not None and not (self.supports_trees and isinstance(cache, StaticKVCache)):
             raise InvalidInputError("token trees need the fast forward and its StaticKVCache")
-        if isinstance(call.cache, StaticKVCache) and self.fast_forward is None:
+        if isinstance(cache, StaticKVCache) and self.fast_forward is None:
             raise InvalidInputError("a StaticKVCache needs the fast forward (TargetAdapter(..., fast=True))")
 
     def forward_call(self, call: ForwardCall) -> tuple[Tensor, Tensor | None]:
@@ -228,13 +228,13 @@ class TargetAdapter:
         each sequence attending over its own cache: :meth:`FastTargetForward.batch`), elsewhere one after another;
         either way each result is bitwise what its call alone returns.
         """
-        for call in calls:
-            self._check_call(call)
         batched = (self.fast_forward is not None and self.graphs is None and len(calls) > 1
                    and all(type(c.cache) is StaticKVCache for c in calls))
-        if batched:
-            return self.fast_forward.batch(list(calls), self.feature_layer_ids)
-        return [self.forward_call(call) for call in calls]
+        if not batched:  # each call checked by forward
+            return [self.forward_call(call) for call in calls]
+        for c in calls:
+            self._check_call(c.input_ids, c.start, c.cache, c.tree)
+        return self.fast_forward.batch(list(calls), self.feature_layer_ids)
 
     @torch.inference_mode()
     def features(self, input_ids: Tensor) -> Tensor:

@@ -34,8 +34,7 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: str | Messages, chat
     (when the tokenizer has one and `chat`, with `tools` if given); without a template, the plain text."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if chat and getattr(tokenizer, "chat_template", None):
-        extra = {"tools": tools} if tools else {}
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages))
 

@@ -42,7 +42,6 @@ class ToolError(InvalidInputError):
 @dataclass(frozen=True)
 class Tool:
     name: str
-    description: str | None
     parameters: dict[str, Any]  # a JSON schema of the arguments object (no arguments: an empty object)
     spec: dict[str, Any]  # the tool as the request wrote it: what the chat template is shown
 
@@ -127,28 +126,27 @@ def _parse_tool(tool: Any, index: int) -> Tool:
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ToolError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
-    description = fn.get("description")
-    if description is not None and not isinstance(description, str):
+    if not isinstance(fn.get("description", ""), str):
         raise ToolError(f"{where}.function.description must be text")
     parameters = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
         raise ToolError(f"{where}.function.parameters must be a JSON schema object")
-    return Tool(name, description, parameters, tool)
+    return Tool(name, parameters, tool)
 
 
 def _parse_choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
     if tool_choice is None:
         return "auto", None
+    malformed = ToolError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'type': 'function', 'function': "
+                          f"{{'name': ...}}}}, got {tool_choice!r:.80}", field="tool_choice")
     if isinstance(tool_choice, str):
         if tool_choice not in CHOICES:
-            raise ToolError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'type': 'function', 'function': "
-                            f"{{'name': ...}}}}, got {tool_choice!r}", field="tool_choice")
+            raise malformed
         return tool_choice, None
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise ToolError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'type': 'function', 'function': "
-                        f"{{'name': ...}}}}, got {tool_choice!r:.80}", field="tool_choice")
+        raise malformed
     if name not in names:
         raise ToolError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
                         field="tool_choice")

@@ -111,8 +111,6 @@ def test_generate_batch_equals_each_prompt_alone(dtype, options, monkeypatch):
     streams = [gen.stream(p, max_new_tokens=n, seed=s, batch=m, **options)
                for p, n, s, m in zip(PROMPTS, lengths, seeds, members)]
 
-    running = [len(PROMPTS)]
-
     def run(i: int) -> None:
         member_thread(compute)
         try:
@@ -121,13 +119,12 @@ def test_generate_batch_equals_each_prompt_alone(dtype, options, monkeypatch):
             results[i] = streams[i].result
         finally:
             batcher.leave(members[i])
-            running[0] -= 1
             compute.wake()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
-    compute.serve(until=lambda: running[0] == 0)
+    compute.serve(until=lambda: batcher.members == 0)
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a batched generation hung"

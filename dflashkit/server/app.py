@@ -329,10 +329,13 @@ class Service:
     async def handle(self, request: Request, body: GenerationRequest, chat: bool) -> Response:
         plan = self.plan(body, chat)
         grammar = body.grammar()
-        if grammar is not None:  # compiled off the event loop
-            plan.grammar = await asyncio.to_thread(self._compile, grammar, body)
-        elif plan.tools is not None and plan.tools.forced:  # tool_choice required / a named function
+        if plan.tools is not None and plan.tools.forced:  # tool_choice required / a named function: its grammar
+            if grammar is not None:
+                raise bad_request(f"tool_choice {body.tool_choice!r} makes the answer a tool call: it cannot also "
+                                  "follow response_format or guided_*", param="tool_choice")
             plan.grammar = await asyncio.to_thread(self._compile_tools, plan.tools)
+        elif grammar is not None:  # compiled off the event loop
+            plan.grammar = await asyncio.to_thread(self._compile, grammar, body)
         if body.requested_logprobs() is not None:  # the tokenizer's byte view (built once, ~1 s) off the event loop
             await asyncio.to_thread(self.generator.token_bytes, 0)
         loop = asyncio.get_running_loop()

@@ -170,11 +170,13 @@ class ResponseBuilder:
         }
 
     def _chunk_choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                      logprobs: dict[str, Any] | None = None, tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(tool_calls)]
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -204,9 +206,7 @@ class ResponseBuilder:
         if rest:
             out.append(self._envelope([self._chunk_choice(index, rest, None)], chunk=True))
         if state.tool_calls:
-            delta = {"tool_calls": [call.as_openai(i) for i, call in enumerate(state.tool_calls)]}
-            out.append(self._envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
-                                      chunk=True))
+            out.append(self._envelope([self._chunk_choice(index, None, None, tool_calls=state.tool_calls)], chunk=True))
         return out
 
     def final_chunk(self, result: GenerationResult, index: int = 0,

@@ -179,8 +179,8 @@ class Scheduler:
     # ---- worker ------------------------------------------------------------------------------------------
 
     def _work(self) -> None:
-        alone = self.batcher is not None and self.max_batch == 1
-        if self.batcher is not None and not alone:
+        batched = self.batcher is not None and self.max_batch > 1
+        if batched:
             member_thread(self.batcher.compute)  # heavy work goes to the batcher's compute thread
         while True:
             with self._cond:
@@ -194,22 +194,25 @@ class Scheduler:
                 job = self._queue.popleft()
                 self._running.add(job)
             try:
-                if alone:  # one generation at a time: all of it in the compute thread (no handoffs at all)
-                    self.batcher.compute.call(self._run, job)
+                if batched:
+                    self._run(job, self.batcher)
+                elif self.batcher is not None:  # one generation at a time: all of it in the compute thread, alone
+                    self.batcher.compute.call(self._run, job, None)
                 else:
-                    self._run(job)
+                    self._run(job, None)
             finally:
                 with self._cond:
                     self._running.discard(job)
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, batcher: ForwardBatcher | None) -> None:
+        """Run `job` to its end (as a member of `batcher`'s batch, or alone)."""
         if job.cancelled:  # gave up while waiting
             self._finish(job, job.cancel_reason or "cancelled", None)
             return
         job.started_at = time.monotonic()
         if self.observer:
             self.observer.job_started(job)
-        member = self.batcher.join() if self.batcher is not None else None
+        member = batcher.join() if batcher is not None else None
         try:
             stream = job.start(member)
             deltas = iter(stream)
@@ -231,7 +234,7 @@ class Scheduler:
             return
         finally:
             if member is not None:
-                self.batcher.leave(member)  # the others stop waiting for this one
+                batcher.leave(member)  # the others stop waiting for this one
         if job.cancelled or stream.result is None:
             self._finish(job, job.cancel_reason or "cancelled", None)
             return

@@ -208,11 +208,8 @@ class ChatMessage(BaseModel):
 
     def as_template_message(self) -> dict[str, Any]:
         """The message as chat templates expect it (developer → system, text parts joined; an assistant's tool
-        calls and a tool answer's call id kept)."""
-        if self.content is None:
-            text = ""
-        else:
-            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        calls and a tool answer's call id kept; dflashkit.tool_calls.template_messages does the rest)."""
+        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
@@ -247,16 +244,6 @@ class ChatCompletionRequest(GenerationRequest):
             return ToolRequest.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
         except ToolError as e:
             raise bad_request(str(e), param=e.field) from e
-
-    def grammar(self) -> Grammar | None:
-        """response_format / guided_* (tool_choice "required" or a named function has its own grammar, built over
-        the tokenizer: SpeculativeGenerator.tool_call_grammar); a 400 when both are asked for."""
-        asked = super().grammar()
-        tools = self.tool_request()
-        if asked is not None and tools is not None and tools.forced:
-            raise bad_request(f"tool_choice {self.tool_choice!r} makes the answer a tool call: it cannot also follow "
-                              "response_format or guided_*", param="tool_choice")
-        return asked
 
     def _extra_unsupported(self) -> list[str]:
         return [name for name, bad in (("functions", bool(self.functions)),
