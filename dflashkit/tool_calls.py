@@ -220,12 +220,23 @@ def _new_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call_of(body: str, names: Sequence[str]) -> ToolCall | None:
+BARE_KEYS = frozenset({"name", "arguments", "parameters"})  # all a bare (untagged) call may have at its top
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError("duplicate key")
+    return dict(pairs)
+
+
+def _call_of(body: str, names: Sequence[str], bare: bool = False) -> ToolCall | None:
+    """The call a JSON text writes, or None. ``bare`` (an answer without tags): stricter, so that a stream can tell
+    early that a JSON answer is no call (:func:`_no_bare_call`): only the keys of BARE_KEYS, each once."""
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+        obj = json.loads(body, object_pairs_hook=_unique_keys if bare else None)
+    except ValueError:  # not JSON (json.JSONDecodeError), or a key twice in a bare call
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    if not isinstance(obj, dict) or obj.get("name") not in names or (bare and not set(obj) <= BARE_KEYS):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
@@ -247,7 +258,7 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str | None, list[
     answered a weather question with ``{"name": "get_weather", "arguments": {...}}`` alone)."""
     if OPEN not in text:
         bare = text.strip()
-        call = _call_of(bare, names) if bare.startswith("{") and bare.endswith("}") else None
+        call = _call_of(bare, names, bare=True) if bare.startswith("{") and bare.endswith("}") else None
         return (None, [call]) if call is not None else (text, [])
     calls, pieces, end = [], [], 0
     for match in _BLOCK.finditer(text):
@@ -265,30 +276,76 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str | None, list[
     return (content.strip() or None), calls
 
 
+def _no_bare_call(text: str, names: Sequence[str]) -> bool:
+    """True when ``text`` (an answer so far that begins with ``{``) can no longer become a bare call however it goes
+    on, as :func:`parse_tool_calls` reads one: its top-level object has closed and more follows, or has a key other
+    than those of BARE_KEYS, or a ``"name"`` that is no tool's. Scans strings and brackets only: a text that is not
+    JSON at all is found out when the answer ends."""
+    depth, i, n = 0, len(text) - len(text.lstrip()), len(text)
+    key: str | None = None  # the top-level key whose value comes next
+    while i < n:
+        c = text[i]
+        if c == '"':
+            try:
+                value, end = json.decoder.scanstring(text, i + 1)
+            except ValueError:  # the string has not ended yet
+                return False
+            if depth == 1 and key is None:  # a top-level key (the scan is past its ':' only for values)
+                rest = text[end:].lstrip()
+                if rest.startswith(":"):
+                    if value not in BARE_KEYS:
+                        return True
+                    key = value
+            elif depth == 1 and key == "name" and value not in names:
+                return True
+            i = end
+            continue
+        if c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return bool(text[i + 1:].strip())
+        elif c == "," and depth == 1:
+            key = None
+        elif depth == 1 and key == "name" and not c.isspace() and c != ":":
+            return True  # a name that is not a string
+        i += 1
+    return False
+
+
 class ToolCallStream:
     """Streamed text in, content to release now out; the calls at :meth:`finish`. Text that may begin a
-    ``<tool_call>`` is held back until it is known not to; from a ``<tool_call>`` on, everything is held, and so
-    is an answer that begins with ``{`` (it may be a bare JSON call)."""
+    ``<tool_call>`` is held back until it is known not to; from a ``<tool_call>`` on, everything is held. An answer
+    that begins with ``{`` is held while it may still be a bare JSON call (a JSON answer that is none, e.g. under
+    ``response_format``, streams once its first key or its name shows it)."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = list(names)
         self._pending = ""  # a possible start of OPEN (or the leading whitespace), not yet released
-        self._held: str | None = None  # from the first OPEN on, or all of an answer that begins with "{"
+        self._held: str | None = None  # from the first OPEN on
+        self._bare: str | None = None  # an answer that begins with "{", while it may be a bare call
         self._begun = False  # a non-whitespace character has come
 
     def feed(self, text: str) -> str:
         if self._held is not None:
             self._held += text
             return ""
-        text = self._pending + text
+        if self._bare is not None:
+            self._bare += text
+            if OPEN not in self._bare and not _no_bare_call(self._bare, self.names):
+                return ""
+            text, self._bare = self._bare, None  # no bare call: streamed as any answer from here
+        else:
+            text = self._pending + text
         if not self._begun:
             if not text.strip():
                 self._pending = text
                 return ""
             self._begun = True
             if text.lstrip().startswith("{"):
-                self._pending, self._held = "", text
-                return ""
+                self._pending, self._bare = "", ""
+                return self.feed(text)
         at = text.find(OPEN)
         if at >= 0:
             self._pending, self._held = "", text[at:]
@@ -300,6 +357,8 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content still to release, calls): the held text is content when it holds no valid calls."""
         rest, self._pending = self._pending, ""
+        if self._bare is not None:
+            rest, self._held, self._bare = "", self._bare, None
         if self._held is None:
             return rest, []
         held, self._held = self._held, None

@@ -108,7 +108,10 @@ def test_tool_call_stream_matches_whole_text_parsing(seed):
     call = f'{OPEN}\n{{"name": "get_time", "arguments": {{"zone": "CET"}}}}\n{CLOSE}'
     bare = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
     for text in ("Plain answer with < and <tool and <tool_cal in it", f"Checking the time. {call}",
-                 f"{call}\n{call}", f"{OPEN} not json {CLOSE} after", f"\n {bare}", '{"color": "red"} is JSON'):
+                 f"{call}\n{call}", f"{OPEN} not json {CLOSE} after", f"\n {bare}", '{"color": "red"} is JSON',
+                 '{"arguments": {"zone": "UTC"}, "name": "get_time"}', f"{bare} is the call", f'{{"a": 1}} {call}',
+                 '{"name": "get_time", "arguments": {}, "id": 7}', '{"name": "x", "arguments": {}, "name": "get_time"}',
+                 '{"name": "Ada", "age": 36}', '{"name": ["get_time"]}', f"{bare[:-1]}"):
         rng = random.Random(seed)
         cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1)))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
@@ -126,6 +129,24 @@ def test_tool_call_stream_matches_whole_text_parsing(seed):
     assert stream.feed("Checking <to") == "Checking " and stream.feed("day> done") == "<today> done"
     stream = ToolCallStream(NAMES)
     assert stream.feed("  ") == "" and stream.feed("Hi") == "  Hi"  # leading whitespace waits for the first word
+
+
+def test_tool_call_stream_releases_json_that_is_no_call_early():
+    """An answer that begins with "{" is held only while it may still be a bare call: a JSON answer (say under
+    response_format) streams from its first key that no call has, or from a name that is no tool's."""
+    stream = ToolCallStream(NAMES)
+    assert stream.feed(' {"ci') == "" and stream.feed('ty": "Par') == ' {"city": "Par' and stream.feed("is") == "is"
+    assert stream.finish() == ("", [])
+    stream = ToolCallStream(NAMES)
+    assert stream.feed('{"name": "Ad') == "" and stream.feed('a", "age"') == '{"name": "Ada", "age"'
+    stream = ToolCallStream(NAMES)
+    for piece in ('{"name": "get_time", ', '"arguments": {"zone": "UTC", "x": {"name": "no"}}', "}"):
+        assert stream.feed(piece) == ""  # a call so far: held (keys inside the arguments are not the call's)
+    rest, calls = stream.finish()
+    assert rest == "" and [c.name for c in calls] == ["get_time"]
+    stream = ToolCallStream(NAMES)
+    assert stream.feed('{"name": "get_time", "arguments": {}}') == "" and stream.feed(" and") == (
+        '{"name": "get_time", "arguments": {}} and')
 
 
 # ---- the forced call -----------------------------------------------------------------------------------------
