@@ -11,6 +11,7 @@ from .identity import check_compatible, drafter_config_for
 from .logprobs import TokenLogprob
 from .lossless import Divergence
 from .models import DEFAULT_TARGET, load_target
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .stats import DecodeStats
 from .target import TargetAdapter
@@ -20,6 +21,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError", "DEFAULT_TARGET", "DFlashDrafter", "DFlashError", "DecodeOptions", "DecodeStats",
     "Divergence", "DrafterConfig", "GenerationResult", "Grammar", "GrammarError", "IncompatibleDrafterError", "InvalidInputError",
-    "SamplingParams", "SpeculativeGenerator", "Step", "TargetAdapter", "TextDelta", "TokenLogprob", "build_target_layer_ids",
+    "PrefixCache", "SamplingParams", "SpeculativeGenerator", "Step", "TargetAdapter", "TextDelta", "TokenLogprob", "build_target_layer_ids",
     "check_compatible", "decode", "drafter_config_for", "load_drafter", "load_target", "save_drafter",
 ]

@@ -24,6 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .attention import use_packed_gqa
 from .linear import pack_linears
+from .models import cache_kwargs
 from .sampling import SamplingParams, argmax, sample, warp
 
 
@@ -59,8 +60,8 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
     alive = list(range(rows))  # original row of each batch row
     done = [False] * rows  # batch rows that ended (still in the batch until the next compaction)
     next_position = positions[:, -1] + 1  # [rows]
-    hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                     use_cache=True).last_hidden_state[:, -1]  # [rows, hidden]
+    hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                     use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state[:, -1]  # [rows, hidden]
     for step in range(max_new_tokens):
         logits = lm_head(hidden.contiguous())  # [alive, vocab]
         if sampling.greedy:
@@ -82,6 +83,6 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
             alive, done = [alive[i] for i in kept], [False] * len(kept)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [alive, seen + 1]
         hidden = decoder(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                         past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+                         use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state[:, -1]
         next_position = next_position + 1
     return outputs

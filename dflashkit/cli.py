@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=4,
                    help="generations that run at once, their target passes batched into one (1-16; default: "
                    "%(default)s; 1: one at a time); each generation's output is unchanged")
+    s.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                   help="MiB of finished generations kept so that a prompt that begins the same way (a chat's next "
+                   "turn) prefills only its new tokens (default: %(default)s; 0: off; a request's \"cache_prompt\": "
+                   "false opts out)")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -621,7 +625,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_id=args.model_name or (args.target or DEFAULT_TARGET), max_queue=args.max_queue, max_batch=args.max_batch,
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
         block_size=args.block_size if args.block_size is not None else (None if args.tree else "auto"),
-        proposal=args.proposal, tree=args.tree, draft_window=args.draft_window,
+        proposal=args.proposal, tree=args.tree, draft_window=args.draft_window, prefix_cache_mb=args.prefix_cache_mb,
     )  # fmt: skip
     _apply_threads(args.threads)
     gen = _load_generator(args, False)

@@ -36,6 +36,7 @@ from .logprobs import TokenLogprob, check_top_logprobs, token_logprobs
 from .lookup import NgramLookup
 from .ngram_store import NgramStore
 from .penalties import Penalties
+from .prefix_cache import CachedSequence, PrefixCache
 from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
 from .stats import DecodeStats
 from .target import TargetAdapter
@@ -121,12 +122,15 @@ def decode(
     stats: DecodeStats | None = None,
     observer: StepObserver | None = None,
     block_policy: AdaptiveBlockSize | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[Step]:
     """Generate after `prompt_ids` (batch 1), yielding each step's tokens as soon as they are verified.
 
     With `block_policy`, each step's block size is chosen by it (at most the block size in force) and the
     step is reported back to it; with prompt lookup, copied drafts are as long as its ``copies`` policy
     chooses (copied and drafted tokens are accepted at different rates), or as its largest block without one.
+    With `prefix_cache`, the prefill restores the longest prefix of the prompt kept there and runs only the rest,
+    and the generation's own sequence is kept there when it ends (:mod:`dflashkit.prefix_cache`).
     """
     prompt_ids = as_token_list(prompt_ids)
     block = _check(target, drafter, prompt_ids, options)
@@ -166,9 +170,19 @@ def decode(
 
     # ---- prefill ----------------------------------------------------------------------------------------
     t_start = time.perf_counter()
-    cache = target.new_cache(capacity=len(prompt_ids) + max_new + block)
-    prompt = torch.tensor([prompt_ids], device=device)
-    logits, features = target.forward(prompt, 0, cache, logits_rows=1)
+    capacity = len(prompt_ids) + max_new + block
+    feature_layers = tuple(target.feature_layer_ids)
+    if prefix_cache is not None:
+        prefix_cache.bind(target.model)
+    reused = prefix_cache.match(prompt_ids, feature_layers) if prefix_cache is not None else None
+    cached = reused[1] if reused is not None else 0
+    cache = (target.restore(reused[0].keys, reused[0].values, cached, capacity) if reused is not None
+             else target.new_cache(capacity=capacity))
+    prompt = torch.tensor([prompt_ids[cached:]], device=device)
+    logits, features = target.forward(prompt, cached, cache, logits_rows=1)
+    if reused is not None and features is not None:
+        features = torch.cat((reused[0].features[:, :cached], features), 1)  # [1, prompt, F]
+    stats.cached_prompt_tokens = cached
     decided = adjusted(logits[-1:])  # [1, vocab]
     masks = constraint.allowed()[None] if constraint else None  # [1, vocab]
     token = choose(decided[-1], masks[0] if masks is not None else None)
@@ -184,6 +198,8 @@ def decode(
 
     pos = len(prompt_ids)
     produced = 1
+    sequence = [*prompt_ids, token]  # the cache holds positions < pos = len(sequence) - 1
+    kept_features = [features] if prefix_cache is not None and features is not None else None
     stats.draft_window = draft_window(drafter, options) if drafter else None
     context = drafter.new_context(capacity=pos + max_new + block, window=stats.draft_window) if drafter else None
     pending, pending_start = features, 0
@@ -192,111 +208,133 @@ def decode(
                  and penalties is None)
     stats.tree = options.tree if use_trees else None
 
-    finished = token in stop_ids or produced >= max_new
-    stats.new_tokens = produced
-    _finish(stats, finished, token in stop_ids, t_decode)
-    yield Step([token], [False], finished, logprobs_of(logits[-1:], [token]))
-
-    while not finished:
-        # ---- draft ------------------------------------------------------------------------------------
-        t_step = time.perf_counter()
-        room = min(max_new - produced - 1, target.max_positions - pos - 1)  # drafts that can still be emitted
-        copied, copy_block = [], largest
-        if lookup is not None:  # copies are as long as their own policy chooses (none: the largest block)
-            copy_block = copy_policy.choose() if copy_policy is not None else largest
-            copied = lookup.propose(min(copy_block - 1, room))
-        drafts, q, tree, masks = torch.empty(0, dtype=torch.long, device=device), None, None, None
-        if copied and constraint:  # one-hot proposals: cut at the first token the grammar refuses
-            n, masks = constraint.cut(copied)
-            copied = copied[:n]
-        if copied:  # a fixed function of the text: a one-hot proposal
-            size, k = copy_block, len(copied)
-            drafts = torch.tensor(copied, dtype=torch.long, device=device)
-        else:
-            size = policy.choose() if policy else block
-            k = min(size - 1, room) if drafter else 0
-            if use_trees:  # a tree of N nodes is at most N deep: draft no further
-                k = min(k, options.tree)
-            if k > 0:
-                t = time.perf_counter()
-                scores, columns = drafter.draft_scores(
-                    context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
-                )  # [k, V'] over the draft vocabulary `columns` (None: the whole vocabulary)
-                pending = None
-                if use_trees:
-                    tree = build_tree(scores, columns, options.tree)
-                    drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
-                elif constraint:  # each row masked by what the grammar allows after the drafts before it
-                    propose_row = functools.partial(propose, params=params, mode=options.proposal, generator=gen,
-                                                    token_ids=columns, vocab_size=target.vocab_size)
-                    drafts, q, masks = constraint.propose(scores, columns, propose_row)
-                    k = drafts.shape[0]
-                else:
-                    drafts, q = propose(scores, params, options.proposal, gen, columns, target.vocab_size)
-                stats.draft_s += time.perf_counter() - t
-            if constraint and masks is None:
-                masks = constraint.allowed()[None]  # no drafts: the one verify row
-
-        # ---- verify -----------------------------------------------------------------------------------
-        t = time.perf_counter()
-        block_ids = torch.cat((torch.tensor([token], device=device), drafts))[None]  # [1, rows]
-        rows = block_ids.shape[1]
-        if tree is not None:  # one pass over the tree, then walk down it with the target's own tokens
-            shape = (tree.position_offsets(device), tree.attention_mask(device))
-            logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)  # [rows, vocab]
-            if params.greedy:  # the target's token after each row: its argmax, or a sample drawn when reached
-                target_token = argmax(logits).tolist().__getitem__
-            else:
-                target_token = functools.partial(lambda rows_logits, r: choose(rows_logits[r]), logits)
-            path, token = tree.walk(target_token)
-            kept = [0] + path  # rows of the anchor and the accepted nodes
-            accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
-        else:
-            logits, features = target.forward(block_ids, pos, cache, logits_rows=rows)  # [rows, vocab]
-            decided = adjusted(logits, drafts)  # row r: penalties over the output so far + drafts[:r]
-            if params.greedy:
-                accepted, token = verify_greedy(decided, drafts, masks)
-            else:
-                accepted, token = verify_sampled(warp(masked(decided, masks), params), drafts, q, gen)
-            accepted_drafts = drafts[:accepted].tolist()
-        stats.verify_s += time.perf_counter() - t
-        stats.target_forwards += 1
-
-        # ---- accept: keep the anchor + accepted drafts in both caches ----------------------------------
-        if tree is not None:
-            TargetAdapter.keep_rows(cache, pos, kept)
-        else:
-            TargetAdapter.crop(cache, pos + accepted + 1)
-        if drafter:
-            new = features[:, kept] if tree is not None else features[:, : accepted + 1]  # [1, accepted+1, F]
-            pending, pending_start = (new, pos) if pending is None else (torch.cat((pending, new), 1), pending_start)
-        pos += accepted + 1
-
-        emitted = accepted_drafts + [token]
-        if lookup is not None:
-            lookup.extend(emitted)
-        if observer:
-            observer(logits[kept] if tree is not None else masked(decided, masks), emitted)
-        stats.record_step(tree.depth if tree is not None else k, accepted, copied=bool(copied),
-                          from_store=bool(copied) and lookup.from_store,
-                          tree_nodes=len(tree) if tree is not None else 0)
-        if policy and not copied:  # the policy models the drafter's acceptance and cost
-            policy.observe(size, k, accepted, time.perf_counter() - t_step)
-        elif copy_policy is not None and copied:  # ... and its copy policy those of copied drafts
-            copy_policy.observe(size, k, accepted, time.perf_counter() - t_step)
-        stop_at = next((i for i, t in enumerate(emitted) if t in stop_ids), None)
-        if stop_at is not None:
-            emitted = emitted[: stop_at + 1]
-        if constraint:
-            constraint.consume(emitted)
-        if history is not None:
-            history.consume(emitted)
-        produced += len(emitted)
-        finished = stop_at is not None or produced >= max_new
+    consistent = True  # the cache holds exactly positions < pos (between steps)
+    try:
+        finished = token in stop_ids or produced >= max_new
         stats.new_tokens = produced
-        _finish(stats, finished, stop_at is not None, t_decode)
-        yield Step(emitted, ([True] * accepted + [False])[: len(emitted)], finished,
-                   logprobs_of(logits[kept] if tree is not None else logits, emitted))
+        _finish(stats, finished, token in stop_ids, t_decode)
+        yield Step([token], [False], finished, logprobs_of(logits[-1:], [token]))
+
+        while not finished:
+            # ---- draft ------------------------------------------------------------------------------------
+            consistent = False
+            t_step = time.perf_counter()
+            room = min(max_new - produced - 1, target.max_positions - pos - 1)  # drafts that can still be emitted
+            copied, copy_block = [], largest
+            if lookup is not None:  # copies are as long as their own policy chooses (none: the largest block)
+                copy_block = copy_policy.choose() if copy_policy is not None else largest
+                copied = lookup.propose(min(copy_block - 1, room))
+            drafts, q, tree, masks = torch.empty(0, dtype=torch.long, device=device), None, None, None
+            if copied and constraint:  # one-hot proposals: cut at the first token the grammar refuses
+                n, masks = constraint.cut(copied)
+                copied = copied[:n]
+            if copied:  # a fixed function of the text: a one-hot proposal
+                size, k = copy_block, len(copied)
+                drafts = torch.tensor(copied, dtype=torch.long, device=device)
+            else:
+                size = policy.choose() if policy else block
+                k = min(size - 1, room) if drafter else 0
+                if use_trees:  # a tree of N nodes is at most N deep: draft no further
+                    k = min(k, options.tree)
+                if k > 0:
+                    t = time.perf_counter()
+                    scores, columns = drafter.draft_scores(
+                        context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
+                    )  # [k, V'] over the draft vocabulary `columns` (None: the whole vocabulary)
+                    pending = None
+                    if use_trees:
+                        tree = build_tree(scores, columns, options.tree)
+                        drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+                    elif constraint:  # each row masked by what the grammar allows after the drafts before it
+                        propose_row = functools.partial(propose, params=params, mode=options.proposal, generator=gen,
+                                                        token_ids=columns, vocab_size=target.vocab_size)
+                        drafts, q, masks = constraint.propose(scores, columns, propose_row)
+                        k = drafts.shape[0]
+                    else:
+                        drafts, q = propose(scores, params, options.proposal, gen, columns, target.vocab_size)
+                    stats.draft_s += time.perf_counter() - t
+                if constraint and masks is None:
+                    masks = constraint.allowed()[None]  # no drafts: the one verify row
+
+            # ---- verify -----------------------------------------------------------------------------------
+            t = time.perf_counter()
+            block_ids = torch.cat((torch.tensor([token], device=device), drafts))[None]  # [1, rows]
+            rows = block_ids.shape[1]
+            if tree is not None:  # one pass over the tree, then walk down it with the target's own tokens
+                shape = (tree.position_offsets(device), tree.attention_mask(device))
+                logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)  # [rows, vocab]
+                if params.greedy:  # the target's token after each row: its argmax, or a sample drawn when reached
+                    target_token = argmax(logits).tolist().__getitem__
+                else:
+                    target_token = functools.partial(lambda rows_logits, r: choose(rows_logits[r]), logits)
+                path, token = tree.walk(target_token)
+                kept = [0] + path  # rows of the anchor and the accepted nodes
+                accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
+            else:
+                logits, features = target.forward(block_ids, pos, cache, logits_rows=rows)  # [rows, vocab]
+                decided = adjusted(logits, drafts)  # row r: penalties over the output so far + drafts[:r]
+                if params.greedy:
+                    accepted, token = verify_greedy(decided, drafts, masks)
+                else:
+                    accepted, token = verify_sampled(warp(masked(decided, masks), params), drafts, q, gen)
+                accepted_drafts = drafts[:accepted].tolist()
+            stats.verify_s += time.perf_counter() - t
+            stats.target_forwards += 1
+
+            # ---- accept: keep the anchor + accepted drafts in both caches ----------------------------------
+            if tree is not None:
+                TargetAdapter.keep_rows(cache, pos, kept)
+            else:
+                TargetAdapter.crop(cache, pos + accepted + 1)
+            if features is not None and (drafter or kept_features is not None):
+                new = features[:, kept] if tree is not None else features[:, : accepted + 1]  # [1, accepted+1, F]
+                if drafter:
+                    pending, pending_start = ((new, pos) if pending is None
+                                              else (torch.cat((pending, new), 1), pending_start))
+                if kept_features is not None:
+                    kept_features.append(new)
+            pos += accepted + 1
+
+            emitted = accepted_drafts + [token]
+            sequence += emitted
+            consistent = True
+            if lookup is not None:
+                lookup.extend(emitted)
+            if observer:
+                observer(logits[kept] if tree is not None else masked(decided, masks), emitted)
+            stats.record_step(tree.depth if tree is not None else k, accepted, copied=bool(copied),
+                              from_store=bool(copied) and lookup.from_store,
+                              tree_nodes=len(tree) if tree is not None else 0)
+            if policy and not copied:  # the policy models the drafter's acceptance and cost
+                policy.observe(size, k, accepted, time.perf_counter() - t_step)
+            elif copy_policy is not None and copied:  # ... and its copy policy those of copied drafts
+                copy_policy.observe(size, k, accepted, time.perf_counter() - t_step)
+            stop_at = next((i for i, t in enumerate(emitted) if t in stop_ids), None)
+            if stop_at is not None:
+                emitted = emitted[: stop_at + 1]
+            if constraint:
+                constraint.consume(emitted)
+            if history is not None:
+                history.consume(emitted)
+            produced += len(emitted)
+            finished = stop_at is not None or produced >= max_new
+            stats.new_tokens = produced
+            _finish(stats, finished, stop_at is not None, t_decode)
+            yield Step(emitted, ([True] * accepted + [False])[: len(emitted)], finished,
+                       logprobs_of(logits[kept] if tree is not None else logits, emitted))
+    finally:
+        if prefix_cache is not None and consistent:
+            _keep(prefix_cache, target, cache, sequence[:pos], kept_features, feature_layers)
+
+
+def _keep(prefix_cache: PrefixCache, target: TargetAdapter, cache: object, token_ids: list[int],
+          kept_features: list[Tensor] | None, feature_layers: tuple[int, ...]) -> None:
+    """Keep a generation's processed sequence (its cache's positions < len(token_ids)) in the prefix cache."""
+    kv = target.snapshot(cache, len(token_ids))
+    if kv is None:
+        return
+    features = torch.cat(kept_features, 1)[:, : len(token_ids)] if kept_features else None
+    prefix_cache.add(CachedSequence(tuple(token_ids), *kv, features, feature_layers if features is not None else ()))
 
 
 def as_token_list(ids: list[int] | Tensor) -> list[int]:

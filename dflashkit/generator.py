@@ -29,6 +29,7 @@ from .identity import check_compatible
 from .logprobs import TokenLogprob, check_top_logprobs
 from .lossless import Divergence, DivergenceRecorder
 from .penalties import Penalties
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .stats import DecodeStats
 from .target import TargetAdapter
@@ -228,6 +229,7 @@ class SpeculativeGenerator:
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
         batch: BatchMember | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
@@ -253,6 +255,9 @@ class SpeculativeGenerator:
         logits so adjusted (:mod:`dflashkit.penalties`); exact with respect to that adjusted target; chains only.
         ``batch``: this generation's target passes run together with those of the batcher's other members (a
         :class:`~dflashkit.batching.BatchMember`; see :meth:`generate_batch`); its tokens are unchanged.
+        ``prefix_cache``: a :class:`~dflashkit.prefix_cache.PrefixCache` (one per target): the prefill restores the
+        longest prefix of the prompt that an earlier generation kept there (the next turn of a chat) and runs only
+        the rest; the result's ``stats.cached_prompt_tokens`` says how many; this generation is kept there too.
         """
         adaptive = block_size == "auto"
         if isinstance(block_size, str) and not adaptive:
@@ -282,13 +287,15 @@ class SpeculativeGenerator:
         policy = (self.block_policies.get(options.sampling.greedy, batched=batch is not None)
                   if adaptive and drafter is not None else None)
         stream = GenerationStream(iter(()))
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            raise InvalidInputError(f"prefix_cache must be a PrefixCache, got {type(prefix_cache).__name__}")
         stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream, policy,
-                                   check_top_logprobs(prompt_logprobs, "prompt_logprobs"), batch)
+                                   check_top_logprobs(prompt_logprobs, "prompt_logprobs"), batch, prefix_cache)
         return stream
 
     def _run(self, ids, drafter, options, stop, observer, stream: GenerationStream,
              policy: AdaptiveBlockSize | None = None, prompt_top: int | None = None,
-             batch: BatchMember | None = None) -> Iterator[TextDelta]:
+             batch: BatchMember | None = None, prefix_cache: PrefixCache | None = None) -> Iterator[TextDelta]:
         prompt_logprobs = None
         if prompt_top is not None:  # one pass over the prompt (a batch member's, in the batch's compute thread)
             prompt_logprobs = _computed(batch, self.target.prompt_logprobs, ids, prompt_top)
@@ -301,7 +308,7 @@ class SpeculativeGenerator:
         target = batch.target(self.target) if batch is not None else self.target
         drafter = batch.drafter(drafter) if batch is not None else drafter
         policy = batch.policy(policy) if batch is not None else policy
-        steps = decode(target, drafter, ids, options, stats, observer, policy)
+        steps = decode(target, drafter, ids, options, stats, observer, policy, prefix_cache)
         stats.adaptive = policy is not None
         try:
             for step in steps:
@@ -419,7 +426,7 @@ class SpeculativeGenerator:
         step's logits (a tie or not; see lossless).
         """
         kwargs = {k: v for k, v in kwargs.items()
-                  if k not in ("use_drafter", "observer", "block_size", "lookup", "ngram_store", "tree")}
+                  if k not in ("use_drafter", "observer", "block_size", "lookup", "ngram_store", "tree", "prefix_cache")}
         greedy = SamplingParams(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0)).greedy
         recorder = DivergenceRecorder(result.token_ids, self.target.dtype) if greedy else None
         result.ar = _drain(self.stream(prompt, **kwargs, use_drafter=False, observer=recorder))

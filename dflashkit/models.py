@@ -8,7 +8,9 @@ safetensors folder under :func:`cache_dir`, so later loads are plain ``from_pret
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+import inspect
 import logging
 import os
 import pathlib
@@ -179,3 +181,14 @@ def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.d
     model.to(device).eval().requires_grad_(False)
     quantize_model(model, quantize)
     return model, tok
+
+
+@functools.cache
+def _cache_parameter(forward_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(forward_type.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(module: torch.nn.Module, cache: object) -> dict[str, object]:
+    """``{name: cache}`` for a transformers model's forward: transformers 5.24 renamed ``past_key_values`` to
+    ``cache`` (the old name warns and goes away in 5.40); earlier versions know only ``past_key_values``."""
+    return {_cache_parameter(type(module)): cache}

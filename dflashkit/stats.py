@@ -14,6 +14,7 @@ from typing import Any
 class DecodeStats:
     block_size: int  # 1 for plain autoregressive decoding
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, restored from a prefix cache instead of prefilled (dflashkit.prefix_cache)
     new_tokens: int = 0
     target_forwards: int = 0  # prefill + one per verification step
     accepted_lengths: list[int] = field(default_factory=list)  # accepted drafts per step (0..block_size-1)
@@ -49,6 +50,7 @@ class DecodeStats:
         together, tokens and times summed; settings (block size, engine, ...) from the first."""
         first = runs[0]
         out = cls(block_size=max(r.block_size for r in runs), prompt_tokens=first.prompt_tokens,
+                  cached_prompt_tokens=first.cached_prompt_tokens,
                   adaptive=first.adaptive, target_weights=first.target_weights, engine=first.engine,
                   lookup=first.lookup, tree=first.tree, draft_window=first.draft_window, grammar=first.grammar)
         for r in runs:
@@ -111,6 +113,7 @@ class DecodeStats:
             "block_size": self.block_size,
             "adaptive": self.adaptive,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "new_tokens": self.new_tokens,
             "tau": self.tau,
             "steps": self.steps,

@@ -22,6 +22,7 @@ from .errors import IncompatibleDrafterError, InvalidInputError
 from .fast_target import FastTargetForward, ForwardCall, StaticKVCache, unsupported_reason
 from .linear import has_packed_linears, pack_linears, unpack_linears
 from .logprobs import TokenLogprob, token_logprobs
+from .models import cache_kwargs
 from .quantize import target_weights
 
 
@@ -194,7 +195,7 @@ class TargetAdapter:
             input_ids=input_ids,
             position_ids=positions[None],
             cache_position=positions,
-            past_key_values=cache,
+            **cache_kwargs(self.model, cache),
             use_cache=True,
             logits_to_keep=logits_rows,
         )
@@ -297,6 +298,34 @@ class TargetAdapter:
         """After a tree's verify pass from `start`: keep the rows of the accepted path (relative to start,
         increasing, the anchor's 0 first) as positions start, start+1, ...; drop the rest."""
         cache.keep_rows(start, rows)
+
+    @torch.inference_mode()
+    def snapshot(self, cache: DynamicCache | StaticKVCache, length: int) -> tuple[Tensor, Tensor] | None:
+        """Copies of the cached keys and values of positions < length, [layers, kv_heads, length, head_dim] each
+        (for :mod:`dflashkit.prefix_cache`); None where the cache does not hold every layer's positions < length
+        (e.g. a sliding-window layer of transformers' cache)."""
+        if isinstance(cache, StaticKVCache):
+            if cache.length < length:
+                return None
+            return cache.keys[:, :, :length].clone(), cache.values[:, :, :length].clone()
+        layers = self.cached_key_values(cache)
+        if not layers or any(k.shape[1] < length or v.shape[1] < length for k, v in layers):
+            return None
+        return (torch.stack([k[:, :length] for k, _ in layers]), torch.stack([v[:, :length] for _, v in layers]))
+
+    @torch.inference_mode()
+    def restore(self, keys: Tensor, values: Tensor, length: int, capacity: int) -> DynamicCache | StaticKVCache:
+        """A new cache (see :meth:`new_cache`) holding positions < length of a :meth:`snapshot`."""
+        cache = self.new_cache(capacity)
+        if isinstance(cache, StaticKVCache):
+            cache.reserve(length)
+            cache.keys[:, :, :length] = keys[:, :, :length]
+            cache.values[:, :, :length] = values[:, :, :length]
+            cache.length = length
+            return cache
+        for i in range(keys.shape[0]):
+            cache.update(keys[i, :, :length][None].clone(), values[i, :, :length][None].clone(), i)
+        return cache
 
     @staticmethod
     def cached_key_values(cache: DynamicCache | StaticKVCache) -> list[tuple[Tensor, Tensor]]:

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from dflashkit.attention import ATTENTION_NAME, use_packed_gqa
+from dflashkit.models import cache_kwargs
 from dflashkit.target import TargetAdapter
 
 from conftest import tiny_target
@@ -45,8 +46,8 @@ def test_cached_continuation(arch, new_tokens):
     for model in (reference, packed):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(ids[:, :30], past_key_values=cache, use_cache=True)
-            outputs.append(model(ids[:, 30:], past_key_values=cache, use_cache=True).logits)
+            model(ids[:, :30], use_cache=True, **cache_kwargs(model, cache))
+            outputs.append(model(ids[:, 30:], use_cache=True, **cache_kwargs(model, cache)).logits)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
     with torch.no_grad():
         whole = reference(ids).logits[:, 30:]

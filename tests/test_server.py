@@ -362,6 +362,37 @@ def test_more_choices_than_the_queue_holds_are_refused() -> None:
 # ---- many clients at once -----------------------------------------------------------------------------------
 
 
+def test_next_turn_restores_the_cached_prefix(offline) -> None:
+    """A prompt that continues an earlier one (its prompt + answer + more, a chat's next turn) prefills only its new
+    tokens: usage.prompt_tokens_details.cached_tokens counts the rest, /health and /metrics the reuse; the answer is
+    the offline one; "cache_prompt": false opts a request out; a non-boolean is a 400."""
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, max_batch=1)) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        first = "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14"
+        one = client.completions.create(model=MODEL, prompt=first, temperature=0, max_tokens=16)
+        assert one.usage.prompt_tokens_details.cached_tokens == 0
+        second = f"{first} {one.choices[0].text} w20 w21"
+        expected = offline.generate(second, chat=False, max_new_tokens=16)
+        two = client.completions.create(model=MODEL, prompt=second, temperature=0, max_tokens=16)
+        cached = two.usage.prompt_tokens_details.cached_tokens
+        ids1, ids2 = offline.tokenizer.encode(first), offline.tokenizer.encode(second)
+        assert len(ids1) + len(offline.tokenizer.encode(one.choices[0].text)) - 1 <= cached < len(ids2)
+        assert two.choices[0].text == expected.text
+        health = httpx.get(live.url + "/health").json()["prefix_cache"]
+        assert health["hits"] == 1 and health["reused_tokens"] == cached and health["sequences"] == 1
+        off = client.completions.create(model=MODEL, prompt=second, temperature=0, max_tokens=16,
+                                        extra_body={"cache_prompt": False})
+        assert off.usage.prompt_tokens_details.cached_tokens == 0 and off.choices[0].text == expected.text
+        metrics = httpx.get(live.url + "/metrics").text
+        assert f"dflashkit_prompt_tokens_cached_total {float(cached)}" in metrics
+        bad = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "w5", "cache_prompt": "no"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prompt"
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, prefix_cache_mb=0)) as live:
+        assert httpx.get(live.url + "/health").json()["prefix_cache"] is None
+    with pytest.raises(InvalidInputError, match="MiB"):
+        create_app(tiny_generator(), model_id=MODEL, prefix_cache_mb=-1)
+
+
 def test_concurrent_clients_get_their_own_outputs(server, client, offline) -> None:
     cases = [("w5 w6 w7", s) for s in range(1, 4)] + [("w20 w21", s) for s in range(4, 7)]
     n = len(cases)

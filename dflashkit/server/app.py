@@ -25,6 +25,7 @@ from ..errors import InvalidInputError
 from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator
 from ..grammar import CompiledGrammar, Grammar
 from ..penalties import Penalties
+from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
 from ..text import IncrementalDetokenizer
 from ..tool_calls import ToolError, ToolRequest
@@ -60,6 +61,7 @@ class ServerSettings:
     lookup: bool = False  # prompt lookup: copy the continuation of a repeated n-gram instead of drafting
     tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: chains)
     draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
+    prefix_cache_mb: float = 256.0  # finished generations kept for prompts that begin the same way (0: none)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -76,6 +78,7 @@ class ServerSettings:
         if self.tree is not None:
             check_budget(self.tree)
         check_draft_window(self.draft_window)
+        PrefixCache.of_mib(self.prefix_cache_mb)  # checks the size
         if self.block_size is not None and self.block_size != "auto" and (
                 not isinstance(self.block_size, int) or self.block_size < 2):
             raise InvalidInputError(f"block_size must be an integer >= 2 or 'auto', got {self.block_size!r}")
@@ -193,6 +196,7 @@ class Service:
 
     def __init__(self, generator: SpeculativeGenerator, settings: ServerSettings, scheduler: Scheduler) -> None:
         self.generator, self.settings, self.scheduler = generator, settings, scheduler
+        self.prefix_cache = PrefixCache.of_mib(settings.prefix_cache_mb)
 
     # ---- small endpoints ---------------------------------------------------------------------------------
 
@@ -223,7 +227,15 @@ class Service:
             "running": self.scheduler.running,
             "max_queue": self.settings.max_queue,
             "max_batch": self.settings.max_batch,
+            "prefix_cache": self._prefix_cache_state(),
         }
+
+    def _prefix_cache_state(self) -> dict[str, Any] | None:
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        return {"max_mib": cache.max_bytes / 2**20, "mib": round(cache.nbytes / 2**20, 3), "sequences": len(cache),
+                "hits": cache.hits, "misses": cache.misses, "reused_tokens": cache.reused_tokens}
 
     # ---- validation --------------------------------------------------------------------------------------
 
@@ -397,6 +409,7 @@ class Service:
             prompt_logprobs=b.requested_logprobs() if plan.echoes is not None else None,
             presence_penalty=b.presence_penalty, frequency_penalty=b.frequency_penalty,
             repetition_penalty=b.repetition_penalty, logit_bias=plan.logit_bias, batch=batch,
+            prefix_cache=self.prefix_cache if b.cache_prompt else None,
         )  # fmt: skip
 
     async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:

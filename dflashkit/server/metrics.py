@@ -29,6 +29,8 @@ class ServerMetrics:
         self.generations = Counter("dflashkit_generations", "Generations by outcome (stop, length, cancelled, "
                                    "timeout, error, shutdown)", ["outcome"], registry=r)
         self.prompt_tokens = Counter("dflashkit_prompt_tokens", "Prompt tokens of generations run", registry=r)
+        self.cached_prompt_tokens = Counter("dflashkit_prompt_tokens_cached", "Prompt tokens restored from the "
+                                            "prefix cache instead of prefilled", registry=r)
         self.completion_tokens = Counter("dflashkit_completion_tokens", "Tokens generated (cancelled runs included)",
                                          registry=r)
         self.steps = Counter("dflashkit_drafting_steps", "Draft-and-verify steps (target passes after prefill)",
@@ -71,6 +73,7 @@ class ServerMetrics:
         self.latency.observe(job.finished_at - job.enqueued_at)
         s = result.stats
         self.prompt_tokens.inc(result.prompt_tokens)
+        self.cached_prompt_tokens.inc(s.cached_prompt_tokens)
         self.steps.inc(s.steps)
         self.draft_tokens.inc(sum(s.drafted_lengths))
         self.accepted_tokens.inc(sum(s.accepted_lengths))

@@ -22,13 +22,15 @@ def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """OpenAI usage plus `speculative`: τ (mean tokens per draft-and-verify step; null when no step ran),
-    steps, drafted and accepted tokens in all and per block position."""
+def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI usage (with ``prompt_tokens_details.cached_tokens``: prompt tokens restored from the prefix cache)
+    plus `speculative`: τ (mean tokens per draft-and-verify step; null when no step ran), steps, drafted and
+    accepted tokens in all and per block position."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
         "speculative": {
             "mean_acceptance_length": stats.tau if stats.steps else None,
             "drafting_steps": stats.steps,
@@ -142,7 +144,7 @@ class ResponseBuilder:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_id
-        per_prompt = plan.body.candidates
+        per_prompt = self.per_prompt = plan.body.candidates
         self.choices = [ChoiceBuilder(self, i, plan.echoes[i // per_prompt] if plan.echoes else None)
                         for i in range(plan.generations)]
 
@@ -224,9 +226,11 @@ class ResponseBuilder:
         self.choices[index].add(delta)
 
     def usage_of(self, results: list[GenerationResult]) -> dict[str, Any]:
-        """The request's usage: the prompt once, every choice's tokens and draft steps."""
+        """The request's usage: the prompt once (its cached tokens as its first choice found them), every choice's
+        tokens and draft steps."""
         stats = results[0].stats if len(results) == 1 else DecodeStats.combined([r.stats for r in results])
-        return usage(stats, self.prompt_tokens, sum(len(r.token_ids) for r in results))
+        cached = sum(r.stats.cached_prompt_tokens for r in results[:: self.per_prompt])
+        return usage(stats, self.prompt_tokens, sum(len(r.token_ids) for r in results), cached)
 
     def complete(self, results: list[GenerationResult], keep: list[int] | None = None) -> dict[str, Any]:
         """The whole response: the choices `keep` names (indices of the generations, in the order returned;

@@ -58,6 +58,7 @@ class GenerationRequest(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0  # vLLM's extension (1: off)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     user: str | None = None
+    cache_prompt: bool = True  # llama.cpp server's field: false = this request neither reuses nor keeps a prefix
     # structured output, vLLM's extension fields (chat also takes OpenAI's response_format); at most one
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
