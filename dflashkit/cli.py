@@ -87,6 +87,35 @@ def build_parser() -> argparse.ArgumentParser:
                    "alternatives (0-20; in --json: a 'logprobs' list)")
     g.set_defaults(func=cmd_generate)
 
+    c = sub.add_parser(
+        "chat", help="chat in the terminal: multi-turn, streamed, each turn prefilling only what is new",
+        description="A conversation through the target's chat template: type a message, read the answer as it "
+        "streams, with its stats. Each turn restores what the previous one computed (a prefix cache), so it costs "
+        "its new message and its answer, not the history. /reset starts over, /exit (or end of input) leaves; "
+        "Ctrl-C stops an answer. Reads one message per line from standard input when it is not a terminal.",
+    )
+    c.add_argument("--system", default=None, metavar="TEXT", help="a system message at the start of the conversation")
+    c.add_argument("--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--drafter", default=None, help="drafter folder, 'none' or 'untrained' (as for generate)")
+    c.add_argument("--block-size", type=_block_size_arg, default=None,
+                   help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)")
+    c.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default: %(default)s)")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=None)
+    _add_lookup_option(c)
+    _add_draft_window_option(c)
+    c.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                   help="MiB of earlier turns kept for reuse (default: %(default)s; 0: every turn prefills it all)")
+    c.add_argument("--no-stats", dest="stats", action="store_false", help="no stats line after each answer")
+    c.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    _add_quantize_option(c)
+    _add_eager_option(c)
+    c.add_argument("--device", default="cpu")
+    _add_threads_option(c)
+    c.set_defaults(func=cmd_chat)
+
     s = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (streaming, speculative stats, /metrics) with a live playground",
@@ -590,6 +619,68 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if logprobs is not None:
             _print_logprobs(logprobs)
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import ChatSession
+    from .decode import check_draft_window
+    from .prefix_cache import PrefixCache
+    from .sampling import SamplingParams
+
+    check_draft_window(args.draft_window)  # bad values fail before the (slow) model load
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    cache = PrefixCache.of_mib(args.prefix_cache_mb)
+    _apply_threads(args.threads)
+    gen = _load_generator(args, False)
+    drafter = gen.drafter
+    block_size = args.block_size if args.block_size is not None or drafter is None else "auto"
+    session = ChatSession(
+        gen, args.system, cache if cache is not None else False, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, block_size=block_size, lookup=_lookup_wanted(args, drafter is not None),
+        ngram_store=args.ngram_store, draft_window=args.draft_window,
+    )  # fmt: skip
+    gen.warmup()
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chat with the target (/reset: new conversation, /exit or Ctrl-D: leave, Ctrl-C: stop an answer).",
+              file=sys.stderr)
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not interactive and not line:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            session.reset()
+            print("[new conversation]", file=sys.stderr)
+            continue
+        try:
+            for piece in session.send(text):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            print("\n[answer stopped]", file=sys.stderr)
+            continue
+        except DFlashError as e:
+            print(f"error: {e} (/reset starts a new conversation)", file=sys.stderr)
+            continue
+        print()
+        if args.stats and session.last is not None:
+            _print_turn_stats(session.last)
+    return 0
+
+
+def _print_turn_stats(result) -> None:
+    s = result.stats
+    cached = f", {s.cached_prompt_tokens} restored" if s.cached_prompt_tokens else ""
+    print(f"[{s.new_tokens} tokens | {s.tokens_per_s:.1f} tok/s | τ {s.tau:.2f} | prompt {s.prompt_tokens} tokens"
+          f"{cached}, prefill {s.prefill_s:.2f}s]", file=sys.stderr)
 
 
 def _logprobs_json(gen, logprobs) -> list[dict[str, Any]]:

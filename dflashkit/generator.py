@@ -93,6 +93,12 @@ class GenerationStream:
     def __iter__(self) -> Iterator[TextDelta]:
         return self._deltas
 
+    def close(self) -> None:
+        """Stop the generation early (its caches end consistent; no result is set)."""
+        close = getattr(self._deltas, "close", None)
+        if close is not None:
+            close()
+
 
 class SpeculativeGenerator:
     """A target model (+ its tokenizer) and, optionally, a DFlash drafter for it."""

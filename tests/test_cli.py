@@ -514,3 +514,30 @@ def test_generate_with_tools(capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: 
     template[0] = "{% for m in messages %}{{ m.content }}{% endfor %}"
     rc = main(["generate", "Pick one.", *base])
     assert rc == 2 and "no tools" in capsys.readouterr().err
+
+
+def test_chat_turns_reuse_the_conversation(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dflashkit chat` reads one message per line: each answer streams to stdout and a stats line to stderr; the
+    second turn restores the first (its stats say how many tokens) and answers as a fresh run of the whole
+    conversation does; /reset starts over, /exit stops reading; bad flags fail before the model loads."""
+    import io
+
+    from dflashkit import SpeculativeGenerator
+
+    lines = "tell me a story\nabout the sea\n/reset\nhello world\n/exit\nnever read\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    rc = main(["chat", "--drafter", "untrained", "--max-new-tokens", "6", "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    answers = out.splitlines()
+    stats = [line for line in err.splitlines() if line.startswith("[") and "tok/s" in line]
+    assert len(answers) == len(stats) == 3 and "[new conversation]" in err
+    assert "restored" not in stats[0] and int(re.search(r"(\d+) restored", stats[1]).group(1)) > 10
+    plain = SpeculativeGenerator(fake_model(), make_tokenizer())  # the same target, no drafter, no cache
+    messages = [{"role": "user", "content": "tell me a story"}, {"role": "assistant", "content": answers[0]},
+                {"role": "user", "content": "about the sea"}]
+    assert plain.generate(messages, max_new_tokens=6).text == answers[1]
+    assert plain.generate("hello world", max_new_tokens=6).text == answers[2]
+    n = len(loads)
+    assert main(["chat", "--prefix-cache-mb", "-1"]) == 2 and "MiB" in capsys.readouterr().err
+    assert main(["chat", "--temperature", "-1"]) == 2 and len(loads) == n
