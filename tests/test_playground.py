@@ -99,3 +99,28 @@ def test_playground_shows_errors(page) -> None:
     page.wait_for_function("() => document.getElementById('status').textContent === 'error'", timeout=30_000)
     assert "context length" in page.inner_text("#error")
     assert page.is_enabled("#send")
+
+
+def test_playground_conversation_continues_and_restores_earlier_turns(page) -> None:
+    """With "conversation" on, each reply joins the conversation shown above the output and the next prompt
+    continues it: the server restores the earlier turns (the "restored" stat), and the reply is what an offline
+    run of the whole conversation gives; "New conversation" forgets it."""
+    page.check("#conversation")
+    run(page, mode="chat", temperature=0.0, seed=1, max_tokens=12)
+    first = page.inner_text("#output")
+    assert page.input_value("#prompt") == "" and page.inner_text("#cached") == "0"
+    page.fill("#prompt", "w8 w9")
+    page.click("#send")
+    page.wait_for_function("() => document.getElementById('status').textContent.startsWith('done')", timeout=30_000)
+    messages = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": first},
+                {"role": "user", "content": "w8 w9"}]
+    expected = tiny_generator().generate(messages, temperature=0.0, max_new_tokens=12)
+    assert page.inner_text("#output") == expected.text
+    assert int(page.inner_text("#nprompt")) == expected.prompt_tokens
+    assert 0 < int(page.inner_text("#cached")) < expected.prompt_tokens
+    turns = page.eval_on_selector_all("#history .turn", "els => els.map(e => [e.className, e.textContent])")
+    assert turns == [["turn user", PROMPT], ["turn assistant", first], ["turn user", "w8 w9"],
+                     ["turn assistant", expected.text]]
+    page.click("#new-chat")
+    assert page.eval_on_selector_all("#history .turn", "els => els.length") == 0
+    page.uncheck("#conversation")
