@@ -33,10 +33,18 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: str | Messages, chat
     """Token ids of a prompt as the target sees it: text is one user turn through the chat template
     (when the tokenizer has one and `chat`, with `tools` if given); without a template, the plain text."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    text = render_chat(tokenizer, messages, tools) if chat else None
+    if text is not None:
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages))
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Messages,
+                tools: list[dict[str, Any]] | None = None) -> str | None:
+    """The chat template's text of `messages`, ending with the assistant's generation prompt (None: no template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=False)
 
 
 def eos_token_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -51,3 +51,46 @@ def test_a_failed_turn_leaves_the_conversation_and_a_stopped_one_keeps_its_text(
     assert session.last is not None and session.last.stats.cached_prompt_tokens > 0
     with pytest.raises(InvalidInputError):
         ChatSession(gen, chat=False)
+
+
+def merging_tokenizer():
+    """Byte-level BPE with one merge, "\\n\\n" -> one token, which its pre-tokenizer never produces before a digit
+    (GPT-2's rule splits "\\n\\n1" as "\\n", "\\n", "1"): a model may write a token its tokenizer would not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<pad>": 0, "<s>": 1, "<eos>": 2, "<unk>": 3, **{ch: 4 + i for i, ch in enumerate(alphabet)}}
+    vocab["ĊĊ"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, [("Ċ", "Ċ")], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<eos>", unk_token="<unk>",
+                                  pad_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tok
+
+
+def test_next_prompt_keeps_the_tokens_the_model_wrote():
+    """The answer's own tokens stay in the next prompt (re-encoding its text would split "\\n\\n" and end the
+    prefix cache's reuse there); the template's text around them is as it renders; a template that rewrites an
+    earlier turn falls back to the encoded text."""
+    from dflashkit.chat import continued_prompt
+    from dflashkit.prefix_cache import common_prefix
+    from dflashkit.text import render_chat
+
+    tok = merging_tokenizer()
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    pair = tok.convert_tokens_to_ids("ĊĊ")
+    assert pair not in enc("a:\n\n1.")  # the tokenizer never writes it there
+    messages = [{"role": "user", "content": "hi"}]
+    text1 = render_chat(tok, messages)
+    ids1 = enc(text1)
+    answer = enc("a:") + [pair] + enc("1.")  # what a model may write
+    messages += [{"role": "assistant", "content": tok.decode(answer)}, {"role": "user", "content": "more"}]
+    text2 = render_chat(tok, messages)
+    ids2 = continued_prompt(tok, text2, (text1, ids1, answer))
+    assert ids2[: len(ids1) + len(answer)] == ids1 + answer and tok.decode(ids2) == text2
+    assert common_prefix(enc(text2), ids1 + answer) == len(ids1) + 2  # re-encoded: reuse would end at the pair
+    assert continued_prompt(tok, text2.replace("a:", "b:"), (text1, ids1, answer)) is None
