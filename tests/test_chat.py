@@ -81,7 +81,10 @@ def test_next_prompt_keeps_the_tokens_the_model_wrote():
     from dflashkit.text import render_chat
 
     tok = merging_tokenizer()
-    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
     pair = tok.convert_tokens_to_ids("ĊĊ")
     assert pair not in enc("a:\n\n1.")  # the tokenizer never writes it there
     messages = [{"role": "user", "content": "hi"}]
