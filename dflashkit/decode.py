@@ -330,6 +330,14 @@ def decode(
 def _keep(prefix_cache: PrefixCache, target: TargetAdapter, cache: object, token_ids: list[int],
           kept_features: list[Tensor] | None, feature_layers: tuple[int, ...]) -> None:
     """Keep a generation's processed sequence (its cache's positions < len(token_ids)) in the prefix cache."""
+    one = target.snapshot(cache, 1)  # one position: its size, so that a sequence past the budget is not copied
+    if one is None:
+        return
+    per_position = sum(t.numel() * t.element_size() for t in one)
+    if kept_features:
+        per_position += kept_features[0].shape[-1] * kept_features[0].element_size()
+    if len(token_ids) * per_position > prefix_cache.max_bytes:
+        return
     kv = target.snapshot(cache, len(token_ids))
     if kv is None:
         return

@@ -125,3 +125,19 @@ def test_generator_reuses_a_chat_and_refuses_a_cache_of_another_model():
         other.generate(prompt2, prefix_cache=cache, max_new_tokens=4)
     with pytest.raises(InvalidInputError, match="PrefixCache"):
         gen.generate(prompt2, prefix_cache={}, max_new_tokens=4)
+
+
+def test_a_sequence_past_the_budget_is_not_kept(monkeypatch):
+    """Nor copied: the size is checked on one position first."""
+    model = tiny_target("llama")
+    target = TargetAdapter(model)
+    prompt = list(range(10, 40))
+    cache = PrefixCache(max_bytes=1 << 26)
+    run(target, None, prompt, cache)
+    per_token = cache.nbytes // len(next(iter(cache._kept)))
+    small = PrefixCache(max_bytes=per_token * 20)  # room for 20 positions, not 49
+    copies = []
+    snapshot = TargetAdapter.snapshot
+    monkeypatch.setattr(TargetAdapter, "snapshot", lambda self, c, n: copies.append(n) or snapshot(self, c, n))
+    run(target, None, prompt, small)
+    assert len(small) == 0 and copies == [1]
