@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MiB of finished generations kept so that a prompt that begins the same way (a chat's next "
                    "turn) prefills only its new tokens (default: %(default)s; 0: off; a request's \"cache_prompt\": "
                    "false opts out)")
+    s.add_argument("--stored-responses", type=int, default=256,
+                   help="/v1/responses answers kept in memory, for previous_response_id and GET /v1/responses/{id} "
+                   "(default: %(default)s; 0: none)")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -717,6 +720,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
         block_size=args.block_size if args.block_size is not None else (None if args.tree else "auto"),
         proposal=args.proposal, tree=args.tree, draft_window=args.draft_window, prefix_cache_mb=args.prefix_cache_mb,
+        stored_responses=args.stored_responses,
     )  # fmt: skip
     _apply_threads(args.threads)
     gen = _load_generator(args, False)

@@ -6,10 +6,12 @@ import socket
 import threading
 import time
 
+import httpx
 import torch
 import uvicorn
 from conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target, word_tokenizer
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from dflashkit import SpeculativeGenerator
 
@@ -43,6 +45,22 @@ class LiveServer:
         self.server.should_exit = True
         assert self.thread is not None
         self.thread.join(30)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """A sample's value from /metrics (0 when absent)."""
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
 
 
 def tiny_generator(block_size: int = 4, dtype: torch.dtype = torch.float32) -> SpeculativeGenerator:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
-from live_server import LiveServer, tiny_byte_generator, tiny_generator, tool_generator
+from live_server import LiveServer, metric, tiny_byte_generator, tiny_generator, tool_generator, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflashkit import Grammar, row_kernels
@@ -573,22 +573,6 @@ def test_null_fields_mean_defaults(server) -> None:
 
 
 # ---- queue, cancellation, timeouts --------------------------------------------------------------------------
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """A sample's value from /metrics (0 when absent)."""
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 # Greedy, the tiny target repeats its last prompt token and never ends early: 500 one-token steps (~1 s)

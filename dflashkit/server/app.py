@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: `create_app(generator)` → a FastAPI app to run with uvicorn.
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with `"stream": true`),
-/health, /metrics (Prometheus), and the playground at /. Requests are validated and tokenised on arrival
+/v1/responses (OpenAI's Responses API: see responses_api), /health, /metrics (Prometheus), and the playground
+at /. Requests are validated and tokenised on arrival
 (errors answer at once, OpenAI-style), then queued for the single engine worker (see scheduler).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -22,7 +23,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ..batching import BatchMember, ComputeThread, ForwardBatcher
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
-from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator
+from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator, TextDelta
 from ..grammar import CompiledGrammar, Grammar
 from ..penalties import Penalties
 from ..prefix_cache import PrefixCache
@@ -33,10 +34,11 @@ from ..tree import check_budget
 from .errors import APIError, bad_request, from_exception, install_error_handlers
 from .metrics import RequestCounter, ServerMetrics
 from .responses import Echo, ResponseBuilder, sse_event
+from .responses_api import ResponsesBuilder, ResponsesRequest, ResponseStore, StoredResponse, renamed, stored_messages
 from .scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
-ENDPOINTS = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+ENDPOINTS = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
 DISCONNECT_POLL_S = 0.1
 
 
@@ -62,6 +64,7 @@ class ServerSettings:
     tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: chains)
     draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
     prefix_cache_mb: float = 256.0  # finished generations kept for prompts that begin the same way (0: none)
+    stored_responses: int = 256  # /v1/responses kept in memory for previous_response_id (0: none)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -79,6 +82,8 @@ class ServerSettings:
             check_budget(self.tree)
         check_draft_window(self.draft_window)
         PrefixCache.of_mib(self.prefix_cache_mb)  # checks the size
+        if not isinstance(self.stored_responses, int) or self.stored_responses < 0:
+            raise InvalidInputError(f"stored_responses must be an integer >= 0, got {self.stored_responses!r}")
         if self.block_size is not None and self.block_size != "auto" and (
                 not isinstance(self.block_size, int) or self.block_size < 2):
             raise InvalidInputError(f"block_size must be an integer >= 2 or 'auto', got {self.block_size!r}")
@@ -156,6 +161,19 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await service.handle(request, body, chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await service.handle_responses(request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return service.responses.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        service.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return service.health()
@@ -182,6 +200,11 @@ def _best(results: list[GenerationResult], n: int) -> list[int]:
     return sorted(range(len(results)), key=lambda i: (-score(i), i))[:n]
 
 
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 def _cancel_all(jobs: list[Job]) -> None:
     for job in jobs:
         job.cancel("cancelled")  # a no-op for a job that already ended
@@ -197,6 +220,7 @@ class Service:
     def __init__(self, generator: SpeculativeGenerator, settings: ServerSettings, scheduler: Scheduler) -> None:
         self.generator, self.settings, self.scheduler = generator, settings, scheduler
         self.prefix_cache = PrefixCache.of_mib(settings.prefix_cache_mb)
+        self.responses = ResponseStore(settings.stored_responses)
 
     # ---- small endpoints ---------------------------------------------------------------------------------
 
@@ -228,6 +252,7 @@ class Service:
             "max_queue": self.settings.max_queue,
             "max_batch": self.settings.max_batch,
             "prefix_cache": self._prefix_cache_state(),
+            "stored_responses": len(self.responses),
         }
 
     def _prefix_cache_state(self) -> dict[str, Any] | None:
@@ -340,6 +365,61 @@ class Service:
 
     async def handle(self, request: Request, body: GenerationRequest, chat: bool) -> Response:
         plan = self.plan(body, chat)
+        jobs, event, deadline = await self._launch(request, plan)
+        response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes)
+        try:
+            if plan.body.stream:  # from here on, the SSE generator owns the jobs
+                return _event_stream(self._sse(jobs, event, response, deadline))
+            results = []
+            for index, job in enumerate(jobs):
+                results.append(await self._collect(job, event if index == 0 else None, deadline, request,
+                                                   functools.partial(response.add, index=index)))
+            per_prompt = body.candidates
+            keep = [p * per_prompt + i for p in range(len(plan.prompts))
+                    for i in _best(results[p * per_prompt : (p + 1) * per_prompt], body.n)]
+            return JSONResponse(response.complete(results, keep=keep))
+        except ClientGone:
+            _cancel_all(jobs)
+            return Response(status_code=499)  # nobody reads it
+        except BaseException:
+            _cancel_all(jobs)  # a no-op for jobs that already ended
+            raise
+
+    async def handle_responses(self, request: Request, body: ResponsesRequest) -> Response:
+        """/v1/responses: the chat request it means, generated as chat is, answered as a response object or its
+        event stream; stored (``store``) with its conversation for ``previous_response_id``."""
+        try:
+            history = (self.responses.get(body.previous_response_id, param="previous_response_id").messages
+                       if body.previous_response_id is not None else [])
+            chat_body, messages = body.as_chat(history)
+            plan = self.plan(chat_body, chat=True)
+            jobs, event, deadline = await self._launch(request, plan)
+        except APIError as e:
+            raise renamed(e) from e
+        builder = ResponsesBuilder(plan, body, self.settings.model_id, self.generator.token_bytes)
+
+        def keep(response: dict[str, Any]) -> None:
+            if body.store:
+                self.responses.put(StoredResponse(response, stored_messages(messages, history, response)))
+
+        try:
+            if body.stream:
+                return _event_stream(self._responses_sse(jobs[0], event, builder, deadline, keep))
+            result = await self._collect(jobs[0], event, deadline, request, builder.add)
+            response = builder.complete(result)
+            keep(response)
+            return JSONResponse(response)
+        except ClientGone:
+            _cancel_all(jobs)
+            return Response(status_code=499)
+        except BaseException:
+            _cancel_all(jobs)
+            raise
+
+    async def _launch(self, request: Request, plan: Plan) -> tuple[list[Job], Event, float | None]:
+        """Queue the plan's generations; return them with the first one's first event (a failure raised) and the
+        request's deadline."""
+        body = plan.body
         grammar = body.grammar()
         if plan.tools is not None and plan.tools.forced:  # tool_choice required / a named function: its grammar
             if grammar is not None:
@@ -359,36 +439,30 @@ class Service:
                            f"{e.retry_after} s", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from e  # fmt: skip
         deadline = plan.arrived + self.settings.timeout if self.settings.timeout is not None else None
-        response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes)
         try:
             event = await self._next(jobs[0], deadline, request)  # also waits out the queue
             if isinstance(event, Failed):
                 raise from_exception(event.error)
-            if plan.body.stream:  # from here on, the SSE generator owns the jobs
-                return StreamingResponse(
-                    self._sse(jobs, event, response, deadline), media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                )  # fmt: skip
-            results = []
-            for index, job in enumerate(jobs):
-                if index:
-                    event = await self._next(job, deadline, request)
-                while isinstance(event, Delta):
-                    response.add(event.delta, index)
-                    event = await self._next(job, deadline, request)
-                if isinstance(event, Failed):
-                    raise from_exception(event.error)
-                results.append(event.result)
-            per_prompt = body.candidates
-            keep = [p * per_prompt + i for p in range(len(plan.prompts))
-                    for i in _best(results[p * per_prompt : (p + 1) * per_prompt], body.n)]
-            return JSONResponse(response.complete(results, keep=keep))
         except ClientGone:
             _cancel_all(jobs)
-            return Response(status_code=499)  # nobody reads it
+            raise APIError(499, "the client went away") from None  # nobody reads it
         except BaseException:
-            _cancel_all(jobs)  # a no-op for jobs that already ended
+            _cancel_all(jobs)
             raise
+        return jobs, event, deadline
+
+    async def _collect(self, job: Job, event: Event | None, deadline: float | None, request: Request,
+                       add: Callable[[TextDelta], None]) -> GenerationResult:
+        """The job's result, each delta given to `add` on the way (`event`: its first event, if already taken)."""
+        if event is None:
+            event = await self._next(job, deadline, request)
+        while isinstance(event, Delta):
+            add(event.delta)
+            event = await self._next(job, deadline, request)
+        if isinstance(event, Failed):
+            raise from_exception(event.error)
+        assert isinstance(event, Done)
+        return event.result
 
     def _start(self, plan: Plan, job: int = 0, batch: BatchMember | None = None) -> GenerationStream:  # worker thread
         """Generation `job` of the request: choice i of prompt p for job = p * candidates + i; with a seed, choice
@@ -469,3 +543,35 @@ class Service:
             yield "data: [DONE]\n\n"
         finally:
             _cancel_all(jobs)
+
+    async def _responses_sse(self, job: Job, event: Event | None, builder: ResponsesBuilder, deadline: float | None,
+                             keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
+        """The Responses API's events: created, in_progress, the message's and calls' events, then completed (or
+        incomplete, or an error and failed)."""
+        try:
+            for chunk in builder.start_events():
+                yield chunk
+            while True:
+                if event is None:
+                    try:
+                        event = await self._next(job, deadline, None)
+                    except APIError as e:  # timeout
+                        for chunk in builder.failed_events(e):
+                            yield chunk
+                        return
+                if isinstance(event, Delta):
+                    for chunk in builder.delta_events(event.delta):
+                        yield chunk
+                elif isinstance(event, Done):
+                    chunks, response = builder.done_events(event.result)
+                    keep(response)
+                    for chunk in chunks:
+                        yield chunk
+                    return
+                else:
+                    for chunk in builder.failed_events(from_exception(event.error)):
+                        yield chunk
+                    return
+                event = None
+        finally:
+            job.cancel("cancelled")

@@ -30,8 +30,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = True  # usage always arrives on the final chunk
 
 
-class GenerationRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class OpenAIRequest(BaseModel):
+    """A request body: strict types, unknown fields ignored, `"field": null` the same as leaving it out."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -40,6 +40,10 @@ class GenerationRequest(BaseModel):
     def _null_means_default(cls, data: Any) -> Any:
         """`"field": null` is the same as leaving the field out (as OpenAI treats it)."""
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class GenerationRequest(OpenAIRequest):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
