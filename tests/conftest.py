@@ -48,6 +48,25 @@ def byte_tokenizer():
     )
 
 
+def merging_tokenizer():
+    """Byte-level BPE with one merge, "\\n\\n" -> one token, which its pre-tokenizer never produces before a digit
+    (GPT-2's rule splits "\\n\\n1" as "\\n", "\\n", "1"): a model may write a token its tokenizer would not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<pad>": 0, "<s>": 1, "<eos>": 2, "<unk>": 3, **{ch: 4 + i for i, ch in enumerate(alphabet)}}
+    vocab["ĊĊ"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, [("Ċ", "Ċ")], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<eos>", unk_token="<unk>",
+                                  pad_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tok
+
+
 def tiny_target(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """A random 6-layer causal LM of the given architecture ("llama", "qwen2" or "qwen3")."""
     torch.manual_seed(seed)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_drafter, tiny_target
+from conftest import merging_tokenizer, tiny_drafter, tiny_target
 from test_cli import make_tokenizer
 
 from dflashkit import PrefixCache, SpeculativeGenerator
@@ -51,25 +51,6 @@ def test_a_failed_turn_leaves_the_conversation_and_a_stopped_one_keeps_its_text(
     assert session.last is not None and session.last.stats.cached_prompt_tokens > 0
     with pytest.raises(InvalidInputError):
         ChatSession(gen, chat=False)
-
-
-def merging_tokenizer():
-    """Byte-level BPE with one merge, "\\n\\n" -> one token, which its pre-tokenizer never produces before a digit
-    (GPT-2's rule splits "\\n\\n1" as "\\n", "\\n", "1"): a model may write a token its tokenizer would not."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {"<pad>": 0, "<s>": 1, "<eos>": 2, "<unk>": 3, **{ch: 4 + i for i, ch in enumerate(alphabet)}}
-    vocab["ĊĊ"] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab, [("Ċ", "Ċ")], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<eos>", unk_token="<unk>",
-                                  pad_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
-    return tok
 
 
 def test_next_prompt_keeps_the_tokens_the_model_wrote():

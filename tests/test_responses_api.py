@@ -11,10 +11,15 @@ import json
 import httpx
 import openai
 import pytest
+from conftest import merging_tokenizer, tiny_drafter, tiny_target
 from live_server import LiveServer, metric, tiny_byte_generator, tiny_generator, tool_generator, wait_until
 from pydantic import BaseModel
 
+from dflashkit import SpeculativeGenerator
+from dflashkit.chat import continued_prompt
+from dflashkit.prefix_cache import common_prefix
 from dflashkit.server import create_app
+from dflashkit.text import render_chat
 from dflashkit.server.responses_api import input_messages
 from dflashkit.tool_calls import ToolRequest, parse_tool_calls
 
@@ -303,3 +308,35 @@ def test_timeout_fails_the_response_and_a_disconnect_cancels_it() -> None:
         wait_until(lambda: metric(live.url, "dflashkit_generations_total", outcome="cancelled") == 1)
         assert metric(live.url, "dflashkit_completion_tokens_total") < 500
         assert metric(live.url, "dflashkit_requests_total", endpoint="/v1/responses", status="200") == 1
+
+
+def test_a_continued_response_keeps_the_tokens_the_model_wrote() -> None:
+    """previous_response_id: the next prompt begins with the stored turn's own prompt and answer tokens (a random
+    byte-level model writes bytes that do not survive decoding and re-encoding), so the prefix cache restores the
+    whole turn; the answer is offline generation from those tokens."""
+    def generator() -> SpeculativeGenerator:
+        tok = merging_tokenizer()
+        model = tiny_target("llama", vocab_size=len(tok))
+        return SpeculativeGenerator(model, tok, tiny_drafter(model, block_size=4))
+
+    offline = generator()
+    tok = offline.tokenizer
+    app = create_app(generator(), model_id=MODEL)
+    with LiveServer(app) as live:
+        client = _client(live)
+        first = client.responses.create(model=MODEL, input="hi", max_output_tokens=24, temperature=1.0,
+                                        extra_body={"seed": 1})
+        text1, ids1, answer = app.state.service.responses.get(first.id).continuation
+        assert ids1 == offline.encode_prompt([{"role": "user", "content": "hi"}]) and answer
+        second = client.responses.create(model=MODEL, input="more", previous_response_id=first.id,
+                                         max_output_tokens=8, temperature=0)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "more"}]
+    text2 = render_chat(tok, messages)
+    ids2 = continued_prompt(tok, text2, (text1, ids1, answer))
+    assert ids2[: len(ids1) + len(answer)] == ids1 + answer
+    assert second.usage.input_tokens == len(ids2)
+    assert second.usage.input_tokens_details.cached_tokens >= len(ids1) + len(answer) - 1
+    assert second.output_text == offline.generate(ids2, max_new_tokens=8).text
+    # re-encoded, the conversation would have parted from the stored tokens within the answer
+    assert common_prefix(offline.encode_prompt(messages), ids1 + answer) < len(ids1) + len(answer) - 1

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ..batching import BatchMember, ComputeThread, ForwardBatcher
+from ..chat import continued_prompt
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
 from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator, TextDelta
@@ -28,13 +29,21 @@ from ..grammar import CompiledGrammar, Grammar
 from ..penalties import Penalties
 from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
-from ..text import IncrementalDetokenizer
-from ..tool_calls import ToolError, ToolRequest
+from ..text import IncrementalDetokenizer, render_chat
+from ..tool_calls import ToolError, ToolRequest, template_messages
 from ..tree import check_budget
 from .errors import APIError, bad_request, from_exception, install_error_handlers
 from .metrics import RequestCounter, ServerMetrics
 from .responses import Echo, ResponseBuilder, sse_event
-from .responses_api import ResponsesBuilder, ResponsesRequest, ResponseStore, StoredResponse, renamed, stored_messages
+from .responses_api import (
+    Continuation,
+    ResponsesBuilder,
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+    renamed,
+    stored_messages,
+)
 from .scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
@@ -264,7 +273,9 @@ class Service:
 
     # ---- validation --------------------------------------------------------------------------------------
 
-    def plan(self, body: GenerationRequest, chat: bool) -> Plan:
+    def plan(self, body: GenerationRequest, chat: bool, continues: Continuation | None = None) -> Plan:
+        """The request checked and tokenised. ``continues``: the stored turn a chat request continues (its prompt's
+        text and ids and its answer's ids): its tokens begin the prompt when the template renders it so."""
         arrived = asyncio.get_running_loop().time()
         self.check_model(body.model)
         body.check_supported()
@@ -279,7 +290,7 @@ class Service:
         except InvalidInputError as e:
             raise bad_request(str(e), param="logit_bias") from e
         tools = body.tool_request() if isinstance(body, ChatCompletionRequest) else None
-        prompts = self._encode(body, chat, tools)
+        prompts = self._encode(body, chat, tools, continues)
         generations = len(prompts) * body.candidates
         places = self.settings.max_queue + self.settings.max_batch
         if generations > places:
@@ -338,13 +349,17 @@ class Service:
         except InvalidInputError as e:  # e.g. a parameters schema the grammar compiler refuses
             raise bad_request(str(e), param="tools") from e
 
-    def _encode(self, body: GenerationRequest, chat: bool, tools: ToolRequest | None = None) -> list[list[int]]:
+    def _encode(self, body: GenerationRequest, chat: bool, tools: ToolRequest | None = None,
+                continues: Continuation | None = None) -> list[list[int]]:
         """Token ids of the request's prompt(s) (chat: with the tools the template shows, if any)."""
         try:
             if isinstance(body, ChatCompletionRequest):
                 messages = [m.as_template_message() for m in body.messages]
-                return [self.generator.encode_prompt(messages, chat=True,
-                                                     tools=tools.template_tools() if tools is not None else None)]
+                ids = self.generator.encode_prompt(messages, chat=True,
+                                                   tools=tools.template_tools() if tools is not None else None)
+                text = self.chat_text(body, tools) if continues is not None else None
+                continued = continued_prompt(self.generator.tokenizer, text, continues) if text is not None else None
+                return [continued if continued is not None else ids]
             assert isinstance(body, CompletionRequest)
             out = []
             vocab = self.generator.target.vocab_size
@@ -360,6 +375,11 @@ class Service:
             raise bad_request(str(e), param=e.field) from e
         except InvalidInputError as e:
             raise bad_request(str(e), param="messages" if chat else "prompt") from e
+
+    def chat_text(self, body: ChatCompletionRequest, tools: ToolRequest | None) -> str | None:
+        """The chat template's text of the request's prompt (None: the tokenizer has no template)."""
+        messages = template_messages(m.as_template_message() for m in body.messages)
+        return render_chat(self.generator.tokenizer, messages, tools.template_tools() if tools is not None else None)
 
     # ---- serving -----------------------------------------------------------------------------------------
 
@@ -389,25 +409,33 @@ class Service:
         """/v1/responses: the chat request it means, generated as chat is, answered as a response object or its
         event stream; stored (``store``) with its conversation for ``previous_response_id``."""
         try:
-            history = (self.responses.get(body.previous_response_id, param="previous_response_id").messages
-                       if body.previous_response_id is not None else [])
+            previous = (self.responses.get(body.previous_response_id, param="previous_response_id")
+                        if body.previous_response_id is not None else None)
+            history = previous.messages if previous is not None else []
             chat_body, messages = body.as_chat(history)
-            plan = self.plan(chat_body, chat=True)
+            plan = self.plan(chat_body, chat=True, continues=previous.continuation if previous is not None else None)
             jobs, event, deadline = await self._launch(request, plan)
         except APIError as e:
             raise renamed(e) from e
         builder = ResponsesBuilder(plan, body, self.settings.model_id, self.generator.token_bytes)
 
-        def keep(response: dict[str, Any]) -> None:
-            if body.store:
-                self.responses.put(StoredResponse(response, stored_messages(messages, history, response)))
+        def keep(response: dict[str, Any], result: GenerationResult) -> None:
+            """Store the response with its conversation and, for the next turn's prompt, its tokens."""
+            if not body.store:
+                return
+            text = self.chat_text(chat_body, plan.tools)
+            answer = list(result.token_ids)
+            while answer and answer[-1] in self.generator.eos_token_ids:
+                answer.pop()
+            continuation = (text, plan.prompts[0], answer) if text is not None else None
+            self.responses.put(StoredResponse(response, stored_messages(messages, history, response), continuation))
 
         try:
             if body.stream:
                 return _event_stream(self._responses_sse(jobs[0], event, builder, deadline, keep))
             result = await self._collect(jobs[0], event, deadline, request, builder.add)
             response = builder.complete(result)
-            keep(response)
+            keep(response, result)
             return JSONResponse(response)
         except ClientGone:
             _cancel_all(jobs)
@@ -545,7 +573,7 @@ class Service:
             _cancel_all(jobs)
 
     async def _responses_sse(self, job: Job, event: Event | None, builder: ResponsesBuilder, deadline: float | None,
-                             keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
+                             keep: Callable[[dict[str, Any], GenerationResult], None]) -> AsyncIterator[str]:
         """The Responses API's events: created, in_progress, the message's and calls' events, then completed (or
         incomplete, or an error and failed)."""
         try:
@@ -564,7 +592,7 @@ class Service:
                         yield chunk
                 elif isinstance(event, Done):
                     chunks, response = builder.done_events(event.result)
-                    keep(response)
+                    keep(response, event.result)
                     for chunk in chunks:
                         yield chunk
                     return

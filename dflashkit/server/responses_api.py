@@ -229,10 +229,17 @@ def response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
 
 # ---- the store ---------------------------------------------------------------------------------------------------
 
+Continuation = tuple[str, list[int], list[int]]  # a turn's prompt text, its prompt ids, its answer's ids
+
+
 @dataclass
 class StoredResponse:
     response: dict[str, Any]
     messages: list[dict[str, Any]]  # the conversation up to and including this response's answer (no instructions)
+    # the tokens the model saw and wrote: a request that continues this response begins its prompt with them
+    # (dflashkit.chat.continued_prompt), so the prefix cache restores the whole turn, not only up to where
+    # re-encoding the answer's text would give other tokens
+    continuation: Continuation | None = None
 
 
 class ResponseStore:
