@@ -68,6 +68,7 @@ class GenerationResult:
     divergence: Divergence | None = None  # with compare_ar and greedy: first differing token, judged
     logprobs: list[TokenLogprob] | None = None  # one per token id, when requested (stream(logprobs=...))
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..n-1, when requested
+    stop_string: str | None = None  # the stop string that ended the text (finish_reason "stop"), if one did
 
     @property
     def identical(self) -> bool | None:
@@ -343,7 +344,7 @@ class SpeculativeGenerator:
         stream.result = GenerationResult(
             text=matcher.text, token_ids=tokens, from_draft=flags, stats=stats,
             finish_reason=stats.finish_reason, prompt_tokens=len(ids), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, stop_string=matcher.matched,
         )  # fmt: skip
 
     def score(self, prompt: Prompt | list[int], *, prompt_logprobs: int = 0, chat: bool = True,

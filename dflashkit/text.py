@@ -97,6 +97,7 @@ class StopStringMatcher:
         self.text = ""  # everything seen
         self._emitted = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, delta: str) -> str:
         """Add text; return what can be emitted now. After a stop string, returns the text before it."""
@@ -105,10 +106,10 @@ class StopStringMatcher:
         start = max(0, len(self.text) - self._hold)
         self.text += delta
         # (end, start) of each stop string found; the one that ends first wins, as it would when streaming
-        hits = [(i + len(s), i) for s in self.stop_strings if (i := self.text.find(s, start)) >= 0]
+        hits = [(i + len(s), i, s) for s in self.stop_strings if (i := self.text.find(s, start)) >= 0]
         if hits:
             self.stopped = True
-            end = min(hits)[1]
+            _, end, self.matched = min(hits)
             self.text = self.text[:end]
         else:
             end = len(self.text) - self._hold

@@ -98,3 +98,10 @@ def tool_generator() -> SpeculativeGenerator:
     gen = SpeculativeGenerator(model, byte_tokenizer(), tiny_drafter(model, block_size=4))
     gen.tokenizer.chat_template = TOOLS_TEMPLATE
     return gen
+
+
+def offline_chat(gen: SpeculativeGenerator, messages: list[dict], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int | None = None, **kw):
+    """An offline run of chat `messages` as the server's endpoints run them ("sample" proposals)."""
+    return gen.generate(gen.encode_prompt(messages, chat=True), max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed, proposal="sample", **kw)

@@ -12,15 +12,23 @@ import httpx
 import openai
 import pytest
 from conftest import merging_tokenizer, tiny_drafter, tiny_target
-from live_server import LiveServer, metric, tiny_byte_generator, tiny_generator, tool_generator, wait_until
+from live_server import (
+    LiveServer,
+    metric,
+    offline_chat,
+    tiny_byte_generator,
+    tiny_generator,
+    tool_generator,
+    wait_until,
+)
 from pydantic import BaseModel
 
 from dflashkit import SpeculativeGenerator
 from dflashkit.chat import continued_prompt
 from dflashkit.prefix_cache import common_prefix
 from dflashkit.server import create_app
-from dflashkit.text import render_chat
 from dflashkit.server.responses_api import input_messages
+from dflashkit.text import render_chat
 from dflashkit.tool_calls import ToolRequest, parse_tool_calls
 
 MODEL = "tiny-llama"
@@ -47,18 +55,13 @@ def client(live) -> openai.OpenAI:
     return _client(live)
 
 
-def _offline(gen, messages, max_new_tokens, temperature=0.0, seed=None, **kw):
-    return gen.generate(gen.encode_prompt(messages, chat=True), max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=seed, proposal="sample", **kw)
-
-
 def test_text_answer_equals_offline_chat_and_streams_the_same(client, offline) -> None:
     """instructions + input text = a system and a user turn; the answer, its usage and its status (incomplete at
     max_output_tokens) are those of offline generation; the stream's deltas and its final response agree."""
     messages = [{"role": "system", "content": "w9 w10"}, {"role": "user", "content": "w5 w6 w7"}]
     for options in ({"temperature": 0.0}, SAMPLED):
         seed = options.get("extra_body", {}).get("seed")
-        expected = _offline(offline, messages, 12, options["temperature"], seed)
+        expected = offline_chat(offline, messages, 12, options["temperature"], seed)
         resp = client.responses.create(model=MODEL, instructions="w9 w10", input="w5 w6 w7", max_output_tokens=12,
                                        **options)
         assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == MODEL
@@ -88,7 +91,7 @@ def test_text_answer_equals_offline_chat_and_streams_the_same(client, offline) -
     # an answer that ends: the client's stream helper accumulates the events to the final response
     words = expected.text.split(" ")
     stop = " " + words[3]
-    cut = _offline(offline, messages, 12, 1.0, 3, stop=[stop])
+    cut = offline_chat(offline, messages, 12, 1.0, 3, stop=[stop])
     with client.responses.stream(model=MODEL, instructions="w9 w10", input="w5 w6 w7", max_output_tokens=12,
                                  temperature=1.0, extra_body={"seed": 3, "stop": stop}) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
@@ -106,14 +109,14 @@ def test_previous_response_id_continues_the_stored_conversation(client, offline)
                                      previous_response_id=first.id, max_output_tokens=6, temperature=0)
     conversation = [{"role": "user", "content": "w5 w6 w7 w8"}, {"role": "assistant", "content": first.output_text},
                     {"role": "user", "content": "w7 w8"}]
-    expected = _offline(offline, conversation, 6)
+    expected = offline_chat(offline, conversation, 6)
     assert second.output_text == expected.text and second.previous_response_id == first.id
     assert second.usage.input_tokens == expected.prompt_tokens
     assert 0 < second.usage.input_tokens_details.cached_tokens < expected.prompt_tokens
     # new instructions go first; the stored turns carry none
     third = client.responses.create(model=MODEL, instructions="w11", input="w9", previous_response_id=second.id,
                                     max_output_tokens=4, temperature=0)
-    assert third.output_text == _offline(offline, [{"role": "system", "content": "w11"}, *conversation,
+    assert third.output_text == offline_chat(offline, [{"role": "system", "content": "w11"}, *conversation,
                                                    {"role": "assistant", "content": second.output_text},
                                                    {"role": "user", "content": "w9"}], 4).text
     fourth = client.responses.create(model=MODEL, input="w9", previous_response_id=third.id, max_output_tokens=4,

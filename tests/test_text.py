@@ -241,11 +241,13 @@ def test_text_before_stop_is_emitted_nothing_after():
 
 def test_earliest_of_several_stop_strings_wins():
     assert run_matcher(["world", "lo"], ["hello world"])[2].text == "hel"
+    assert run_matcher(["world", "lo"], ["hello world"])[2].matched == "lo"  # the one that ended the text
+    assert run_matcher(["world"], ["hello"])[2].matched is None
     assert run_matcher(["lo", "world"], ["hello world"])[2].text == "hel"  # order of the list is irrelevant
     assert run_matcher(["bcd", "abc"], ["xabcd"])[2].text == "x"  # overlapping: the earlier one
     assert run_matcher(["ab", "abc"], ["zzabc"])[2].text == "zz"  # one a prefix of the other
     outs, tail, m = run_matcher(["cde", "abc"], list("xxabcde"))  # char by char: "abc" completes first
-    assert "".join(outs) + tail == "xx" == m.text
+    assert "".join(outs) + tail == "xx" == m.text and m.matched == "abc"
 
 
 def test_hold_back_is_bounded_and_released_by_flush():

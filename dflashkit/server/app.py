@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: `create_app(generator)` → a FastAPI app to run with uvicorn.
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with `"stream": true`),
-/v1/responses (OpenAI's Responses API: see responses_api), /health, /metrics (Prometheus), and the playground
+/v1/responses (OpenAI's Responses API: see responses_api), /v1/messages (Anthropic's: see messages_api),
+/health, /metrics (Prometheus), and the playground
 at /. Requests are validated and tokenised on arrival
 (errors answer at once, OpenAI-style), then queued for the single engine worker (see scheduler).
 """
@@ -32,6 +33,7 @@ from ..sampling import SamplingParams
 from ..text import IncrementalDetokenizer, render_chat
 from ..tool_calls import ToolError, ToolRequest, template_messages
 from ..tree import check_budget
+from . import messages_api
 from .errors import APIError, bad_request, from_exception, install_error_handlers
 from .metrics import RequestCounter, ServerMetrics
 from .responses import Echo, ResponseBuilder, sse_event
@@ -47,7 +49,8 @@ from .responses_api import (
 from .scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
-ENDPOINTS = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
+ENDPOINTS = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+             "/v1/messages", "/v1/messages/count_tokens"}
 DISCONNECT_POLL_S = 0.1
 
 
@@ -150,7 +153,7 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
 
     app = FastAPI(title="dflashkit", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
     app.state.service, app.state.scheduler, app.state.metrics = service, scheduler, metrics
-    install_error_handlers(app)
+    install_error_handlers(app, {messages_api.PATH: messages_api.error_body})
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
 
     @app.get("/v1/models")
@@ -182,6 +185,14 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
     async def delete_response(response_id: str) -> dict[str, Any]:
         service.responses.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/messages")
+    async def messages(body: messages_api.MessagesRequest, request: Request) -> Response:
+        return await service.handle_messages(request, body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: messages_api.MessagesRequest) -> dict[str, int]:
+        return service.count_tokens(body)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -430,12 +441,29 @@ class Service:
             continuation = (text, plan.prompts[0], answer) if text is not None else None
             self.responses.put(StoredResponse(response, stored_messages(messages, history, response), continuation))
 
+        return await self._answer(request, jobs, event, deadline, builder, body.stream,
+                                  lambda result: keep(builder.final, result))
+
+    async def handle_messages(self, request: Request, body: messages_api.MessagesRequest) -> Response:
+        """/v1/messages: the chat request it means, generated as chat is, answered as an Anthropic message or its
+        event stream."""
+        plan = self.plan(body.as_chat(), chat=True)
+        jobs, event, deadline = await self._launch(request, plan)
+        builder = messages_api.MessageBuilder(plan, self.settings.model_id)
+        return await self._answer(request, jobs, event, deadline, builder, body.stream)
+
+    async def _answer(self, request: Request, jobs: list[Job], event: Event, deadline: float | None, builder: Any,
+                      stream: bool, on_done: Callable[[GenerationResult], None] | None = None) -> Response:
+        """One generation answered through a typed-event builder (Responses, Messages): its event stream, or the
+        whole object (``builder.complete``); ``on_done`` is called with the result once the builder's ``final``
+        object is made."""
         try:
-            if body.stream:
-                return _event_stream(self._responses_sse(jobs[0], event, builder, deadline, keep))
+            if stream:
+                return _event_stream(self._typed_sse(jobs[0], event, builder, deadline, on_done))
             result = await self._collect(jobs[0], event, deadline, request, builder.add)
             response = builder.complete(result)
-            keep(response, result)
+            if on_done is not None:
+                on_done(result)
             return JSONResponse(response)
         except ClientGone:
             _cancel_all(jobs)
@@ -443,6 +471,12 @@ class Service:
         except BaseException:
             _cancel_all(jobs)
             raise
+
+    def count_tokens(self, body: messages_api.MessagesRequest) -> dict[str, int]:
+        """/v1/messages/count_tokens: the prompt's tokens as /v1/messages would see them."""
+        self.check_model(body.model)
+        chat_body = body.as_chat(generation=False)
+        return {"input_tokens": len(self._encode(chat_body, True, chat_body.tool_request())[0])}
 
     async def _launch(self, request: Request, plan: Plan) -> tuple[list[Job], Event, float | None]:
         """Queue the plan's generations; return them with the first one's first event (a failure raised) and the
@@ -572,10 +606,11 @@ class Service:
         finally:
             _cancel_all(jobs)
 
-    async def _responses_sse(self, job: Job, event: Event | None, builder: ResponsesBuilder, deadline: float | None,
-                             keep: Callable[[dict[str, Any], GenerationResult], None]) -> AsyncIterator[str]:
-        """The Responses API's events: created, in_progress, the message's and calls' events, then completed (or
-        incomplete, or an error and failed)."""
+    async def _typed_sse(self, job: Job, event: Event | None, builder: Any, deadline: float | None,
+                         on_done: Callable[[GenerationResult], None] | None = None) -> AsyncIterator[str]:
+        """Typed server-sent events of one generation (the Responses and Messages APIs): the builder's opening
+        events, its events per delta, then its closing events (``on_done`` called with the result before they
+        go out), or its events for an error or a timeout."""
         try:
             for chunk in builder.start_events():
                 yield chunk
@@ -591,8 +626,9 @@ class Service:
                     for chunk in builder.delta_events(event.delta):
                         yield chunk
                 elif isinstance(event, Done):
-                    chunks, response = builder.done_events(event.result)
-                    keep(response, event.result)
+                    chunks = builder.done_events(event.result)
+                    if on_done is not None:
+                        on_done(event.result)
                     for chunk in chunks:
                         yield chunk
                     return

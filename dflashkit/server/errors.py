@@ -7,6 +7,7 @@ Every failure a client can cause (bad JSON, wrong types, unknown model, too-long
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -82,22 +83,32 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(message, param=param, code="missing" if first.get("type") == "missing" else "invalid_value")
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error with an OpenAI-style JSON body."""
+Renderer = Callable[[APIError], dict[str, Any]]
+
+
+def install_error_handlers(app: FastAPI, renderers: dict[str, Renderer] | None = None) -> None:
+    """Answer every error with an OpenAI-style JSON body, or, for paths that begin with a key of `renderers`, the
+    body that renderer makes (another API's error shape)."""
+
+    def respond(request: Request, error: APIError) -> JSONResponse:
+        for prefix, render in (renderers or {}).items():
+            if request.url.path.startswith(prefix):
+                return JSONResponse(render(error), status_code=error.status, headers=error.headers)
+        return error.response()
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, _validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+        return respond(request, APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return from_exception(exc).response()
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, from_exception(exc))

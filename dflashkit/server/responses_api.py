@@ -19,14 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from ..generator import GenerationResult, TextDelta
 from ..logprobs import MAX_TOP_LOGPROBS
 from ..tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 from .errors import APIError, bad_request
 from .responses import ResponseBuilder, usage
-from .schemas import ChatCompletionRequest, OpenAIRequest, Stop
+from .schemas import ChatCompletionRequest, OpenAIRequest, Stop, chat_request
 
 if TYPE_CHECKING:
     from .app import Plan
@@ -113,13 +113,7 @@ class ResponsesRequest(OpenAIRequest):
         chat.update({k: v for k, v in optional.items() if v is not None})
         if self.logprobs:
             chat.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
-        try:
-            return ChatCompletionRequest.model_validate(chat), messages
-        except ValidationError as e:
-            first = e.errors()[0]
-            loc = [str(x) for x in first.get("loc", ())]
-            raise bad_request(f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}",
-                              param=PARAMS.get(loc[0], loc[0]) if loc else None) from e
+        return chat_request(chat, PARAMS), messages
 
 
 # ---- request items → chat messages ----------------------------------------------------------------------------
@@ -298,6 +292,7 @@ class ResponsesBuilder:
         self.text: list[str] = []  # the message's text as streamed
         self.entries: list[dict[str, Any]] = []  # logprob entries of the streamed text
         self.pending: list[dict[str, Any]] = []  # logprob entries whose text is still held back
+        self.final: dict[str, Any] = {}  # streamed: the response the last event carries
 
     def envelope(self, status: str, output: list[dict[str, Any]], result: GenerationResult | None = None,
                  error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -362,7 +357,9 @@ class ResponsesBuilder:
         calls: list[ToolCall] = []
         if self.tool_names is not None:
             text, calls = parse_tool_calls(text or "", self.tool_names)
-        return self.envelope(self.status(result), self.output(text, calls, state.logprob_entries, result), result)
+        self.final = self.envelope(self.status(result), self.output(text, calls, state.logprob_entries, result),
+                                   result)
+        return self.final
 
     # ---- streamed ----------------------------------------------------------------------------------------------
 
@@ -408,8 +405,8 @@ class ResponsesBuilder:
                 return []
         return self._text_events(text)
 
-    def done_events(self, result: GenerationResult) -> tuple[list[str], dict[str, Any]]:
-        """The events that end the stream, and the response they end with."""
+    def done_events(self, result: GenerationResult) -> list[str]:
+        """The events that end the stream (the response they end with: :attr:`final`)."""
         calls: list[ToolCall] = []
         out = []
         if self.tools is not None:
@@ -439,10 +436,10 @@ class ResponsesBuilder:
                                   name=call.name, arguments=call.arguments))
             out.append(self.event("response.output_item.done", output_index=index, item=item))
             items.append(item)
-        response = self.envelope(self.status(result), items, result)
+        self.final = response = self.envelope(self.status(result), items, result)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         out.append(self.event(kind, response=response))
-        return out, response
+        return out
 
     def failed_events(self, error: APIError) -> list[str]:
         """An error mid-stream: the error event, then the response failed."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import InvalidInputError
 from ..grammar import Grammar
@@ -260,3 +260,15 @@ class ChatCompletionRequest(GenerationRequest):
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def chat_request(fields: dict[str, Any], params: dict[str, str]) -> ChatCompletionRequest:
+    """The chat request another API's request means (the Responses and Messages APIs); a field it refuses is a
+    400 naming the field as that API calls it (`params`: chat name -> its name)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = [str(x) for x in first.get("loc", ())]
+        raise bad_request(f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}",
+                          param=params.get(loc[0], loc[0]) if loc else None) from e
