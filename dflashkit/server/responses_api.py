@@ -279,7 +279,7 @@ class ResponsesBuilder:
 
     def __init__(self, plan: Plan, body: ResponsesRequest, model_id: str,
                  token_bytes: Callable[[int], bytes] | None = None) -> None:
-        self.body, self.plan = body, plan
+        self.body = body
         self.chat = ResponseBuilder(plan, model_id, token_bytes)  # text pieces, logprob entries, usage
         self.id = _item_id("resp")
         self.created_at = int(time.time())
