@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import threading
@@ -145,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stored-responses", type=int, default=256,
                    help="/v1/responses answers kept in memory, for previous_response_id and GET /v1/responses/{id} "
                    "(default: %(default)s; 0: none)")
+    s.add_argument("--api-key", default=os.environ.get("DFLASHKIT_API_KEY"),
+                   help="require this key on /v1/* ('Authorization: Bearer KEY' or 'x-api-key: KEY'; default: "
+                   "$DFLASHKIT_API_KEY, else none); /health, /metrics and the playground page stay open")
+    s.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins allowed to call the API from other pages (CORS), e.g. "
+                   "http://localhost:3000, or '*' for any (default: none)")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -720,7 +727,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
         block_size=args.block_size if args.block_size is not None else (None if args.tree else "auto"),
         proposal=args.proposal, tree=args.tree, draft_window=args.draft_window, prefix_cache_mb=args.prefix_cache_mb,
-        stored_responses=args.stored_responses,
+        stored_responses=args.stored_responses, api_key=args.api_key,
+        allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
     )  # fmt: skip
     _apply_threads(args.threads)
     gen = _load_generator(args, False)

@@ -325,7 +325,8 @@ def test_an_absent_device_fails_before_loading(loads, capsys, monkeypatch: pytes
                                           (["--port", "70000"], "--port"), (["--block-size", "1"], "block_size"),
                                           (["--tree", "0"], "tree"), (["--draft-window", "-1"], "draft_window"),
                                           (["--max-batch", "0"], "max_batch"), (["--max-batch", "17"], "max_batch"),
-                                          (["--stored-responses", "-1"], "stored_responses")])
+                                          (["--stored-responses", "-1"], "stored_responses"),
+                                          (["--api-key", " "], "api_key")])
 def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], message: str) -> None:
     rc = main(["serve", *args])
     _, err = capsys.readouterr()

@@ -22,16 +22,22 @@ PROMPT = "w5 w6 w7"
 
 
 @pytest.fixture(scope="module")
-def page():
-    app = create_app(tiny_generator(), model_id=MODEL, proposal="sample")
-    with LiveServer(app) as live, sync_api.sync_playwright() as p:
+def browser():
+    with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         try:
-            page = browser.new_page()
-            page.goto(live.url + "/")
-            yield page
+            yield browser
         finally:
             browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser):
+    app = create_app(tiny_generator(), model_id=MODEL, proposal="sample")
+    with LiveServer(app) as live:
+        page = browser.new_page()
+        page.goto(live.url + "/")
+        yield page
 
 
 def run(page, *, mode: str, temperature: float, seed: int, max_tokens: int) -> None:
@@ -124,3 +130,19 @@ def test_playground_conversation_continues_and_restores_earlier_turns(page) -> N
     page.click("#new-chat")
     assert page.eval_on_selector_all("#history .turn", "els => els.length") == 0
     page.uncheck("#conversation")
+
+
+def test_playground_asks_for_the_api_key_of_a_server_that_needs_one(browser) -> None:
+    """With --api-key the page says so and shows a key box; the typed key goes with its requests."""
+    app = create_app(tiny_generator(), model_id=MODEL, api_key="sekret")
+    with LiveServer(app) as live:
+        page = browser.new_page()
+        page.goto(live.url + "/")
+        page.wait_for_function("() => document.getElementById('model').textContent.includes('API key')")
+        assert page.is_visible("#api-key")
+        page.fill("#api-key", "sekret")
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function(f"() => document.getElementById('model').textContent.includes('{MODEL}')")
+        run(page, mode="chat", temperature=0.0, seed=1, max_tokens=6)
+        expected = tiny_generator().generate([{"role": "user", "content": PROMPT}], max_new_tokens=6)
+        assert page.inner_text("#output") == expected.text

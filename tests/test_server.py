@@ -884,3 +884,41 @@ def test_tool_calls_per_choice_with_n() -> None:
         assert streamed == expected and finish == {0: "tool_calls", 1: "tool_calls"}
         for calls in expected.values():
             assert len(calls) == 1 and json.loads(calls[0])["color"] in ("red", "green")
+
+
+# ---- API key, CORS --------------------------------------------------------------------------------------------
+
+
+def test_api_key_guards_the_api_and_cors_answers_allowed_origins() -> None:
+    """--api-key: /v1/* needs the key (OpenAI's bearer header or Anthropic's x-api-key; checked before the body),
+    each API answering 401 in its own error shape; /health, /metrics and the page stay open. --allowed-origins:
+    browsers' preflight requests from those origins (and only those) are allowed."""
+    import anthropic
+
+    app = create_app(tiny_generator(), model_id=MODEL, api_key="sekret", allowed_origins=["http://ui.example"])
+    with LiveServer(app) as live:
+        for path in ("/v1/models", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
+            r = httpx.post(live.url + path, json={"bad": 1}) if path != "/v1/models" else httpx.get(live.url + path)
+            assert r.status_code == 401, (path, r.text)
+            error = r.json()["error"]
+            assert error["type"] == ("authentication_error" if path == "/v1/messages" else "invalid_request_error")
+            assert "API key" in error["message"]
+        for path in ("/health", "/metrics", "/"):
+            assert httpx.get(live.url + path).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=live.url + "/v1", api_key="sekret", max_retries=0)
+        assert good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}],
+                                            max_tokens=3).usage.completion_tokens == 3
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=live.url, api_key="wrong", max_retries=0).messages.create(
+                model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "w5"}])
+        assert anthropic.Anthropic(base_url=live.url, api_key="sekret", max_retries=0).messages.create(
+            model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "w5"}]).usage.output_tokens == 3
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        r = httpx.options(live.url + "/v1/chat/completions", headers={"Origin": "http://ui.example", **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = httpx.options(live.url + "/v1/chat/completions", headers={"Origin": "http://other.example", **preflight})
+        assert "access-control-allow-origin" not in r.headers
+    with pytest.raises(InvalidInputError, match="api_key"):
+        create_app(tiny_generator(), api_key=" ")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ..batching import BatchMember, ComputeThread, ForwardBatcher
@@ -77,6 +79,8 @@ class ServerSettings:
     draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
     prefix_cache_mb: float = 256.0  # finished generations kept for prompts that begin the same way (0: none)
     stored_responses: int = 256  # /v1/responses kept in memory for previous_response_id (0: none)
+    api_key: str | None = None  # /v1/* then needs "Authorization: Bearer KEY" or "x-api-key: KEY"
+    allowed_origins: list[str] = field(default_factory=list)  # browser origins allowed cross-origin calls (CORS)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -94,6 +98,8 @@ class ServerSettings:
             check_budget(self.tree)
         check_draft_window(self.draft_window)
         PrefixCache.of_mib(self.prefix_cache_mb)  # checks the size
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise InvalidInputError("api_key must be non-empty text without surrounding spaces")
         if not isinstance(self.stored_responses, int) or self.stored_responses < 0:
             raise InvalidInputError(f"stored_responses must be an integer >= 0, got {self.stored_responses!r}")
         if self.block_size is not None and self.block_size != "auto" and (
@@ -151,10 +157,15 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
             if owned:
                 compute.stop()
 
-    app = FastAPI(title="dflashkit", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
+    dependencies = [Depends(_key_check(settings.api_key))] if settings.api_key is not None else []
+    app = FastAPI(title="dflashkit", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan,
+                  dependencies=dependencies)
     app.state.service, app.state.scheduler, app.state.metrics = service, scheduler, metrics
     install_error_handlers(app, {messages_api.PATH: messages_api.error_body})
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
+    if settings.allowed_origins:  # answers browsers' preflight requests itself (before any key check)
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -218,6 +229,23 @@ def _best(results: list[GenerationResult], n: int) -> list[int]:
         lps = results[i].logprobs or []
         return sum(lp.logprob for lp in lps) / max(1, len(lps))
     return sorted(range(len(results)), key=lambda i: (-score(i), i))[:n]
+
+
+def _key_check(key: str) -> Callable[[Request], None]:
+    """A dependency refusing /v1/* requests that do not carry `key` (OpenAI's bearer header or Anthropic's
+    x-api-key); /health, /metrics and the playground page stay open, as in llama-server and vLLM."""
+    expected = key.encode()
+
+    def check(request: Request) -> None:
+        if not request.url.path.startswith("/v1/"):
+            return
+        bearer = request.headers.get("authorization", "")
+        sent = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(sent.strip().encode(), expected):
+            raise APIError(401, "Invalid or missing API key: this server needs 'Authorization: Bearer KEY' (or "
+                           "'x-api-key: KEY')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
