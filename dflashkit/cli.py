@@ -738,7 +738,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(gen, settings, compute=compute)
     gen.warmup()
     print(f"Serving {settings.model_id!r} at http://{args.host}:{args.port} (playground: /, API: /v1, "
-          f"metrics: /metrics); up to {settings.max_batch} generations at once, {settings.max_queue} waiting",
+          f"metrics: /metrics); up to {settings.max_batch} generations at once, {settings.max_queue} waiting"
+          + ("; /v1 needs the API key" if settings.api_key is not None else ""),
           file=sys.stderr)  # fmt: skip
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
 
