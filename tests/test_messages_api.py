@@ -190,3 +190,14 @@ def test_timeout_is_an_error_event_mid_stream() -> None:
                 client.messages.stream(**ask) as stream:
             for _ in stream:
                 pass
+
+
+def test_models_list_reads_in_both_clients(live) -> None:
+    """/v1/models answers the OpenAI client's and the Anthropic client's model calls."""
+    import openai
+
+    models = _client(live).models.list()
+    assert [m.id for m in models.data] == [MODEL] and models.data[0].type == "model"
+    assert models.data[0].display_name == MODEL and models.data[0].created_at.year >= 2026
+    assert _client(live).models.retrieve(MODEL).id == MODEL
+    assert [m.id for m in openai.OpenAI(base_url=live.url + "/v1", api_key="x").models.list()] == [MODEL]

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from importlib import resources
 from typing import Any
 
@@ -169,7 +170,8 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [service.model_card()]}
+        card = service.model_card()  # the list in OpenAI's shape and Anthropic's at once (their keys differ)
+        return {"object": "list", "data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
@@ -273,8 +275,12 @@ class Service:
     # ---- small endpoints ---------------------------------------------------------------------------------
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.settings.model_id, "object": "model", "created": self.settings.created,
-                "owned_by": "dflashkit"}
+        """The served model, in OpenAI's shape (object, created, owned_by) and Anthropic's (type, display_name,
+        created_at)."""
+        created = self.settings.created
+        return {"id": self.settings.model_id, "object": "model", "created": created, "owned_by": "dflashkit",
+                "type": "model", "display_name": self.settings.model_id,
+                "created_at": datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")}
 
     def check_model(self, model: str) -> None:
         if model != self.settings.model_id:
