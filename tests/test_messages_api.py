@@ -201,3 +201,17 @@ def test_models_list_reads_in_both_clients(live) -> None:
     assert models.data[0].display_name == MODEL and models.data[0].created_at.year >= 2026
     assert _client(live).models.retrieve(MODEL).id == MODEL
     assert [m.id for m in openai.OpenAI(base_url=live.url + "/v1", api_key="x").models.list()] == [MODEL]
+
+
+def test_fields_a_coding_agent_sends_are_taken(client, offline) -> None:
+    """What agents such as Claude Code add (cache_control on blocks, metadata, thinking, a system of blocks,
+    anthropic-beta headers, ?beta=true) is accepted; the answer is the plain request's."""
+    plain = client.messages.create(model=MODEL, max_tokens=6, system="w20",
+                                   messages=[{"role": "user", "content": PROMPT}], **GREEDY)
+    ephemeral = {"type": "ephemeral"}
+    busy = client.messages.create(
+        model=MODEL, max_tokens=6, metadata={"user_id": "u1"}, thinking={"type": "enabled", "budget_tokens": 1024},
+        system=[{"type": "text", "text": "w20", "cache_control": ephemeral}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": PROMPT, "cache_control": ephemeral}]}],
+        extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"}, extra_query={"beta": "true"}, **GREEDY)
+    assert busy.content[0].text == plain.content[0].text
