@@ -10,7 +10,15 @@ import json
 import anthropic
 import httpx
 import pytest
-from live_server import LiveServer, offline_chat, tiny_byte_generator, tiny_generator, tool_generator
+from live_server import (
+    TEXT_THEN_CALL,
+    LiveServer,
+    offline_chat,
+    scripted,
+    tiny_byte_generator,
+    tiny_generator,
+    tool_generator,
+)
 from pydantic import BaseModel
 
 from dflashkit.server import create_app
@@ -215,3 +223,19 @@ def test_fields_a_coding_agent_sends_are_taken(client, offline) -> None:
         messages=[{"role": "user", "content": [{"type": "text", "text": PROMPT, "cache_control": ephemeral}]}],
         extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"}, extra_query={"beta": "true"}, **GREEDY)
     assert busy.content[0].text == plain.content[0].text
+
+
+def test_text_then_a_call_is_a_text_then_a_tool_use_block_streamed_or_not() -> None:
+    app = create_app(tool_generator(), model_id=MODEL)
+    scripted(app, TEXT_THEN_CALL)
+    with LiveServer(app) as live:
+        client = _client(live)
+        ask = {"model": MODEL, "max_tokens": 50, "tools": [PICK_TOOL],
+               "messages": [{"role": "user", "content": "Pick a color."}]}
+        whole = client.messages.create(**ask)
+        with client.messages.stream(**ask) as stream:
+            final = stream.get_final_message()
+    for msg in (whole, final):
+        text, call = msg.content
+        assert msg.stop_reason == "tool_use" and text.type == "text" and text.text.startswith("Let me pick.")
+        assert call.type == "tool_use" and (call.name, call.input) == ("pick_color", {"color": "red"})

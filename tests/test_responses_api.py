@@ -13,9 +13,11 @@ import openai
 import pytest
 from conftest import merging_tokenizer, tiny_drafter, tiny_target
 from live_server import (
+    TEXT_THEN_CALL,
     LiveServer,
     metric,
     offline_chat,
+    scripted,
     tiny_byte_generator,
     tiny_generator,
     tool_generator,
@@ -343,3 +345,22 @@ def test_a_continued_response_keeps_the_tokens_the_model_wrote() -> None:
     assert second.output_text == offline.generate(ids2, max_new_tokens=8).text
     # re-encoded, the conversation would have parted from the stored tokens within the answer
     assert common_prefix(offline.encode_prompt(messages), ids1 + answer) < len(ids1) + len(answer) - 1
+
+
+def test_text_then_a_call_is_a_message_then_a_function_call_item_streamed_or_not() -> None:
+    """An answer with text before its call: output [message, function_call], the same through the client's
+    stream helper (whose accumulation checks the events' item ids and indices) as in the whole response."""
+    app = create_app(tool_generator(), model_id=MODEL)
+    scripted(app, TEXT_THEN_CALL)
+    with LiveServer(app) as live:
+        client = _client(live)
+        ask = {"model": MODEL, "input": "Pick a color.", "tools": [PICK_TOOL], "max_output_tokens": 50}
+        whole = client.responses.create(**ask)
+        with client.responses.stream(**ask) as stream:
+            texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+            final = stream.get_final_response()
+    for resp in (whole, final):
+        message, call = resp.output
+        assert message.type == "message" and call.type == "function_call" and resp.status == "completed"
+        assert (call.name, call.arguments) == ("pick_color", '{"color": "red"}')
+    assert whole.output_text.strip() == "Let me pick." and "".join(texts) == final.output_text == "Let me pick. "
