@@ -9,7 +9,11 @@ trained for it; prompt lookup still drafts). Greedy. Prints what each request ga
 1. a weather question with a `get_weather` tool and `tool_choice` auto;
 2. the same conversation with that call and the tool's answer sent back;
 3. a question that needs no tool, with `tool_choice` required and parallel calls off, streamed;
-4. that question with `tool_choice` auto.
+4. that question with `tool_choice` auto;
+5. the weather question through the Responses API (`client.responses`): its function_call item, then the tool's
+   answer as a function_call_output after previous_response_id;
+6. the weather question through Anthropic's Messages API (the `anthropic` client): its tool_use block, then the
+   tool's answer as a tool_result.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import threading
 import time
 
+import anthropic
 import openai
 import torch
 import uvicorn
@@ -38,6 +43,15 @@ WEATHER = {"type": "function", "function": {
 def show(label: str, choice) -> None:
     calls = [(c.function.name, c.function.arguments) for c in (choice.message.tool_calls or [])]
     print(f"{label}: finish_reason {choice.finish_reason}, content {choice.message.content!r}, tool_calls {calls}")
+
+
+def _item(item) -> str:
+    """A Responses output item or an Anthropic content block, in one line."""
+    if item.type in ("function_call", "tool_use"):
+        arguments = item.arguments if item.type == "function_call" else json.dumps(item.input)
+        return f"{item.type} {item.name}({arguments})"
+    text = item.text if item.type == "text" else "".join(part.text for part in item.content)
+    return f"{item.type} {text!r}"
 
 
 def main() -> None:
@@ -76,6 +90,36 @@ def main() -> None:
         print(f"3. joke, required, streamed: finish_reason {deltas[-1].finish_reason}, content "
               f"{''.join(d.delta.content or '' for d in deltas)!r}, tool_calls {calls}")
         show("4. joke, auto", client.chat.completions.create(messages=joke, **ask).choices[0])
+        weather = "What is the weather like in Paris right now?"
+        answer = json.dumps({"temperature": 14, "unit": "celsius", "sky": "light rain"})
+        tool = {"type": "function", **WEATHER["function"]}
+        resp = client.responses.create(model="qwen", input=weather, tools=[tool], temperature=0,
+                                       max_output_tokens=args.max_tokens)
+        print(f"5. Responses API: status {resp.status}, output {[_item(i) for i in resp.output]}")
+        call = next((i for i in resp.output if i.type == "function_call"), None)
+        if call is not None:
+            more = client.responses.create(model="qwen", previous_response_id=resp.id, tools=[tool], temperature=0,
+                                           max_output_tokens=args.max_tokens, input=[
+                                               {"type": "function_call_output", "call_id": call.call_id,
+                                                "output": answer}])
+            print(f"   with the tool's answer: {more.output_text!r} ({more.usage.input_tokens_details.cached_tokens} "
+                  f"of {more.usage.input_tokens} prompt tokens restored)")
+        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused", max_retries=0,
+                                     timeout=600)
+        anthropic_tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+                          "input_schema": WEATHER["function"]["parameters"]}
+        asked = [{"role": "user", "content": weather}]
+        msg = claude.messages.create(model="qwen", max_tokens=args.max_tokens, tools=[anthropic_tool],
+                                     messages=asked, extra_body={"temperature": 0})
+        print(f"6. Messages API: stop_reason {msg.stop_reason}, content {[_item(b) for b in msg.content]}")
+        use = next((b for b in msg.content if b.type == "tool_use"), None)
+        if use is not None:
+            after = claude.messages.create(
+                model="qwen", max_tokens=args.max_tokens, tools=[anthropic_tool], extra_body={"temperature": 0},
+                messages=[*asked, {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                        "content": answer}]}])  # fmt: skip
+            print(f"   with the tool's answer: {after.content[0].text!r} (stop_reason {after.stop_reason})")
     finally:
         server.should_exit = True
         thread.join(30)
