@@ -267,7 +267,8 @@ BAD = [
     ({"input": "w5", "top_logprobs": 99}, 400, "top_logprobs"),
     ({"input": "w5", "temperature": 3}, 400, "temperature"),
     ({"input": "w5", "background": True}, 400, "background"),
-    ({"input": "w5", "truncation": "auto"}, 400, "truncation"),
+    ({"input": "w5", "truncation": "sometimes"}, 400, "truncation"),
+    ({"input": " ".join(["w5"] * 600), "truncation": "auto"}, 400, "input"),  # the last turn alone is too long
     ({"input": "w5", "conversation": "conv_1"}, 400, "conversation"),
     ({"input": "w5", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
     ({"input": "w5", "model": "other"}, 404, "model"),
@@ -364,3 +365,28 @@ def test_text_then_a_call_is_a_message_then_a_function_call_item_streamed_or_not
         assert message.type == "message" and call.type == "function_call" and resp.status == "completed"
         assert (call.name, call.arguments) == ("pick_color", '{"color": "red"}')
     assert whole.output_text.strip() == "Let me pick." and "".join(texts) == final.output_text == "Let me pick. "
+
+
+def test_truncation_auto_drops_the_earliest_turns_until_the_prompt_fits(client, offline) -> None:
+    """A conversation past the context: refused with truncation "disabled" (the default); with "auto", its earliest
+    turns are left out, whole (what is kept begins with a user message, even where leaving out the first message
+    alone would fit) and the answer is offline generation of what is kept; the stored conversation keeps every
+    turn, so each later request truncates again."""
+    long = " ".join(f"w{4 + i % 90}" for i in range(200))
+    first = client.responses.create(model=MODEL, input=long, max_output_tokens=40, temperature=0)
+    second = client.responses.create(model=MODEL, input=long, previous_response_id=first.id, max_output_tokens=40,
+                                     temperature=0)
+    with pytest.raises(openai.BadRequestError) as e:  # 2 x 200 + 2 x 40 + 1 prompt tokens + 60 > 512 positions
+        client.responses.create(model=MODEL, input="w5", previous_response_id=second.id, max_output_tokens=60)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_output_tokens"
+    third = client.responses.create(model=MODEL, input="w5", previous_response_id=second.id, max_output_tokens=60,
+                                    truncation="auto", temperature=0)
+    kept = [{"role": "user", "content": long}, {"role": "assistant", "content": second.output_text},
+            {"role": "user", "content": "w5"}]  # the first turn left out, the second kept
+    expected = offline_chat(offline, kept, 60)
+    assert third.truncation == "auto" and third.output_text == expected.text
+    assert third.usage.input_tokens == expected.prompt_tokens
+    fourth = client.responses.create(model=MODEL, input="w6", previous_response_id=third.id, max_output_tokens=4,
+                                     truncation="auto", temperature=0)
+    assert fourth.usage.input_tokens == len(offline.encode_prompt(  # the first turn left out again, the rest fits
+        [*kept, {"role": "assistant", "content": third.output_text}, {"role": "user", "content": "w6"}]))

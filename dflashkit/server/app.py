@@ -46,6 +46,7 @@ from .responses_api import (
     ResponsesRequest,
     ResponseStore,
     StoredResponse,
+    next_turn,
     renamed,
     stored_messages,
 )
@@ -457,8 +458,19 @@ class Service:
             previous = (self.responses.get(body.previous_response_id, param="previous_response_id")
                         if body.previous_response_id is not None else None)
             history = previous.messages if previous is not None else []
-            chat_body, messages = body.as_chat(history)
-            plan = self.plan(chat_body, chat=True, continues=previous.continuation if previous is not None else None)
+            drop = 0  # truncation "auto": the earliest turns left out until the prompt and its answer fit
+            while True:
+                chat_body, messages = body.as_chat(history, drop)
+                try:
+                    plan = self.plan(chat_body, chat=True,
+                                     continues=previous.continuation if previous is not None and not drop else None)
+                    break
+                except APIError as e:
+                    later = (next_turn([*history, *messages], drop) if body.truncation == "auto"
+                             and e.code == "context_length_exceeded" else None)
+                    if later is None:
+                        raise
+                    drop = later
             jobs, event, deadline = await self._launch(request, plan)
         except APIError as e:
             raise renamed(e) from e

@@ -78,9 +78,6 @@ class ResponsesRequest(OpenAIRequest):
         if self.background:
             raise bad_request("background responses are not supported by this server: leave background false",
                               param="background", code="unsupported_parameter")
-        if self.truncation == "auto":
-            raise bad_request("truncation 'auto' is not supported by this server: a prompt longer than the context "
-                              "is refused (truncation 'disabled')", param="truncation", code="unsupported_parameter")
         for name in ("conversation", "prompt"):
             if (self.model_extra or {}).get(name) is not None:
                 raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
@@ -96,14 +93,14 @@ class ResponsesRequest(OpenAIRequest):
             raise bad_request(f"text.format must be an object, got {fmt!r:.80}", param="text")
         return fmt
 
-    def as_chat(self, history: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
-        """The chat request this request means, after the conversation `history` (chat messages), and the
-        messages of its input (to store with its answer)."""
+    def as_chat(self, history: list[dict[str, Any]], drop: int = 0) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+        """The chat request this request means, after the conversation `history` (chat messages) less its first
+        `drop` messages (truncation), and the messages of its input (to store with its answer)."""
         self.check_supported()
         messages = input_messages(self.input)
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         chat: dict[str, Any] = {
-            "model": self.model, "messages": [*system, *history, *messages], "temperature": self.temperature,
+            "model": self.model, "messages": [*system, *[*history, *messages][drop:]], "temperature": self.temperature,
             "top_p": self.top_p, "stream": self.stream, "parallel_tool_calls": self.parallel_tool_calls,
             "top_k": self.top_k, "cache_prompt": self.cache_prompt,
         }
@@ -188,6 +185,13 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             raise bad_request(f"{where}: items of type {kind!r} are not supported (message, function_call and "
                               "function_call_output are)", param="input", code="unsupported_content")
     return out
+
+
+def next_turn(conversation: list[dict[str, Any]], start: int) -> int | None:
+    """Where the conversation goes on after dropping its earliest turn from `start` (truncation "auto"): the next
+    user message after it, so that what is kept begins with a user turn (never an answer or a tool's result
+    without the call before it); None when the last user turn is all that is left."""
+    return next((i for i in range(start + 1, len(conversation)) if conversation[i]["role"] == "user"), None)
 
 
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
