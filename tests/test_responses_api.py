@@ -390,3 +390,28 @@ def test_truncation_auto_drops_the_earliest_turns_until_the_prompt_fits(client, 
                                      truncation="auto", temperature=0)
     assert fourth.usage.input_tokens == len(offline.encode_prompt(  # the first turn left out again, the rest fits
         [*kept, {"role": "assistant", "content": third.output_text}, {"role": "user", "content": "w6"}]))
+
+
+def test_input_items_list_the_request_input(client) -> None:
+    """GET /v1/responses/{id}/input_items: the request's own input items, with ids, newest first by default,
+    paged (the client's auto-pagination walks them with after)."""
+    resp = client.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"role": "developer", "content": "w9"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "w5 w6"}]},
+        {"role": "assistant", "content": "w7"}, {"role": "user", "content": "w8"}])
+    items = client.responses.input_items.list(resp.id, order="asc").data
+    assert [(i.role, [c.text for c in i.content]) for i in items] == [
+        ("developer", ["w9"]), ("user", ["w5 w6"]), ("assistant", ["w7"]), ("user", ["w8"])]
+    assert all(i.type == "message" and i.id.startswith("msg_") for i in items)
+    newest_first = client.responses.input_items.list(resp.id)
+    assert [i.id for i in newest_first.data] == [i.id for i in reversed(items)]
+    assert [i.id for i in client.responses.input_items.list(resp.id, limit=1, order="asc")] == [i.id for i in items]
+    page = client.responses.input_items.list(resp.id, limit=2, order="asc", after=items[0].id)
+    assert [i.id for i in page.data] == [items[1].id, items[2].id] and page.has_more
+    text = client.responses.create(model=MODEL, input="w5", max_output_tokens=2)
+    (only,) = client.responses.input_items.list(text.id).data
+    assert only.role == "user" and only.content[0].text == "w5"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(resp.id, after="msg_unknown")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")

@@ -46,6 +46,7 @@ from .responses_api import (
     ResponsesRequest,
     ResponseStore,
     StoredResponse,
+    listed_items,
     next_turn,
     renamed,
     stored_messages,
@@ -194,6 +195,11 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
         return service.responses.get(response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: str | None = None, limit: int = 20,
+                               order: str = "desc") -> dict[str, Any]:
+        return service.responses.input_items(response_id, after, limit, order)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
@@ -485,7 +491,8 @@ class Service:
             while answer and answer[-1] in self.generator.eos_token_ids:
                 answer.pop()
             continuation = (text, plan.prompts[0], answer) if text is not None else None
-            self.responses.put(StoredResponse(response, stored_messages(messages, history, response), continuation))
+            self.responses.put(StoredResponse(response, stored_messages(messages, history, response), continuation,
+                                              listed_items(body.input)))
 
         return await self._answer(request, jobs, event, deadline, builder, body.stream,
                                   lambda result: keep(builder.final, result))

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
@@ -187,6 +187,20 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def listed_items(items: str | list[Any]) -> list[dict[str, Any]]:
+    """A request's input as GET /v1/responses/{id}/input_items lists it: each item with an id (its own, if it
+    had one) and a status, a text as a user message, text content as content parts."""
+    out = []
+    for item in [{"role": "user", "content": items}] if isinstance(items, str) else items:
+        item = {"type": "message", **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(item["type"], "item")
+        out.append({"id": _item_id(prefix), "status": "completed", **item})
+    return out
+
+
 def next_turn(conversation: list[dict[str, Any]], start: int) -> int | None:
     """Where the conversation goes on after dropping its earliest turn from `start` (truncation "auto"): the next
     user message after it, so that what is kept begins with a user turn (never an answer or a tool's result
@@ -238,6 +252,7 @@ class StoredResponse:
     # (dflashkit.chat.continued_prompt), so the prefix cache restores the whole turn, not only up to where
     # re-encoding the answer's text would give other tokens
     continuation: Continuation | None = None
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # the request's input, listed (listed_items)
 
 
 class ResponseStore:
@@ -270,6 +285,24 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         self.get(response_id)
         del self._items[response_id]
+
+    def input_items(self, response_id: str, after: str | None = None, limit: int = 20,
+                    order: str = "desc") -> dict[str, Any]:
+        """GET /v1/responses/{id}/input_items: the response's input items, a page of them (OpenAI's list shape)."""
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit must be in 1..100, got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be asc or desc, got {order!r}", param="order")
+        items = self.get(response_id).input_items
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise bad_request(f"after names no input item of this response: {after!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 # ---- the answer ----------------------------------------------------------------------------------------------
