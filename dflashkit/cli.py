@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("DFLASHKIT_API_KEY"),
                    help="require this key on /v1/* ('Authorization: Bearer KEY' or 'x-api-key: KEY'; default: "
                    "$DFLASHKIT_API_KEY, else none); /health, /metrics and the playground page stay open")
+    s.add_argument("--clamp-max-tokens", action="store_true",
+                   help="lower a max_tokens that goes past the context to what fits (the answer then ends there, "
+                   "finish_reason length) instead of refusing the request; for clients that always send a large "
+                   "max_tokens, e.g. coding agents (llama-server's behaviour)")
     s.add_argument("--allowed-origins", default="",
                    help="comma-separated browser origins allowed to call the API from other pages (CORS), e.g. "
                    "http://localhost:3000, or '*' for any (default: none)")
@@ -727,7 +731,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
         block_size=args.block_size if args.block_size is not None else (None if args.tree else "auto"),
         proposal=args.proposal, tree=args.tree, draft_window=args.draft_window, prefix_cache_mb=args.prefix_cache_mb,
-        stored_responses=args.stored_responses, api_key=args.api_key,
+        stored_responses=args.stored_responses, api_key=args.api_key, clamp_max_tokens=args.clamp_max_tokens,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
     )  # fmt: skip
     _apply_threads(args.threads)

@@ -239,3 +239,16 @@ def test_text_then_a_call_is_a_text_then_a_tool_use_block_streamed_or_not() -> N
         text, call = msg.content
         assert msg.stop_reason == "tool_use" and text.type == "text" and text.text.startswith("Let me pick.")
         assert call.type == "tool_use" and (call.name, call.input) == ("pick_color", {"color": "red"})
+
+
+def test_clamp_max_tokens_lowers_a_budget_past_the_context() -> None:
+    """--clamp-max-tokens: a max_tokens past the context (an agent's fixed 32000) runs to the context's end
+    instead of a 400; without it, the 400 says the most that fits."""
+    ask = {"model": MODEL, "max_tokens": 32000, "messages": [{"role": "user", "content": "w5 w6 w7"}], **GREEDY}
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL)) as live, \
+            pytest.raises(anthropic.BadRequestError, match="at most 509"), _client(live).messages.stream(**ask):
+        pass
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, clamp_max_tokens=True)) as live:
+        with _client(live).messages.stream(**ask) as stream:
+            msg = stream.get_final_message()
+        assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 512 - 3

@@ -83,6 +83,7 @@ class ServerSettings:
     prefix_cache_mb: float = 256.0  # finished generations kept for prompts that begin the same way (0: none)
     stored_responses: int = 256  # /v1/responses kept in memory for previous_response_id (0: none)
     api_key: str | None = None  # /v1/* then needs "Authorization: Bearer KEY" or "x-api-key: KEY"
+    clamp_max_tokens: bool = False  # a max_tokens past the context is lowered to what fits instead of refused
     allowed_origins: list[str] = field(default_factory=list)  # browser origins allowed cross-origin calls (CORS)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -366,6 +367,8 @@ class Service:
                 "tokens: shorten it.", param=param, code="context_length_exceeded")  # fmt: skip
         room = context - len(ids)
         requested = body.requested_max_tokens()
+        if requested is not None and requested > room and self.settings.clamp_max_tokens:
+            return room
         if requested is not None and requested > room:
             raise bad_request(
                 f"This model's maximum context length is {context} tokens. However, you requested "
