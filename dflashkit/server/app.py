@@ -467,19 +467,7 @@ class Service:
             previous = (self.responses.get(body.previous_response_id, param="previous_response_id")
                         if body.previous_response_id is not None else None)
             history = previous.messages if previous is not None else []
-            drop = 0  # truncation "auto": the earliest turns left out until the prompt and its answer fit
-            while True:
-                chat_body, messages = body.as_chat(history, drop)
-                try:
-                    plan = self.plan(chat_body, chat=True,
-                                     continues=previous.continuation if previous is not None and not drop else None)
-                    break
-                except APIError as e:
-                    later = (next_turn([*history, *messages], drop) if body.truncation == "auto"
-                             and e.code == "context_length_exceeded" else None)
-                    if later is None:
-                        raise
-                    drop = later
+            plan, chat_body, messages = self._responses_plan(body, history, previous)
             jobs, event, deadline = await self._launch(request, plan)
         except APIError as e:
             raise renamed(e) from e
@@ -499,6 +487,23 @@ class Service:
 
         return await self._answer(request, jobs, event, deadline, builder, body.stream,
                                   lambda result: keep(builder.final, result))
+
+    def _responses_plan(self, body: ResponsesRequest, history: list[dict[str, Any]], previous: StoredResponse | None
+                        ) -> tuple[Plan, ChatCompletionRequest, list[dict[str, Any]]]:
+        """The plan of a Responses request after `history` (with the chat request and its input's messages); with
+        truncation "auto", the conversation's earliest turns are left out until the prompt and its answer fit."""
+        drop = 0
+        while True:
+            chat_body, messages = body.as_chat(history, drop)
+            try:  # a continued turn's own tokens begin the prompt only while nothing is left out
+                continues = previous.continuation if previous is not None and not drop else None
+                return self.plan(chat_body, chat=True, continues=continues), chat_body, messages
+            except APIError as e:
+                later = (next_turn([*history, *messages], drop) if body.truncation == "auto"
+                         and e.code == "context_length_exceeded" else None)
+                if later is None:
+                    raise
+                drop = later
 
     async def handle_messages(self, request: Request, body: messages_api.MessagesRequest) -> Response:
         """/v1/messages: the chat request it means, generated as chat is, answered as an Anthropic message or its
