@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import Field
 
 from ..generator import GenerationResult, TextDelta
-from ..tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from ..tool_calls import ToolCall
 from .errors import APIError, bad_request
 from .responses import ResponseBuilder, usage
 from .schemas import ChatCompletionRequest, OpenAIRequest, chat_request
@@ -194,8 +194,6 @@ class MessageBuilder:
         self.chat = ResponseBuilder(plan, model_id)  # the text pieces and the usage
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model_id
-        self.tool_names = self.chat.tool_names
-        self.tools = ToolCallStream(self.tool_names) if self.tool_names is not None else None
         self.blocks = 0  # content blocks opened so far
         self.text_open = False
 
@@ -227,10 +225,7 @@ class MessageBuilder:
         self.chat.add(delta)
 
     def complete(self, result: GenerationResult) -> dict[str, Any]:
-        text: str | None = "".join(self.chat.choices[0].text)
-        calls: list[ToolCall] = []
-        if self.tool_names is not None:
-            text, calls = parse_tool_calls(text or "", self.tool_names)
+        text, calls = self.chat.choices[0].whole()
         content = [{"type": "text", "text": text or ""}] if text or not calls else []
         content += [self.tool_use(call) for call in calls]
         return self.message(content, result, calls)
@@ -256,17 +251,12 @@ class MessageBuilder:
         return out
 
     def delta_events(self, delta: TextDelta) -> list[str]:
-        text, _ = self.chat.choices[0].piece(delta)
-        if self.tools is not None:  # what may be a tool call is held back until the answer ends
-            text = self.tools.feed(text)
-        return self._text_events(text)
+        return self._text_events(self.chat.choices[0].release(delta)[0])
 
     def done_events(self, result: GenerationResult) -> list[str]:
-        calls: list[ToolCall] = []
-        out = []
-        if self.tools is not None:
-            rest, calls = self.tools.finish()
-            out += self._text_events(rest)
+        state = self.chat.choices[0]
+        out = self._text_events(state.finish_calls())
+        calls = state.tool_calls
         if not calls and not self.text_open:  # an empty answer: one empty text block
             out.append(self.event("content_block_start", index=0, content_block={"type": "text", "text": ""}))
             self.text_open, self.blocks = True, 1

@@ -67,6 +67,27 @@ class ChoiceBuilder:
             self.tokens.extend(_origins(delta))
         self.logprob_entries.extend(entries)
 
+    def release(self, delta: TextDelta) -> tuple[str, list[dict[str, Any]]]:
+        """Streamed: the text `delta` releases now (with tools, what may begin a call is held back until the answer
+        ends) and its logprob entries."""
+        text, entries = self.piece(delta)
+        if self.tool_stream is not None:
+            text = self.tool_stream.feed(text)
+        return text, entries
+
+    def finish_calls(self) -> str:
+        """Streamed, when the answer ends: the held-back text still to release (its calls: ``tool_calls``)."""
+        if self.tool_stream is None:
+            return ""
+        rest, self.tool_calls = self.tool_stream.finish()
+        return rest
+
+    def whole(self) -> tuple[str | None, list[ToolCall]]:
+        """Not streamed: the answer's content (None: calls only) and its tool calls."""
+        text = "".join(self.text)
+        tools = self.builder.tool_names
+        return parse_tool_calls(text, tools) if tools is not None else (text, [])
+
     def piece(self, delta: TextDelta) -> tuple[str, list[dict[str, Any]]]:
         """The text and logprob entries `delta` adds (the echoed prompt first, on the first delta)."""
         text, entries = delta.text, []
@@ -189,10 +210,7 @@ class ResponseBuilder:
         return self._envelope([self._chunk_choice(index, None if self.chat else "", None, role=True)], chunk=True)
 
     def chunk(self, delta: TextDelta, index: int = 0) -> dict[str, Any]:
-        state = self.choices[index]
-        text, entries = state.piece(delta)
-        if state.tool_stream is not None:  # what may be a tool call is held back until the answer ends
-            text = state.tool_stream.feed(text)
+        text, entries = self.choices[index].release(delta)
         choice = self._chunk_choice(index, text, None, logprobs=self._logprobs_object(entries))
         if self.origins:
             choice["token_origins"] = _origins(delta)
@@ -201,9 +219,7 @@ class ResponseBuilder:
     def tool_chunks(self, index: int = 0) -> list[dict[str, Any]]:
         """When a choice with tools ends: the text held back as content (if not calls), then its tool calls."""
         state = self.choices[index]
-        if state.tool_stream is None:
-            return []
-        rest, state.tool_calls = state.tool_stream.finish()
+        rest = state.finish_calls()
         out = []
         if rest:
             out.append(self._envelope([self._chunk_choice(index, rest, None)], chunk=True))
@@ -238,20 +254,17 @@ class ResponseBuilder:
         choices = []
         for index, i in enumerate(keep if keep is not None else range(len(results))):
             state, result = self.choices[i], results[i]
-            text = "".join(state.text)
             logprobs = self._logprobs_object(state.logprob_entries)
             if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                calls: list[ToolCall] = []
-                if self.tool_names is not None:
-                    content, calls = parse_tool_calls(text, self.tool_names)
-                    if calls:
-                        message = {"role": "assistant", "content": content,
-                                   "tool_calls": [call.as_openai() for call in calls]}
+                content, calls = state.whole()
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = [call.as_openai() for call in calls]
                 choice = {"index": index, "message": message, "logprobs": logprobs,
                           "finish_reason": _finish_reason(result, bool(calls))}
             else:
-                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+                choice = {"index": index, "text": "".join(state.text), "logprobs": logprobs,
+                          "finish_reason": result.finish_reason}
             if self.origins:
                 choice["token_origins"] = state.tokens
             choices.append(choice)

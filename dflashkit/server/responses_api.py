@@ -23,7 +23,7 @@ from pydantic import Field
 
 from ..generator import GenerationResult, TextDelta
 from ..logprobs import MAX_TOP_LOGPROBS
-from ..tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from ..tool_calls import ToolCall
 from .errors import APIError, bad_request
 from .responses import ResponseBuilder, usage
 from .schemas import ChatCompletionRequest, OpenAIRequest, Stop, chat_request
@@ -321,8 +321,6 @@ class ResponsesBuilder:
         self.id = _item_id("resp")
         self.created_at = int(time.time())
         self.model = model_id
-        self.tool_names = self.chat.tool_names
-        self.tools = ToolCallStream(self.tool_names) if self.tool_names is not None else None
         self.sequence = 0
         self.message_id = _item_id("msg")
         self.message_open = False
@@ -390,10 +388,7 @@ class ResponsesBuilder:
 
     def complete(self, result: GenerationResult) -> dict[str, Any]:
         state = self.chat.choices[0]
-        text: str | None = "".join(state.text)
-        calls: list[ToolCall] = []
-        if self.tool_names is not None:
-            text, calls = parse_tool_calls(text or "", self.tool_names)
+        text, calls = state.whole()
         self.final = self.envelope(self.status(result), self.output(text, calls, state.logprob_entries, result),
                                    result)
         return self.final
@@ -434,23 +429,18 @@ class ResponsesBuilder:
         return out
 
     def delta_events(self, delta: TextDelta) -> list[str]:
-        text, entries = self.chat.choices[0].piece(delta)
+        text, entries = self.chat.choices[0].release(delta)
         self.pending.extend(entries)
-        if self.tools is not None:  # what may be a tool call is held back until the answer ends
-            text = self.tools.feed(text)
-            if not text:
-                return []
-        return self._text_events(text)
+        return self._text_events(text) if text or self.chat.tool_names is None else []
 
     def done_events(self, result: GenerationResult) -> list[str]:
         """The events that end the stream (the response they end with: :attr:`final`)."""
-        calls: list[ToolCall] = []
-        out = []
-        if self.tools is not None:
-            rest, calls = self.tools.finish()
-            if calls:
-                self.pending = []  # the held text was calls: no message text carries those tokens
-            out += self._text_events(rest)
+        state = self.chat.choices[0]
+        rest = state.finish_calls()
+        calls = state.tool_calls
+        if calls:
+            self.pending = []  # the held text was calls: no message text carries those tokens
+        out = self._text_events(rest)
         if not calls:
             out += self._open_message()
         items = []
