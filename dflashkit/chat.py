@@ -32,6 +32,16 @@ def continued_prompt(tokenizer: Any, text: str, previous: tuple[str, list[int], 
     return [*last_ids, *answer_ids, *tokenizer.encode(text[len(head):], add_special_tokens=False)]
 
 
+def completed_turn(prompt_text: str, prompt_ids: list[int], result: GenerationResult,
+                   eos_token_ids: list[int]) -> tuple[str, list[int], list[int]]:
+    """A finished turn as :func:`continued_prompt` takes it: the prompt's text and ids, the answer's ids without
+    its final stop tokens (the template writes its own end of turn)."""
+    answer = list(result.token_ids)
+    while answer and answer[-1] in eos_token_ids:
+        answer.pop()
+    return prompt_text, prompt_ids, answer
+
+
 class ChatSession:
     """The messages of one conversation and the cache its turns share; ``options`` are :meth:`stream`'s."""
 
@@ -82,10 +92,7 @@ class ChatSession:
                 yield delta.text
             self.last = stream.result
             if prompt_text is not None:
-                answer = list(self.last.token_ids)
-                while answer and answer[-1] in self.generator.eos_token_ids:
-                    answer.pop()
-                completed = (prompt_text, ids, answer)
+                completed = completed_turn(prompt_text, ids, self.last, self.generator.eos_token_ids)
         finally:
             if stream is not None and self.last is None:
                 stream.close()  # cut short: the generation stops here (and keeps its cache for the next turn)

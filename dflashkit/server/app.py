@@ -25,7 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ..batching import BatchMember, ComputeThread, ForwardBatcher
-from ..chat import continued_prompt
+from ..chat import completed_turn, continued_prompt
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
 from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator, TextDelta
@@ -478,10 +478,8 @@ class Service:
             if not body.store:
                 return
             text = self.chat_text(chat_body, plan.tools)
-            answer = list(result.token_ids)
-            while answer and answer[-1] in self.generator.eos_token_ids:
-                answer.pop()
-            continuation = (text, plan.prompts[0], answer) if text is not None else None
+            continuation = (completed_turn(text, plan.prompts[0], result, self.generator.eos_token_ids)
+                            if text is not None else None)
             self.responses.put(StoredResponse(response, stored_messages(messages, history, response), continuation,
                                               listed_items(body.input)))
 
