@@ -9,7 +9,7 @@ import os
 import pathlib
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
+    t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="the drafter's forward: bf16 autocast over fp32 master weights (default), or fp32 throughout "
+                   "(GPUs without bf16; exact comparisons)")
     t.add_argument("--feature-cache", choices=("auto", "on", "off"), default="auto",
                    help="keep the target's features (and soft labels) on disk, one target pass per sequence per run; "
                    "auto = on for the CPU (a target pass costs more than reading them back), off on a GPU")
@@ -477,6 +480,7 @@ def _target_slug(target: str | None) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     import pathlib
 
+    from .distributed import from_environment
     from .errors import InvalidInputError
     from .models import cache_dir, load_target
     from .train import TrainConfig, Trainer, data_folders
@@ -495,27 +499,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ValueError:
         raise InvalidInputError(f"--target-layers takes layer indices separated by commas, e.g. 1,14,27; got "
                                 f"{args.target_layers!r}") from None
+    parallel, device = from_environment(args.device)  # under torchrun: this process's rank and device
     cfg = TrainConfig(
         data_dir=str(data_dir), out_dir=str(out), target=args.target, num_layers=args.layers,
         block_size=args.block_size, gamma=args.gamma, target_layer_ids=layer_ids, mask_token_id=args.mask_token_id,
         init_from_target=not args.random_init, init_drafter=args.init, anchors_per_seq=args.anchors, seqs_per_step=args.seqs_per_step,
         grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup,
         max_seq_len=args.max_seq_len, draft_vocab_size=args.draft_vocab or None, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
-        distill_topk=args.distill_topk, distill_weight=args.distill_weight,
+        checkpoint_every=args.checkpoint_every, seed=args.seed, device=device,
+        distill_topk=args.distill_topk, distill_weight=args.distill_weight, precision=args.precision,
         cache_features=args.feature_cache == "on" or (args.feature_cache == "auto"
-                                                      and torch.device(args.device).type == "cpu"),
+                                                      and torch.device(device).type == "cpu"),
     )  # fmt: skip
-    with _status("Loading target model...", False):
-        model, tokenizer = load_target(args.target, dtype=torch.bfloat16, device=args.device)
-    trainer = Trainer(cfg, model, tokenizer, log=lambda msg: print(msg, file=sys.stderr))
-    print(
-        f"Training a {args.layers}-layer drafter (block {args.block_size}) on {len(trainer.train_seqs)} sequences "
-        f"from {data_dir}; held-out τ prompts: {len(trainer.eval_seqs)}; run folder {out}",
-        file=sys.stderr,
-    )
+    with _status("Loading target model...", False) if parallel.is_main else nullcontext(), parallel.main_first():
+        model, tokenizer = load_target(args.target, dtype=torch.bfloat16, device=device)
+    from tqdm import tqdm
+
+    # messages go above the progress bar, not onto its line
+    trainer = Trainer(cfg, model, tokenizer, log=lambda msg: tqdm.write(msg, file=sys.stderr), parallel=parallel)
+    if parallel.is_main:
+        each = f" ({parallel.world_size} processes, each its share of a step's sequences)" if parallel.enabled else ""
+        print(
+            f"Training a {args.layers}-layer drafter (block {args.block_size}) on {len(trainer.train_seqs)} sequences "
+            f"from {data_dir}{each}; held-out τ prompts: {len(trainer.eval_seqs)}; run folder {out}",
+            file=sys.stderr,
+        )
     drafter_dir = trainer.run(resume=not args.no_resume)
-    print(str(drafter_dir))
+    parallel.close()
+    if parallel.is_main:
+        print(str(drafter_dir))
     return 0
 
 
@@ -907,11 +919,14 @@ def _print_summary(result, speculative: bool) -> None:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from . import data, models
+    from .distributed import from_environment
 
     if args.num_prompts < 1:
         raise data.InvalidInputError(f"--num-prompts must be at least 1, got {args.num_prompts}")
     data.parse_sources(args.sources)  # fail early on a bad --sources
     _apply_threads(args.threads)
+    parallel, device = from_environment(args.device)  # under torchrun: each process generates its share of shards
+    quiet = args.no_progress or not parallel.is_main
     name = models.DEFAULT_TARGET if args.target is None else str(args.target)
     if args.out is None:
         out = models.cache_dir() / "data" / _target_slug(args.target)
@@ -925,7 +940,9 @@ def cmd_data(args: argparse.Namespace) -> int:
     meta_file = out / "meta.json"
     prompts = None
     report = None
-    if (out / "prompts.jsonl").is_file() and meta_file.is_file():
+    if not parallel.is_main:
+        pass  # the first process collects (or checks) the prompt list; regenerate() reads it from the folder
+    elif (out / "prompts.jsonl").is_file() and meta_file.is_file():
         # Resume with the stored prompt list (collection is deterministic, but a Hugging Face source or an
         # edited JSONL file could change under us).
         stored = json.loads(meta_file.read_text(encoding="utf-8")).get("extra", {}).get("collection", {})
@@ -944,16 +961,20 @@ def cmd_data(args: argparse.Namespace) -> int:
         if not prompts:
             raise data.DataError(f"no prompts collected from {args.sources!r}")
 
-    with _status("Loading target model...", args.no_progress):
-        model, tokenizer = models.load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+    with _status("Loading target model...", args.no_progress) if parallel.is_main else nullcontext(), \
+            parallel.main_first():
+        model, tokenizer = models.load_target(args.target, dtype=DTYPES[args.dtype], device=device)
     extra = {"target_name": name, "collection": collection_args}
     if report is not None:
         extra["collection_report"] = report.as_dict()
     summary = data.regenerate(
         model, tokenizer, prompts, out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, shard_size=args.shard_size, seed=args.seed,
-        max_prompt_tokens=args.max_prompt_tokens, progress=not args.no_progress, extra_meta=extra,
+        max_prompt_tokens=args.max_prompt_tokens, progress=not quiet, extra_meta=extra, parallel=parallel,
     )  # fmt: skip
+    parallel.close()
+    if not parallel.is_main:
+        return 0
     if report is None:
         stored = json.loads(meta_file.read_text(encoding="utf-8")).get("extra", {}).get("collection_report")
         excluded = sum((stored or {}).get("excluded_as_eval", {}).values())
@@ -965,7 +986,8 @@ def cmd_data(args: argparse.Namespace) -> int:
         f"[{s['written']} of {s['num_prompts']} prompts answered ({s['skipped_too_long']} longer than "
         f"{args.max_prompt_tokens} tokens skipped) | {s['response_tokens']} response tokens | "
         f"{100 * s['finished_fraction']:.0f}% ended with eos | this run: {s['shards_generated']} shard(s), "
-        f"{s['run_response_tokens']} tokens in {s['run_seconds']:.1f}s, {s['run_tokens_per_s']:.1f} tok/s | "
+        f"{s['run_response_tokens']} tokens in {s['run_seconds']:.1f}s, {s['run_tokens_per_s']:.1f} tok/s"
+        + (f" over {s['processes']} processes" if s["processes"] > 1 else "") + " | "
         f"evaluation prompts excluded: {excluded} (checked: {checked})]",
         file=sys.stderr,
     )

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from .batchgen import generate_batch
+from .distributed import SINGLE, Parallel
 from .errors import DFlashError, InvalidInputError
 from .fsutil import atomic_write
 from .sampling import SamplingParams
@@ -787,7 +788,7 @@ def _same_target(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out_dir: str | os.PathLike, *,
                batch_size: int = 32, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                shard_size: int = 256, seed: int = 0, max_prompt_tokens: int = 512, progress: bool = True,
-               extra_meta: dict[str, Any] | None = None) -> dict[str, Any]:
+               extra_meta: dict[str, Any] | None = None, parallel: Parallel = SINGLE) -> dict[str, Any]:
     """Generate the target's responses to ``prompts`` into resumable shards in ``out_dir``; returns a summary.
 
     Prompts go through the chat template (as one user turn, or as given chat messages); prompts longer than
@@ -795,17 +796,17 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     written are kept, the others generated (``prompts=None`` takes the stored prompt list). Different
     settings, prompts or target are refused. ``batch_size`` may change between runs (with sampling, the
     draws then differ).
+
+    Data parallel (``parallel``, under torchrun): the first process writes the prompt list and meta.json,
+    then every process generates its share of the missing shards (the same records as one process would:
+    each batch is seeded by its shard and first prompt); the first process's ``prompts`` is the list, the
+    others may pass None.
     """
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
         raise InvalidInputError("batch_size, shard_size, max_new_tokens and max_prompt_tokens must be >= 1")
     if not (temperature >= 0 and math.isfinite(temperature)) or not 0 < top_p <= 1:
         raise InvalidInputError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     out = pathlib.Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".*.tmp-*"):  # left by a killed run
-        stale.unlink(missing_ok=True)
-    prompts_file, meta_file = out / "prompts.jsonl", out / "meta.json"
-
     eos_ids = eos_token_ids(model, tokenizer)
     if not eos_ids:
         raise InvalidInputError("the tokenizer/model defines no eos token: responses could never end")
@@ -814,58 +815,36 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                 "shard_size": shard_size, "seed": seed, "max_prompt_tokens": max_prompt_tokens}
     target = _target_identity(model)
     tok_ident = _tokenizer_identity(tokenizer, eos_ids, pad_id)
+    if parallel.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob(".*.tmp-*"):  # left by a killed run
+            stale.unlink(missing_ok=True)
+        prompts, meta = _prepare(out, prompts, settings, target, tok_ident, extra_meta, write=True)
+    parallel.barrier()  # the others read the prompt list and meta.json the first process wrote
+    if not parallel.is_main:
+        prompts, meta = _prepare(out, None, settings, target, tok_ident, extra_meta, write=False)
+    num_shards = int(meta["num_shards"])
+    meta_file = out / "meta.json"
 
-    # The prompt list: fixed by the first run.
-    if prompts_file.is_file():
-        stored = _read_prompts(prompts_file)
-        if prompts is not None and [_canonical(p) for p in prompts] != stored:
-            raise DataError(f"{out} holds data for another prompt list ({len(stored)} prompts); use another "
-                            "output folder, or delete this one to start over")
-        prompts = stored
-    else:
-        if prompts is None:
-            raise InvalidInputError(f"no prompts given and nothing to resume in {out}")
-        if any(out.glob("shard-*.jsonl")):
-            raise DataError(f"{out} has shards but no prompts.jsonl: delete the folder to start over")
-        prompts = [_canonical(p) for p in prompts]
-        atomic_write(prompts_file, lambda f: f.writelines(
-            json.dumps({"id": i, "prompt": p}, ensure_ascii=False) + "\n" for i, p in enumerate(prompts)))
-    num_shards = math.ceil(len(prompts) / shard_size)
-
-    if meta_file.is_file():
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
-        problems = [f"{k} = {settings[k]!r} (data made with {meta['settings'].get(k)!r})"
-                    for k in settings if meta.get("settings", {}).get(k) != settings[k]]
-        problems += [f"target {p}" for p in _same_target(meta.get("target", {}), target)]
-        problems += [f"tokenizer {k} {tok_ident[k]!r} (data made with {meta.get('tokenizer', {}).get(k)!r})"
-                     for k in tok_ident if meta.get("tokenizer", {}).get(k) != tok_ident[k]]
-        if meta.get("prompts_sha256") != _prompts_digest(prompts):
-            problems.append("prompt list")
-        if problems:
-            raise DataError(f"cannot resume {out}: it was made with different settings: " + "; ".join(problems)
-                            + ". Use another output folder, or the same settings.")
-    else:
-        if any(out.glob("shard-*.jsonl")):
-            raise DataError(f"{out} has shards but no meta.json: delete the folder to start over")
-        meta = {"format": DATA_FORMAT, "target": target, "tokenizer": tok_ident, "settings": settings,
-                "prompts_sha256": _prompts_digest(prompts), "num_prompts": len(prompts), "num_shards": num_shards,
-                "shards": {}}
-    if extra_meta:
-        meta.setdefault("extra", {}).update(extra_meta)
-    meta["num_shards"] = num_shards
-    _write_json(meta_file, meta)
-
-    todo = [k for k in range(num_shards) if not shard_path(out, k).is_file()]
-    done_prompts = sum(min(shard_size, len(prompts) - k * shard_size) for k in range(num_shards) if k not in todo)
+    missing = [k for k in range(num_shards) if not shard_path(out, k).is_file()]
+    parallel.barrier()  # every process has listed the missing shards before any writes one
+    todo = missing[parallel.rank :: parallel.world_size]  # this process's share
+    mine = sum(min(shard_size, len(prompts) - k * shard_size) for k in todo)
+    done_prompts = len(prompts) - sum(min(shard_size, len(prompts) - k * shard_size) for k in missing)
     sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p))
     device = next(model.parameters()).device
     fork_devices = [device] if device.type == "cuda" else []
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(prompts), initial=done_prompts, unit="prompt", disable=not progress, dynamic_ncols=True,
-               desc="regenerating")
+    if parallel.enabled:  # the first process shows its own share
+        bar = tqdm(total=mine, unit="prompt", disable=not (progress and parallel.is_main), dynamic_ncols=True,
+                   desc=f"regenerating (process 1 of {parallel.world_size})")
+    else:
+        bar = tqdm(total=len(prompts), initial=done_prompts, unit="prompt", disable=not progress, dynamic_ncols=True,
+                   desc="regenerating")
     run_tokens, run_seconds, t_run = 0, 0.0, time.perf_counter()
+    written: dict[str, dict[str, Any]] = {}  # this run's shard statistics
     try:
         for k in todo:
             lo, hi = k * shard_size, min(len(prompts), (k + 1) * shard_size)
@@ -911,14 +890,23 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
             shard_tokens = sum(len(r["response_ids"]) for r in records)
             atomic_write(shard_path(out, k), lambda f: _write_records(f, records))
             partial.unlink()
-            meta["shards"][f"{k:05d}"] = {
+            meta["shards"][f"{k:05d}"] = written[f"{k:05d}"] = {
                 "prompts": hi - lo, "written": len(records), "skipped_too_long": skipped,
                 "response_tokens": shard_tokens, "finished": sum(r["finished"] for r in records),
                 "seconds": round(seconds, 3), "batch_size": batch_size,
             }  # fmt: skip
-            _write_json(meta_file, meta)
+            if parallel.is_main:  # the others' statistics join at the end (a killed run's are read back)
+                _write_json(meta_file, meta)
     finally:
         bar.close()
+    run_seconds_all = run_seconds
+    if parallel.enabled:  # every process's shards and figures
+        parts = parallel.gather_objects((written, run_tokens, run_seconds))
+        for shards, _, _ in parts:
+            meta["shards"].update(shards)
+        run_tokens = sum(tokens for _, tokens, _ in parts)
+        run_seconds = max(seconds for _, _, seconds in parts)  # the processes ran side by side
+        run_seconds_all = sum(seconds for _, _, seconds in parts)
 
     # Totals over every shard (those of earlier runs too); a shard lacking stats is read back.
     totals = {"written": 0, "skipped_too_long": 0, "response_tokens": 0, "finished": 0, "seconds": 0.0}
@@ -934,16 +922,71 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
         for key in totals:
             totals[key] += stats[key]
     meta["totals"] = {**totals, "seconds": round(totals["seconds"], 3)}
-    _write_json(meta_file, meta)
+    if parallel.is_main:
+        _write_json(meta_file, meta)
+    parallel.barrier()
     return {
         "out_dir": str(out), "num_prompts": len(prompts), "num_shards": num_shards,
-        "shards_generated": len(todo), "shards_resumed": num_shards - len(todo),
+        "shards_generated": len(missing), "shards_resumed": num_shards - len(missing),
+        "processes": parallel.world_size, "process_seconds": round(run_seconds_all, 3),
         **{k: v for k, v in totals.items() if k != "seconds"},
         "finished_fraction": totals["finished"] / totals["written"] if totals["written"] else 0.0,
         "run_response_tokens": run_tokens, "run_seconds": round(run_seconds, 3),
         "run_tokens_per_s": run_tokens / run_seconds if run_seconds else 0.0,
         "wall_seconds": round(time.perf_counter() - t_run, 3),
     }  # fmt: skip
+
+
+def _prepare(out: pathlib.Path, prompts: Sequence[Prompt] | None, settings: dict[str, Any], target: dict[str, Any],
+             tok_ident: dict[str, Any], extra_meta: dict[str, Any] | None, *, write: bool
+             ) -> tuple[list[Prompt], dict[str, Any]]:
+    """The prompt list and meta.json of a data folder: written by the first run (``write``), checked against
+    these settings, target and tokenizer when resuming (a mismatch is refused)."""
+    prompts_file, meta_file = out / "prompts.jsonl", out / "meta.json"
+    shard_size = settings["shard_size"]
+    if prompts_file.is_file():
+        stored = _read_prompts(prompts_file)
+        if prompts is not None and [_canonical(p) for p in prompts] != stored:
+            raise DataError(f"{out} holds data for another prompt list ({len(stored)} prompts); use another "
+                            "output folder, or delete this one to start over")
+        prompts = stored
+    else:
+        if not write:
+            raise DataError(f"{out}: no prompts.jsonl was written by the first process")
+        if prompts is None:
+            raise InvalidInputError(f"no prompts given and nothing to resume in {out}")
+        if any(out.glob("shard-*.jsonl")):
+            raise DataError(f"{out} has shards but no prompts.jsonl: delete the folder to start over")
+        prompts = [_canonical(p) for p in prompts]
+        atomic_write(prompts_file, lambda f: f.writelines(
+            json.dumps({"id": i, "prompt": p}, ensure_ascii=False) + "\n" for i, p in enumerate(prompts)))
+    num_shards = math.ceil(len(prompts) / shard_size)
+
+    if meta_file.is_file():
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        problems = [f"{k} = {settings[k]!r} (data made with {meta['settings'].get(k)!r})"
+                    for k in settings if meta.get("settings", {}).get(k) != settings[k]]
+        problems += [f"target {p}" for p in _same_target(meta.get("target", {}), target)]
+        problems += [f"tokenizer {k} {tok_ident[k]!r} (data made with {meta.get('tokenizer', {}).get(k)!r})"
+                     for k in tok_ident if meta.get("tokenizer", {}).get(k) != tok_ident[k]]
+        if meta.get("prompts_sha256") != _prompts_digest(prompts):
+            problems.append("prompt list")
+        if problems:
+            raise DataError(f"cannot resume {out}: it was made with different settings: " + "; ".join(problems)
+                            + ". Use another output folder, or the same settings.")
+    else:
+        if any(out.glob("shard-*.jsonl")):
+            raise DataError(f"{out} has shards but no meta.json: delete the folder to start over")
+        meta = {"format": DATA_FORMAT, "target": target, "tokenizer": tok_ident, "settings": settings,
+                "prompts_sha256": _prompts_digest(prompts), "num_prompts": len(prompts), "num_shards": num_shards,
+                "shards": {}}
+    if extra_meta:
+        meta.setdefault("extra", {}).update(extra_meta)
+    meta["num_shards"] = num_shards
+    if write:
+        _write_json(meta_file, meta)
+    return prompts, meta
+
 
 
 def _canonical(prompt: Prompt) -> Prompt:

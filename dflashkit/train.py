@@ -10,6 +10,7 @@ at block offsets 1..B-1 against the sequence's tokens, weighted by exp(-(k-1)/γ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from .checkpoint import load_drafter, save_drafter, write_drafter_files
 from .config import DrafterConfig
+from .distributed import SINGLE, Parallel
 from .drafter import BlockMask, DFlashDrafter
 from .errors import InvalidInputError
 from .features import FeatureStore
@@ -101,6 +103,20 @@ def block_hidden(drafter: DFlashDrafter, ids: Tensor, anchors: Tensor, keep: Ten
     return drafter(emb, positions, context, mask).view(S, N, B, -1)[:, :, 1:]
 
 
+class BlockStates(torch.nn.Module):
+    """:func:`block_hidden` as one module call: what DistributedDataParallel wraps (it syncs the gradients of
+    what its forward runs). Only the drafter is a submodule; the target's frozen embedding table is held
+    outside the module tree, so that data parallelism neither broadcasts nor syncs it."""
+
+    def __init__(self, drafter: DFlashDrafter, embed_tokens: torch.nn.Module) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self._frozen = (embed_tokens,)
+
+    def forward(self, ids: Tensor, anchors: Tensor, keep: Tensor, features: Tensor) -> Tensor:
+        return block_hidden(self.drafter, ids, anchors, keep, self._frozen[0], features=features)
+
+
 def position_weights(block_size: int, gamma: float) -> Tensor:
     """w_k = exp(-(k-1)/γ) for block offsets k = 1..B-1 (offset 0, the anchor, carries no loss)."""
     k = torch.arange(1, block_size, dtype=torch.float32)
@@ -125,10 +141,14 @@ def block_targets(
     return labels, weights
 
 
-def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
-    """Σ CE·w / Σ w over all block positions; logits [..., V], labels/weights [...]."""
+def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor, total_weight: Tensor | None = None) -> Tensor:
+    """Σ CE·w / Σ w over all block positions; logits [..., V], labels/weights [...].
+
+    ``total_weight``: the denominator when these positions are one process's part of a batch spread over
+    several (Σ w over the whole batch), so that the parts add up to the whole batch's loss."""
     ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
-    return (ce * weights.flatten()).sum() / weights.sum().clamp_min(1e-9)
+    total = weights.sum() if total_weight is None else total_weight
+    return (ce * weights.flatten()).sum() / total.clamp_min(1e-9)
 
 
 def soft_block_targets(
@@ -157,12 +177,15 @@ def soft_block_targets(
     return ids, probs
 
 
-def soft_block_loss(logits: Tensor, columns: Tensor, probs: Tensor, weights: Tensor) -> Tensor:
+def soft_block_loss(logits: Tensor, columns: Tensor, probs: Tensor, weights: Tensor,
+                    total_weight: Tensor | None = None) -> Tensor:
     """Σ w · (−Σ_j p_j log softmax(logits)[c_j]) / Σ w: cross-entropy against the target's own distribution
-    (its top K, renormalised), i.e. forward KL up to a constant; logits [..., V], columns/probs [..., K]."""
+    (its top K, renormalised), i.e. forward KL up to a constant; logits [..., V], columns/probs [..., K].
+    ``total_weight`` as in :func:`weighted_block_loss`."""
     logq = logits.float().log_softmax(-1).gather(-1, columns)  # [..., K]
     ce = -(probs * logq).sum(-1)
-    return (ce * weights).sum() / weights.sum().clamp_min(1e-9)
+    total = weights.sum() if total_weight is None else total_weight
+    return (ce * weights).sum() / total.clamp_min(1e-9)
 
 
 # ---- data --------------------------------------------------------------------------------------------------
@@ -276,6 +299,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     seed: int = 0
     device: str = "cpu"
+    precision: str = "bf16"  # the drafter's forward: "bf16" autocast over fp32 master weights, or "fp32" throughout
 
     def __post_init__(self) -> None:
         """Refuse settings that would train nothing useful (a NaN loss, a negative rate) before anything runs."""
@@ -305,6 +329,8 @@ class TrainConfig:
         if self.target_layer_ids is not None and (not self.target_layer_ids or any(
                 not isinstance(i, int) or i < 0 for i in self.target_layer_ids)):
             raise bad("target_layer_ids", "must be a non-empty list of layer indices >= 0")
+        if self.precision not in ("bf16", "fp32"):
+            raise bad("precision", 'must be "bf16" or "fp32"')
         if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise InvalidInputError(f"the output {self.out_dir} is a file, not a folder: choose another --out")
 
@@ -345,12 +371,20 @@ def init_from_target(drafter: DFlashDrafter, model: torch.nn.Module) -> None:
 
 
 class Trainer:
-    """Holds target, drafter, optimizer and data; `run()` trains with checkpoints and resumes."""
+    """Holds target, drafter, optimizer and data; `run()` trains with checkpoints and resumes.
+
+    Data parallel (``parallel``, from :func:`dflashkit.distributed.from_environment` under torchrun): every
+    process holds the whole target and drafter and draws the same batches and anchors; each runs its share of
+    a step's sequences, and the gradients are averaged, so a step equals the one-process step on the same
+    ``seqs_per_step`` sequences. The first process writes the log, checkpoints and the drafter.
+    """
 
     def __init__(
-        self, cfg: TrainConfig, model, tokenizer, sequences: list[TrainingSequence] | None = None, log=print
+        self, cfg: TrainConfig, model, tokenizer, sequences: list[TrainingSequence] | None = None, log=print,
+        parallel: Parallel = SINGLE,
     ) -> None:
-        self.cfg, self.model, self.tokenizer, self.log = cfg, model, tokenizer, log
+        self.cfg, self.model, self.tokenizer, self.parallel = cfg, model, tokenizer, parallel
+        self.log = log if parallel.is_main else (lambda *_: None)
         self.out = Path(cfg.out_dir)
         self.ckpt = self.out / "checkpoint"
         seqs = sequences if sequences is not None else load_sequences(cfg.data_dir, cfg.max_seq_len)
@@ -359,7 +393,7 @@ class Trainer:
         if largest >= vocab_size:
             raise InvalidInputError(f"{cfg.data_dir}: token id {largest} is outside the target's vocabulary of "
                                     f"{vocab_size}: data regenerated by another target?")
-        if sequences is None:
+        if sequences is None and parallel.is_main:
             self._record_data_used(seqs)
         n_eval = min(cfg.eval_prompts, max(0, len(seqs) // 10))
         self.eval_seqs = seqs[:n_eval]
@@ -379,12 +413,18 @@ class Trainer:
         # its context window: the longest context it trains on (at inference it reads no more than that by default)
         dcfg = shape.replace(draft_vocab=self.vocab.tolist() if self.vocab is not None else None,
                              context_window=cfg.max_seq_len)
-        self.drafter = DFlashDrafter(dcfg).to(cfg.device)  # fp32 master weights; bf16 autocast
+        self.drafter = DFlashDrafter(dcfg).to(cfg.device)  # fp32 master weights; bf16 autocast by default
         if start is not None:
             self.drafter.load_state_dict(start.state_dict())
         elif cfg.init_from_target:
             init_from_target(self.drafter, model)
         self.target = TargetAdapter(model, dcfg.target_layer_ids)
+        self.block_states = BlockStates(self.drafter, self.target.embed_tokens)
+        self.states: torch.nn.Module = self.block_states  # what training steps call
+        if parallel.enabled:  # broadcasts the first process's weights, then averages gradients in backward
+            device = torch.device(cfg.device)
+            self.states = torch.nn.parallel.DistributedDataParallel(
+                self.block_states, device_ids=[device.index] if device.type == "cuda" else None)
         if self.vocab is not None:  # target token id -> row of the draft vocabulary (-1: not in it)
             self.vocab_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long, device=cfg.device)
             self.vocab_index[self.vocab] = torch.arange(self.vocab.numel(), device=cfg.device)
@@ -397,16 +437,17 @@ class Trainer:
                                     f"and {cfg.distill_weight}")
         self.store: FeatureStore | None = None
         self.soft_store: FeatureStore | None = None
-        if cfg.cache_features:
+        if cfg.cache_features:  # data parallel: each process caches what it computes, in its own folder
+            suffix = f"-rank{parallel.rank}" if parallel.enabled else ""
             self.seq_index = {id(s): i for i, s in enumerate(self.train_seqs)}
             self.store = FeatureStore(
-                self.out / "features", [s.input_ids for s in self.train_seqs],
+                self.out / f"features{suffix}", [s.input_ids for s in self.train_seqs],
                 width=len(dcfg.target_layer_ids) * self.target.hidden_size, dtype=self.target.dtype,
                 signature={"target_layer_ids": list(dcfg.target_layer_ids), "target": target_identity(model)},
             )  # fmt: skip
             if cfg.distill_topk:  # ids (exact in fp32 below 2^24) and log-probabilities, side by side
                 self.soft_store = FeatureStore(
-                    self.out / "soft-labels", [s.input_ids for s in self.train_seqs], width=2 * cfg.distill_topk,
+                    self.out / f"soft-labels{suffix}", [s.input_ids for s in self.train_seqs], width=2 * cfg.distill_topk,
                     dtype=torch.float32, signature={"top_k": cfg.distill_topk, "target": target_identity(model)},
                 )  # fmt: skip
         self.step = 0
@@ -430,7 +471,8 @@ class Trainer:
         device = torch.device(self.cfg.device)
         machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
         atomic_write(self.out / "run_config.json", lambda f: json.dump(
-            {"config": asdict(self.cfg), "machine": machine, "torch": torch.__version__}, f, indent=1))
+            {"config": asdict(self.cfg), "machine": machine, "processes": self.parallel.world_size,
+             "torch": torch.__version__}, f, indent=1))
 
     def _initial_drafter(self, model, want: DrafterConfig) -> DFlashDrafter:
         """The drafter named by cfg.init_drafter, checked against the target and this run's shape `want`."""
@@ -449,16 +491,32 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------------------
 
-    def loss_on(self, batch: list[TrainingSequence]) -> tuple[Tensor, dict[str, Any]]:
-        cfg, d = self.cfg, self.drafter
+    def loss_on(self, batch: list[TrainingSequence], *, spread: bool = True) -> tuple[Tensor, dict[str, Any]]:
+        """The loss of ``batch`` and its figures (``loss``, accuracy per block position, supervised positions).
+
+        Data parallel with ``spread``: the returned loss is this process's part (its share of the sequences,
+        over the whole batch's loss weight: the parts add up to the batch's loss) and the figures are the whole
+        batch's. Without ``spread`` (or one process): this process computes the whole batch."""
+        cfg = self.cfg
         ids, loss_mask, lengths = (t.to(cfg.device) for t in collate(batch, self.pad_id))  # [S, L] each
         B = cfg.block_size
+        anchors, keep = sample_anchors(loss_mask, cfg.anchors_per_seq, self.gen)  # the same on every process
+        spread = spread and self.parallel.enabled
+        idle = False
+        if spread:  # this process's rows; one with none runs a row at loss weight 0, to join the gradient sync
+            rows = list(self.parallel.share(len(batch)))
+            idle = not rows
+            rows = rows or [0]
+            batch, length = [batch[i] for i in rows], int(lengths[rows].max())
+            ids, loss_mask = ids[rows, :length], loss_mask[rows, :length]  # [S', L'] (right padding trimmed)
+            lengths, anchors, keep = lengths[rows], anchors[rows], keep[rows]
         features, soft = self.batch_features(batch, ids)  # [S, L, n_feat*H], the target's dtype; [S, L, 2K] or None
-        anchors, keep = sample_anchors(loss_mask, cfg.anchors_per_seq, self.gen)
         labels, weights = block_targets(ids, loss_mask, lengths, anchors, keep, B, cfg.gamma)
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        if idle:
+            weights = torch.zeros_like(weights)
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
             # [S, N, B-1, H]; the mask vector is learned (the target's token rows are detached inside embed)
-            hidden = block_hidden(d, ids, anchors, keep, self.target.embed_tokens, features=features)
+            hidden = (self.states if spread else self.block_states)(ids, anchors, keep, features)
             head = self.target.lm_head.weight.detach()
             if self.vocab is not None:  # loss over the draft vocabulary only; other labels carry no loss
                 head = head[self.vocab]
@@ -466,20 +524,29 @@ class Trainer:
                 weights = weights * (labels >= 0)
                 labels = labels.clamp_min(0)
             logits = hidden @ head.T  # [S, N, B-1, V']
-        hard = weighted_block_loss(logits, labels, weights)
-        info: dict[str, Any] = {}
+        total = self.parallel.all_sum(weights.sum()) if spread else None  # the whole batch's loss weight
+        hard = weighted_block_loss(logits, labels, weights, total)
+        terms = {}
         loss = hard
         if soft is not None:
             K = cfg.distill_topk
             columns, probs = soft_block_targets(soft[..., :K].long(), soft[..., K:], anchors, B,
                                                 self.vocab_index if self.vocab is not None else None)
-            soft_loss = soft_block_loss(logits, columns, probs, weights)
+            soft_loss = soft_block_loss(logits, columns, probs, weights, total)
             loss = (1 - cfg.distill_weight) * hard + cfg.distill_weight * soft_loss
-            info.update(hard_loss=float(hard.detach()), soft_loss=float(soft_loss.detach()))
-        with torch.no_grad():
-            hit = (logits.argmax(-1) == labels).float() * (weights > 0)
-            acc = (hit.sum((0, 1)) / (weights > 0).float().sum((0, 1)).clamp_min(1)).tolist()
-        return loss, {"acc_per_position": acc, "supervised": int((weights > 0).sum()), **info}
+            terms.update(hard_loss=hard, soft_loss=soft_loss)
+        with torch.no_grad():  # the batch's figures: sums over the processes' parts when spread
+            supervised = (weights > 0).float()
+            figures = torch.cat((torch.stack([loss.detach(), *(t.detach() for t in terms.values())]).float(),
+                                 ((logits.argmax(-1) == labels).float() * supervised).sum((0, 1)),  # hits [B-1]
+                                 supervised.sum((0, 1))))  # supervised positions [B-1]
+            if spread:
+                figures = self.parallel.all_sum(figures)
+            values, hits, counts = figures.split([1 + len(terms), B - 1, B - 1])
+            values = values.tolist()
+        info: dict[str, Any] = {"loss": values[0], **dict(zip(terms, values[1:]))}
+        acc = (hits / counts.clamp_min(1)).tolist()
+        return loss, {"acc_per_position": acc, "supervised": int(counts.sum()), **info}
 
     def batch_features(self, batch: list[TrainingSequence], ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """Target features [S, L, n_feat*H] of a right-padded batch and, when distilling, its soft labels
@@ -519,10 +586,15 @@ class Trainer:
             g["lr"] = lr_at(self.step, cfg)
         self.opt.zero_grad(set_to_none=True)
         total, accs, parts = 0.0, [], {}
-        for _ in range(cfg.grad_accum):
-            loss, info = self.loss_on(next(batch_iter))
-            (loss / cfg.grad_accum).backward()
-            total += float(loss.detach()) / cfg.grad_accum
+        world = self.parallel.world_size
+        for micro in range(cfg.grad_accum):
+            last = micro == cfg.grad_accum - 1
+            # data parallel: gradients are averaged over the processes once, with the last micro-batch; each
+            # process's loss is its part of the batch's, so world x part averages to the batch's gradient
+            with self.states.no_sync() if self.parallel.enabled and not last else contextlib.nullcontext():
+                loss, info = self.loss_on(next(batch_iter))
+                (loss * world / cfg.grad_accum).backward()
+            total += info["loss"] / cfg.grad_accum
             accs.append(info["acc_per_position"])
             for name in ("hard_loss", "soft_loss"):  # when distilling: the two terms apart
                 if name in info:
@@ -548,7 +620,7 @@ class Trainer:
         self.gen.manual_seed(self.cfg.seed + 1)
         try:
             with torch.no_grad():
-                loss, info = self.loss_on(self.eval_seqs)
+                loss, info = self.loss_on(self.eval_seqs, spread=False)
         finally:
             self.gen.set_state(state)
         return {"heldout_loss": float(loss), "heldout_acc": info["acc_per_position"]}
@@ -574,17 +646,24 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------------------
 
     def save(self) -> None:
-        """One atomic folder holds the drafter and the trainer state: a kill never leaves half of it."""
+        """One atomic folder holds the drafter and the trainer state: a kill never leaves half of it.
+
+        Data parallel: every process commits its own feature cache; the first writes the checkpoint (the
+        processes hold the same weights, optimizer state and batch generator) while the others wait."""
+        for store in (self.store, self.soft_store):
+            if store is not None:
+                store.commit()
+        if not self.parallel.is_main:
+            self.parallel.barrier()
+            return
         state = {
             "step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
         }  # fmt: skip
-        for store in (self.store, self.soft_store):
-            if store is not None:
-                store.commit()
         with atomic_dir(self.ckpt) as tmp:
             write_drafter_files(self.drafter, tmp)
             torch.save(state, tmp / "trainer_state.pt")
+        self.parallel.barrier()
 
     def resume(self) -> bool:
         state_file = self.ckpt / "trainer_state.pt"
@@ -600,22 +679,25 @@ class Trainer:
         return True
 
     def run(self, resume: bool = True, progress: bool = True) -> Path:
-        cfg = self.cfg
+        cfg, main = self.cfg, self.parallel.is_main
         if resume and self.resume():
             self.log(f"resumed at step {self.step}")
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._record_run_config()
-        log_path = self.out / "train_log.jsonl"
-        if log_path.exists():  # drop entries of steps past the checkpoint (a killed run redoes them)
-            kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
-            log_path.write_text("".join(ln + "\n" for ln in kept))
-        log_file = log_path.open("a")
+        log_file = None
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._record_run_config()
+            log_path = self.out / "train_log.jsonl"
+            if log_path.exists():  # drop entries of steps past the checkpoint (a killed run redoes them)
+                kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+                log_path.write_text("".join(ln + "\n" for ln in kept))
+            log_file = log_path.open("a")
         batch_iter = batches(self.train_seqs, cfg.seqs_per_step, cfg.seed)
         for _ in range(self.step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
             next(batch_iter)
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (progress and main), desc="train",
+                   dynamic_ncols=True)
         t0 = time.perf_counter()
         self.stop_requested = False
         try:
@@ -623,25 +705,31 @@ class Trainer:
                 self._loop(batch_iter, bar, log_file, t0)
         finally:
             bar.close()
-            log_file.close()
-        final = self.drafter.to(torch.bfloat16)
-        save_drafter(final, self.out / "drafter")
+            if log_file is not None:
+                log_file.close()
+        if main:
+            save_drafter(self.drafter.to(torch.bfloat16), self.out / "drafter")
+        self.parallel.barrier()
         return self.out / "drafter"
 
     def _loop(self, batch_iter, bar, log_file, t0: float) -> None:
         cfg = self.cfg
         while self.step < cfg.steps:
-            if self.stop_requested:  # Ctrl-C / SIGTERM: keep this step's work, then stop
+            # Ctrl-C / SIGTERM: keep this step's work, then stop (data parallel: all at the same step)
+            if self.parallel.any(self.stop_requested, cfg.device):
                 self.save()
                 self.log(f"stopped at step {self.step}; checkpoint saved: the same command resumes here")
                 raise KeyboardInterrupt
             rec = self.train_step(batch_iter)
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                rec["tau"] = self.estimate_tau()
-                rec.update(self.heldout_metrics())
+                if self.parallel.is_main:  # the first process evaluates while the others wait
+                    rec["tau"] = self.estimate_tau()
+                    rec.update(self.heldout_metrics())
+                self.parallel.barrier()
             rec["elapsed_s"] = time.perf_counter() - t0
-            log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
+            if log_file is not None:
+                log_file.write(json.dumps(rec) + "\n")
+                log_file.flush()
             bar.update(1)
             shown = {"loss": f"{rec['loss']:.3f}", "acc1": f"{rec['acc'][0]:.2f}"}
             if "heldout_acc" in rec:
@@ -654,15 +742,21 @@ class Trainer:
 @contextmanager
 def _graceful_stop(trainer: Trainer) -> Iterator[None]:
     """While training in the main thread, the first SIGINT/SIGTERM asks the loop to checkpoint at the end of the
-    current step and stop (nothing computed is lost); a second SIGINT interrupts at once."""
+    current step and stop (nothing computed is lost); a second SIGINT interrupts at once. Under torchrun a
+    Ctrl-C reaches each process twice (from the terminal, then forwarded by torchrun): a SIGINT within
+    a second of the first is the same request."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    first: list[float] = []
 
     def request(signum, frame) -> None:
         if trainer.stop_requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            if not (trainer.parallel.enabled and first and time.monotonic() - first[0] < 1.0):
+                raise KeyboardInterrupt
+            return
         trainer.stop_requested = True
+        first.append(time.monotonic())
         trainer.log("stopping after this step (checkpointing; Ctrl-C again to stop at once)")
 
     previous = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}

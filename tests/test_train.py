@@ -510,7 +510,7 @@ def test_block_hidden_is_each_block_run_alone_over_the_context_before_its_anchor
     ({"gamma": 0.0}, "gamma"), ({"gamma": float("nan")}, "gamma"), ({"gamma": -3.0}, "gamma"),
     ({"lr": -1.0}, "lr"), ({"warmup_ratio": 5.0}, "warmup_ratio"), ({"draft_vocab_size": -1}, "draft_vocab_size"),
     ({"block_size": 1}, "block_size"), ({"steps": 0}, "steps"), ({"target_layer_ids": []}, "target_layer_ids"),
-    ({"distill_weight": 2.0}, "distill_weight"),
+    ({"distill_weight": 2.0}, "distill_weight"), ({"precision": "fp16"}, "precision"),
 ])  # fmt: skip
 def test_train_config_refuses_settings_that_train_nothing_useful(tmp_path, overrides, field):
     """A NaN loss (gamma 0), a negative rate...: refused before anything runs or is written."""
