@@ -31,6 +31,7 @@ class Parallel:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    owns_group: bool = False  # this process group was joined by from_environment (close() leaves it)
 
     @property
     def enabled(self) -> bool:
@@ -74,8 +75,9 @@ class Parallel:
             self.barrier()
 
     def close(self) -> None:
-        """Leave the process group (at the end of a command)."""
-        if self.enabled and torch.distributed.is_initialized():
+        """Leave the process group at the end of a command, if the command joined it (a caller that set one up
+        before calling the command keeps it)."""
+        if self.owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
     def gather_objects(self, obj: object) -> list[object]:
@@ -93,7 +95,7 @@ SINGLE = Parallel()
 def from_environment(device: str = "cpu") -> tuple[Parallel, str]:
     """This process's :class:`Parallel` and the device it should use, from torchrun's environment.
 
-    Under torchrun (``WORLD_SIZE`` > 1) this joins the default process group, once; ``device`` ``"cuda"``
+    Under torchrun (``WORLD_SIZE`` > 1) this joins the default process group unless already in one; ``device`` ``"cuda"``
     becomes ``"cuda:LOCAL_RANK"`` (one GPU per process). Without torchrun: one process, ``device`` unchanged.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -112,7 +114,10 @@ def from_environment(device: str = "cpu") -> tuple[Parallel, str]:
         device = f"cuda:{local_rank}"
     elif kind != "cpu":
         raise InvalidInputError(f"data-parallel runs support cpu and cuda devices, not {device!r}")
-    if not torch.distributed.is_initialized():
-        backend = "nccl" if kind == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, timeout=TIMEOUT)
-    return Parallel(rank=rank, world_size=world, local_rank=local_rank), device
+    owns = not torch.distributed.is_initialized()
+    if owns:
+        if kind == "cuda":  # bound to this process's GPU (NCCL's barrier need not guess it)
+            torch.distributed.init_process_group("nccl", timeout=TIMEOUT, device_id=torch.device(device))
+        else:
+            torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
+    return Parallel(rank=rank, world_size=world, local_rank=local_rank, owns_group=owns), device

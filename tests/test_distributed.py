@@ -1,4 +1,7 @@
-"""Data-parallel training and data generation: two processes (gloo, on the CPU) do what one does."""
+"""Data-parallel training and data generation: two processes (gloo, on the CPU) do what one does.
+
+The processes are started the way torchrun starts them (its environment variables); `torchrun --nproc-per-node 2
+-m dflashkit data|train ...` itself was run by hand (README, "Several GPUs")."""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,15 +44,18 @@ def _trainer(folder, parallel=None, **overrides):
 
 
 def _worker(rank: int, world: int, port: int, root: str) -> None:
-    """One of `world` processes: an uninterrupted run (a), a run killed after step 4 and resumed (b), and a
-    run whose last process alone gets SIGTERM during step 3 (c)."""
+    """One of `world` processes, with the environment torchrun gives it: trainer runs (a: uninterrupted; b: killed
+    after step 4, resumed; c: the last process alone gets SIGTERM during step 3), then the `data` and `train`
+    commands as `torchrun -m dflashkit` runs them (their output kept in ROOT/out-RANK.txt)."""
+    import contextlib
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))  # what torchrun sets
     torch.set_num_threads(1)
     from dflashkit.distributed import from_environment
 
     parallel, device = from_environment("cpu")
-    assert parallel.world_size == world and device == "cpu"
+    assert parallel.world_size == world and device == "cpu" and parallel.owns_group
     root = Path(root)
     _trainer(root / "a", parallel).run(resume=False, progress=False)
 
@@ -84,7 +88,28 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         raise AssertionError("the stop request was not seen")
     except KeyboardInterrupt:
         pass
+
+    from test_data import EVAL
+
+    from dflashkit import data
+    from dflashkit.cli import main
+
+    data.evaluation_prompts = lambda: EVAL
+    with open(root / f"out-{rank}.txt", "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        codes = [main(["data", "--out", str(root / "data"), *_data_args(root.parent)]),
+                 main(["train", *_train_args(root.parent), "--data", str(root / "data"), "--out", str(root / "run")])]
+    assert codes == [0, 0], codes
     parallel.close()
+
+
+def _data_args(tmp: Path) -> list[str]:
+    return ["--target", str(tmp / "target"), "--sources", f"jsonl:{tmp / 'p.jsonl'}", "--num-prompts", "30",
+            "--max-new-tokens", "10", "--batch-size", "4", "--shard-size", "4", "--min-chars", "1", "--no-progress"]
+
+
+def _train_args(tmp: Path) -> list[str]:
+    return ["--target", str(tmp / "target"), "--layers", "1", "--block-size", "4", "--steps", "3", "--anchors", "4",
+            "--seqs-per-step", "4", "--eval-every", "3", "--draft-vocab", "0"]
 
 
 def _free_port() -> int:
@@ -113,7 +138,15 @@ def _log(folder: Path, key: str) -> list[float]:
     return [json.loads(line)[key] for line in (folder / "train_log.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_train_what_one_does_and_resume_and_stop_together(tmp_path):
+def test_two_processes_train_what_one_does_and_resume_and_stop_together(tmp_path, monkeypatch):
+    from test_data import EVAL, make_model, make_tokenizer, word_prompts, write_jsonl
+
+    from dflashkit import data
+    from dflashkit.cli import main
+
+    make_model(torch.bfloat16).save_pretrained(tmp_path / "target")  # a local target for the commands
+    make_tokenizer().save_pretrained(tmp_path / "target")
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(30, seed=2)])
     torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(tmp_path / "two")), nprocs=2, join=True)
     two = tmp_path / "two"
     one = _trainer(tmp_path / "one")
@@ -143,48 +176,23 @@ def test_two_processes_train_what_one_does_and_resume_and_stop_together(tmp_path
     _assert_same_drafter(two / "c", tmp_path / "one")
     assert not (two / "a" / "features").exists() and (two / "a" / "features-rank1").is_dir()  # a cache per process
 
-
-def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), "-m", "dflashkit", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-
-
-def test_torchrun_data_and_train_commands(tmp_path, monkeypatch, capsys):
-    """The commands a user runs: `torchrun --nproc-per-node 2 -m dflashkit data|train ...` on a local target."""
-    from test_data import EVAL, make_model, make_tokenizer, word_prompts, write_jsonl
-
-    from dflashkit import data
-    from dflashkit.cli import main
-
-    target = tmp_path / "target"
-    make_model(torch.bfloat16).save_pretrained(target)
-    make_tokenizer().save_pretrained(target)
+    # `dflashkit data` over two processes writes the shards one process writes, byte for byte
     monkeypatch.setattr(data, "evaluation_prompts", lambda: EVAL)
-    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(30, seed=2)])
-    common = ["--target", str(target), "--sources", f"jsonl:{src}", "--num-prompts", "30", "--max-new-tokens", "10",
-              "--batch-size", "4", "--shard-size", "4", "--min-chars", "1", "--no-eval-exclusion", "--no-progress"]
     torch.set_num_threads(1)
-    assert main(["data", "--out", str(tmp_path / "one"), *common]) == 0
-    run = _torchrun("data", "--out", str(tmp_path / "two"), *common, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "over 2 processes" in run.stderr and run.stdout.strip() == str(tmp_path / "two")  # printed once
-    shards = sorted(p.name for p in (tmp_path / "one").glob("shard-*.jsonl"))
-    assert len(shards) == 8 and shards == sorted(p.name for p in (tmp_path / "two").glob("shard-*.jsonl"))
+    assert main(["data", "--out", str(tmp_path / "data-one"), *_data_args(tmp_path)]) == 0
+    shards = sorted(p.name for p in (tmp_path / "data-one").glob("shard-*.jsonl"))
+    assert len(shards) == 8 and shards == sorted(p.name for p in (two / "data").glob("shard-*.jsonl"))
     for name in shards:  # each batch is seeded by its shard: the same records, whichever process made them
-        assert (tmp_path / "one" / name).read_text() == (tmp_path / "two" / name).read_text()
-    meta = json.loads((tmp_path / "two" / "meta.json").read_text())
+        assert (tmp_path / "data-one" / name).read_text() == (two / "data" / name).read_text()
+    meta = json.loads((two / "data" / "meta.json").read_text())
     assert len(meta["shards"]) == 8 and meta["totals"]["written"] == 30  # both processes' statistics
+    printed = [(two / f"out-{rank}.txt").read_text() for rank in (0, 1)]
+    assert "over 2 processes" in printed[0] and printed[1] == ""  # the first process speaks for both
+    assert f"{two / 'data'}\n" in printed[0] and f"{two / 'run' / 'drafter'}\n" in printed[0]
 
-    out = tmp_path / "run"
-    run = _torchrun("train", "--target", str(target), "--data", str(tmp_path / "two"), "--out", str(out),
-                    "--layers", "1", "--block-size", "4", "--steps", "3", "--anchors", "4", "--seqs-per-step", "4",
-                    "--eval-every", "3", "--draft-vocab", "0", cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "2 processes" in run.stderr and run.stdout.strip() == str(out / "drafter")
-    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    # `dflashkit train` over two processes: one log, the τ estimate, the drafter
+    assert "(2 processes" in printed[0]
+    log = [json.loads(x) for x in (two / "run" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3] and "tau" in log[-1]
-    assert json.loads((out / "run_config.json").read_text())["processes"] == 2
-    assert (out / "drafter" / "model.safetensors").is_file()
+    assert json.loads((two / "run" / "run_config.json").read_text())["processes"] == 2
+    assert (two / "run" / "drafter" / "model.safetensors").is_file()
