@@ -183,7 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--num-prompts", type=int, default=1024)
     d.add_argument("--max-new-tokens", type=int, default=256)
-    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--batch-size", type=int, default=32, help="prompts answered together (with --server: requests in "
+                   "flight)")
+    d.add_argument("--server", default=None, metavar="URL",
+                   help="answer through an OpenAI-compatible server that serves --target (vLLM, SGLang, llama-server, "
+                   "dflashkit serve), e.g. http://localhost:8000/v1; the target's weights are then not loaded here")
+    d.add_argument("--server-model", default=None, metavar="NAME", help="with --server: the model name to request "
+                   "(default: the first the server lists)")
+    d.add_argument("--api-key", default=None, help="with --server: its API key (default: $OPENAI_API_KEY)")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--seed", type=int, default=0)
@@ -961,9 +968,22 @@ def cmd_data(args: argparse.Namespace) -> int:
         if not prompts:
             raise data.DataError(f"no prompts collected from {args.sources!r}")
 
-    with _status("Loading target model...", args.no_progress) if parallel.is_main else nullcontext(), \
-            parallel.main_first():
-        model, tokenizer = models.load_target(args.target, dtype=DTYPES[args.dtype], device=device)
+    server = None
+    if args.server:
+        from .data_server import ServerTarget
+
+        with parallel.main_first():
+            config, tokenizer, eos_ids = models.load_target_config(args.target)
+        model = None
+        server = ServerTarget.connect(args.server, tokenizer, config, eos_ids, model=args.server_model,
+                                      api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                                      concurrency=args.batch_size)
+        if parallel.is_main:
+            print(f"Answers from {server.model} at {args.server}.", file=sys.stderr)
+    else:
+        with _status("Loading target model...", args.no_progress) if parallel.is_main else nullcontext(), \
+                parallel.main_first():
+            model, tokenizer = models.load_target(args.target, dtype=DTYPES[args.dtype], device=device)
     extra = {"target_name": name, "collection": collection_args}
     if report is not None:
         extra["collection_report"] = report.as_dict()
@@ -971,6 +991,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         model, tokenizer, prompts, out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, shard_size=args.shard_size, seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens, progress=not quiet, extra_meta=extra, parallel=parallel,
+        server=server,
     )  # fmt: skip
     parallel.close()
     if not parallel.is_main:
@@ -988,7 +1009,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         f"{100 * s['finished_fraction']:.0f}% ended with eos | this run: {s['shards_generated']} shard(s), "
         f"{s['run_response_tokens']} tokens in {s['run_seconds']:.1f}s, {s['run_tokens_per_s']:.1f} tok/s"
         + (f" over {s['processes']} processes" if s["processes"] > 1 else "") + " | "
-        f"evaluation prompts excluded: {excluded} (checked: {checked})]",
+        f"evaluation prompts excluded: {excluded} (checked: {checked})"
+        + ("" if server is None or server.token_ids is not False else
+           " | the server gave no token ids: answers re-encoded from their text") + "]",
         file=sys.stderr,
     )
     print(str(out))

@@ -788,7 +788,8 @@ def _same_target(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out_dir: str | os.PathLike, *,
                batch_size: int = 32, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                shard_size: int = 256, seed: int = 0, max_prompt_tokens: int = 512, progress: bool = True,
-               extra_meta: dict[str, Any] | None = None, parallel: Parallel = SINGLE) -> dict[str, Any]:
+               extra_meta: dict[str, Any] | None = None, parallel: Parallel = SINGLE,
+               server: Any = None) -> dict[str, Any]:
     """Generate the target's responses to ``prompts`` into resumable shards in ``out_dir``; returns a summary.
 
     Prompts go through the chat template (as one user turn, or as given chat messages); prompts longer than
@@ -801,19 +802,22 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     then every process generates its share of the missing shards (the same records as one process would:
     each batch is seeded by its shard and first prompt); the first process's ``prompts`` is the list, the
     others may pass None.
+
+    ``server`` (a :class:`dflashkit.data_server.ServerTarget`; ``model`` then None): the answers come from an
+    OpenAI-compatible server, ``batch_size`` requests at a time.
     """
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
         raise InvalidInputError("batch_size, shard_size, max_new_tokens and max_prompt_tokens must be >= 1")
     if not (temperature >= 0 and math.isfinite(temperature)) or not 0 < top_p <= 1:
         raise InvalidInputError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     out = pathlib.Path(out_dir).expanduser()
-    eos_ids = eos_token_ids(model, tokenizer)
+    eos_ids = server.eos_ids if server is not None else eos_token_ids(model, tokenizer)
     if not eos_ids:
         raise InvalidInputError("the tokenizer/model defines no eos token: responses could never end")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     settings = {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": float(top_p),
                 "shard_size": shard_size, "seed": seed, "max_prompt_tokens": max_prompt_tokens}
-    target = _target_identity(model)
+    target = server.identity if server is not None else _target_identity(model)
     tok_ident = _tokenizer_identity(tokenizer, eos_ids, pad_id)
     if parallel.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -832,8 +836,8 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     mine = sum(min(shard_size, len(prompts) - k * shard_size) for k in todo)
     done_prompts = len(prompts) - sum(min(shard_size, len(prompts) - k * shard_size) for k in missing)
     sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p))
-    device = next(model.parameters()).device
-    fork_devices = [device] if device.type == "cuda" else []
+    device = next(model.parameters()).device if server is None else None
+    fork_devices = [device] if device is not None and device.type == "cuda" else []
 
     from tqdm.auto import tqdm
 
@@ -870,9 +874,13 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                     torch.inference_mode():
                 for b in range(0, len(encoded), batch_size):
                     batch = encoded[b : b + batch_size]
-                    torch.manual_seed((seed * 1_000_003 + k) * 1_000_033 + batch[0][0])  # per batch: resumable
-                    responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
-                                               eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
+                    if server is not None:  # a seed per prompt: the same answers whichever batch it is in
+                        responses = server.answer([ids for _, ids in batch], [seed * 1_000_003 + i for i, _ in batch],
+                                                  max_new_tokens=max_new_tokens, sampling=sampling)
+                    else:
+                        torch.manual_seed((seed * 1_000_003 + k) * 1_000_033 + batch[0][0])  # per batch: resumable
+                        responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
+                                                   eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
                     new = [{"id": i, "prompt_ids": ids, "response_ids": response,
                             "finished": bool(response) and response[-1] in eos_ids}
                            for (i, ids), response in zip(batch, responses)]  # fmt: skip
@@ -922,6 +930,9 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
         for key in totals:
             totals[key] += stats[key]
     meta["totals"] = {**totals, "seconds": round(totals["seconds"], 3)}
+    if server is not None and todo:  # how the answers' tokens were obtained
+        meta.setdefault("server", {}).update(url=server.url, model=server.model,
+                                             token_ids="from the server" if server.token_ids else "text re-encoded")
     if parallel.is_main:
         _write_json(meta_file, meta)
     parallel.barrier()

@@ -16,7 +16,9 @@ import os
 import pathlib
 import re
 import sys
+import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -134,6 +136,55 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _source(name: str, progress: bool) -> tuple[str | pathlib.Path, str]:
+    """Where the target ``name`` loads from (the embedded target: its cached conversion, made on first use), and
+    a hint for a load that fails."""
+    if name == DEFAULT_TARGET:
+        source = cache_dir() / DEFAULT_TARGET
+        if not (source / "config.json").is_file():
+            try:
+                _convert_embedded(source, progress)
+            except ModelLoadError:
+                raise
+            except Exception as exc:
+                raise ModelLoadError(f"Converting the embedded {GGUF_FILE} failed: {exc}") from exc
+        hint = f"the cached conversion at {source} may be damaged; delete that folder and retry"
+    else:
+        local = pathlib.Path(name).expanduser()
+        if local.is_dir():
+            if not (local / "config.json").is_file():
+                raise ModelLoadError(f"Target model {name!r}: the folder has no config.json (a transformers "
+                                     "model folder holds config.json, the weights and the tokenizer's files)")
+            source, hint = local, "is it a complete transformers model folder with a tokenizer?"
+        elif _HUB_ID.match(name):
+            source, hint = name, "treated as a Hugging Face hub id; downloads need network access (or a warm HF cache)"
+        else:
+            raise ModelLoadError(f"Target model {name!r}: no such local folder, and not a valid hub id")
+    return source, hint
+
+
+def load_target_config(name_or_path: str | os.PathLike | None = None, *, progress: bool = False
+                       ) -> tuple[Any, PreTrainedTokenizerBase, list[int]]:
+    """The target's configuration, tokenizer and end-of-sequence ids, without its weights (for answers that
+    come from a server: ``dflashkit data --server``)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from .text import eos_token_ids
+
+    name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
+    with _quiet(progress):
+        source, hint = _source(name, progress)
+        try:
+            config, tok = AutoConfig.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+        except Exception as exc:
+            raise ModelLoadError(f"Could not load target {name!r} ({hint}): {exc}") from exc
+        try:
+            generation = GenerationConfig.from_pretrained(source)
+        except OSError:  # no generation_config.json: the tokenizer's eos alone
+            generation = None
+    return config, tok, eos_token_ids(types.SimpleNamespace(generation_config=generation), tok)
+
+
 def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16,
                 device: str | torch.device = "cpu", progress: bool = False,
                 quantize: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -153,27 +204,7 @@ def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.d
     device = resolve_device(device)
     name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
     with _quiet(progress):
-        if name == DEFAULT_TARGET:
-            source = cache_dir() / DEFAULT_TARGET
-            if not (source / "config.json").is_file():
-                try:
-                    _convert_embedded(source, progress)
-                except ModelLoadError:
-                    raise
-                except Exception as exc:
-                    raise ModelLoadError(f"Converting the embedded {GGUF_FILE} failed: {exc}") from exc
-            hint = f"the cached conversion at {source} may be damaged; delete that folder and retry"
-        else:
-            local = pathlib.Path(name).expanduser()
-            if local.is_dir():
-                if not (local / "config.json").is_file():
-                    raise ModelLoadError(f"Target model {name!r}: the folder has no config.json (a transformers "
-                                         "model folder holds config.json, the weights and the tokenizer's files)")
-                source, hint = local, "is it a complete transformers model folder with a tokenizer?"
-            elif _HUB_ID.match(name):
-                source, hint = name, "treated as a Hugging Face hub id; downloads need network access (or a warm HF cache)"
-            else:
-                raise ModelLoadError(f"Target model {name!r}: no such local folder, and not a valid hub id")
+        source, hint = _source(name, progress)
         try:
             model, tok = _load_folder(source, dtype)
         except Exception as exc:

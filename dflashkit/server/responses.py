@@ -159,6 +159,7 @@ class ResponseBuilder:
         # chat with tools (not "none"): the names of the tools whose calls are parsed out of the answers
         self.tool_names = plan.tools.names if plan.tools is not None and plan.tools.active else None
         self.origins = plan.body.token_origins
+        self.token_ids = plan.body.return_token_ids
         self.logprobs = plan.body.requested_logprobs() is not None
         self.token_bytes = token_bytes
         self.prompt_tokens = sum(len(ids) for ids in plan.prompts)  # each prompt once
@@ -214,6 +215,8 @@ class ResponseBuilder:
         choice = self._chunk_choice(index, text, None, logprobs=self._logprobs_object(entries))
         if self.origins:
             choice["token_origins"] = _origins(delta)
+        if self.token_ids:
+            choice["token_ids"] = list(delta.token_ids)
         return self._envelope([choice], chunk=True)
 
     def tool_chunks(self, index: int = 0) -> list[dict[str, Any]]:
@@ -267,6 +270,8 @@ class ResponseBuilder:
                           "finish_reason": result.finish_reason}
             if self.origins:
                 choice["token_origins"] = state.tokens
+            if self.token_ids:  # the generated ids, a final stop token included (as vLLM gives them)
+                choice["token_ids"] = list(result.token_ids)
             choices.append(choice)
         out = self._envelope(choices, chunk=False)
         out["usage"] = self.usage_of(results)

@@ -56,6 +56,7 @@ class GenerationRequest(OpenAIRequest):
     stream_options: StreamOptions | None = None
     # dflashkit extension: every chunk / choice lists its tokens with their text and origin
     token_origins: bool = False
+    return_token_ids: bool = False  # vLLM's extension: every chunk / choice carries its token ids ("token_ids")
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices, generated in turn (sampled: different seeds)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
