@@ -142,12 +142,17 @@ def _source(name: str, progress: bool) -> tuple[str | pathlib.Path, str]:
     if name == DEFAULT_TARGET:
         source = cache_dir() / DEFAULT_TARGET
         if not (source / "config.json").is_file():
-            try:
-                _convert_embedded(source, progress)
-            except ModelLoadError:
-                raise
-            except Exception as exc:
-                raise ModelLoadError(f"Converting the embedded {GGUF_FILE} failed: {exc}") from exc
+            from filelock import FileLock
+
+            source.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(source) + ".lock"):  # another process converting at the same time: wait for it
+                if not (source / "config.json").is_file():
+                    try:
+                        _convert_embedded(source, progress)
+                    except ModelLoadError:
+                        raise
+                    except Exception as exc:
+                        raise ModelLoadError(f"Converting the embedded {GGUF_FILE} failed: {exc}") from exc
         hint = f"the cached conversion at {source} may be damaged; delete that folder and retry"
     else:
         local = pathlib.Path(name).expanduser()
