@@ -237,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", default=None, metavar="DRAFTER",
                    help="start from this drafter's weights (e.g. to continue on more data; same shape)")
     t.add_argument("--eval-every", type=int, default=250, help="steps between τ estimates on held-out prompts (0 = never)")
+    t.add_argument("--eval-sets", default=None, metavar="SETS",
+                   help="at each evaluation also τ on these evaluation sets' prompts, e.g. mt-bench,humaneval,math500 "
+                   "(logged as tau_sets; they never enter training data)")
+    t.add_argument("--eval-set-prompts", type=int, default=4, metavar="N", help="prompts per evaluation set (default: 4)")
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
@@ -515,6 +519,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, draft_vocab_size=args.draft_vocab or None, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, seed=args.seed, device=device,
         distill_topk=args.distill_topk, distill_weight=args.distill_weight, precision=args.precision,
+        eval_sets=[x.strip() for x in args.eval_sets.split(",") if x.strip()] if args.eval_sets else None,
+        eval_set_prompts=args.eval_set_prompts,
         cache_features=args.feature_cache == "on" or (args.feature_cache == "auto"
                                                       and torch.device(device).type == "cpu"),
     )  # fmt: skip

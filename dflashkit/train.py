@@ -296,6 +296,8 @@ class TrainConfig:
     distill_weight: float = 0.5  # loss = (1 - w) * hard cross-entropy + w * soft cross-entropy
     eval_every: int = 250
     eval_prompts: int = 6
+    eval_sets: list[str] | None = None  # also τ on these evaluation sets' prompts at each evaluation ("mt-bench", ...)
+    eval_set_prompts: int = 4  # prompts per evaluation set (a seeded subset)
     checkpoint_every: int = 100
     seed: int = 0
     device: str = "cpu"
@@ -307,7 +309,7 @@ class TrainConfig:
             return InvalidInputError(f"{name} {why}, got {getattr(self, name)!r}")
 
         for name in ("num_layers", "anchors_per_seq", "seqs_per_step", "grad_accum", "steps", "max_seq_len",
-                     "eval_every", "eval_prompts", "checkpoint_every"):
+                     "eval_every", "eval_prompts", "checkpoint_every", "eval_set_prompts"):
             value = getattr(self, name)
             least = 0 if name in ("eval_every", "eval_prompts", "checkpoint_every") else 1  # 0: never
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -329,6 +331,12 @@ class TrainConfig:
         if self.target_layer_ids is not None and (not self.target_layer_ids or any(
                 not isinstance(i, int) or i < 0 for i in self.target_layer_ids)):
             raise bad("target_layer_ids", "must be a non-empty list of layer indices >= 0")
+        if self.eval_sets is not None:
+            from .evalsets import INSTALL
+
+            unknown = [name for name in self.eval_sets if name not in INSTALL]
+            if unknown or not self.eval_sets:
+                raise bad("eval_sets", f"must name evaluation sets among {', '.join(INSTALL)}")
         if self.precision not in ("bf16", "fp32"):
             raise bad("precision", 'must be "bf16" or "fp32"')
         if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
@@ -450,6 +458,14 @@ class Trainer:
                     self.out / f"soft-labels{suffix}", [s.input_ids for s in self.train_seqs], width=2 * cfg.distill_topk,
                     dtype=torch.float32, signature={"top_k": cfg.distill_topk, "target": target_identity(model)},
                 )  # fmt: skip
+        self.eval_set_ids: dict[str, list[list[int]]] = {}  # evaluation-set prompts, chat-templated token ids
+        if cfg.eval_sets and parallel.is_main:
+            from .evalsets import load_set
+            from .text import encode_chat
+
+            for name in cfg.eval_sets:
+                self.eval_set_ids[name] = [encode_chat(tokenizer, p)[: cfg.max_seq_len]
+                                           for p in load_set(name, limit=cfg.eval_set_prompts, seed=cfg.seed)]
         self.step = 0
         self.stop_requested = False  # set by a SIGINT/SIGTERM during run(): checkpoint, then stop
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -625,11 +641,15 @@ class Trainer:
             self.gen.set_state(state)
         return {"heldout_loss": float(loss), "heldout_acc": info["acc_per_position"]}
 
-    def estimate_tau(self, max_new_tokens: int = 48) -> float:
+    def estimate_tau(self, max_new_tokens: int = 48, prompts: list[list[int]] | None = None) -> float:
+        """τ of the drafter as it is, greedy, with the real decode loop: on ``prompts`` (token ids; default the
+        held-out training prompts)."""
         from .decode import DecodeOptions, decode
         from .stats import DecodeStats
 
-        if not self.eval_seqs:
+        if prompts is None:
+            prompts = [s.input_ids[: s.num_prompt] for s in self.eval_seqs]
+        if not prompts:
             return float("nan")
         drafter = DFlashDrafter(self.drafter.config).to(device=self.model.device, dtype=self.model.dtype)
         drafter.load_state_dict(self.drafter.state_dict())
@@ -637,9 +657,9 @@ class Trainer:
         target = TargetAdapter(self.model, drafter.config.target_layer_ids)
         stats = DecodeStats(self.cfg.block_size)
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        for s in self.eval_seqs:
+        for prompt in prompts:
             options = DecodeOptions(max_new_tokens=max_new_tokens, stop_token_ids=frozenset(eos))
-            for _ in decode(target, drafter, s.input_ids[: s.num_prompt], options, stats):
+            for _ in decode(target, drafter, prompt, options, stats):
                 pass
         return stats.tau
 
@@ -724,6 +744,8 @@ class Trainer:
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                 if self.parallel.is_main:  # the first process evaluates while the others wait
                     rec["tau"] = self.estimate_tau()
+                    if self.eval_set_ids:  # the evaluation sets' own prompts (MT-Bench, HumanEval, MATH-500)
+                        rec["tau_sets"] = {name: self.estimate_tau(prompts=ids) for name, ids in self.eval_set_ids.items()}
                     rec.update(self.heldout_metrics())
                 self.parallel.barrier()
             rec["elapsed_s"] = time.perf_counter() - t0

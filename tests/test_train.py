@@ -268,6 +268,7 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
     import dflashkit.models
     from dflashkit import data
     from dflashkit.cli import main
+    from dflashkit.evalsets import available_sets
 
     torch.set_num_threads(1)
     monkeypatch.setattr(
@@ -293,9 +294,14 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["block_size"] == 4 and result["speculative"]
     distilled = tmp_path / "run-distilled"  # the same with the target's distribution as soft labels
-    assert main([*train_args[:4], str(distilled), *train_args[5:], "--distill-topk", "6", "--distill-weight", "0.7"]) == 0
+    eval_sets = ["--eval-sets", "mt-bench", "--eval-set-prompts", "2"] if "mt-bench" in available_sets() else []
+    assert main([*train_args[:4], str(distilled), *train_args[5:], "--distill-topk", "6", "--distill-weight", "0.7",
+                 *eval_sets]) == 0
     log = [json.loads(x) for x in (distilled / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["soft_loss"] > 0 and (distilled / "soft-labels" / "meta.json").is_file()
+    if eval_sets:  # τ on MT-Bench prompts at each evaluation, beside the held-out training prompts' τ
+        assert [set(r.get("tau_sets", {})) for r in log] == [set(), {"mt-bench"}, set(), {"mt-bench"}]
+        assert all(r["tau_sets"]["mt-bench"] >= 1.0 for r in log if "tau_sets" in r)
     recorded = json.loads((out / "run_config.json").read_text())  # settings and machine, for model cards
     assert recorded["config"]["steps"] == 4 and recorded["config"]["block_size"] == 4 and recorded["machine"]
     assert (out / "features").is_dir()  # auto on the CPU: features cached; off: a target pass every step, no store
@@ -511,6 +517,7 @@ def test_block_hidden_is_each_block_run_alone_over_the_context_before_its_anchor
     ({"lr": -1.0}, "lr"), ({"warmup_ratio": 5.0}, "warmup_ratio"), ({"draft_vocab_size": -1}, "draft_vocab_size"),
     ({"block_size": 1}, "block_size"), ({"steps": 0}, "steps"), ({"target_layer_ids": []}, "target_layer_ids"),
     ({"distill_weight": 2.0}, "distill_weight"), ({"precision": "fp16"}, "precision"),
+    ({"eval_sets": ["gsm8k"]}, "eval_sets"), ({"eval_sets": []}, "eval_sets"),
 ])  # fmt: skip
 def test_train_config_refuses_settings_that_train_nothing_useful(tmp_path, overrides, field):
     """A NaN loss (gamma 0), a negative rate...: refused before anything runs or is written."""
