@@ -953,9 +953,9 @@ def cmd_data(args: argparse.Namespace) -> int:
     meta_file = out / "meta.json"
     prompts = None
     report = None
-    if not parallel.is_main:
-        pass  # the first process collects (or checks) the prompt list; regenerate() reads it from the folder
-    elif (out / "prompts.jsonl").is_file() and meta_file.is_file():
+    # the first process collects (or checks) the prompt list; the others' regenerate() reads it from the folder
+    resuming = (out / "prompts.jsonl").is_file() and meta_file.is_file()
+    if parallel.is_main and resuming:
         # Resume with the stored prompt list (collection is deterministic, but a Hugging Face source or an
         # edited JSONL file could change under us).
         stored = json.loads(meta_file.read_text(encoding="utf-8")).get("extra", {}).get("collection", {})
@@ -965,7 +965,7 @@ def cmd_data(args: argparse.Namespace) -> int:
                                for k, (old, new) in changed.items())
             raise data.DataError(f"cannot resume {out}: {detail}. Use another --out, or the same options.")
         print(f"Resuming {out} with its stored prompt list.", file=sys.stderr)
-    else:
+    elif parallel.is_main:
         with _status(f"Collecting {args.num_prompts} prompts from {args.sources}...", args.no_progress):
             report = data.collect_prompts(args.sources, args.num_prompts, args.seed, min_chars=args.min_chars,
                                           max_chars=args.max_chars, exclude_eval=not args.no_eval_exclusion)

@@ -11,30 +11,17 @@ their resumption and everything downstream are those of local regeneration.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import DFlashError, InvalidInputError
+from .identity import config_identity
 from .sampling import SamplingParams
 
 
 class ServerError(DFlashError, RuntimeError):
     """The server could not be reached, or refused or failed a request."""
-
-
-def config_identity(config: Any) -> dict[str, Any]:
-    """What identifies the target when only its configuration is at hand (the weights are the server's)."""
-    return {
-        "architecture": (getattr(config, "architectures", None) or [config.model_type])[0],
-        "model_type": getattr(config, "model_type", None),
-        "name_or_path": getattr(config, "_name_or_path", None) or None,
-        "hidden_size": int(config.hidden_size),
-        "vocab_size": int(config.vocab_size),
-        "num_hidden_layers": int(config.num_hidden_layers),
-        "dtype": "server",  # not known here; a folder made by a server is not resumed locally, nor the reverse
-    }
 
 
 @dataclass
@@ -49,7 +36,6 @@ class ServerTarget:
     concurrency: int = 32
     client: Any = None  # openai.OpenAI
     token_ids: bool | None = None  # does the server return them (None: not yet known)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def connect(cls, url: str, tokenizer: Any, config: Any, eos_ids: list[int], *, model: str | None = None,
@@ -73,7 +59,9 @@ class ServerTarget:
             model = served[0]
         elif served and model not in served:
             raise InvalidInputError(f"{url} does not serve {model!r}; it serves: {', '.join(served)}")
-        return cls(url=url, model=model, tokenizer=tokenizer, eos_ids=list(eos_ids), identity=config_identity(config),
+        # dtype not known here: a folder made by a server is not resumed locally, nor the reverse
+        identity = {**config_identity(config), "dtype": "server"}
+        return cls(url=url, model=model, tokenizer=tokenizer, eos_ids=list(eos_ids), identity=identity,
                    concurrency=concurrency, client=client)
 
     def answer(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
@@ -84,6 +72,19 @@ class ServerTarget:
             return list(pool.map(lambda args: self._one(*args, max_new_tokens=max_new_tokens, sampling=sampling),
                                  zip(prompts, seeds)))
 
+    def _create(self, request: dict[str, Any]) -> Any:
+        """One completion, asking for its token ids until the server refuses the field (then never again)."""
+        import openai
+
+        if self.token_ids is not False:
+            try:
+                return self.client.completions.create(**request, extra_body={"return_token_ids": True})
+            except openai.BadRequestError as exc:
+                if "return_token_ids" not in str(exc.message):
+                    raise
+                self.token_ids = False  # this server does not know the field: its texts are encoded here
+        return self.client.completions.create(**request)
+
     def _one(self, prompt: list[int], seed: int, *, max_new_tokens: int, sampling: SamplingParams) -> list[int]:
         import openai
 
@@ -92,31 +93,16 @@ class ServerTarget:
         if sampling.temperature > 0:
             request["seed"] = seed
         try:
-            if self.token_ids is not False:
-                try:
-                    reply = self.client.completions.create(**request, extra_body={"return_token_ids": True})
-                except openai.BadRequestError as exc:
-                    if "return_token_ids" not in str(exc.message):
-                        raise
-                    with self._lock:
-                        self.token_ids = False  # this server does not know the field: encode the texts
-                    reply = self.client.completions.create(**request)
-            else:
-                reply = self.client.completions.create(**request)
+            choice = self._create(request).choices[0]
         except openai.APIConnectionError as exc:
             raise ServerError(f"lost the server at {self.url} ({exc}); run the same command again to resume") from None
         except openai.APIStatusError as exc:
             raise ServerError(f"{self.url} refused a completion ({exc.status_code}): {exc.message}") from None
-        choice = reply.choices[0]
         ids = (choice.model_extra or {}).get("token_ids")
+        self.token_ids = ids is not None  # (a plain store from each thread: they all see the same server)
         if ids is not None:
-            with self._lock:
-                self.token_ids = True
             ids = [int(t) for t in ids]
         else:
-            with self._lock:
-                if self.token_ids is None:
-                    self.token_ids = False
             ids = self.tokenizer.encode(choice.text, add_special_tokens=False)
         if choice.finish_reason == "stop" and (not ids or ids[-1] not in self.eos_ids):
             ids.append(self.eos_ids[0])  # the end of turn the server does not spell out in text

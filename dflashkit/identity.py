@@ -25,19 +25,28 @@ def embedding_fingerprint(embed_tokens: nn.Module) -> list[float]:
     return [round(x, 5) for x in grid.flatten().tolist()]
 
 
-def target_identity(model: nn.Module) -> dict[str, Any]:
-    """Metadata that identifies a target model, stored in the drafter's config.json."""
-    config = model.config
-    embed = model.get_input_embeddings()
+def config_identity(config: Any) -> dict[str, Any]:
+    """The identity fields a target's configuration alone gives (no fingerprint; the vocabulary as configured):
+    what identifies a target whose weights are elsewhere (a server's)."""
     return {
-        "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
+        "architecture": (getattr(config, "architectures", None) or [config.model_type])[0],
         "model_type": getattr(config, "model_type", None),
         "name_or_path": getattr(config, "_name_or_path", None) or None,
         "hidden_size": int(config.hidden_size),
-        "vocab_size": int(embed.weight.shape[0]),
+        "vocab_size": int(config.vocab_size),
         "num_hidden_layers": int(config.num_hidden_layers),
-        "embedding_fingerprint": embedding_fingerprint(embed),
     }
+
+
+def target_identity(model: nn.Module) -> dict[str, Any]:
+    """Metadata that identifies a target model, stored in the drafter's config.json."""
+    embed = model.get_input_embeddings()
+    ident = config_identity(model.config)
+    if not getattr(model.config, "architectures", None):
+        ident["architecture"] = type(model).__name__
+    ident["vocab_size"] = int(embed.weight.shape[0])  # the table's rows (may be padded past the configured size)
+    ident["embedding_fingerprint"] = embedding_fingerprint(embed)
+    return ident
 
 
 def check_compatible(config: DrafterConfig, model: nn.Module) -> None:

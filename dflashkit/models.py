@@ -16,7 +16,6 @@ import os
 import pathlib
 import re
 import sys
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,7 +173,7 @@ def load_target_config(name_or_path: str | os.PathLike | None = None, *, progres
     come from a server: ``dflashkit data --server``)."""
     from transformers import AutoConfig, GenerationConfig
 
-    from .text import eos_token_ids
+    from .text import generation_eos_ids
 
     name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
     with _quiet(progress):
@@ -187,7 +186,7 @@ def load_target_config(name_or_path: str | os.PathLike | None = None, *, progres
             generation = GenerationConfig.from_pretrained(source)
         except OSError:  # no generation_config.json: the tokenizer's eos alone
             generation = None
-    return config, tok, eos_token_ids(types.SimpleNamespace(generation_config=generation), tok)
+    return config, tok, generation_eos_ids(generation, tok)
 
 
 def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16,

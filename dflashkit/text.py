@@ -49,8 +49,13 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Messages,
 
 def eos_token_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """End-of-sequence ids of the model's generation config and of the tokenizer, deduplicated."""
+    return generation_eos_ids(getattr(model, "generation_config", None), tokenizer)
+
+
+def generation_eos_ids(generation_config: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """End-of-sequence ids of a generation config (None: none) and of the tokenizer, deduplicated."""
     ids: list[int] = []
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    gen_eos = getattr(generation_config, "eos_token_id", None)
     for x in (gen_eos, tokenizer.eos_token_id):
         if x is not None:
             ids.extend(x if isinstance(x, (list, tuple)) else [x])

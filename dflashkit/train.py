@@ -641,27 +641,33 @@ class Trainer:
             self.gen.set_state(state)
         return {"heldout_loss": float(loss), "heldout_acc": info["acc_per_position"]}
 
-    def estimate_tau(self, max_new_tokens: int = 48, prompts: list[list[int]] | None = None) -> float:
-        """τ of the drafter as it is, greedy, with the real decode loop: on ``prompts`` (token ids; default the
-        held-out training prompts)."""
+    def estimate_tau(self, max_new_tokens: int = 48) -> float:
+        """τ of the drafter as it is, greedy, with the real decode loop, on the held-out training prompts."""
+        return self.tau_by_set({"": self.heldout_prompts()}, max_new_tokens)[""]
+
+    def heldout_prompts(self) -> list[list[int]]:
+        return [s.input_ids[: s.num_prompt] for s in self.eval_seqs]
+
+    def tau_by_set(self, prompt_sets: dict[str, list[list[int]]], max_new_tokens: int = 48) -> dict[str, float]:
+        """τ (greedy, the real decode loop) on each named list of prompts (token ids; NaN for an empty one), with one
+        inference copy of the drafter as it is."""
         from .decode import DecodeOptions, decode
         from .stats import DecodeStats
 
-        if prompts is None:
-            prompts = [s.input_ids[: s.num_prompt] for s in self.eval_seqs]
-        if not prompts:
-            return float("nan")
         drafter = DFlashDrafter(self.drafter.config).to(device=self.model.device, dtype=self.model.dtype)
         drafter.load_state_dict(self.drafter.state_dict())
         drafter.eval()
         target = TargetAdapter(self.model, drafter.config.target_layer_ids)
-        stats = DecodeStats(self.cfg.block_size)
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        for prompt in prompts:
-            options = DecodeOptions(max_new_tokens=max_new_tokens, stop_token_ids=frozenset(eos))
-            for _ in decode(target, drafter, prompt, options, stats):
-                pass
-        return stats.tau
+        options = DecodeOptions(max_new_tokens=max_new_tokens, stop_token_ids=frozenset(eos))
+        taus = {}
+        for name, prompts in prompt_sets.items():
+            stats = DecodeStats(self.cfg.block_size)
+            for prompt in prompts:
+                for _ in decode(target, drafter, prompt, options, stats):
+                    pass
+            taus[name] = stats.tau if prompts else float("nan")
+        return taus
 
     # ---- checkpoints ----------------------------------------------------------------------------------
 
@@ -743,9 +749,11 @@ class Trainer:
             rec = self.train_step(batch_iter)
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                 if self.parallel.is_main:  # the first process evaluates while the others wait
-                    rec["tau"] = self.estimate_tau()
-                    if self.eval_set_ids:  # the evaluation sets' own prompts (MT-Bench, HumanEval, MATH-500)
-                        rec["tau_sets"] = {name: self.estimate_tau(prompts=ids) for name, ids in self.eval_set_ids.items()}
+                    # the held-out training prompts ("") and the evaluation sets' own (MT-Bench, HumanEval, ...)
+                    taus = self.tau_by_set({"": self.heldout_prompts(), **self.eval_set_ids})
+                    rec["tau"] = taus.pop("")
+                    if taus:
+                        rec["tau_sets"] = taus
                     rec.update(self.heldout_metrics())
                 self.parallel.barrier()
             rec["elapsed_s"] = time.perf_counter() - t0
@@ -770,15 +778,16 @@ def _graceful_stop(trainer: Trainer) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    first: list[float] = []
+    first_at = 0.0  # when the stop was requested
 
     def request(signum, frame) -> None:
+        nonlocal first_at
         if trainer.stop_requested and signum == signal.SIGINT:
-            if not (trainer.parallel.enabled and first and time.monotonic() - first[0] < 1.0):
+            if not (trainer.parallel.enabled and time.monotonic() - first_at < 1.0):
                 raise KeyboardInterrupt
             return
         trainer.stop_requested = True
-        first.append(time.monotonic())
+        first_at = time.monotonic()
         trainer.log("stopping after this step (checkpointing; Ctrl-C again to stop at once)")
 
     previous = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}

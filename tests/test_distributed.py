@@ -49,6 +49,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     commands as `torchrun -m dflashkit` runs them (their output kept in ROOT/out-RANK.txt)."""
     import contextlib
 
+    from test_train import before_step, process_dies
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))  # what torchrun sets
     torch.set_num_threads(1)
@@ -60,14 +62,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     _trainer(root / "a", parallel).run(resume=False, progress=False)
 
     killed = _trainer(root / "b", parallel, checkpoint_every=2)
-    real_step = killed.train_step
-
-    def dies_after_step_4(batch_iter):
-        if killed.step == 4:
-            raise KeyboardInterrupt  # every process dies between checkpoints
-        return real_step(batch_iter)
-
-    killed.train_step = dies_after_step_4
+    before_step(killed, 4, process_dies)  # every process dies between checkpoints
     try:
         killed.run(resume=False, progress=False)
     except KeyboardInterrupt:
@@ -75,14 +70,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     _trainer(root / "b", parallel, checkpoint_every=2).run(resume=True, progress=False)
 
     stopped = _trainer(root / "c", parallel)
-    real_step_c = stopped.train_step
-
-    def signalled_in_step_3(batch_iter):
-        if stopped.step == 2 and parallel.rank == world - 1:
-            os.kill(os.getpid(), signal.SIGTERM)  # this process only
-        return real_step_c(batch_iter)
-
-    stopped.train_step = signalled_in_step_3
+    if parallel.rank == world - 1:  # this process only, during step 3
+        before_step(stopped, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
         stopped.run(resume=False, progress=False)
         raise AssertionError("the stop request was not seen")

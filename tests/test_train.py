@@ -147,6 +147,22 @@ def make_trainer(tmp_path, model, seqs, **overrides):
     return Trainer(cfg, model, FakeTokenizer(), sequences=seqs, log=lambda *_: None)
 
 
+def before_step(trainer, done: int, action) -> None:
+    """Call `action()` when `trainer` begins the step after its `done`-th (an interruption at a chosen point)."""
+    real_step = trainer.train_step
+
+    def step(batch_iter):
+        if trainer.step == done:
+            action()
+        return real_step(batch_iter)
+
+    trainer.train_step = step
+
+
+def process_dies() -> None:
+    raise KeyboardInterrupt  # the process dies between checkpoints
+
+
 def test_tiny_training_raises_tau(tmp_path):
     from conftest import tiny_target
 
@@ -192,14 +208,7 @@ def test_stop_signal_checkpoints_the_step_in_progress(tmp_path):
     model = tiny_target("llama")
     seqs = tiny_corpus(model, 12, seed=2, new_tokens=16)
     trainer = make_trainer(tmp_path / "run", model, seqs, steps=8, checkpoint_every=100)
-    real_step = trainer.train_step
-
-    def signalled_during_step_5(batch_iter):
-        if trainer.step == 4:
-            os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the step
-        return real_step(batch_iter)
-
-    trainer.train_step = signalled_during_step_5
+    before_step(trainer, 4, lambda: os.kill(os.getpid(), signal.SIGTERM))  # arrives in the middle of step 5
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt):
         trainer.run(resume=False, progress=False)
@@ -219,14 +228,7 @@ def test_resume_continues_with_the_same_state(tmp_path):
     straight.run(resume=False, progress=False)
 
     first = make_trainer(tmp_path / "b", model, seqs, steps=6, checkpoint_every=3)
-    real_step = first.train_step
-
-    def killed_after_step_4(batch_iter):
-        if first.step == 4:
-            raise KeyboardInterrupt  # the process dies between checkpoints
-        return real_step(batch_iter)
-
-    first.train_step = killed_after_step_4
+    before_step(first, 4, process_dies)
     with pytest.raises(KeyboardInterrupt):
         first.run(resume=False, progress=False)
     first_state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
