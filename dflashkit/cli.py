@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
+    _add_sampler_option(g)
     g.add_argument("--presence-penalty", type=float, default=0.0,
                    help="OpenAI's presence penalty, -2..2: subtracted once from tokens already in the output")
     g.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-k", type=int, default=0)
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--seed", type=int, default=None)
+    _add_sampler_option(c)
     _add_lookup_option(c)
     _add_draft_window_option(c)
     c.add_argument("--prefix-cache-mb", type=float, default=256.0,
@@ -132,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=_block_size_arg, default=None,
                    help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)")
     s.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
+    _add_sampler_option(s)
     _add_lookup_option(s)
     _add_tree_option(s)
     _add_draft_window_option(s)
@@ -399,6 +402,15 @@ def _read_text_file(path: str, flag: str) -> str:
         raise InvalidInputError(f"{flag}: cannot read {path!r}: {exc}") from None
 
 
+def _add_sampler_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sampler", choices=["rejection", "coupled"], default=None,
+        help="how sampled drafts are verified, both exact: 'rejection' (speculative sampling: the most drafts "
+        "accepted) or 'coupled' (Gumbel-max with noise fixed by the seed: the output is plain sampling's for "
+        "that seed, whatever the drafter or block size); default: coupled with --seed, else rejection",
+    )
+
+
 def _add_lookup_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ngram-store", action=argparse.BooleanOptionalAction, default=True,
@@ -436,10 +448,6 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
     print(f"{len(store)} {args.n}-grams (seen >= {args.min_count} times) from {len(sequences)} answers -> "
           f"{out / FILENAME}", file=sys.stderr)
     return 0
-
-
-def _lookup_wanted(args: argparse.Namespace, has_drafter: bool) -> bool:
-    return args.lookup if args.lookup is not None else has_drafter
 
 
 def _add_eager_option(parser: argparse.ArgumentParser) -> None:
@@ -618,15 +626,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = gen.encode_prompt(prompt, tools=tools.template_tools())
         grammar = gen.tool_call_grammar(tools) or grammar
 
-    # Without --block-size, the adaptive policy: with the shipped drafter's τ ≈ 1.5, a 16-token verify costs
-    # more than it yields on a CPU, and "auto" falls back to the sizes (or plain steps) that pay.
-    # With --tree and no --block-size: the drafter's block size (the tree picks its own depth and width).
-    block_size = args.block_size if args.block_size is not None or drafter is None or args.tree else "auto"
+    # Without --block-size / --lookup, the library's defaults (generator.default_block_size / default_lookup):
+    # the adaptive block size (the drafter's own size with --tree) and prompt lookup when there is a drafter.
     _note_tree_without_drafter(args, drafter is not None)
     kwargs: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, block_size=block_size, proposal=args.proposal, stop=args.stop, chat=not args.no_chat,
-        lookup=_lookup_wanted(args, drafter is not None), ngram_store=args.ngram_store, tree=args.tree,
+        seed=args.seed, block_size=args.block_size, proposal=args.proposal, sampler=args.sampler, stop=args.stop,
+        chat=not args.no_chat, lookup=args.lookup, ngram_store=args.ngram_store, tree=args.tree,
         draft_window=args.draft_window, grammar=grammar, logprobs=args.logprobs,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
@@ -671,11 +677,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     cache = PrefixCache.of_mib(args.prefix_cache_mb)
     _apply_threads(args.threads)
     gen = _load_generator(args, False)
-    drafter = gen.drafter
-    block_size = args.block_size if args.block_size is not None or drafter is None else "auto"
     session = ChatSession(
         gen, args.system, cache if cache is not None else False, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, block_size=block_size, lookup=_lookup_wanted(args, drafter is not None),
+        top_p=args.top_p, seed=args.seed, sampler=args.sampler, block_size=args.block_size, lookup=args.lookup,
         ngram_store=args.ngram_store, draft_window=args.draft_window,
     )  # fmt: skip
     gen.warmup()
@@ -754,14 +758,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(  # checked before the (slow) model load
         model_id=args.model_name or (args.target or DEFAULT_TARGET), max_queue=args.max_queue, max_batch=args.max_batch,
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
-        block_size=args.block_size if args.block_size is not None else (None if args.tree else "auto"),
-        proposal=args.proposal, tree=args.tree, draft_window=args.draft_window, prefix_cache_mb=args.prefix_cache_mb,
+        block_size=args.block_size, lookup=args.lookup,
+        proposal=args.proposal, sampler=args.sampler, tree=args.tree, draft_window=args.draft_window,
+        prefix_cache_mb=args.prefix_cache_mb,
         stored_responses=args.stored_responses, api_key=args.api_key, clamp_max_tokens=args.clamp_max_tokens,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
     )  # fmt: skip
     _apply_threads(args.threads)
     gen = _load_generator(args, False)
-    settings.lookup = _lookup_wanted(args, gen.drafter is not None)
     _note_tree_without_drafter(args, gen.drafter is not None)
     compute = ComputeThread()  # this thread, which loaded the model: every pass runs here (dflashkit.batching)
     app = create_app(gen, settings, compute=compute)
@@ -912,6 +916,8 @@ def _print_summary(result, speculative: bool) -> None:
         line += f" (target: {s.target_weights}; exact w.r.t. the quantized target)"
     if s.grammar:
         line += f" (structured output: {s.grammar.replace('_', ' ')})"
+    if s.sampler:
+        line += f" ({s.sampler} sampling)"
     print(line, file=sys.stderr)
     if result.ar is not None:
         ar = result.ar.stats
@@ -927,7 +933,8 @@ def _print_summary(result, speculative: bool) -> None:
                 file=sys.stderr,
             )
         else:
-            print("[outputs differ (sampling: compare distributions, not tokens)]", file=sys.stderr)
+            print("[outputs differ: rejection sampling draws its own random numbers per step; give --seed (coupled "
+                  "sampling) to compare sampled outputs token for token]", file=sys.stderr)
 
 
 def cmd_data(args: argparse.Namespace) -> int:

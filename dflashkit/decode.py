@@ -37,7 +37,18 @@ from .lookup import NgramLookup
 from .ngram_store import NgramStore
 from .penalties import Penalties
 from .prefix_cache import CachedSequence, PrefixCache
-from .sampling import SamplingParams, argmax, propose, sample, verify_greedy, verify_sampled, warp
+from .sampling import (
+    PositionNoise,
+    SamplingParams,
+    argmax,
+    check_sampler,
+    coupled_scores,
+    propose,
+    sample,
+    verify_greedy,
+    verify_sampled,
+    warp,
+)
 from .stats import DecodeStats
 from .target import TargetAdapter
 from .tree import build_tree, check_budget
@@ -55,6 +66,7 @@ class DecodeOptions:
     block_size: int | None = None  # None: the drafter's trained block size
     proposal: str = "sample"  # when sampling: "sample" (x ~ q, more accepted at T=1) or "argmax" (one-hot q); both exact
     seed: int | None = None
+    sampler: str = "rejection"  # when sampling: "rejection" or "coupled" (the seed's plain output, any drafter)
     stop_token_ids: frozenset[int] = frozenset()  # eos ids included by the caller
     lookup: bool = False  # draft by copying after a repeated n-gram where one exists (prompt lookup)
     lookup_store: NgramStore | None = None  # with lookup: the target's past answers, where the text has no repeat
@@ -79,6 +91,7 @@ class DecodeOptions:
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         check_draft_window(self.draft_window)
         check_top_logprobs(self.logprobs)
+        check_sampler(self.sampler)
         if self.penalties is not None and not isinstance(self.penalties, Penalties):
             raise InvalidInputError(f"penalties must be a Penalties, got {type(self.penalties).__name__}")
         if self.block_size is not None and self.block_size < 2:
@@ -146,14 +159,21 @@ def decode(
     stats.lookup = options.lookup
     params = options.sampling
     device = target.device
-    gen = torch.Generator(device=device).manual_seed(
-        options.seed if options.seed is not None else random.randrange(1 << 62)
-    )
+    seed = options.seed if options.seed is not None else random.randrange(1 << 62)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # coupled sampling: every decision is the argmax of noisy scores, the noise a function of (seed, position)
+    noise = PositionNoise(seed, target.vocab_size, device) if options.sampler == "coupled" and not params.greedy else None
+    stats.sampler = None if params.greedy else options.sampler
     max_new = min(options.max_new_tokens, target.max_positions - len(prompt_ids))
 
-    def choose(logits: Tensor, allowed: Tensor | None = None) -> int:  # target's token from one row of logits
-        if params.greedy:
+    def scored(rows: Tensor, position: int) -> Tensor:  # rows [n, vocab] deciding positions position.. (coupled)
+        return coupled_scores(rows, params, noise.rows(position, rows.shape[0])) if noise is not None else rows
+
+    def choose(logits: Tensor, allowed: Tensor | None = None, position: int = 0) -> int:  # the target's token
+        if params.greedy:  # from one row of logits, deciding output `position`
             return int(argmax(logits, allowed))
+        if noise is not None:
+            return int(argmax(scored(masked(logits, allowed)[None], position)[0]))
         return int(sample(warp(masked(logits, allowed), params), gen))
 
     constraint = options.grammar.start() if options.grammar is not None else None
@@ -185,13 +205,13 @@ def decode(
     stats.cached_prompt_tokens = cached
     decided = adjusted(logits[-1:])  # [1, vocab]
     masks = constraint.allowed()[None] if constraint else None  # [1, vocab]
-    token = choose(decided[-1], masks[0] if masks is not None else None)
+    token = choose(decided[-1], masks[0] if masks is not None else None, 0)
     if constraint:
         constraint.consume([token])
     if history is not None:
         history.consume([token])
     if observer:
-        observer(masked(decided, masks), [token])
+        observer(scored(masked(decided, masks), 0), [token])
     stats.target_forwards += 1
     stats.prefill_s = time.perf_counter() - t_start
     t_decode = time.perf_counter()
@@ -242,16 +262,22 @@ def decode(
                         context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
                     )  # [k, V'] over the draft vocabulary `columns` (None: the whole vocabulary)
                     pending = None
+                    draft_params, mode = params, options.proposal
+                    if noise is not None:  # the Gumbel-max proposal under the target's noise: argmax of noisy scores
+                        row_noise = noise.rows(produced, k)  # [k, vocab]
+                        scores = coupled_scores(scores, params, row_noise[:, columns] if columns is not None
+                                                else row_noise)
+                        draft_params, mode = SamplingParams(), "argmax"
                     if use_trees:
                         tree = build_tree(scores, columns, options.tree)
                         drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
                     elif constraint:  # each row masked by what the grammar allows after the drafts before it
-                        propose_row = functools.partial(propose, params=params, mode=options.proposal, generator=gen,
+                        propose_row = functools.partial(propose, params=draft_params, mode=mode, generator=gen,
                                                         token_ids=columns, vocab_size=target.vocab_size)
                         drafts, q, masks = constraint.propose(scores, columns, propose_row)
                         k = drafts.shape[0]
                     else:
-                        drafts, q = propose(scores, params, options.proposal, gen, columns, target.vocab_size)
+                        drafts, q = propose(scores, draft_params, mode, gen, columns, target.vocab_size)
                     stats.draft_s += time.perf_counter() - t
                 if constraint and masks is None:
                     masks = constraint.allowed()[None]  # no drafts: the one verify row
@@ -265,18 +291,27 @@ def decode(
                 logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)  # [rows, vocab]
                 if params.greedy:  # the target's token after each row: its argmax, or a sample drawn when reached
                     target_token = argmax(logits).tolist().__getitem__
-                else:
-                    target_token = functools.partial(lambda rows_logits, r: choose(rows_logits[r]), logits)
+                else:  # row r decides output position produced + its depth
+                    positions = [produced + d for d in (0, *tree.depths)]
+                    target_token = functools.partial(
+                        lambda rows_logits, at, r: choose(rows_logits[r], None, at[r]), logits, positions)
                 path, token = tree.walk(target_token)
                 kept = [0] + path  # rows of the anchor and the accepted nodes
                 accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
+                observed = scored(logits[kept], produced) if observer else None
             else:
                 logits, features = target.forward(block_ids, pos, cache, logits_rows=rows)  # [rows, vocab]
                 decided = adjusted(logits, drafts)  # row r: penalties over the output so far + drafts[:r]
+                observed = None
                 if params.greedy:
                     accepted, token = verify_greedy(decided, drafts, masks)
+                elif noise is not None:  # coupled: greedy on the noisy scores of positions produced ..
+                    observed = scored(masked(decided, masks), produced)  # [rows, vocab]
+                    accepted, token = verify_greedy(observed, drafts)
                 else:
                     accepted, token = verify_sampled(warp(masked(decided, masks), params), drafts, q, gen)
+                if observer and observed is None:
+                    observed = masked(decided, masks)
                 accepted_drafts = drafts[:accepted].tolist()
             stats.verify_s += time.perf_counter() - t
             stats.target_forwards += 1
@@ -301,7 +336,7 @@ def decode(
             if lookup is not None:
                 lookup.extend(emitted)
             if observer:
-                observer(logits[kept] if tree is not None else masked(decided, masks), emitted)
+                observer(observed, emitted)
             stats.record_step(tree.depth if tree is not None else k, accepted, copied=bool(copied),
                               from_store=bool(copied) and lookup.from_store,
                               tree_nodes=len(tree) if tree is not None else 0)

@@ -30,13 +30,37 @@ from .logprobs import TokenLogprob, check_top_logprobs
 from .lossless import Divergence, DivergenceRecorder
 from .penalties import Penalties
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_sampler
 from .stats import DecodeStats
 from .target import TargetAdapter
 from .text import IncrementalDetokenizer, StopStringMatcher, check_text, encode_chat, eos_token_ids
 from .tool_calls import ToolRequest, check_template, marker_terms, template_messages
 
 Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
+
+
+def default_block_size(block_size: int | str | None, has_drafter: bool, tree: int | None = None) -> int | str | None:
+    """The block size a generation runs with: an integer or "auto" as given; None (the library's, the CLI's and the
+    server's default) becomes "auto" when a drafter drafts chains, and stays None (the drafter's own size) with a
+    token tree (which picks its own depth and width) or without a drafter. "auto" is the default because with
+    today's drafters (the shipped one: τ ≈ 1.7) a full 16-token verify costs more on a CPU than it yields, and the
+    adaptive policy falls back to the sizes, or plain steps, that pay (see :mod:`dflashkit.adaptive`)."""
+    if block_size is None and has_drafter and tree is None:
+        return "auto"
+    return block_size
+
+
+def default_sampler(sampler: str | None, seed: int | None) -> str:
+    """The sampler a sampled generation uses: as asked; None (the default): "coupled" when a seed is given (a seed
+    asks for a reproducible output, and coupled sampling gives the seed's plain output whatever the block sizes,
+    which the adaptive policy picks by timing), "rejection" without one (its drafts are accepted more often)."""
+    return check_sampler(sampler) if sampler is not None else ("coupled" if seed is not None else "rejection")
+
+
+def default_lookup(lookup: bool | None, has_drafter: bool) -> bool:
+    """Prompt lookup as asked; None (the default): on when a drafter drafts (copies cost nothing to propose and
+    are accepted more often than drafts on repetitive text), off without one (plain decoding stays plain)."""
+    return has_drafter if lookup is None else lookup
 
 
 @dataclass
@@ -219,12 +243,13 @@ class SpeculativeGenerator:
         seed: int | None = None,
         block_size: int | str | None = None,
         proposal: str = "sample",
+        sampler: str | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         use_drafter: bool = True,
         chat: bool = True,
         observer: StepObserver | None = None,
-        lookup: bool = False,
+        lookup: bool | None = None,
         ngram_store: bool = True,
         tree: int | None = None,
         draft_window: int | None = None,
@@ -242,13 +267,18 @@ class SpeculativeGenerator:
 
         `prompt` may be text, chat messages, or token ids (used as is). Without a drafter (or with
         use_drafter=False) the same loop decodes autoregressively. ``block_size="auto"`` picks each step's
-        block size (up to the drafter's) for the most tokens per second (see :mod:`dflashkit.adaptive`).
-        ``lookup=True``: where the text so far ends with an n-gram seen before, a step drafts the tokens that
-        followed it instead of running the drafter (:mod:`dflashkit.lookup`; with no drafter, prompt lookup
-        alone). With lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
+        block size (up to the drafter's) for the most tokens per second (see :mod:`dflashkit.adaptive`); an
+        integer fixes it; None (the default) is "auto", or the drafter's own size with ``tree`` (see
+        :func:`default_block_size`). ``lookup=True`` (None, the default: on when a drafter drafts): where the
+        text so far ends with an n-gram seen before, a step drafts the tokens that followed it instead of running
+        the drafter (:mod:`dflashkit.lookup`; ``lookup=True`` with no drafter: prompt lookup alone). With lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
         past answers drafts, if the drafter folder has one (:mod:`dflashkit.ngram_store`; ``ngram_store=False``
         turns it off). ``tree=N``: drafter steps verify a token tree of up to N nodes (the drafter's likeliest
         alternatives, :mod:`dflashkit.tree`) instead of a chain; on the fast forward only (elsewhere: chains).
+        ``sampler`` (when sampling): "rejection" (speculative sampling, the most drafts accepted) or "coupled"
+        (Gumbel-max with noise fixed by the seed and position: the output is the plain sampled output of the
+        seed, whatever the drafter, block size, lookup or batch; see :mod:`dflashkit.sampling`); None (the
+        default): "coupled" when a seed is given, "rejection" otherwise (:func:`default_sampler`).
         ``draft_window=N``: drafting attends to the last N context tokens (0: all; None: the drafter's own
         ``config.context_window``). ``grammar``: structured output, every token one the grammar allows (a
         :class:`~dflashkit.grammar.Grammar`: ``Grammar.json_schema(schema)``, ``.json_object()``, ``.regex(...)``,
@@ -266,8 +296,7 @@ class SpeculativeGenerator:
         longest prefix of the prompt that an earlier generation kept there (the next turn of a chat) and runs only
         the rest; the result's ``stats.cached_prompt_tokens`` says how many; this generation is kept there too.
         """
-        adaptive = block_size == "auto"
-        if isinstance(block_size, str) and not adaptive:
+        if isinstance(block_size, str) and block_size != "auto":
             raise InvalidInputError(f"block_size must be an integer >= 2, None or 'auto', got {block_size!r}")
         if isinstance(prompt, (list, tuple)) and not prompt:
             raise InvalidInputError("the prompt is empty")
@@ -275,6 +304,9 @@ class SpeculativeGenerator:
         if isinstance(stop, str):
             stop = [stop]
         drafter = self.drafter if use_drafter else None
+        block_size = default_block_size(block_size, drafter is not None, tree)
+        adaptive = block_size == "auto"
+        lookup = default_lookup(lookup, drafter is not None)
         store = drafter.ngram_store if drafter is not None and lookup and ngram_store else None
         options = DecodeOptions(
             max_new_tokens=max_new_tokens,
@@ -282,6 +314,7 @@ class SpeculativeGenerator:
             block_size=None if adaptive else block_size,
             proposal=proposal,
             seed=seed,
+            sampler=default_sampler(sampler, seed),
             stop_token_ids=frozenset(self.eos_token_ids) | frozenset(stop_token_ids),
             lookup=lookup,
             lookup_store=store,
@@ -429,13 +462,15 @@ class SpeculativeGenerator:
     def compare_ar(self, result: GenerationResult, prompt: Prompt | list[int], **kwargs: Any) -> GenerationResult:
         """Decode `prompt` plainly with the same settings and attach that run to `result`.
 
-        When greedy, `result.divergence` locates the first differing token and judges it on the plain
-        step's logits (a tie or not; see lossless).
+        When greedy, or sampled with the coupled sampler (a seed given), the outputs must be identical, and
+        `result.divergence` locates the first differing token and judges it on the plain step's logits (noisy
+        scores when coupled): a tie or not (see lossless).
         """
         kwargs = {k: v for k, v in kwargs.items()
                   if k not in ("use_drafter", "observer", "block_size", "lookup", "ngram_store", "tree", "prefix_cache")}
         greedy = SamplingParams(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0)).greedy
-        recorder = DivergenceRecorder(result.token_ids, self.target.dtype) if greedy else None
+        coupled = default_sampler(kwargs.get("sampler"), kwargs.get("seed")) == "coupled"
+        recorder = DivergenceRecorder(result.token_ids, self.target.dtype) if greedy or coupled else None
         result.ar = _drain(self.stream(prompt, **kwargs, use_drafter=False, observer=recorder))
         result.divergence = recorder.result(result.ar.token_ids) if recorder else None
         return result

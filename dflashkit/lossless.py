@@ -4,6 +4,8 @@ point is a numerical tie.
 In fp32 speculative greedy output equals plain greedy output token for token. In bf16 a B-token verify
 pass and a 1-token decode step round differently, so the two may part where the plain step's two
 candidate logits are within 2 ulps of the largest absolute logit (a tie); anywhere else is a bug.
+The same holds for coupled sampling (``sampler="coupled"``): speculative output is the plain sampled output
+of the seed, and a departure is judged on the plain step's noisy scores (logits / temperature + noise).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def classify(ar_logits: Tensor, ar_token: int, spec_token: int, index: int, dtyp
     """Judge one divergence from the plain step's logits row [vocab]."""
     row = ar_logits.float()
     margin = float(row[ar_token] - row[spec_token])
-    max_abs = float(row.abs().max())
+    finite = row[torch.isfinite(row)]  # a grammar's or top-k's -inf entries are not logits
+    max_abs = float(finite.abs().max()) if finite.numel() else 0.0
     return Divergence(index, spec_token, ar_token, margin, max_abs, is_tie(margin, max_abs, dtype))
 
 

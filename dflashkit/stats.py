@@ -34,6 +34,7 @@ class DecodeStats:
     tree_nodes: list[int] = field(default_factory=list)  # per step: nodes of its tree (0: a chain)
     draft_window: int | None = None  # drafting attended to the last this many context tokens (None: all)
     grammar: str | None = None  # structured output: the kind of grammar the output was constrained to
+    sampler: str | None = None  # when sampling: "rejection" or "coupled" (dflashkit.sampling); None when greedy
 
     def record_step(self, drafted: int, accepted: int, copied: bool = False, from_store: bool = False,
                     tree_nodes: int = 0) -> None:
@@ -52,7 +53,8 @@ class DecodeStats:
         out = cls(block_size=max(r.block_size for r in runs), prompt_tokens=first.prompt_tokens,
                   cached_prompt_tokens=first.cached_prompt_tokens,
                   adaptive=first.adaptive, target_weights=first.target_weights, engine=first.engine,
-                  lookup=first.lookup, tree=first.tree, draft_window=first.draft_window, grammar=first.grammar)
+                  lookup=first.lookup, tree=first.tree, draft_window=first.draft_window, grammar=first.grammar,
+                  sampler=first.sampler)
         for r in runs:
             out.new_tokens += r.new_tokens
             out.target_forwards += r.target_forwards
@@ -136,6 +138,7 @@ class DecodeStats:
             "engine": self.engine,
             "draft_window": self.draft_window,
             "grammar": self.grammar,
+            "sampler": self.sampler,
             "lookup": self.lookup_summary() if self.lookup else None,
             "tree": self.tree_summary() if self.tree else None,
         }

@@ -153,15 +153,20 @@ def test_generator_auto_block_size():
     model = tiny_target("llama")
     gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=8))
     ids = [5, 9, 11, 3]
-    auto = gen.generate(ids, max_new_tokens=30, block_size="auto", compare_ar=True)
+    auto = gen.generate(ids, max_new_tokens=30, block_size="auto", lookup=False, compare_ar=True)
     assert auto.identical and auto.stats.adaptive and auto.stats.as_dict()["adaptive"] is True
     assert gen.block_policy.steps == auto.stats.steps
-    sampled = gen.generate(ids, max_new_tokens=30, block_size="auto", temperature=1.0, seed=3)
+    sampled = gen.generate(ids, max_new_tokens=30, block_size="auto", lookup=False, temperature=1.0, seed=3)
     assert gen.block_policies.get(False).steps == sampled.stats.steps  # sampled requests: a policy of their own
     assert gen.block_policies.get(False).candidates == [1, 2, 4] and gen.block_policy.max_block == 8
     assert sampled.stats.block_size == 4 and auto.stats.block_size == 8  # the largest block each could use
     assert gen.block_policy.steps == auto.stats.steps  # ... leaving the greedy one as it was
-    assert not gen.generate(ids, max_new_tokens=5).stats.adaptive
+    default = gen.generate(ids, max_new_tokens=5).stats  # the default: adaptive, with prompt lookup
+    assert default.adaptive and default.lookup and default.block_size == 8
+    assert not gen.generate(ids, max_new_tokens=5, block_size=8).stats.adaptive
+    with_tree = gen.generate(ids, max_new_tokens=5, tree=3).stats  # a tree: the drafter's block size, no policy
+    assert not with_tree.adaptive and with_tree.block_size == 8
+    assert not gen.generate(ids, max_new_tokens=5, use_drafter=False).stats.lookup  # plain stays plain
     with pytest.raises(InvalidInputError, match="auto"):
         gen.generate(ids, max_new_tokens=5, block_size="big")
 

@@ -85,12 +85,14 @@ def _count_batched_passes(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("options", [
-    {},  # greedy, drafter chains
-    {"lookup": True, "block_size": "auto"},
+    {"block_size": 4, "lookup": False},  # greedy, drafter chains
+    {},  # the defaults: adaptive block size, prompt lookup
     {"tree": 5},
-    {"temperature": 1.0},
-    {"temperature": 0.8, "top_p": 0.9, "logprobs": 2},
-], ids=["greedy", "lookup-auto", "tree", "t1", "t08-logprobs"])
+    {"temperature": 1.0, "block_size": 4, "lookup": False, "sampler": "rejection"},
+    {"temperature": 1.0},  # seeded: coupled sampling, whatever blocks the adaptive policy picks
+    # a fixed schedule, so that the logprobs come off verify passes of the same shapes (bitwise equal)
+    {"temperature": 0.8, "top_p": 0.9, "logprobs": 2, "block_size": 4, "lookup": False},
+], ids=["greedy", "defaults", "tree", "t1-rejection", "t1-coupled", "t08-logprobs"])
 def test_generate_batch_equals_each_prompt_alone(dtype, options, monkeypatch):
     """Each result of generate_batch is token for token the prompt's own `generate` (greedy, or sampled with its
     seed), with sequences of different lengths ending at different rounds; the rounds really were batched."""

@@ -132,6 +132,23 @@ def test_prompt_lookup_flags(loads, capsys) -> None:
     assert runs["alone"]["block_size"] > 1 and runs["plain"]["block_size"] == 1 and runs["plain"]["stats"]["lookup"] is None
 
 
+def test_sampler_flag(loads, capsys) -> None:
+    """Sampled with --seed: coupled sampling by default, identical to plain sampling of the seed under --compare-ar;
+    without a seed, or with --sampler rejection, the rejection sampler (whose outputs are not compared by token)."""
+    common = ["--drafter", "untrained", "--temperature", "1", "--dtype", "float32", "--compare-ar"]
+    rc, out, err = cli(capsys, *common, "--seed", "3", "--json")
+    assert rc == 0, err
+    run = json.loads(out)
+    assert run["stats"]["sampler"] == "coupled" and run["identical"] is True and run["divergence"] is None
+    rc, out, err = cli(capsys, *common, "--seed", "3", "--sampler", "rejection", "--json")
+    assert rc == 0 and json.loads(out)["stats"]["sampler"] == "rejection"
+    rc, out, err = cli(capsys, *common, "--seed", "3")
+    assert rc == 0 and "(coupled sampling)" in err and "outputs identical to plain decoding" in err
+    with pytest.raises(SystemExit):  # argparse refuses a sampler it does not know
+        cli(capsys, *common, "--sampler", "gumbel")
+    assert "--sampler" in capsys.readouterr().err
+
+
 def test_token_tree_flag(loads, capsys) -> None:
     """--tree N: drafter steps verify token trees (reported in the stats and the summary line); output unchanged."""
     rc, out, err = cli(capsys, "--drafter", "untrained", "--no-lookup", "--tree", "5", "--json", "--dtype", "float32",

@@ -74,3 +74,7 @@ def test_shipped_drafter_fits_the_embedded_target_and_accepts_drafts(smollm2_fp3
         assert result.identical, (result.text, result.ar.text, result.divergence)
         steps, accepted = steps + result.stats.steps, accepted + sum(result.stats.accepted_lengths)
     assert 1 + accepted / steps > 1.2  # measured ≈ 1.5 on held-out prompts; an untrained drafter gives ≈ 1.0
+    # sampled with a seed (the coupled sampler): the output is plain sampling's for that seed, drafts accepted
+    sampled = gen.generate(PROMPTS[0], max_new_tokens=48, temperature=1.0, seed=7, compare_ar=True)
+    assert sampled.stats.sampler == "coupled" and sum(sampled.stats.accepted_lengths) > 0
+    assert sampled.identical, (sampled.text, sampled.ar.text, sampled.divergence)

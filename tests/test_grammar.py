@@ -275,6 +275,27 @@ def test_sampled_decode_under_a_grammar_matches_the_constrained_target(params):
     assert_matches(counts, exact, f"grammar {params}: joint (t1, t2, t3)", p_min=P_MIN_E2E)
 
 
+@torch.inference_mode()
+def test_coupled_sampling_under_a_grammar_is_the_seeds_plain_output():
+    """Coupled sampling under a grammar: the drafter's rows masked one by one under the position noise, the verify
+    rows masked and noised; each seed's tokens (fp32) are plain coupled sampling's, and follow the grammar."""
+    model = tiny_target("llama", num_hidden_layers=2, vocab_size=BYTE_VOCAB)
+    drafter = tiny_drafter(model, block_size=4, num_layers=1)
+    target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
+    g = compiled(Grammar.regex(SAMPLED_REGEX))
+    stats = DecodeStats(block_size=4)
+    outputs = set()
+    for seed in range(40):
+        kw = dict(max_new_tokens=9, sampling=SamplingParams(1.0), seed=seed, sampler="coupled")
+        expected = run(plain, None, ids(SAMPLED_PROMPT), g, **kw)
+        assert in_grammar(g, expected)
+        assert run(target, drafter, ids(SAMPLED_PROMPT), g, stats, **kw) == expected
+        outputs.add(tuple(expected))
+    assert len(outputs) > 20  # sampled
+    steps = [(a, d) for a, d in zip(stats.accepted_lengths, stats.drafted_lengths) if d > 0]
+    assert sum(a for a, _ in steps) >= 0.05 * len(steps) and sum(a < d for a, d in steps) >= 0.05 * len(steps)
+
+
 def test_proposals_stop_after_an_end_of_sequence_draft_without_consuming_it():
     c = compiled(Grammar.regex(REGEX)).start()
     scores = torch.zeros(6, BYTE_VOCAB)

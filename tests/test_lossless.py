@@ -42,6 +42,15 @@ def test_ulp_edge():
     assert not d.tie  # ulp(10) = 0.0625, margin 0.4 > 0.125
 
 
+def test_masked_entries_do_not_set_the_scale():
+    """A row with -inf entries (a grammar's mask, top-k / top-p under coupled sampling): the largest finite value
+    sets the ulp (an infinite one would call every divergence a tie)."""
+    row = logits_with({3: 10.0, 7: 9.6})
+    row[0] = float("-inf")
+    d = classify(row, ar_token=3, spec_token=7, index=0, dtype=torch.bfloat16)
+    assert d.max_abs_logit == 10.0 and not d.tie
+
+
 def test_recorder_finds_first_divergence_and_length_mismatch():
     rec = DivergenceRecorder([1, 2, 3, 4], torch.bfloat16)
     rec(logits_with({1: 9.0})[None], [1])

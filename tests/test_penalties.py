@@ -159,3 +159,24 @@ def test_sampled_decode_under_penalties_matches_the_adjusted_target(params):
     steps = [(a, d) for a, d in zip(stats.accepted_lengths, stats.drafted_lengths) if d > 0]
     assert sum(a for a, _ in steps) >= 0.05 * len(steps) and sum(a < d for a, d in steps) >= 0.05 * len(steps)
     assert_matches(counts, exact, f"penalties {params}: joint (t1, t2, t3)", p_min=P_MIN_E2E)
+
+
+def test_coupled_sampling_under_penalties_is_the_seeds_plain_output():
+    """Coupled sampling with penalties and a logit bias: each seed's tokens (fp32) are plain coupled sampling's of
+    the adjusted target, drafts accepted and rejected along the way."""
+    model = tiny_target("llama", num_hidden_layers=2)
+    base = tiny_drafter(model, block_size=4, num_layers=1)
+    drafter = FourTokenDrafter(base.config)
+    drafter.load_state_dict(base.state_dict())
+    target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
+    bias = {t: -100.0 for t in range(VOCAB) if t not in ALLOWED} | {12: 0.5}
+    penalties = Penalties(presence=0.6, frequency=0.8, repetition=1.5, logit_bias=bias)
+    stats = DecodeStats(block_size=4)
+    for seed in range(40):
+        options = DecodeOptions(max_new_tokens=10, sampling=SamplingParams(0.9), seed=seed, penalties=penalties,
+                                sampler="coupled")
+        expected = [t for s in decode(plain, None, [10, 20, 30], options) for t in s.tokens]
+        assert set(expected) <= set(ALLOWED)
+        assert [t for s in decode(target, drafter, [10, 20, 30], options, stats) for t in s.tokens] == expected
+    steps = [(a, d) for a, d in zip(stats.accepted_lengths, stats.drafted_lengths) if d > 0]
+    assert sum(a for a, _ in steps) >= 0.05 * len(steps) and sum(a < d for a, d in steps) >= 0.05 * len(steps)

@@ -33,7 +33,8 @@ def browser():
 
 @pytest.fixture(scope="module")
 def page(browser):
-    app = create_app(tiny_generator(), model_id=MODEL, proposal="sample")
+    # a fixed block, no prompt lookup: the token origins and τ are compared with an offline run's
+    app = create_app(tiny_generator(), model_id=MODEL, proposal="sample", block_size=4, lookup=False)
     with LiveServer(app) as live:
         page = browser.new_page()
         page.goto(live.url + "/")
@@ -59,12 +60,12 @@ def run(page, *, mode: str, temperature: float, seed: int, max_tokens: int) -> N
 def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
     assert "dflashkit playground" in page.title()
     page.wait_for_function(f"() => document.getElementById('model').textContent.includes('{MODEL}')")
-    assert "block size 4" in page.inner_text("#model")
+    assert "speculative, block size 4" in page.inner_text("#model")
 
     reference = tiny_generator()
     prompt = [{"role": "user", "content": PROMPT}] if mode == "chat" else PROMPT
     expected = reference.generate(prompt, chat=mode == "chat", temperature=1.0, seed=11, max_new_tokens=40,
-                                  proposal="sample")  # fmt: skip
+                                  proposal="sample", block_size=4, lookup=False)  # fmt: skip
     assert any(expected.from_draft) and not all(expected.from_draft)  # both colours must show
 
     run(page, mode=mode, temperature=1.0, seed=11, max_tokens=40)
@@ -75,7 +76,7 @@ def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
     assert [d for _, d, _ in tokens] == expected.from_draft
     titles = page.eval_on_selector_all("#output .tok", "els => els.map(e => e.title)")
     logprobs = reference.generate(prompt, chat=mode == "chat", temperature=1.0, seed=11, max_new_tokens=40,
-                                  proposal="sample", logprobs=3).logprobs  # fmt: skip
+                                  proposal="sample", block_size=4, lookup=False, logprobs=3).logprobs  # fmt: skip
     assert [float(t.split("logprob ")[1].split(" ")[0]) for t in titles] == pytest.approx(
         [lp.logprob for lp in logprobs], abs=1e-3)  # the hover text: the token's logprob and its alternatives
     assert all(t.count(",") == 2 for t in titles)

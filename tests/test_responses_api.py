@@ -48,7 +48,9 @@ def offline():
 
 @pytest.fixture(scope="module")
 def live():
-    with LiveServer(create_app(tiny_generator(), model_id=MODEL, proposal="sample")) as server:
+    # a fixed block, no prompt lookup: stats and logprobs are compared with offline runs and the chat endpoints
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, proposal="sample", block_size=4,
+                               lookup=False)) as server:
         yield server
 
 
@@ -63,7 +65,7 @@ def test_text_answer_equals_offline_chat_and_streams_the_same(client, offline) -
     messages = [{"role": "system", "content": "w9 w10"}, {"role": "user", "content": "w5 w6 w7"}]
     for options in ({"temperature": 0.0}, SAMPLED):
         seed = options.get("extra_body", {}).get("seed")
-        expected = offline_chat(offline, messages, 12, options["temperature"], seed)
+        expected = offline_chat(offline, messages, 12, options["temperature"], seed, block_size=4, lookup=False)
         resp = client.responses.create(model=MODEL, instructions="w9 w10", input="w5 w6 w7", max_output_tokens=12,
                                        **options)
         assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == MODEL

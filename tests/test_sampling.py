@@ -29,7 +29,16 @@ from conftest import VOCAB, tiny_drafter, tiny_target
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.drafter import DFlashDrafter
 from dflashkit.errors import InvalidInputError
-from dflashkit.sampling import SamplingParams, argmax, propose, verify_sampled, warp
+from dflashkit.sampling import (
+    PositionNoise,
+    SamplingParams,
+    argmax,
+    check_sampler,
+    coupled_scores,
+    propose,
+    verify_sampled,
+    warp,
+)
 from dflashkit.stats import DecodeStats
 from dflashkit.target import TargetAdapter
 
@@ -530,6 +539,7 @@ class NoisyOracleVocabDrafter(NoisyOracleDrafter):
 def sample_sequences(
     world: World, drafter, params: SamplingParams, proposal: str, n: int, seed0: int, max_new: int = N_TOKENS,
     prompt: list[int] = PROMPT, lookup: bool = False, copied: list[bool] | None = None, tree: int | None = None,
+    sampler: str = "rejection", block_size: int | None = None,
 ):
     """Decode max_new tokens for seeds seed0..seed0+n-1; counts [V, V, V] of the first N_TOKENS, and the
     decode statistics (per step; `copied`, when given, gets each step's copied flag)."""
@@ -542,7 +552,7 @@ def sample_sequences(
             drafter.start(prompt)
             observer = drafter.observe
         options = DecodeOptions(max_new_tokens=max_new, sampling=params, seed=s, proposal=proposal, lookup=lookup,
-                                tree=tree)
+                                tree=tree, sampler=sampler, block_size=block_size)
         tokens = [t for step in decode(world.target, drafter, prompt, options, stats, observer) for t in step.tokens]
         assert len(tokens) == max_new
         counts[tuple(tokens[:N_TOKENS])] += 1
@@ -729,3 +739,92 @@ def test_argmax_over_allowed_tokens_equals_the_argmax_of_masked_logits():
     assert torch.equal(argmax(logits[3], allowed[3]), expected[3])
     plain_ok = allowed.gather(1, logits.argmax(-1)[:, None])[:, 0]
     assert 0 < int(plain_ok.sum()) < 64  # both paths ran
+
+
+# ---- f. coupled sampling: the seed's plain output, whatever the drafts -----------------------------------
+
+
+def test_position_noise_is_a_function_of_seed_and_position():
+    noise = PositionNoise(7, VOCAB)
+    late_first = noise.rows(3, 2)  # positions 3, 4 drawn before 2
+    rows = noise.rows(2, 4)  # [4, V]: positions 2..5; 3 and 4 kept, 2 and 5 drawn now
+    fresh = PositionNoise(7, VOCAB).rows(2, 4)
+    assert torch.equal(rows, fresh) and torch.equal(rows[1:3], late_first)
+    assert rows.shape == (4, VOCAB) and not torch.equal(rows[0], rows[1])
+    assert not torch.equal(PositionNoise(8, VOCAB).rows(2, 1)[0], rows[0])  # the seed matters
+    assert noise.rows(5, 1).shape == (1, VOCAB) and sorted(noise._rows) == [5]  # positions behind are dropped
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)])
+def test_coupled_scores_argmax_is_a_sample_of_the_warped_distribution(params):
+    """Gumbel-max over many noise rows: the argmax is distributed as warp(logits), filtered tokens never win."""
+    logits = torch.randn(8, generator=torch.Generator().manual_seed(BASE_SEED + 21)) * 1.5
+    probs = warp(logits[None], params)[0].double().numpy()
+    noise = PositionNoise(BASE_SEED + 22, 8).rows(0, 20_000)  # [N, 8]
+    winners = coupled_scores(logits.expand(20_000, 8), params, noise).argmax(-1)
+    counts = np.bincount(winners.numpy(), minlength=8)
+    assert counts[probs == 0].sum() == 0
+    assert_matches(counts, probs, f"coupled argmax {params}", tv_tol=0.02)
+
+
+def test_coupled_draft_equal_to_the_target_is_always_accepted_and_close_drafts_often():
+    """The coupling: the same noise makes equal distributions choose alike, and close ones mostly (P(match) is at
+    least (1 - TV) / (1 + TV) for the Gumbel coupling; rejection sampling reaches 1 - TV)."""
+    g = torch.Generator().manual_seed(BASE_SEED + 23)
+    p_logits, q_logits = torch.randn(2000, VOCAB, generator=g), torch.randn(2000, VOCAB, generator=g)
+    q_logits = p_logits + 0.5 * q_logits  # a distorted copy
+    noise = PositionNoise(BASE_SEED + 24, VOCAB).rows(0, 2000)
+    params = SamplingParams(1.0)
+    p_choice = coupled_scores(p_logits, params, noise).argmax(-1)
+    assert torch.equal(coupled_scores(p_logits, params, noise).argmax(-1), p_choice)
+    match = float((coupled_scores(q_logits, params, noise).argmax(-1) == p_choice).double().mean())
+    tv = float(0.5 * (warp(p_logits, params) - warp(q_logits, params)).abs().sum(-1).mean())
+    assert (1 - tv) / (1 + tv) - 0.03 <= match <= 1 - tv + 0.03, (match, tv)
+
+
+def test_check_sampler():
+    assert check_sampler("coupled") == "coupled" and check_sampler("rejection") == "rejection"
+    with pytest.raises(InvalidInputError, match="sampler"):
+        check_sampler("gumbel")
+    with pytest.raises(InvalidInputError, match="sampler"):
+        DecodeOptions(sampler="nope")
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_coupled_plain_decode_matches_target_distribution(world, setting):
+    counts, *_ = sample_sequences(world, None, SETTINGS[setting], "sample", N_E2E_PLAIN,
+                                  seed0=BASE_SEED * 10_000 + 110_001, sampler="coupled")
+    check_sequences(counts, world.exact(setting), f"{setting}/coupled/plain")
+
+
+COUPLED_CASES = [  # setting, drafter, block size, tree, prompt lookup
+    ("t1.0", "oracle", None, None, False),
+    ("t1.0", "oracle", 2, None, False),
+    ("t0.7_k10", "oracle-vocab", None, None, False),
+    ("t1.3_p0.8", "oracle", None, None, False),
+    ("t1.0", "oracle", None, 6, False),
+    ("t0.7_k10", "tiny", None, None, True),
+]
+
+
+@pytest.mark.parametrize("setting,kind,block,tree,lookup", COUPLED_CASES)
+def test_coupled_speculative_decode_is_the_seeds_plain_output(world, setting, kind, block, tree, lookup):
+    """fp32: every seed's tokens equal plain coupled sampling's, token for token, whatever was drafted (chains of
+    any block size, a draft vocabulary, token trees, copies); with the distribution test of the plain coupled
+    decode above, the speculative output's distribution is the target's."""
+    params, n, max_new = SETTINGS[setting], 100, 8
+    drafter = {"oracle": NoisyOracleDrafter, "oracle-vocab": NoisyOracleVocabDrafter}.get(kind)
+    drafter = drafter(world) if drafter else world.drafter
+    prompt = [5, 17, 33, 8, 60, 5, 17] if lookup else PROMPT  # a repeat, so some steps copy
+    common = dict(max_new=max_new, prompt=prompt, sampler="coupled")
+    *_, plain = sample_sequences(world, None, params, "sample", n, BASE_SEED + 120_001, **common)
+    copied: list[bool] = []
+    _, accepted, drafted, spec = sample_sequences(world, drafter, params, "sample", n, BASE_SEED + 120_001,
+                                                  tree=tree, lookup=lookup, copied=copied, block_size=block, **common)
+    assert spec == plain
+    steps = [(a, d) for a, d in zip(accepted, drafted) if d > 0]
+    assert sum(a for a, _ in steps) >= 0.05 * len(steps) and sum(a < d for a, d in steps) >= 0.05 * len(steps)
+    if lookup:
+        assert sum(copied) >= 0.05 * len(copied)
+    assert len({tuple(t) for t in plain}) > 10  # sampled, not one sequence
+

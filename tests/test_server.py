@@ -35,8 +35,9 @@ def offline():
 
 @pytest.fixture(scope="module")
 def server():
-    # "sample" proposals: the random drafter gets drafts accepted when sampling, so the stats are not trivial
-    with LiveServer(create_app(tiny_generator(), model_id=MODEL, proposal="sample")) as live:
+    # "sample" proposals: the random drafter gets drafts accepted when sampling, so the stats are not trivial;
+    # a fixed block and no prompt lookup, so the speculative stats equal the offline run's (not timing-dependent)
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, proposal="sample", block_size=4, lookup=False)) as live:
         yield live
 
 
@@ -49,7 +50,7 @@ def reference(offline, prompt: str, chat: bool, *, temperature: float, seed: int
     messages = [{"role": "user", "content": prompt}]
     return offline.generate(
         messages if chat else prompt, chat=chat, temperature=temperature, seed=seed, max_new_tokens=max_tokens,
-        proposal="sample", **kw,
+        proposal="sample", **{"block_size": 4, "lookup": False, **kw},
     )  # fmt: skip
 
 
@@ -426,8 +427,9 @@ def test_batched_server_gives_every_client_its_own_output() -> None:
     on the CPU row kernels where they run: one pass per round; elsewhere the calls of a round run in turn)."""
     dtype = torch.bfloat16 if row_kernels.kernel() is not None else torch.float32
     offline = tiny_generator(dtype=dtype)
-    # a fixed block size: an adaptive one learns from every request, so sampled outputs would depend on their order
-    app = create_app(tiny_generator(dtype=dtype), model_id=MODEL, proposal="sample", max_batch=3, lookup=True)
+    # the default adaptive block size and prompt lookup: an adaptive policy learns from every request (and from
+    # timing), but seeded requests sample with the coupled sampler, whose output is the seed's whatever the blocks
+    app = create_app(tiny_generator(dtype=dtype), model_id=MODEL, proposal="sample", max_batch=3)
     cases = [("w5 w6 w7", 1.0, 1), ("w20 w21", 0.0, None), ("w9 w9 w10", 1.0, 2), ("w30", 0.7, 3),
              ("w40 w41 w42 w43", 0.0, None), ("w11 w12", 1.0, 4)]
     lengths = [40, 25, 33, 50, 12, 44]
@@ -704,17 +706,29 @@ def test_metrics_are_prometheus_text_and_add_up() -> None:
     assert total("dflashkit_generations") == 2
 
 
-def test_adaptive_block_size_server_gives_the_plain_greedy_output(offline):
-    """`dflashkit serve --block-size auto`: outputs stay those of plain decoding; /health says it is adaptive."""
-    with LiveServer(create_app(tiny_generator(), model_id=MODEL, block_size="auto")) as live:
+def test_default_server_is_adaptive_with_lookup_and_gives_plain_outputs(offline):
+    """The server's defaults (those of `dflashkit serve`): the adaptive block size and prompt lookup; greedy
+    outputs are plain decoding's, and a seeded sampled request's (coupled sampling) is plain sampling's for that
+    seed; an unseeded one uses rejection sampling."""
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL)) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
         got = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=0)
+        sampled = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=1, seed=5)
+        unseeded = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=1)
         health = httpx.get(live.url + "/health").json()
     plain = offline.generate("w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False)
+    plain_sampled = offline.generate("w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False, temperature=1,
+                                     seed=5)
     assert got.choices[0].text == plain.text
+    assert sampled.choices[0].text == plain_sampled.text and plain_sampled.stats.sampler == "coupled"
+    assert sampled.usage.model_extra["speculative"]["sampler"] == "coupled"
+    assert unseeded.usage.model_extra["speculative"]["sampler"] == "rejection"
     assert health["adaptive_block_size"] is True and health["block_size"] == "auto"
+    assert health["prompt_lookup"] is True
     with pytest.raises(Exception, match="block_size"):
         create_app(tiny_generator(), block_size="big")
+    with pytest.raises(Exception, match="sampler"):
+        create_app(tiny_generator(), sampler="gumbel")
 
 
 # ---- structured output: response_format ------------------------------------------------------------------

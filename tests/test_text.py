@@ -339,7 +339,8 @@ def collect(gen: SpeculativeGenerator, prompt=PROMPT, **kw):
 
 # The tiny random target's greedy output repeats one token, so the tests sample (seeded; "sample" proposals,
 # which the random drafter gets accepted now and then, so that multi-token steps occur).
-SAMPLING = dict(temperature=1.0, proposal="sample", max_new_tokens=40)
+# a fixed block, no prompt lookup: token origins (from_draft) are compared between runs
+SAMPLING = dict(temperature=1.0, proposal="sample", max_new_tokens=40, block_size=4, lookup=False)
 
 
 @pytest.mark.parametrize("use_drafter", [True, False])

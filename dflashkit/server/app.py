@@ -28,11 +28,18 @@ from ..batching import BatchMember, ComputeThread, ForwardBatcher
 from ..chat import completed_turn, continued_prompt
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
-from ..generator import GenerationResult, GenerationStream, SpeculativeGenerator, TextDelta
+from ..generator import (
+    GenerationResult,
+    GenerationStream,
+    SpeculativeGenerator,
+    TextDelta,
+    default_block_size,
+    default_lookup,
+)
 from ..grammar import CompiledGrammar, Grammar
 from ..penalties import Penalties
 from ..prefix_cache import PrefixCache
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, check_sampler
 from ..text import IncrementalDetokenizer, render_chat
 from ..tool_calls import ToolError, ToolRequest, template_messages
 from ..tree import check_budget
@@ -75,9 +82,10 @@ class ServerSettings:
     max_batch: int = 4  # generations that run at once, their target passes batched (dflashkit.batching)
     timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     default_max_tokens: int = 256  # when a request gives none (capped by the context)
-    block_size: int | str | None = None  # verify block size (None: the drafter's; "auto": adaptive)
+    block_size: int | str | None = None  # verify block size ("auto": adaptive; None: "auto", with `tree` the drafter's)
     proposal: str = "sample"  # how drafts are proposed when sampling ("sample" or "argmax"; both exact)
-    lookup: bool = False  # prompt lookup: copy the continuation of a repeated n-gram instead of drafting
+    sampler: str | None = None  # "rejection" / "coupled" (None: coupled for requests with a seed; dflashkit.sampling)
+    lookup: bool | None = None  # prompt lookup: copy a repeated n-gram's continuation (None: on with a drafter)
     tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: chains)
     draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
     prefix_cache_mb: float = 256.0  # finished generations kept for prompts that begin the same way (0: none)
@@ -100,6 +108,8 @@ class ServerSettings:
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         if self.tree is not None:
             check_budget(self.tree)
+        if self.sampler is not None:
+            check_sampler(self.sampler)
         check_draft_window(self.draft_window)
         PrefixCache.of_mib(self.prefix_cache_mb)  # checks the size
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
@@ -297,14 +307,16 @@ class Service:
 
     def health(self) -> dict[str, Any]:
         drafter = self.generator.drafter
+        block_size = default_block_size(self.settings.block_size, drafter is not None, self.settings.tree)
+        lookup = default_lookup(self.settings.lookup, drafter is not None)
         return {
             "status": "ok",
             "model": self.settings.model_id,
             "speculative": drafter is not None,
-            "block_size": (self.settings.block_size or drafter.block_size) if drafter is not None else 1,
-            "adaptive_block_size": drafter is not None and self.settings.block_size == "auto",
-            "prompt_lookup": self.settings.lookup,
-            "ngram_store_entries": (len(drafter.ngram_store) if self.settings.lookup and drafter is not None
+            "block_size": (drafter.block_size if block_size is None else block_size) if drafter is not None else 1,
+            "adaptive_block_size": drafter is not None and block_size == "auto",
+            "prompt_lookup": lookup,
+            "ngram_store_entries": (len(drafter.ngram_store) if lookup and drafter is not None
                                     and drafter.ngram_store is not None else None),
             "context_length": self.generator.target.max_positions,
             "target_weights": self.generator.target.weights,
@@ -599,7 +611,8 @@ class Service:
         return self.generator.stream(
             plan.prompts[p], max_new_tokens=plan.max_new_tokens[p], temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=seed, stop=b.stop_strings, block_size=self.settings.block_size,
-            proposal=self.settings.proposal, lookup=self.settings.lookup, tree=self.settings.tree,
+            proposal=self.settings.proposal, sampler=self.settings.sampler, lookup=self.settings.lookup,
+            tree=self.settings.tree,
             draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=logprobs,
             prompt_logprobs=b.requested_logprobs() if plan.echoes is not None else None,
             presence_penalty=b.presence_penalty, frequency_penalty=b.frequency_penalty,

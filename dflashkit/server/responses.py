@@ -25,7 +25,7 @@ def sse_event(payload: dict[str, Any]) -> str:
 def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI usage (with ``prompt_tokens_details.cached_tokens``: prompt tokens restored from the prefix cache)
     plus `speculative`: τ (mean tokens per draft-and-verify step; null when no step ran), steps, drafted and
-    accepted tokens in all and per block position."""
+    accepted tokens in all and per block position, and the sampler of a sampled request."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -42,6 +42,7 @@ def usage(stats: DecodeStats, prompt_tokens: int, completion_tokens: int, cached
             "adaptive_block_size": stats.adaptive,
             "tokens_per_s": stats.tokens_per_s,
             "tree": stats.tree_summary() if stats.tree else None,
+            "sampler": stats.sampler,  # "coupled" / "rejection" when sampled (null: greedy)
         },
     }
 
