@@ -138,6 +138,28 @@ def test_non_tie_divergence_of_a_dflashkit_method_fails_the_run(questions) -> No
     assert summary["non_tie_divergences"] == 1 and summary["identical"] == 0
 
 
+def test_coupled_sampling_compares_sampled_outputs_token_for_token(questions) -> None:
+    """sampler="coupled": at temperature 1 dflashkit's speculative methods are checked against the baseline token
+    for token (all identical here, fp32); a bug there is caught as at temperature 0; rejection sampling compares
+    nothing at temperature 1."""
+    s = make_session()
+    drafter = tiny_drafter(s.model, block_size=4)
+    methods = [Autoregressive(s), DFlash(s, drafter, 4, "tiny"), DFlash(s, drafter, "auto", "tiny", lookup=True)]
+    config = BenchConfig(datasets=[questions], limit=2, max_new_tokens=12, temperatures=(1.0,), max_turns=1,
+                         progress=False, sampler="coupled")  # fmt: skip
+    result = run_bench(s, methods, config, log=lambda _: None)
+    spec = [r for r in result.rows if r.method != "ar"]
+    assert len(spec) == 4 and all(r.identical is True for r in spec) and not result.divergences
+    assert sum(sum(r.accepted_lengths) for r in spec) > 0  # drafts were accepted
+    buggy = run_bench(s, [Autoregressive(s), Corrupt(s)], config, log=lambda _: None)
+    assert [d["method"] for d in buggy.failures] == ["buggy", "buggy"] and buggy.exit_code == 1
+    rejection = run_bench(s, methods, BenchConfig(datasets=[questions], limit=1, max_new_tokens=8,
+                                                  temperatures=(1.0,), max_turns=1, progress=False), log=lambda _: None)
+    assert all(r.identical is None for r in rejection.rows) and not rejection.divergences
+    with pytest.raises(InvalidInputError, match="sampler"):
+        BenchConfig(datasets=[questions], sampler="gumbel")
+
+
 def test_failing_methods_are_skipped_or_dropped_and_bad_setups_refused(questions) -> None:
     s = make_session()
     lines: list[str] = []

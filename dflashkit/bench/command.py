@@ -48,6 +48,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default: {DEFAULTS['max_new_tokens']})")
     b.add_argument("--max-turns", type=int, default=None, help="turns per question (default: all)")
     b.add_argument("--temperatures", default=None, help="comma-separated; 0 = greedy (default: 0,1)")
+    b.add_argument("--sampler", choices=["rejection", "coupled"], default="rejection",
+                   help="dflashkit's sampler at temperature > 0 (default: rejection); with 'coupled' its sampled "
+                   "outputs are checked token for token against the baseline's, as greedy ones are")
     b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}; the "
                    "baseline 'ar' always runs (default: all)")  # fmt: skip
     b.add_argument("--block-sizes", default=None, help="DFlash block sizes; 'auto' = chosen per step (default: 4,8,16,auto)")
@@ -274,7 +277,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         datasets=settings["datasets"], limit=settings["limit"], seed=args.seed,
         max_new_tokens=settings["max_new_tokens"], temperatures=settings["temperatures"],
-        max_turns=settings["max_turns"], progress=not args.no_progress,
+        max_turns=settings["max_turns"], progress=not args.no_progress, sampler=args.sampler,
     )  # fmt: skip
     dtype = getattr(torch, args.dtype)
     hf_logging.set_verbosity_error()  # transformers' deprecation chatter would break the progress bar

@@ -47,6 +47,7 @@ class Request:
     seed: int
     stop_token_ids: frozenset[int]
     messages: tuple[dict[str, str], ...] = ()  # the chat behind prompt_ids, for methods that take text
+    sampler: str = "rejection"  # dflashkit's sampler when sampling ("coupled": outputs comparable token for token)
 
     @property
     def greedy(self) -> bool:
@@ -143,6 +144,7 @@ def options_for(request: Request, block_size: int | None = None, lookup: bool = 
         sampling=SamplingParams(temperature=request.temperature),
         block_size=block_size,
         seed=request.seed,
+        sampler=request.sampler,
         stop_token_ids=request.stop_token_ids,
         lookup=lookup,
         lookup_store=lookup_store,

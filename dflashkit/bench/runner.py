@@ -8,9 +8,12 @@ one that fails later is dropped from then on. Ctrl-C stops the loop and reports 
 Multi-turn questions (MT-Bench) feed the model's own answer back: the next turn's context holds the
 baseline's answer to the previous turn, so every method sees the same context.
 
-Losslessness: at temperature 0 each method's tokens are compared with the baseline's. Where they part,
+Losslessness: at temperature 0 each method's tokens are compared with the baseline's, and at any temperature
+with ``sampler="coupled"`` (dflashkit's methods against a dflashkit baseline: the seed's plain sampled output,
+whatever was drafted). Where they part,
 the baseline is decoded again, untimed, with a :class:`~dflashkit.lossless.DivergenceRecorder` that judges
-the first differing token on the baseline's own logits (a bf16 tie or not). A non-tie divergence of a
+the first differing token on the baseline's own logits (noisy scores when coupled; a bf16 tie or not). A
+non-tie divergence of a
 dflashkit method is a bug: the run reports it and its exit code is 1.
 """
 
@@ -27,6 +30,7 @@ from tqdm.auto import tqdm
 
 from ..errors import InvalidInputError
 from ..lossless import DivergenceRecorder
+from ..sampling import check_sampler
 from ..text import encode_chat
 from .datasets import Question, load_questions
 from .methods import EXACT, KERNELS, OTHER_WEIGHTS, Method, Record, Request, TargetSession, run_decode_loop
@@ -43,6 +47,7 @@ class BenchConfig:
     max_turns: int | None = None  # None: every turn
     warmup_tokens: int = 16
     progress: bool = True
+    sampler: str = "rejection"  # dflashkit's methods at temperature > 0: "rejection" or "coupled" (dflashkit.sampling)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -53,6 +58,7 @@ class BenchConfig:
             raise InvalidInputError(f"max_turns must be at least 1, got {self.max_turns}")
         if not self.datasets:
             raise InvalidInputError("no data set given")
+        check_sampler(self.sampler)
 
 
 @dataclass
@@ -153,6 +159,7 @@ def run_bench(
                             prompt_ids=_encode(session, messages), max_new_tokens=config.max_new_tokens,
                             temperature=temperature, seed=question_seed(config.seed, dataset, q.question_id, ti),
                             stop_token_ids=frozenset(session.eos_token_ids), messages=tuple(messages),
+                            sampler=config.sampler,
                         )  # fmt: skip
                         shift = (qi + ti) % len(active)
                         records: dict[str, Record] = {}
@@ -218,8 +225,10 @@ def _row(
     session: TargetSession, method: Method, base_method: Method, rec: Record, base: Record, request: Request,
     dataset: str, q: Question, turn: int,
 ) -> tuple[RunRow, dict[str, Any] | None]:  # fmt: skip
-    """The raw row of one record; at temperature 0, also its divergence from the baseline (judged)."""
-    compare = request.greedy and method is not base_method
+    """The raw row of one record; at temperature 0 (or coupled sampling among dflashkit's methods), also its
+    divergence from the baseline (judged)."""
+    coupled = request.sampler == "coupled" and method.family == base_method.family == "dflashkit"
+    compare = (request.greedy or coupled) and method is not base_method
     identical = rec.tokens == base.tokens if compare else None
     row = RunRow(
         method=method.name, dataset=dataset, question_id=q.question_id, turn=turn, temperature=request.temperature,
