@@ -11,7 +11,7 @@ from conftest import tiny_drafter, tiny_target, word_tokenizer
 from dflashkit.bench.methods import EXACT, Autoregressive, DFlash, Method, Record, Request, TargetSession, Unavailable
 from dflashkit.bench.peers import LlamaCpp, TransformersGenerate
 from dflashkit.bench.plots import PLOTS
-from dflashkit.bench.report import write_outputs
+from dflashkit.bench.report import as_json, summary_table, write_outputs
 from dflashkit.bench.runner import BenchConfig, run_bench
 from dflashkit.errors import InvalidInputError
 
@@ -151,11 +151,13 @@ def test_coupled_sampling_compares_sampled_outputs_token_for_token(questions) ->
     spec = [r for r in result.rows if r.method != "ar"]
     assert len(spec) == 4 and all(r.identical is True for r in spec) and not result.divergences
     assert sum(sum(r.accepted_lengths) for r in spec) > 0  # drafts were accepted
+    assert summary_table(as_json(result), 1.0).count("| 2/2 |") == 2  # the table shows the comparison
     buggy = run_bench(s, [Autoregressive(s), Corrupt(s)], config, log=lambda _: None)
     assert [d["method"] for d in buggy.failures] == ["buggy", "buggy"] and buggy.exit_code == 1
     rejection = run_bench(s, methods, BenchConfig(datasets=[questions], limit=1, max_new_tokens=8,
                                                   temperatures=(1.0,), max_turns=1, progress=False), log=lambda _: None)
     assert all(r.identical is None for r in rejection.rows) and not rejection.divergences
+    assert "| sampled |" in summary_table(as_json(rejection), 1.0)
     with pytest.raises(InvalidInputError, match="sampler"):
         BenchConfig(datasets=[questions], sampler="gumbel")
 

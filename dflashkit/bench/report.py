@@ -75,7 +75,7 @@ def _ms(value: float | None) -> str:
 def _identical(s: dict[str, Any], method: str, baseline: str, temperature: float) -> str:
     if method == baseline:
         return "baseline"
-    if temperature != 0:
+    if temperature != 0 and not s["compared"]:  # sampled, not compared (rejection sampling, or another family)
         return "sampled"
     if not s["compared"]:
         return "–"
