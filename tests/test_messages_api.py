@@ -80,6 +80,10 @@ def test_text_answer_equals_offline_chat_and_streams_the_same(client, offline) -
     msg = client.messages.create(model=MODEL, max_tokens=12, system="w20", stop_sequences=["w999", stop],
                                  messages=[{"role": "user", "content": PROMPT}], **SAMPLED)
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop and msg.content[0].text == cut.text
+    assert msg.usage.model_extra["speculative"]["sampler"] == "coupled"  # seeded: the default
+    msg = client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": PROMPT}],
+                                 extra_body={"temperature": 1.0, "seed": 3, "sampler": "rejection"})
+    assert msg.usage.model_extra["speculative"]["sampler"] == "rejection"  # the sampler extension
 
 
 def test_count_tokens_counts_the_prompt(client, offline) -> None:

@@ -92,6 +92,10 @@ def test_text_answer_equals_offline_chat_and_streams_the_same(client, offline) -
         final = events[-1].response
         assert final.output_text == expected.text and final.status == "incomplete"
         assert final.usage.output_tokens == 12 and events[0].response.status == "in_progress"
+        assert spec["sampler"] == ("coupled" if seed is not None else None)
+    resp = client.responses.create(model=MODEL, input="w5", max_output_tokens=4, temperature=1.0,
+                                   extra_body={"seed": 3, "sampler": "rejection"})
+    assert resp.usage.model_extra["speculative"]["sampler"] == "rejection"  # the sampler extension
     # an answer that ends: the client's stream helper accumulates the events to the final response
     words = expected.text.split(" ")
     stop = " " + words[3]

@@ -715,6 +715,10 @@ def test_default_server_is_adaptive_with_lookup_and_gives_plain_outputs(offline)
         got = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=0)
         sampled = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=1, seed=5)
         unseeded = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=1)
+        forced = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=8, temperature=1, seed=5,
+                                           extra_body={"sampler": "rejection"})
+        with pytest.raises(openai.BadRequestError, match="sampler"):
+            client.completions.create(model=MODEL, prompt="w5", max_tokens=4, extra_body={"sampler": "gumbel"})
         health = httpx.get(live.url + "/health").json()
     plain = offline.generate("w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False)
     plain_sampled = offline.generate("w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False, temperature=1,
@@ -723,6 +727,7 @@ def test_default_server_is_adaptive_with_lookup_and_gives_plain_outputs(offline)
     assert sampled.choices[0].text == plain_sampled.text and plain_sampled.stats.sampler == "coupled"
     assert sampled.usage.model_extra["speculative"]["sampler"] == "coupled"
     assert unseeded.usage.model_extra["speculative"]["sampler"] == "rejection"
+    assert forced.usage.model_extra["speculative"]["sampler"] == "rejection"  # the request's own choice
     assert health["adaptive_block_size"] is True and health["block_size"] == "auto"
     assert health["prompt_lookup"] is True
     with pytest.raises(Exception, match="block_size"):

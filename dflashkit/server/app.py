@@ -611,7 +611,7 @@ class Service:
         return self.generator.stream(
             plan.prompts[p], max_new_tokens=plan.max_new_tokens[p], temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=seed, stop=b.stop_strings, block_size=self.settings.block_size,
-            proposal=self.settings.proposal, sampler=self.settings.sampler, lookup=self.settings.lookup,
+            proposal=self.settings.proposal, sampler=b.sampler or self.settings.sampler, lookup=self.settings.lookup,
             tree=self.settings.tree,
             draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=logprobs,
             prompt_logprobs=b.requested_logprobs() if plan.echoes is not None else None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -62,6 +62,7 @@ class MessagesRequest(OpenAIRequest):
     # dflashkit extensions, as in the chat endpoint
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     cache_prompt: bool = True
+    sampler: Literal["rejection", "coupled"] | None = None
 
     def as_chat(self, generation: bool = True) -> ChatCompletionRequest:
         """The chat request this request means (``generation`` False: for counting its tokens only)."""
@@ -74,6 +75,7 @@ class MessagesRequest(OpenAIRequest):
         }
         choice, parallel = chat_tool_choice(self.tool_choice)
         optional = {"max_completion_tokens": self.max_tokens, "seed": self.seed, "stop": self.stop_sequences,
+                    "sampler": self.sampler,
                     "tools": chat_tools(self.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
                     "response_format": self.response_format()}
         chat.update({k: v for k, v in optional.items() if v is not None})

@@ -73,6 +73,7 @@ class ResponsesRequest(OpenAIRequest):
     top_k: Annotated[int, Field(ge=-1)] = 0
     stop: Stop = None
     cache_prompt: bool = True
+    sampler: Literal["rejection", "coupled"] | None = None
 
     def check_supported(self) -> None:
         if self.background:
@@ -105,6 +106,7 @@ class ResponsesRequest(OpenAIRequest):
             "top_k": self.top_k, "cache_prompt": self.cache_prompt,
         }
         optional = {"max_completion_tokens": self.max_output_tokens, "seed": self.seed, "stop": self.stop,
+                    "sampler": self.sampler,
                     "tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
                     "response_format": response_format(self.text_format()), "user": self.user}
         chat.update({k: v for k, v in optional.items() if v is not None})

@@ -64,6 +64,8 @@ class GenerationRequest(OpenAIRequest):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     user: str | None = None
     cache_prompt: bool = True  # llama.cpp server's field: false = this request neither reuses nor keeps a prefix
+    # dflashkit extension: the sampler of a sampled request (None: the server's --sampler, else coupled with a seed)
+    sampler: Literal["rejection", "coupled"] | None = None
     # structured output, vLLM's extension fields (chat also takes OpenAI's response_format); at most one
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
