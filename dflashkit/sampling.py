@@ -25,6 +25,7 @@ import hashlib
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -209,10 +210,15 @@ class PositionNoise:
         self._rows: dict[int, Tensor] = {}
 
     def _row(self, position: int) -> Tensor:
-        key = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
-        generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(key, "little"))
-        u = torch.rand(self.vocab_size, generator=generator, device=self.device)  # [vocab] in [0, 1)
-        return -torch.log(-torch.log(u))  # Gumbel(0, 1); u = 0 gives -inf (never chosen)
+        seed = self.seed % 2**64
+        if self.device.type == "cpu":  # numpy's PCG64 draws float32 uniforms at twice the rate of torch's mt19937
+            rng = np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32, position])
+            u = torch.from_numpy(rng.random(self.vocab_size, dtype=np.float32))  # [vocab] in [0, 1)
+        else:
+            key = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+            generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(key, "little"))
+            u = torch.rand(self.vocab_size, generator=generator, device=self.device)
+        return u.log_().neg_().log_().neg_()  # Gumbel(0, 1) = -log(-log u); u = 0 gives -inf (never chosen)
 
     def rows(self, start: int, count: int) -> Tensor:
         """Noise of positions start .. start+count-1 [count, vocab]; rows before `start` are dropped (a
@@ -228,9 +234,12 @@ class PositionNoise:
 
 def coupled_scores(logits: Tensor, params: SamplingParams, noise: Tensor) -> Tensor:
     """Noisy scores [..., V] whose argmax is a sample from warp(logits, params) (the Gumbel-max trick):
-    logits / temperature + noise where the warped probability is > 0, -inf elsewhere (top-k / top-p, -inf
-    logits). ``noise`` [..., V]: :class:`PositionNoise` rows (their columns, for a draft vocabulary)."""
-    probs = warp(logits, params)
+    logits / temperature + noise, -inf where top-k / top-p drop a token (and where the logit is -inf). Without
+    those filters warp is skipped: a token whose probability underflows there (< 1e-38) keeps its score and could
+    win only with noise beyond ~87, which float32 uniforms cannot produce. ``noise`` [..., V]:
+    :class:`PositionNoise` rows (their columns, for a draft vocabulary)."""
     scaled = logits.float() / params.temperature if params.temperature != 1.0 else logits.float()
-    return scaled.masked_fill(probs <= 0, float("-inf")) + noise
+    if params.top_k or params.top_p < 1.0:  # the filters' dropped tokens (warp's zeros) never win
+        scaled = scaled.masked_fill(warp(logits, params) <= 0, float("-inf"))
+    return scaled + noise
 
