@@ -286,7 +286,7 @@ def test_coupled_sampling_under_a_grammar_is_the_seeds_plain_output():
     stats = DecodeStats(block_size=4)
     outputs = set()
     for seed in range(40):
-        kw = dict(max_new_tokens=9, sampling=SamplingParams(1.0), seed=seed, sampler="coupled")
+        kw = {"max_new_tokens": 9, "sampling": SamplingParams(1.0), "seed": seed, "sampler": "coupled"}
         expected = run(plain, None, ids(SAMPLED_PROMPT), g, **kw)
         assert in_grammar(g, expected)
         assert run(target, drafter, ids(SAMPLED_PROMPT), g, stats, **kw) == expected

@@ -816,7 +816,7 @@ def test_coupled_speculative_decode_is_the_seeds_plain_output(world, setting, ki
     drafter = {"oracle": NoisyOracleDrafter, "oracle-vocab": NoisyOracleVocabDrafter}.get(kind)
     drafter = drafter(world) if drafter else world.drafter
     prompt = [5, 17, 33, 8, 60, 5, 17] if lookup else PROMPT  # a repeat, so some steps copy
-    common = dict(max_new=max_new, prompt=prompt, sampler="coupled")
+    common = {"max_new": max_new, "prompt": prompt, "sampler": "coupled"}
     *_, plain = sample_sequences(world, None, params, "sample", n, BASE_SEED + 120_001, **common)
     copied: list[bool] = []
     _, accepted, drafted, spec = sample_sequences(world, drafter, params, "sample", n, BASE_SEED + 120_001,
