@@ -1,16 +1,20 @@
-"""Row kernels for the 1 to 16 rows of a decoding step on CPUs without AMX: AVX512-BF16 or AVX2 + FMA.
+"""Row kernels for the 1 to 16 rows of a decoding step on x86 CPUs: AMX-BF16, AVX512-BF16 or AVX2 + FMA.
 
-On such CPUs oneDNN's bf16 products for a few rows run far below the memory floor of a decoding step: on the
-2-core AMD EPYC Zen 4 VM (AVX512-BF16) they stream SmolLM2-135M's 269 MB of weights at 10-16 GB/s while a plain
-read reaches ~42 GB/s; on an AVX2-only CPU (the 2-core AMD EPYC Zen 1 VM of session 13; most laptops) torch has
-no bf16 path at all for them and runs ~9 GFLOP/s. ``csrc/`` holds one source per instruction set, the same three
-kernels in each:
+oneDNN's bf16 products for a few rows run below the memory floor of a decoding step: on the 2-core AMD EPYC Zen 4
+VM (AVX512-BF16) they stream SmolLM2-135M's 269 MB of weights at 10-16 GB/s while a plain read reaches ~42 GB/s;
+on the 2-core Intel Xeon VM of session 24 (AMX) at ~17 GB/s for 1-16 rows, where the AMX kernel below reaches
+22 GB/s; on an AVX2-only CPU (the 2-core AMD EPYC Zen 1 VM of session 13; most laptops) torch has no bf16 path at
+all for them and runs ~9 GFLOP/s. ``csrc/`` holds one source per instruction set, the same three kernels in each:
 
 * :func:`linear`: a bf16 product over a weight packed once (:func:`pack`), fp32 sums. AVX512-BF16 (``csrc/
   row_kernels_avx512.cpp``): ``vdpbf16ps`` in groups of 64 columns; on the Zen 4 VM, all 211 products of one
   SmolLM2 step, 2 threads (``scripts/bench_row_kernels.py``): 1 row 24.0 ms with oneDNN, 12.7 ms here; 8 rows
   19.7 / 12.4; 16 rows 24.4 / 17.5. AVX2 (``csrc/row_kernels_avx2.cpp``): the weight pairs unpacked to fp32 with
-  a shift and an AND, FMA, in groups of 16 columns.
+  a shift and an AND, FMA, in groups of 16 columns. AMX-BF16 (the AVX512-BF16 source built with
+  ``-DDFLASHKIT_AMX``): the same packed layout read as AMX tiles, up to 16 rows per tile, the whole K summed in tiles;
+  on the Xeon VM (session 24, 2 threads) 12.3 ms for 1, 4, 8 or 16 rows where oneDNN takes 15.8-16.3 ms and the
+  AVX512-BF16 kernel 13.3 / 18.0 / 23.4 / 31.3 ms (compute-bound there beyond one row). Attention and the
+  rest are the AVX512-BF16 code.
 * :func:`attention`: grouped-query attention one query row at a time, fp32 inside (Zen 4, 30 layers at 400
   positions: 1 row 1.63 ms with SDPA, 0.48 ms here; 16 rows 8.11 / 4.69).
 * :func:`decoder_layers`: every decoder layer of a Llama / Qwen2 / Qwen3 target in one call (norms, products,
@@ -28,10 +32,10 @@ SDPA; with the AVX2 kernels every step runs on them (:func:`max_rows`), torch ha
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja; about 30
 s, once per machine, cached under ``~/.cache/dflashkit/kernels``), with ``-fopenmp``: ``at::parallel_for`` is a
 header template whose OpenMP region is compiled into the kernel, which ran on one thread without it. Which runs
-(``DFLASHKIT_CPU_GEMM``): ``auto`` (default) takes the AVX512-BF16 kernels on CPUs with AVX512-BF16 and no AMX
-(whose oneDNN path they were not measured against), the AVX2 kernels on CPUs whose best instruction set is AVX2
-(torch's ``get_cpu_capability()``), and oneDNN / SDPA elsewhere or where they cannot be built; ``avx512`` or
-``avx2`` forces one on any CPU that has it; ``onednn`` turns them off.
+(``DFLASHKIT_CPU_GEMM``): ``auto`` (default) takes the AMX kernels on CPUs with AMX and AVX512-BF16, the
+AVX512-BF16 kernels on CPUs with AVX512-BF16 and no AMX, the AVX2 kernels on CPUs whose best instruction set is
+AVX2 (torch's ``get_cpu_capability()``), and oneDNN / SDPA elsewhere or where they cannot be built; ``amx``,
+``avx512`` or ``avx2`` forces one on any CPU that has it; ``onednn`` turns them off.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from torch import Tensor
 MAX_ROWS = 16  # AVX512-BF16: products of more rows go to oneDNN (measured on Zen 4: the kernel's lead shrinks to ~1.1x at 16 rows)
 CSRC = Path(__file__).with_name("csrc")
 HEADERS = (CSRC / "row_common.h", CSRC / "row_layers.h")  # included by both sources
-CHOICES = ("auto", "avx512", "avx2", "onednn")
+CHOICES = ("auto", "amx", "avx512", "avx2", "onednn")
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the kernel itself; without
 # the flag it runs on one thread. No -lgomp: the calls bind to the libgomp torch itself loads.
 
@@ -66,20 +70,24 @@ class Isa:
     cflags: tuple[str, ...]
 
     def supported(self) -> bool:
+        if self.name == "amx":
+            return _cpu_has("_is_avx512_bf16_supported") and _cpu_has("_is_amx_tile_supported")
         if self.name == "avx512":
             return _cpu_has("_is_avx512_bf16_supported")
         return _capability() in ("AVX2", "AVX512")  # AVX2 + FMA (torch's AVX2 level requires both)
 
 
+_AVX512_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 ISAS = {
-    "avx512": Isa("avx512", CSRC / "row_kernels_avx512.cpp",
-                  ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
+    # the AVX512-BF16 source with its product on AMX tiles (attention and the rest as on AVX512-BF16)
+    "amx": Isa("amx", CSRC / "row_kernels_avx512.cpp", (*_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-DDFLASHKIT_AMX")),
+    "avx512": Isa("avx512", CSRC / "row_kernels_avx512.cpp", _AVX512_FLAGS),
     "avx2": Isa("avx2", CSRC / "row_kernels_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")),
 }
 
 
 def choice() -> str:
-    """The DFLASHKIT_CPU_GEMM setting: auto (default), avx512, avx2 or onednn."""
+    """The DFLASHKIT_CPU_GEMM setting: auto (default), amx, avx512, avx2 or onednn."""
     value = os.environ.get("DFLASHKIT_CPU_GEMM", "auto").strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"DFLASHKIT_CPU_GEMM must be one of {', '.join(CHOICES)}, got {value!r}")
@@ -92,7 +100,7 @@ def kernel() -> ModuleType | None:
 
 
 def label() -> str | None:
-    """The running kernel's instruction set as people write it ("AVX512-BF16", "AVX2"), or None."""
+    """The running kernel's instruction set as people write it ("AMX-BF16", "AVX512-BF16", "AVX2"), or None."""
     k = kernel()
     return k.isa if k is not None else None
 
@@ -110,8 +118,10 @@ def _pick(setting: str) -> Isa | None:
         return None
     if setting in ISAS:
         return ISAS[setting] if ISAS[setting].supported() else None
+    if ISAS["amx"].supported():
+        return ISAS["amx"]
     if ISAS["avx512"].supported():
-        return None if _cpu_has("_is_amx_tile_supported") else ISAS["avx512"]
+        return ISAS["avx512"]
     return ISAS["avx2"] if _capability() == "AVX2" else None
 
 
@@ -120,6 +130,13 @@ def _load(setting: str) -> ModuleType | None:
     isa = _pick(setting)
     if isa is None:
         return None
+    if setting == "auto" and isa.name == "amx":  # a compiler without -mamx-tile still builds the AVX512-BF16 one
+        return _build(isa, otherwise="the AVX512 kernel") or _build(ISAS["avx512"])
+    return _build(isa)
+
+
+def _build(isa: Isa, otherwise: str = "oneDNN") -> ModuleType | None:
+    """The compiled kernel of this instruction set (built once per machine, then loaded), or None with a warning."""
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in (isa.source, *HEADERS)) + " ".join(isa.cflags).encode())
     name = f"dflashkit_rows_{isa.name}_{digest.hexdigest()[:12]}"
     build = Path(os.environ.get("DFLASHKIT_KERNEL_DIR", Path.home() / ".cache" / "dflashkit" / "kernels")) / name
@@ -136,8 +153,8 @@ def _load(setting: str) -> ModuleType | None:
         return load(name=name, sources=[str(isa.source)], build_directory=str(build), verbose=False,
                     extra_cflags=list(isa.cflags), extra_include_paths=[str(CSRC)])
     except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, a read-only home...: oneDNN it is)
-        warnings.warn(f"dflashkit: the bf16 CPU kernel could not be built ({type(exc).__name__}: "
-                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); using oneDNN",
+        warnings.warn(f"dflashkit: the {isa.name.upper()} bf16 CPU kernel could not be built ({type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); using {otherwise}",
                       RuntimeWarning, stacklevel=2)
         return None
 

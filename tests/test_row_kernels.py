@@ -1,5 +1,5 @@
-"""The row kernels (AVX512-BF16 and AVX2) for products of a few rows: right products, rows independent, used where
-they should be. Each kernel test runs once per instruction set this CPU has (a Zen 4 runs both sources)."""
+"""The row kernels (AMX-BF16, AVX512-BF16 and AVX2) for products of a few rows: right products, rows independent, used where
+they should be. Each kernel test runs once per instruction set this CPU has (a Zen 4 runs the AVX512-BF16 and AVX2 ones, a Sapphire Rapids all three)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def test_the_setting_turns_the_kernel_off_and_refuses_unknown_values(monkeypatch
 
 @pytest.mark.parametrize("capability,bf16,amx,setting,expected", [
     ("AVX512", True, False, "auto", "avx512"),  # Zen 4: AVX512-BF16, no AMX
-    ("AVX512", True, True, "auto", None),  # Sapphire Rapids: oneDNN's AMX path
+    ("AVX512", True, True, "auto", "amx"),  # Sapphire Rapids: the AVX512-BF16 source with AMX tile products
+    ("AVX512", True, False, "amx", None),  # forced, but the CPU has no AMX
     ("AVX512", False, False, "auto", None),  # AVX512 without BF16: oneDNN (the AVX2 kernel was not measured there)
     ("AVX2", False, False, "auto", "avx2"),  # most laptops, the Zen 1 VM
     ("DEFAULT", False, False, "auto", None),
@@ -438,3 +439,16 @@ def test_int8_target_verify_rows_are_bitwise_one_token_steps(int8_isa, arch):
     spec, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
     for ids in ([5, 9, 11, 3], [7] * 6, [12, 40, 3]):
         assert run(spec, drafter, ids) == run(plain, None, ids)  # identical: no ties to excuse
+
+
+def test_auto_falls_back_to_the_avx512_kernel_where_the_amx_one_cannot_be_built(monkeypatch):
+    """A compiler without -mamx-tile still gives an AMX CPU the AVX512-BF16 kernel under auto (not oneDNN)."""
+    monkeypatch.setattr(row_kernels, "_pick", lambda setting: row_kernels.ISAS["amx"])
+    built = {"amx": None, "avx512": object()}
+    monkeypatch.setattr(row_kernels, "_build", lambda isa, otherwise="oneDNN": built[isa.name])
+    row_kernels._load.cache_clear()
+    try:
+        assert row_kernels._load("auto") is built["avx512"]
+        assert row_kernels._load("amx") is None  # forced: no fallback
+    finally:
+        row_kernels._load.cache_clear()

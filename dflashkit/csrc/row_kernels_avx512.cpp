@@ -10,11 +10,26 @@
 // time and accumulated in fp32 into 4 registers (64 columns) per row, up to 6 rows at a time (24
 // accumulators); more rows reuse the group's panel from cache. Every output element is the same fp32 sum in
 // the same order whatever the number of rows, so a row's result does not depend on the rows beside it.
+//
+// Built with -DDFLASHKIT_AMX (CPUs with AMX-BF16, such as Intel's Sapphire Rapids), the product runs on AMX tiles
+// over the same packed layout: a B tile is 16 (2 k2, 2 k2 + 1) pair rows of one 16-column block (64 bytes each,
+// 256 bytes apart in the packed panel), an A tile up to 16 rows of x times 32 of K, and the 4 blocks' fp32 sums
+// stay in 4 C tiles for the whole K; K pairs past the last whole 32 are added with vdpbf16ps, in order. Each C row
+// depends only on its own A row, so a row's result is again the same whatever rows run beside it.
 #include "row_common.h"
+
+#ifdef DFLASHKIT_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
+#ifdef DFLASHKIT_AMX
+constexpr const char* kIsa = "AMX-BF16";
+#else
 constexpr const char* kIsa = "AVX512-BF16";
+#endif
 constexpr bool kInt8 = false;               // bf16 weights only (int8 targets keep torch's int8 kernel here)
 constexpr int kBlocks = 4;                 // 16-column blocks per group
 constexpr int kGroup = kBlocks * 16;       // output columns per group
@@ -62,6 +77,75 @@ void rows(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
   }
 }
 
+#ifdef DFLASHKIT_AMX
+constexpr int kTileRows = 16;  // rows of x per A tile
+
+// ldtilecfg's 64-byte operand (palette 1): per tile, its rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux gives a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+// without it the first tile instruction is SIGILL.
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+// Tiles 0-3: C, r rows of 16 fp32 (one per 16-column block); 4: A, r rows of 32 bf16; 5, 6: B, 16 pair rows.
+void configure_tiles(int r) {
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) config.rows[t] = static_cast<uint8_t>(r), config.colsb[t] = 64;
+  for (int t = 5; t < 7; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// Rows 0..r-1 (r <= 16, the tiles configured for r) of x times one packed group of 64 columns.
+void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
+              int64_t valid, const float* bias) {
+  constexpr int64_t kPairRow = kBlocks * 32;  // elements from one k2 to the next in the panel
+  const int64_t whole = k2_count / 16;  // K steps of 32 on the tiles
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t s = 0; s < whole; ++s) {
+    const uint16_t* ws = w + s * 16 * kPairRow;
+    _tile_loadd(4, x + s * 32, ldx * 2);
+    _tile_loadd(5, ws, kPairRow * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, ws + 32, kPairRow * 2);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, ws + 64, kPairRow * 2);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, ws + 96, kPairRow * 2);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  alignas(64) float sums[kTileRows][kGroup];
+  _tile_stored(0, &sums[0][0], kGroup * 4);
+  _tile_stored(1, &sums[0][16], kGroup * 4);
+  _tile_stored(2, &sums[0][32], kGroup * 4);
+  _tile_stored(3, &sums[0][48], kGroup * 4);
+  for (int i = 0; i < r; ++i) {
+    const int32_t* pairs = reinterpret_cast<const int32_t*>(x + i * ldx);
+    __m512 acc[kBlocks];
+    for (int j = 0; j < kBlocks; ++j) acc[j] = _mm512_load_ps(&sums[i][16 * j]);
+    for (int64_t k2 = whole * 16; k2 < k2_count; ++k2) {  // the pairs past the last whole 32 of K, in order
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pairs[k2]);
+      for (int j = 0; j < kBlocks; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(w + k2 * kPairRow + j * 32), xb);
+    }
+    for (int j = 0; j < kBlocks; ++j) {  // round to bf16 (nearest even) after the fp32 bias, store valid columns
+      const int64_t n0 = j * 16;
+      if (n0 >= valid) break;
+      const int64_t count = valid - n0 < 16 ? valid - n0 : 16;
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+      _mm256_mask_storeu_epi16(y + i * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j], b)));
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16; bias [N] fp32 or None. Returns y [M, N] bf16.
@@ -74,6 +158,25 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#ifdef DFLASHKIT_AMX
+  TORCH_CHECK(tiles_permitted(), "the kernel could not get AMX tile state from the OS (arch_prctl)");
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    int configured = 0;  // the row count the tiles are set up for (0: not yet)
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint16_t* w = wp + g * k2_count * (kBlocks * 32);
+      const int64_t valid = n_out - g * kGroup < kGroup ? n_out - g * kGroup : kGroup;
+      const float* bg = b ? b + g * kGroup : nullptr;
+      const int64_t chunks = (m + kTileRows - 1) / kTileRows;  // balanced, as below
+      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+        const int r = static_cast<int>((m - m0 + (chunks - c) - 1) / (chunks - c));
+        if (r != configured) configure_tiles(configured = r);
+        amx_rows(r, xp + m0 * k, k, w, k2_count, yp + m0 * n_out + g * kGroup, n_out, valid, bg);
+        m0 += r;
+      }
+    }
+    if (configured) _tile_release();
+  });
+#else
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * k2_count * (kBlocks * 32);
@@ -87,6 +190,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
       }
     }
   });
+#endif
   return y;
 }
 
