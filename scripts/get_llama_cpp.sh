@@ -49,7 +49,20 @@ fi
 
 if [ "$BUILD" = 1 ]; then
   # Native CPU build of the server only; add e.g. -DGGML_CUDA=ON for a GPU build.
-  cmake -S "$DEST" -B "$DEST/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
+  CPU_FLAGS=(-DGGML_NATIVE=ON)
+  if grep -qw amx_tile /proc/cpuinfo 2>/dev/null && [ -z "${LLAMA_CPP_AMX:-}" ]; then
+    # On AMX CPUs the native build's AMX path for quantized weights (Q4_1...) died with SIGILL at its first tile
+    # instruction on the 2-core Xeon VM of session 24 (the bf16 path does not use it): the CPU's other features,
+    # named one by one, without AMX. LLAMA_CPP_AMX=1 keeps the native build.
+    has() { grep -qw "$1" /proc/cpuinfo; }
+    on() { if has "$1"; then echo ON; else echo OFF; fi; }
+    avx512=OFF; has avx512f && has avx512cd && has avx512vl && has avx512dq && has avx512bw && avx512=ON
+    CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_F16C="$(on f16c)" -DGGML_FMA="$(on fma)"
+               -DGGML_BMI2="$(on bmi2)" -DGGML_AVX2="$(on avx2)" -DGGML_AVX_VNNI="$(on avx_vnni)" -DGGML_AVX512="$avx512"
+               -DGGML_AVX512_VBMI="$(on avx512vbmi)" -DGGML_AVX512_VNNI="$(on avx512_vnni)"
+               -DGGML_AVX512_BF16="$(on avx512_bf16)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  fi
+  cmake -S "$DEST" -B "$DEST/build" "${CPU_FLAGS[@]}" -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
   cmake --build "$DEST/build" --target llama-server -j "$(nproc)"
   echo "llama-server: $DEST/build/bin/llama-server"
 fi
