@@ -53,7 +53,9 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-MAX_ROWS = 16  # AVX512-BF16: products of more rows go to oneDNN (measured on Zen 4: the kernel's lead shrinks to ~1.1x at 16 rows)
+# AMX / AVX512-BF16: steps of more rows go to oneDNN and SDPA (Zen 4: the product's lead shrinks to ~1.1x at 16 rows;
+# the Xeon VM: the AMX product still leads at 64 rows, but the row-by-row attention trails SDPA past ~8 rows)
+MAX_ROWS = 16
 CSRC = Path(__file__).with_name("csrc")
 HEADERS = (CSRC / "row_common.h", CSRC / "row_layers.h")  # included by both sources
 CHOICES = ("auto", "amx", "avx512", "avx2", "onednn")
@@ -106,9 +108,9 @@ def label() -> str | None:
 
 
 def max_rows() -> int:
-    """The most rows a step runs on the kernels (more go to oneDNN / SDPA): :data:`MAX_ROWS` for AVX512-BF16; any
-    number for AVX2, where torch has no fast bf16 product for them to go to (a prefill's rows run the kernels in
-    row blocks)."""
+    """The most rows a step runs on the kernels (more go to oneDNN / SDPA): :data:`MAX_ROWS` for AMX and
+    AVX512-BF16; any number for AVX2, where torch has no fast bf16 product for them to go to (a prefill's rows run
+    the kernels in row blocks)."""
     k = kernel()
     return MAX_ROWS if k is None or k.isa != "AVX2" else 1 << 30
 

@@ -1,5 +1,6 @@
-"""The row kernels (AMX-BF16, AVX512-BF16 and AVX2) for products of a few rows: right products, rows independent, used where
-they should be. Each kernel test runs once per instruction set this CPU has (a Zen 4 runs the AVX512-BF16 and AVX2 ones, a Sapphire Rapids all three)."""
+"""The row kernels (AMX-BF16, AVX512-BF16 and AVX2) for products of a few rows: right products, rows independent,
+used where they should be. Each kernel test runs once per instruction set this CPU has (a Zen 4 runs the AVX512-BF16
+and AVX2 ones, a Sapphire Rapids all three)."""
 
 from __future__ import annotations
 
