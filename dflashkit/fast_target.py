@@ -212,6 +212,7 @@ class FastTargetForward:
         self.row_exact = row_kernels.attention_usable(self.dtype, self.device, self.head_dim) and all(
             getattr(layer.qkv, "small", None) is not None for layer in self.layers)
         self.row_limit = row_kernels.max_rows()  # steps of more rows: oneDNN / SDPA
+        self.batch_row_limit = row_kernels.max_batch_rows()  # batched steps of more rows: one call after another
         self.fused_weights = self._fused_weights() if self.row_exact else None
 
     def _fused_weights(self) -> list[Tensor] | None:
@@ -302,9 +303,11 @@ class FastTargetForward:
                 hidden[:, start:] = ~visible.to(device)
         return positions, hidden
 
-    def batches(self, rows: int) -> bool:
-        """Whether :meth:`batch` runs steps of this many rows in total as one pass (the row kernels' one-call path)."""
-        return self.fused_weights is not None and rows <= self.row_limit
+    def batches(self, counts: list[int]) -> bool:
+        """Whether :meth:`batch` runs steps of these row counts (one per sequence) as one pass (the row kernels'
+        one-call path)."""
+        return (self.fused_weights is not None and max(counts) <= self.row_limit
+                and sum(counts) <= self.batch_row_limit)
 
     @torch.inference_mode()
     def batch(self, calls: list[ForwardCall], feature_layers: list[int]) -> list[tuple[Tensor, Tensor | None]]:
@@ -316,7 +319,7 @@ class FastTargetForward:
         the calls run one after another.
         """
         counts = [call.input_ids.shape[1] for call in calls]
-        if len(calls) == 1 or not self.batches(sum(counts)):
+        if len(calls) == 1 or not self.batches(counts):
             return [self(c.input_ids, c.start, c.cache, c.logits_rows, feature_layers, c.tree) for c in calls]
         prepared = [self._rows(n, c.start, c.cache, c.tree) for n, c in zip(counts, calls)]
         x = self.embed(torch.cat([call.input_ids[0] for call in calls]))  # [N, hidden]

@@ -103,7 +103,9 @@ class PackedLinear(nn.Module):
         if self._small is None or self._small[0] != key:
             if row_kernels.usable(self.weight):
                 bias = self.bias.detach().float().contiguous() if self.bias is not None else None
-                self._small = (key, (row_kernels.pack(self.weight), bias, row_kernels.max_rows()))
+                # max_batch_rows: a batched step's logits rows (several sequences') stay on the kernel, each row
+                # bitwise what its sequence alone would get
+                self._small = (key, (row_kernels.pack(self.weight), bias, row_kernels.max_batch_rows()))
             else:
                 self._small = (key, None)
         return self._small[1]

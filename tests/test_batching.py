@@ -28,29 +28,47 @@ def _prefilled(forward: FastTargetForward, prompts: list[torch.Tensor]):
 
 
 @needs_kernels
-def test_batched_pass_is_bitwise_each_call_alone(arch):
-    """FastTargetForward.batch over chains of 1-5 rows and a token tree equals each call run alone: logits,
-    features, the cache rows written and the cache lengths (bf16, the row kernels' one-call path)."""
+@pytest.mark.parametrize("rows", [(5, 1, 3), (9, 16, 12)], ids=["15-rows", "44-rows"])
+def test_batched_pass_is_bitwise_each_call_alone(arch, rows, monkeypatch):
+    """FastTargetForward.batch over chains of 1-16 rows and a token tree equals each call run alone: logits,
+    features, the cache rows written and the cache lengths (bf16, the row kernels' one-call path), also when the
+    calls' rows add up to more than one call may have (44: on AMX CPUs batched steps take up to 64 rows)."""
+    monkeypatch.setattr(row_kernels, "max_batch_rows", lambda: 64)  # AMX's, on any CPU with the kernels (whose
+    # products and attention all compute each row alone): the batch limit and the LM head's rows on the kernel
     model = tiny_target(arch, dtype=torch.bfloat16)
     forward = FastTargetForward(model)
-    assert forward.fused_weights is not None
+    assert forward.fused_weights is not None and forward.batch_row_limit == 64
+    passes = []
+    one_call = row_kernels.decoder_layers_batch
+    monkeypatch.setattr(row_kernels, "decoder_layers_batch", lambda *a, **k: passes.append(1) or one_call(*a, **k))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, VOCAB, (1, n), generator=g) for n in (9, 23, 4, 15)]
     scores = torch.randn(3, VOCAB, generator=g)
     tree = build_tree(scores.log_softmax(-1), None, 5)
     tree_shape = (tree.position_offsets(torch.device("cpu")), tree.attention_mask(torch.device("cpu")))
-    steps = [torch.randint(4, VOCAB, (1, n), generator=g) for n in (5, 1, 3)] + [
-        torch.tensor([[7] + tree.tokens])]
+    steps = [torch.randint(4, VOCAB, (1, n), generator=g) for n in rows] + [torch.tensor([[7] + tree.tokens])]
     trees = [None, None, None, tree_shape]
     alone, together = _prefilled(forward, prompts), _prefilled(forward, prompts)
     expected = [forward(s, p.shape[1], c, s.shape[1], [1, 3], t) for s, p, c, t in zip(steps, prompts, alone, trees)]
     got = forward.batch([ForwardCall(s, p.shape[1], c, s.shape[1], t)
                          for s, p, c, t in zip(steps, prompts, together, trees)], [1, 3])
+    assert passes == [1]  # one pass for all four calls
     for (l1, f1), (l2, f2), c1, c2 in zip(expected, got, alone, together):
         assert torch.equal(l1, l2) and torch.equal(f1, f2)
         assert c1.length == c2.length
         assert torch.equal(c1.keys[:, :, : c1.length], c2.keys[:, :, : c2.length])
         assert torch.equal(c1.values[:, :, : c1.length], c2.values[:, :, : c2.length])
+
+
+@needs_kernels
+def test_batched_steps_keep_each_sequence_within_the_row_limit():
+    """A batched step runs as one pass only while each sequence's rows fit the one-call limit (its attention runs
+    row by row) and all of them the batch limit; otherwise the calls run one after another."""
+    forward = FastTargetForward(tiny_target(dtype=torch.bfloat16))
+    forward.row_limit, forward.batch_row_limit = 16, 64
+    assert forward.batches([16, 16, 16, 16]) and forward.batches([1, 2])
+    assert not forward.batches([17, 1])  # one sequence past 16 rows
+    assert not forward.batches([16, 16, 16, 16, 1])  # 65 rows in all
 
 
 @needs_kernels
