@@ -79,6 +79,7 @@ void rows(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 
 #ifdef DFLASHKIT_AMX
 constexpr int kTileRows = 16;  // rows of x per A tile
+constexpr int64_t kPrefetchBytes = 8192;  // software prefetch distance in the weight stream
 
 // ldtilecfg's 64-byte operand (palette 1): per tile, its rows and bytes per row.
 struct alignas(64) TileConfig {
@@ -110,6 +111,8 @@ void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int64_t s = 0; s < whole; ++s) {
     const uint16_t* ws = w + s * 16 * kPairRow;
+    const char* ahead = reinterpret_cast<const char*>(ws) + kPrefetchBytes;  // this step's 4 KB, that far ahead
+    for (int line = 0; line < 16 * kPairRow * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     _tile_loadd(4, x + s * 32, ldx * 2);
     _tile_loadd(5, ws, kPairRow * 2);
     _tile_dpbf16ps(0, 4, 5);
