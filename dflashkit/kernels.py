@@ -86,7 +86,7 @@ class Matmul(_RowKernelProduct):
 
 class Int8Matmul(_RowKernelProduct):
     """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it (which calls one):
-    on the AVX2 row kernel where it runs (its int8 product), else with ``aten._weight_int8pack_mm``."""
+    on the AVX2 or AMX row kernel where it runs (its int8 product), else with ``aten._weight_int8pack_mm``."""
 
     __slots__ = ("qweight", "scale")
 

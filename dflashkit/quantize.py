@@ -51,7 +51,8 @@ tokens (``python scripts/compare_int8.py --threads 2``): int8 plain 49.3 tok/s, 
 speculative int8 46.1, bf16 62.9 (medians; a second run with ``--limit 1``: plain 42.9 / 49.2, speculative 47.0 /
 61.5). So on Zen 1 int8 pays no speed: unpacking 16 int8 weights to fp32 costs
 more than streaming 16 more bytes (1 row: the LM head 2.95 ms int8 vs 2.81 bf16; 4 rows: 4.7 vs 4.3), it only
-halves the weights' memory. AVX512-BF16 CPUs keep torch's int8 kernel (measured above).
+halves the weights' memory. AVX512-BF16 CPUs without AMX keep torch's int8 kernel (measured above); on AMX CPUs the
+AMX row kernel takes the same int8 panels (1.4x the bf16 target's plain decoding on the Xeon VM of session 24).
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ class Int8Linear(nn.Module):
         return self._product()(x)
 
     def _product(self):  # -> kernels.Int8Matmul (imported here: kernels imports this module)
-        """The product of these weights (:class:`dflashkit.kernels.Int8Matmul`: on the AVX2 row kernel where it runs,
-        else ``aten._weight_int8pack_mm``), built on first use and again only when a weight changes."""
+        """The product of these weights (:class:`dflashkit.kernels.Int8Matmul`: on the AVX2 or AMX row kernel where
+        it runs, else ``aten._weight_int8pack_mm``), built on first use and again only when a weight changes."""
         key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version)  # inference tensors: no version
                     for t in (self.qweight, self.scale, *((self.bias,) if self.bias is not None else ())))
         cached = self.__dict__.get("_cached_product")

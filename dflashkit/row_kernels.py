@@ -207,14 +207,14 @@ def pack(weight: Tensor) -> Tensor:
 
 
 def int8_usable(qweight: Tensor) -> bool:
-    """Whether products with this weight-only int8 weight [out, in] can run on the kernel here (AVX2 only: on
-    AVX512-BF16 CPUs int8 targets keep torch's int8 kernel)."""
+    """Whether products with this weight-only int8 weight [out, in] can run on the kernel here (AVX2 and AMX: on
+    AVX512-BF16 CPUs without AMX int8 targets keep torch's int8 kernel)."""
     k = kernel()
     return qweight.dtype == torch.int8 and qweight.device.type == "cpu" and qweight.dim() == 2 and k is not None and k.int8
 
 
 def pack_int8(qweight: Tensor, scale: Tensor) -> Tensor:
-    """The AVX2 kernel's layout of an int8 weight [N, K] with per-row scales [N]: [ceil(N/16), 16 K + 64] int8,
+    """The AVX2 and AMX kernels' layout of an int8 weight [N, K] with per-row scales [N]: [ceil(N/16), 16 K + 64] int8,
     each group's K rows of its 16 columns' weights (``[g, 16 k + c] = qweight[16 g + c, k]``) followed by its 16
     scales as fp32 bytes; padded columns have weight 0."""
     n, k = qweight.shape

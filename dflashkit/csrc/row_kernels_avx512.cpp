@@ -27,10 +27,11 @@ namespace {
 
 #ifdef DFLASHKIT_AMX
 constexpr const char* kIsa = "AMX-BF16";
+constexpr bool kInt8 = true;  // linear also takes int8-packed weights (the AVX2 source's layout), see linear_int8
 #else
 constexpr const char* kIsa = "AVX512-BF16";
+constexpr bool kInt8 = false;  // bf16 weights only (int8 targets keep torch's int8 kernel here)
 #endif
-constexpr bool kInt8 = false;               // bf16 weights only (int8 targets keep torch's int8 kernel here)
 constexpr int kBlocks = 4;                 // 16-column blocks per group
 constexpr int kGroup = kBlocks * 16;       // output columns per group
 constexpr int kMaxRows = 6;                // rows per micro-kernel call
@@ -88,6 +89,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC's tile intrinsics are asm statements that name no memory: without this fence around them it may move (or
+// drop as dead) the stores of a buffer a tile then loads, or read a buffer before the tile store that fills it.
+inline void memory_fence() { __asm__ __volatile__("" ::: "memory"); }
+
 // Linux gives a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 // without it the first tile instruction is SIGILL.
 bool tiles_permitted() {
@@ -128,6 +133,7 @@ void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
   _tile_stored(1, &sums[0][16], kGroup * 4);
   _tile_stored(2, &sums[0][32], kGroup * 4);
   _tile_stored(3, &sums[0][48], kGroup * 4);
+  memory_fence();
   for (int i = 0; i < r; ++i) {
     const int32_t* pairs = reinterpret_cast<const int32_t*>(x + i * ldx);
     __m512 acc[kBlocks];
@@ -147,13 +153,95 @@ void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
     }
   }
 }
+
+// Weight-only int8 (dflashkit/quantize.py): y = (x @ Q.T) * scale (+ bias), one fp32 scale per column, in the AVX2
+// source's layout: an int8 tensor [G, 16 K + 64] whose group g holds packed[g][16 k + c] = Q[16 g + c][k] for its 16
+// columns, then their 16 scales as fp32 bytes. Each 32 of K, the group's 32 x 16 int8 weights become one bf16 B
+// tile in a buffer (int8 is exact in bf16), then the same tile product as above into one C tile; K past the last
+// whole 32 in fp32 FMAs, in order. Half the bytes of bf16 to stream, for a conversion shared by the rows.
+constexpr int kInt8Group = 16;  // output columns per int8 group
+
+// Tiles as configure_tiles(r) leaves them: 0 (C), 4 (A), 5 (B). One int8 group of 16 columns for rows 0..r-1.
+void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, int64_t k, uint16_t* y, int64_t ldy,
+                   int64_t valid, const float* bias) {
+  const int64_t whole = k / 32;
+  alignas(64) uint32_t tile[16][16];  // B: 16 k2 rows of 16 (even, odd) bf16 pairs
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  _tile_zero(0);
+  for (int64_t s = 0; s < whole; ++s) {
+    const int8_t* ws = w + s * 32 * kInt8Group;  // 32 k rows of 16 int8
+    for (int line = 0; line < 32 * kInt8Group; line += 64)  // this step's 512 bytes, kPrefetchBytes ahead
+      _mm_prefetch(reinterpret_cast<const char*>(ws) + kPrefetchBytes + line, _MM_HINT_T0);
+    for (int k2 = 0; k2 < 16; ++k2) {  // fp32 of an int8 is exact; its top 16 bits are its bf16
+      const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ws + 2 * k2 * kInt8Group))));
+      const __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ws + (2 * k2 + 1) * kInt8Group))));
+      _mm512_store_si512(tile[k2], _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                                   _mm512_and_si512(_mm512_castps_si512(odd), high)));
+    }
+    memory_fence();
+    _tile_loadd(4, x + s * 32, ldx * 2);
+    _tile_loadd(5, tile, 64);
+    memory_fence();  // the next step's conversion must not overwrite the buffer before this load
+    _tile_dpbf16ps(0, 4, 5);
+  }
+  alignas(64) float sums[kTileRows][kInt8Group];
+  _tile_stored(0, &sums[0][0], kInt8Group * 4);
+  memory_fence();
+  const float* scales = reinterpret_cast<const float*>(w + kInt8Group * k);
+  const int64_t count = valid < kInt8Group ? valid : kInt8Group;
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+  const __m512 scale = _mm512_loadu_ps(scales);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int i = 0; i < r; ++i) {
+    __m512 acc = _mm512_load_ps(sums[i]);
+    for (int64_t kk = whole * 32; kk < k; ++kk)  // K past the last whole 32, in order
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_float(x[i * ldx + kk])),
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + kk * kInt8Group)))), acc);
+    _mm256_mask_storeu_epi16(y + i * ldy, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_mul_ps(acc, scale), b)));
+  }
+}
+
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
+                          const c10::optional<torch::Tensor>& bias) {
+  check_rows(x);
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == kInt8Group * k + kInt8Group * 4,
+              "int8 packed: [G, 16 K + 64] int8 for x's K = ", k);
+  TORCH_CHECK(tiles_permitted(), "the kernel could not get AMX tile state from the OS (arch_prctl)");
+  const int64_t groups = packed.size(0), stride = packed.size(1);
+  const float* b = check_columns(n_out, groups, kInt8Group, bias);
+  auto y = torch::empty({m, n_out}, x.options());
+  const uint16_t* xp = u16(x);
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  uint16_t* yp = u16w(y);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    int configured = 0;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t valid = n_out - g * kInt8Group < kInt8Group ? n_out - g * kInt8Group : kInt8Group;
+      const int64_t chunks = (m + kTileRows - 1) / kTileRows;
+      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+        const int r = static_cast<int>((m - m0 + (chunks - c) - 1) / (chunks - c));
+        if (r != configured) configure_tiles(configured = r);
+        amx_rows_int8(r, xp + m0 * k, k, wp + g * stride, k, yp + m0 * n_out + g * kInt8Group, n_out, valid,
+                      b ? b + g * kInt8Group : nullptr);
+        m0 += r;
+      }
+    }
+    if (configured) _tile_release();
+  });
+  return y;
+}
 #endif
 
 }  // namespace
 
-// x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16; bias [N] fp32 or None. Returns y [M, N] bf16.
+// x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16 (AMX: or int8 [G, 16 K + 64], see linear_int8); bias [N]
+// fp32 or None. Returns y [M, N] bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                      const c10::optional<torch::Tensor>& bias) {
+#ifdef DFLASHKIT_AMX
+  if (packed.scalar_type() == at::kChar) return linear_int8(x, packed, n_out, bias);
+#endif
   const LinearShape shape = check_linear(x, packed, n_out, bias, kBlocks);
   const int64_t m = shape.m, k = shape.k, groups = shape.groups, k2_count = shape.k2_count;
   const float* b = shape.bias;
