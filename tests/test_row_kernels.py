@@ -400,8 +400,10 @@ def test_int8_product_matches_fp32_with_scales_bias_and_ragged_columns(int8_isa,
         close_to_fp32(row_kernels.linear(x, packed, n), x, dequantized, None)
 
 
-def test_int8_rows_are_bitwise_the_same_whatever_rows_run_with_them(int8_isa):
-    assert_rows_independent(row_kernels.pack_int8(*int8_weight(300, 128, seed=1)), bf16(16, 128, seed=2), 300)
+@pytest.mark.parametrize("rows", [16, 40])
+def test_int8_rows_are_bitwise_the_same_whatever_rows_run_with_them(int8_isa, rows):
+    """Also past 16 rows, where the AMX kernel converts a group's weights once for several row chunks."""
+    assert_rows_independent(row_kernels.pack_int8(*int8_weight(300, 128, seed=1)), bf16(rows, 128, seed=2), 300)
 
 
 def test_int8_layers_run_on_the_kernel_and_repack_after_a_change(int8_isa):

@@ -161,26 +161,32 @@ void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 // whole 32 in fp32 FMAs, in order. Half the bytes of bf16 to stream, for a conversion shared by the rows.
 constexpr int kInt8Group = 16;  // output columns per int8 group
 
-// Tiles as configure_tiles(r) leaves them: 0 (C), 4 (A), 5 (B). One int8 group of 16 columns for rows 0..r-1.
-void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, int64_t k, uint16_t* y, int64_t ldy,
-                   int64_t valid, const float* bias) {
-  const int64_t whole = k / 32;
-  alignas(64) uint32_t tile[16][16];  // B: 16 k2 rows of 16 (even, odd) bf16 pairs
+// One step's B tile (32 of K: 16 k2 rows of 16 (even, odd) bf16 pairs) from a group's int8 weights ws [32][16].
+inline void int8_tile(const int8_t* ws, uint32_t* tile) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int line = 0; line < 32 * kInt8Group; line += 64)  // this step's 512 bytes, kPrefetchBytes ahead
+    _mm_prefetch(reinterpret_cast<const char*>(ws) + kPrefetchBytes + line, _MM_HINT_T0);
+  for (int k2 = 0; k2 < 16; ++k2) {  // fp32 of an int8 is exact; its top 16 bits are its bf16
+    const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ws + 2 * k2 * kInt8Group))));
+    const __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ws + (2 * k2 + 1) * kInt8Group))));
+    _mm512_storeu_si512(tile + 16 * k2, _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                                        _mm512_and_si512(_mm512_castps_si512(odd), high)));
+  }
+}
+
+// Tiles as configure_tiles(r) leaves them: 0 (C), 4 (A), 5 (B). One int8 group of 16 columns for rows 0..r-1. Its B
+// tiles are converted step by step, or read from `panel` (all of them, converted once for several row chunks).
+void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, const uint32_t* panel, int64_t k,
+                   uint16_t* y, int64_t ldy, int64_t valid, const float* bias) {
+  const int64_t whole = k / 32;
+  alignas(64) uint32_t tile[16 * 16];
   _tile_zero(0);
   for (int64_t s = 0; s < whole; ++s) {
-    const int8_t* ws = w + s * 32 * kInt8Group;  // 32 k rows of 16 int8
-    for (int line = 0; line < 32 * kInt8Group; line += 64)  // this step's 512 bytes, kPrefetchBytes ahead
-      _mm_prefetch(reinterpret_cast<const char*>(ws) + kPrefetchBytes + line, _MM_HINT_T0);
-    for (int k2 = 0; k2 < 16; ++k2) {  // fp32 of an int8 is exact; its top 16 bits are its bf16
-      const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ws + 2 * k2 * kInt8Group))));
-      const __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ws + (2 * k2 + 1) * kInt8Group))));
-      _mm512_store_si512(tile[k2], _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                                                   _mm512_and_si512(_mm512_castps_si512(odd), high)));
-    }
+    const uint32_t* b_tile = panel ? panel + s * 256 : tile;
+    if (!panel) int8_tile(w + s * 32 * kInt8Group, tile);
     memory_fence();
     _tile_loadd(4, x + s * 32, ldx * 2);
-    _tile_loadd(5, tile, 64);
+    _tile_loadd(5, b_tile, 64);
     memory_fence();  // the next step's conversion must not overwrite the buffer before this load
     _tile_dpbf16ps(0, 4, 5);
   }
@@ -214,16 +220,20 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, i
   const uint16_t* xp = u16(x);
   const int8_t* wp = packed.data_ptr<int8_t>();
   uint16_t* yp = u16w(y);
+  const int64_t chunks = (m + kTileRows - 1) / kTileRows, whole = k / 32;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     int configured = 0;
+    std::vector<uint32_t> panel(chunks > 1 ? whole * 256 : 0);  // several row chunks: the B tiles converted once
     for (int64_t g = g0; g < g1; ++g) {
+      const int8_t* w = wp + g * stride;
       const int64_t valid = n_out - g * kInt8Group < kInt8Group ? n_out - g * kInt8Group : kInt8Group;
-      const int64_t chunks = (m + kTileRows - 1) / kTileRows;
+      if (chunks > 1)
+        for (int64_t s = 0; s < whole; ++s) int8_tile(w + s * 32 * kInt8Group, panel.data() + s * 256);
       for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
         const int r = static_cast<int>((m - m0 + (chunks - c) - 1) / (chunks - c));
         if (r != configured) configure_tiles(configured = r);
-        amx_rows_int8(r, xp + m0 * k, k, wp + g * stride, k, yp + m0 * n_out + g * kInt8Group, n_out, valid,
-                      b ? b + g * kInt8Group : nullptr);
+        amx_rows_int8(r, xp + m0 * k, k, w, chunks > 1 ? panel.data() : nullptr, k, yp + m0 * n_out + g * kInt8Group,
+                      n_out, valid, b ? b + g * kInt8Group : nullptr);
         m0 += r;
       }
     }
