@@ -50,6 +50,17 @@ inline LinearShape check_linear(const torch::Tensor& x, const torch::Tensor& pac
   return {m, k, groups, k2_count, check_columns(n_out, groups, 16 * blocks, bias)};
 }
 
+// x [M, K] bf16 contiguous; packed int8 [G, 16 K + 64] (per group of 16 columns: K rows of 16 int8 weights, then
+// their 16 fp32 scales); bias [N] fp32 or None. k2_count is unused (0).
+inline LinearShape check_linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
+                                     const c10::optional<torch::Tensor>& bias) {
+  check_rows(x);
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == 16 * k + 64,
+              "int8 packed: [G, 16 K + 64] int8 for x's K = ", k);
+  return {m, k, packed.size(0), 0, check_columns(n_out, packed.size(0), 16, bias)};
+}
+
 struct AttentionShape {
   int64_t heads, rows, d, m;
   const bool* hidden;  // [n, m] or null

@@ -233,12 +233,9 @@ std::vector<float> rows_in_fp32(const torch::Tensor& x) {
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                           const c10::optional<torch::Tensor>& bias) {
-  check_rows(x);
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == kGroup * k + kGroup * 4,
-              "int8 packed: [G, 16 K + 64] int8 for x's K = ", k);
-  const int64_t groups = packed.size(0);
-  const float* b = check_columns(n_out, groups, kGroup, bias);
+  const LinearShape shape = check_linear_int8(x, packed, n_out, bias);
+  const int64_t m = shape.m, k = shape.k, groups = shape.groups;
+  const float* b = shape.bias;
   auto y = torch::empty({m, n_out}, x.options());
   const std::vector<float> xf = rows_in_fp32(x);
   each_group<Int8Weights>(m, k, groups, packed.size(1), k, xf.data(), packed.data_ptr<int8_t>(), u16w(y), n_out, b);

@@ -36,6 +36,16 @@ constexpr int kBlocks = 4;                 // 16-column blocks per group
 constexpr int kGroup = kBlocks * 16;       // output columns per group
 constexpr int kMaxRows = 6;                // rows per micro-kernel call
 
+// One row's fp32 sums of the 16 columns n0.. to bf16 (nearest even) after the fp32 bias; only columns below `valid`
+// are stored. Always inlined (as a call, a tile store kept the AVX2 micro-kernel's accumulators in memory).
+__attribute__((always_inline)) inline void store_sums(__m512 sums, int64_t n0, int64_t valid, const float* bias,
+                                                      uint16_t* y) {
+  const int64_t count = valid - n0 < 16 ? valid - n0 : 16;
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  _mm256_mask_storeu_epi16(y + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums, b)));
+}
+
 template <int R>
 void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
            int64_t valid, const float* bias) {
@@ -53,17 +63,8 @@ void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, 
       _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xb);
     }
   }
-  for (int j = 0; j < kBlocks; ++j) {  // round to bf16 (nearest even) after the fp32 bias, store valid columns
-    const int64_t n0 = j * 16;
-    if (n0 >= valid) break;
-    const int64_t count = valid - n0 < 16 ? valid - n0 : 16;
-    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
-      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
-      _mm256_mask_storeu_epi16(y + i * ldy + n0, mask, (__m256i)out);
-    }
-  }
+  for (int j = 0; j < kBlocks && j * 16 < valid; ++j)
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) store_sums(acc[i][j], j * 16, valid, bias, y + i * ldy);
 }
 
 void rows(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y,
@@ -143,14 +144,7 @@ void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
       for (int j = 0; j < kBlocks; ++j)
         acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(w + k2 * kPairRow + j * 32), xb);
     }
-    for (int j = 0; j < kBlocks; ++j) {  // round to bf16 (nearest even) after the fp32 bias, store valid columns
-      const int64_t n0 = j * 16;
-      if (n0 >= valid) break;
-      const int64_t count = valid - n0 < 16 ? valid - n0 : 16;
-      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
-      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-      _mm256_mask_storeu_epi16(y + i * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j], b)));
-    }
+    for (int j = 0; j < kBlocks && j * 16 < valid; ++j) store_sums(acc[j], j * 16, valid, bias, y + i * ldy);
   }
 }
 
@@ -193,29 +187,22 @@ void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, const
   alignas(64) float sums[kTileRows][kInt8Group];
   _tile_stored(0, &sums[0][0], kInt8Group * 4);
   memory_fence();
-  const float* scales = reinterpret_cast<const float*>(w + kInt8Group * k);
-  const int64_t count = valid < kInt8Group ? valid : kInt8Group;
-  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
-  const __m512 scale = _mm512_loadu_ps(scales);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + kInt8Group * k));  // the group's 16 scales
   for (int i = 0; i < r; ++i) {
     __m512 acc = _mm512_load_ps(sums[i]);
     for (int64_t kk = whole * 32; kk < k; ++kk)  // K past the last whole 32, in order
       acc = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_float(x[i * ldx + kk])),
                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + kk * kInt8Group)))), acc);
-    _mm256_mask_storeu_epi16(y + i * ldy, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_mul_ps(acc, scale), b)));
+    store_sums(_mm512_mul_ps(acc, scale), 0, valid, bias, y + i * ldy);
   }
 }
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                           const c10::optional<torch::Tensor>& bias) {
-  check_rows(x);
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == kInt8Group * k + kInt8Group * 4,
-              "int8 packed: [G, 16 K + 64] int8 for x's K = ", k);
+  const LinearShape shape = check_linear_int8(x, packed, n_out, bias);
   TORCH_CHECK(tiles_permitted(), "the kernel could not get AMX tile state from the OS (arch_prctl)");
-  const int64_t groups = packed.size(0), stride = packed.size(1);
-  const float* b = check_columns(n_out, groups, kInt8Group, bias);
+  const int64_t m = shape.m, k = shape.k, groups = shape.groups, stride = packed.size(1);
+  const float* b = shape.bias;
   auto y = torch::empty({m, n_out}, x.options());
   const uint16_t* xp = u16(x);
   const int8_t* wp = packed.data_ptr<int8_t>();
