@@ -163,12 +163,15 @@ def _build(isa: Isa, otherwise: str = "oneDNN") -> ModuleType | None:
         if shutil.which("ninja") is None:  # the pip package's ninja lies beside this Python, maybe not on PATH
             os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
 
-        return load(name=name, sources=[str(isa.source)], build_directory=str(build), verbose=False,
-                    extra_cflags=list(isa.cflags), extra_include_paths=[str(CSRC)])
+        module = load(name=name, sources=[str(isa.source)], build_directory=str(build), verbose=False,
+                      extra_cflags=list(isa.cflags), extra_include_paths=[str(CSRC)])
+        if not module.ready():  # e.g. a kernel or VM that does not hand out the AMX tile state
+            raise RuntimeError("the operating system refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        return module
     except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, a read-only home...: oneDNN it is)
-        warnings.warn(f"dflashkit: the {isa.name.upper()} bf16 CPU kernel could not be built ({type(exc).__name__}: "
-                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); using {otherwise}",
-                      RuntimeWarning, stacklevel=2)
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else exc
+        warnings.warn(f"dflashkit: the {isa.name.upper()} bf16 CPU kernel could not be built or run here "
+                      f"({type(exc).__name__}: {reason}); using {otherwise}", RuntimeWarning, stacklevel=2)
         return None
 
 

@@ -455,3 +455,16 @@ def test_auto_falls_back_to_the_avx512_kernel_where_the_amx_one_cannot_be_built(
         assert row_kernels._load("amx") is None  # forced: no fallback
     finally:
         row_kernels._load.cache_clear()
+
+
+def test_a_kernel_the_os_will_not_run_is_refused_with_a_warning(monkeypatch, tmp_path):
+    """An AMX kernel built where the OS refuses the tile state (ready() False) is not used: a warning, then the
+    fallback (oneDNN when forced; auto on an AMX CPU then tries the AVX512-BF16 kernel)."""
+    import types
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: types.SimpleNamespace(ready=lambda: False))
+    monkeypatch.setenv("DFLASHKIT_KERNEL_DIR", str(tmp_path / "unbuilt"))
+    with pytest.warns(RuntimeWarning, match="AMX bf16 CPU kernel could not be built .*refused the AMX tile state"):
+        assert row_kernels._build(row_kernels.ISAS["amx"]) is None

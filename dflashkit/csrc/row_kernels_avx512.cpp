@@ -232,6 +232,15 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, i
 
 }  // namespace
 
+// Whether the kernels can run in this process: with AMX, whether the OS granted the tile state.
+bool ready() {
+#ifdef DFLASHKIT_AMX
+  return tiles_permitted();
+#else
+  return true;
+#endif
+}
+
 // x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16 (AMX: or int8 [G, 16 K + 64], see linear_int8); bias [N]
 // fp32 or None. Returns y [M, N] bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,

@@ -1,7 +1,7 @@
 // The ISA-independent part of dflashkit's row kernels: every decoder layer in one call, the thread probe and the
 // Python module. Included at the end of row_kernels_avx512.cpp and row_kernels_avx2.cpp, each of which defines
-// before it, for its instruction set: linear, attention (torch-level), and the row helpers rms_norm, rotate_into,
-// add_into, silu_mul, plus kBlocks (16-column blocks per packed group), kIsa (its name) and kInt8 (whether linear
+// before it, for its instruction set: linear, attention (torch-level), ready, and the row helpers rms_norm,
+// rotate_into, add_into, silu_mul, plus kBlocks (16-column blocks per packed group), kIsa (its name) and kInt8 (whether linear
 // also takes int8-packed weights); u16, u16w come from row_common.h.
 #pragma once
 
@@ -149,6 +149,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("blocks") = kBlocks;
   m.attr("int8") = kInt8;
   m.def("parallel_threads", &parallel_threads, "threads the kernels' parallel loops run on");
+  m.def("ready", &ready, "whether the kernels can run in this process (AMX: the OS granted the tile state)");
   m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
   m.def("attention", &attention, "grouped-query attention, one query row at a time");
   m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
