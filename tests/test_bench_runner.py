@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_drafter, tiny_target, word_tokenizer
+from dflashkit import row_kernels
 from dflashkit.bench.methods import EXACT, Autoregressive, DFlash, Method, Record, Request, TargetSession, Unavailable
 from dflashkit.bench.peers import LlamaCpp, TransformersGenerate
 from dflashkit.bench.plots import PLOTS
@@ -214,3 +215,4 @@ def test_cpu_model_names_family_and_model():
         cpu_model_from("processor\t: 0\n")
     m = machine()
     assert m["cpu"] and m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert m["cpu_kernels"] == (row_kernels.label() or "oneDNN")

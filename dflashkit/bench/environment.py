@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .. import row_kernels
+
 PACKAGES = ("dflashkit", "torch", "transformers", "tokenizers", "llama-cpp-python", "matplotlib", "numpy")
 
 
@@ -42,6 +44,7 @@ def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector ISA torch's kernels use
+        "cpu_kernels": row_kernels.label() or "oneDNN",  # what dflashkit's decoding steps run on (row_kernels)
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),

@@ -130,7 +130,8 @@ def markdown(data: dict[str, Any]) -> str:
         *(["**Interrupted**: the figures cover the prompts finished before the stop.", ""] if data["interrupted"] else []),
         f"- **command**: `{data['command'] or '(Python API)'}`",
         (f"- **machine**: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}"
-         + (f", {m['memory_gib']} GiB" if "memory_gib" in m else "") + (f", GPU {m['gpu']}" if "gpu" in m else "")),
+         + (f", {m['memory_gib']} GiB" if "memory_gib" in m else "") + (f", GPU {m['gpu']}" if "gpu" in m else "")
+         + (f"; dflashkit's CPU kernels: {m['cpu_kernels']}" if "cpu_kernels" in m else "")),
         (f"- **software**: dflashkit {v.get('dflashkit')} @ {sha}, torch {v.get('torch')}, transformers "
          f"{v.get('transformers')}" + (f", llama-cpp-python {v['llama-cpp-python']}" if v.get("llama-cpp-python") else "")),
         (f"- **target**: {st.get('target', '?')} ({st.get('dtype', '?')}"
