@@ -18,8 +18,9 @@ each output row depends on its own input row only, so a verify pass and a one-to
 linear layers. In fp32 the two differ by float rounding (eager fp32 is MKL's sgemm).
 
 Where one of :mod:`dflashkit.row_kernels`'s kernels runs, bf16 products of up to
-:func:`~dflashkit.row_kernels.max_rows` rows use it instead. AMX-BF16 (Intel's Sapphire Rapids and later): up to 16
-rows, 12.3 ms for 1 to 16 rows where oneDNN takes 16 ms on the 2-core Xeon VM of session 24. AVX512-BF16 (CPUs with
+:func:`~dflashkit.row_kernels.max_batch_rows` rows use it instead (a batched step's logits rows included).
+AMX-BF16 (Intel's Sapphire Rapids and later): up to 64 rows, 12.3 ms for 1 to 16 rows where oneDNN takes 16 ms on
+the 2-core Xeon VM of session 24. AVX512-BF16 (CPUs with
 it and no AMX, such as the Zen 4 VM of the later measurements, where the table above reads 22-27 ms): up to 16 rows,
 2x faster for 1-6 rows there. AVX2 (CPUs without AVX512, where oneDNN has no bf16 path and this class's packed
 product never runs): every row count. Rows stay independent of each other, but not bitwise equal to oneDNN's
