@@ -97,7 +97,7 @@ class Int8Matmul(_RowKernelProduct):
         usable = row_kernels.int8_usable(self.qweight)
         # every row count where the kernel takes int8 (AVX2, AMX): torch's int8 kernel rounds otherwise, and on AMX
         # it prefilled a prompt ~2x slower than the bf16 target's
-        self._rows_kernel(row_kernels.pack_int8(self.qweight, self.scale) if usable else None, 1 << 30)
+        self._rows_kernel(row_kernels.pack_int8(self.qweight, self.scale) if usable else None, row_kernels.ANY_ROWS)
 
     def _fallback(self, x: Tensor) -> Tensor:
         shape = x.shape

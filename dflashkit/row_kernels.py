@@ -59,6 +59,7 @@ MAX_ROWS = 16
 # AMX: a batched step's rows, over all its sequences (each within MAX_ROWS, so attention stays short per sequence):
 # the AMX product stays ahead of oneDNN up to 64 rows (Xeon VM: 20.5 ms against 25.9 at 64 rows, 12.3 at one row)
 MAX_BATCH_ROWS = 64
+ANY_ROWS = 1 << 30  # no row limit (AVX2 steps; int8 products on AVX2 and AMX)
 CSRC = Path(__file__).with_name("csrc")
 HEADERS = (CSRC / "row_common.h", CSRC / "row_layers.h")  # included by both sources
 CHOICES = ("auto", "amx", "avx512", "avx2", "onednn")
@@ -115,7 +116,7 @@ def max_rows() -> int:
     AVX512-BF16; any number for AVX2, where torch has no fast bf16 product for them to go to (a prefill's rows run
     the kernels in row blocks)."""
     k = kernel()
-    return MAX_ROWS if k is None or k.isa != "AVX2" else 1 << 30
+    return MAX_ROWS if k is None or k.isa != "AVX2" else ANY_ROWS
 
 
 def max_batch_rows() -> int:

@@ -1,6 +1,7 @@
 """Two builds of dflashkit's row kernels in one process, interleaved: the default target's step time by rows.
 
     .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR [--rows 1,2,4,8] [--rounds 14]
+        [--quantize int8]
 
 A build directory is one of ``~/.cache/dflashkit/kernels/dflashkit_rows_<isa>_<hash>`` (the kernels build there
 once per source version: edit the C++, run anything that loads the kernels, and a new directory appears). Both
@@ -45,6 +46,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=14)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: the weight-only int8 target")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     builds = {"old": load_build(args.old), "new": load_build(args.new)}
@@ -52,7 +54,7 @@ def main() -> None:
         raise SystemExit("both builds must be of the instruction set that runs here")
     running = {"module": builds["old"]}
     row_kernels.kernel = lambda: running["module"]  # every kernel call of the target goes to the chosen build
-    target = SpeculativeGenerator.load().target
+    target = SpeculativeGenerator.load(quantize=args.quantize).target
     cache = target.new_cache(capacity=args.context + 64)
     rows = [int(r) for r in args.rows.split(",")]
     times: dict[tuple[str, int], list[float]] = {(b, n): [] for b in builds for n in rows}
@@ -69,7 +71,8 @@ def main() -> None:
                     target.crop(cache, args.context)
                     if round_ >= 2:
                         times[(name, n)].append(elapsed)
-    print(f"target step at {args.context} cached positions, {args.threads} threads, median of {args.rounds}")
+    weights = ", int8 weights" if args.quantize == "int8" else ""
+    print(f"target step at {args.context} cached positions{weights}, {args.threads} threads, median of {args.rounds}")
     for n in rows:
         old, new = (statistics.median(times[(b, n)]) * 1e3 for b in ("old", "new"))
         print(f"  {n:2d} rows: old {old:7.2f} ms  new {new:7.2f} ms  new/old {new / old:.3f}")

@@ -109,6 +109,29 @@ void configure_tiles(int r) {
   _tile_loadconfig(&config);
 }
 
+// Both AMX products' outer loop: the threads share the groups [0, groups); each group runs begin(g, scratch) once,
+// then chunk(g, m0, r, scratch) for the rows m0..m0+r-1 of balanced chunks of at most 16 rows (the tiles configured
+// for r whenever it changes, released at the end); scratch: scratch_size words of the thread's own.
+template <typename Begin, typename Chunk>
+void tile_groups(int64_t groups, int64_t m, int64_t scratch_size, Begin begin, Chunk chunk) {
+  TORCH_CHECK(tiles_permitted(), "the kernel could not get AMX tile state from the OS (arch_prctl)");
+  const int64_t chunks = (m + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    int configured = 0;  // the row count the tiles are set up for (0: not yet)
+    std::vector<uint32_t> scratch(scratch_size);
+    for (int64_t g = g0; g < g1; ++g) {
+      begin(g, scratch.data());
+      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+        const int r = static_cast<int>((m - m0 + (chunks - c) - 1) / (chunks - c));
+        if (r != configured) configure_tiles(configured = r);
+        chunk(g, m0, r, scratch.data());
+        m0 += r;
+      }
+    }
+    if (configured) _tile_release();
+  });
+}
+
 // Rows 0..r-1 (r <= 16, the tiles configured for r) of x times one packed group of 64 columns.
 void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
               int64_t valid, const float* bias) {
@@ -200,32 +223,23 @@ void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, const
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                           const c10::optional<torch::Tensor>& bias) {
   const LinearShape shape = check_linear_int8(x, packed, n_out, bias);
-  TORCH_CHECK(tiles_permitted(), "the kernel could not get AMX tile state from the OS (arch_prctl)");
-  const int64_t m = shape.m, k = shape.k, groups = shape.groups, stride = packed.size(1);
+  const int64_t m = shape.m, k = shape.k, stride = packed.size(1), whole = k / 32;
   const float* b = shape.bias;
   auto y = torch::empty({m, n_out}, x.options());
   const uint16_t* xp = u16(x);
   const int8_t* wp = packed.data_ptr<int8_t>();
   uint16_t* yp = u16w(y);
-  const int64_t chunks = (m + kTileRows - 1) / kTileRows, whole = k / 32;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    int configured = 0;
-    std::vector<uint32_t> panel(chunks > 1 ? whole * 256 : 0);  // several row chunks: the B tiles converted once
-    for (int64_t g = g0; g < g1; ++g) {
-      const int8_t* w = wp + g * stride;
+  const bool once = m > kTileRows;  // several row chunks: a group's B tiles converted once, into the scratch
+  tile_groups(shape.groups, m, once ? whole * 256 : 0,
+    [&](int64_t g, uint32_t* panel) {
+      if (once)
+        for (int64_t s = 0; s < whole; ++s) int8_tile(wp + g * stride + s * 32 * kInt8Group, panel + s * 256);
+    },
+    [&](int64_t g, int64_t m0, int r, uint32_t* panel) {
       const int64_t valid = n_out - g * kInt8Group < kInt8Group ? n_out - g * kInt8Group : kInt8Group;
-      if (chunks > 1)
-        for (int64_t s = 0; s < whole; ++s) int8_tile(w + s * 32 * kInt8Group, panel.data() + s * 256);
-      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
-        const int r = static_cast<int>((m - m0 + (chunks - c) - 1) / (chunks - c));
-        if (r != configured) configure_tiles(configured = r);
-        amx_rows_int8(r, xp + m0 * k, k, w, chunks > 1 ? panel.data() : nullptr, k, yp + m0 * n_out + g * kInt8Group,
-                      n_out, valid, b ? b + g * kInt8Group : nullptr);
-        m0 += r;
-      }
-    }
-    if (configured) _tile_release();
-  });
+      amx_rows_int8(r, xp + m0 * k, k, wp + g * stride, once ? panel : nullptr, k, yp + m0 * n_out + g * kInt8Group,
+                    n_out, valid, b ? b + g * kInt8Group : nullptr);
+    });
   return y;
 }
 #endif
@@ -256,22 +270,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
 #ifdef DFLASHKIT_AMX
-  TORCH_CHECK(tiles_permitted(), "the kernel could not get AMX tile state from the OS (arch_prctl)");
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    int configured = 0;  // the row count the tiles are set up for (0: not yet)
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint16_t* w = wp + g * k2_count * (kBlocks * 32);
-      const int64_t valid = n_out - g * kGroup < kGroup ? n_out - g * kGroup : kGroup;
-      const float* bg = b ? b + g * kGroup : nullptr;
-      const int64_t chunks = (m + kTileRows - 1) / kTileRows;  // balanced, as below
-      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
-        const int r = static_cast<int>((m - m0 + (chunks - c) - 1) / (chunks - c));
-        if (r != configured) configure_tiles(configured = r);
-        amx_rows(r, xp + m0 * k, k, w, k2_count, yp + m0 * n_out + g * kGroup, n_out, valid, bg);
-        m0 += r;
-      }
-    }
-    if (configured) _tile_release();
+  tile_groups(groups, m, 0, [](int64_t, uint32_t*) {}, [&](int64_t g, int64_t m0, int r, uint32_t*) {
+    const int64_t valid = n_out - g * kGroup < kGroup ? n_out - g * kGroup : kGroup;
+    amx_rows(r, xp + m0 * k, k, wp + g * k2_count * (kBlocks * 32), k2_count, yp + m0 * n_out + g * kGroup, n_out,
+             valid, b ? b + g * kGroup : nullptr);
   });
 #else
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
