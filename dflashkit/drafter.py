@@ -251,13 +251,17 @@ class DFlashDrafter(nn.Module):
         """
         device = self.fc.weight.device
         fast = self._fast_forward() if self.fast else None
-        if new_features is not None and new_features.shape[1]:
-            n = new_features.shape[1]
-            skip = context.outside_window(n)  # rows the window has passed already: not computed
-            positions = torch.arange(new_start + skip, new_start + n, device=device)
-            kv = fast.context_key_values if fast is not None else self.context_key_values
-            context.append(kv(new_features[:, skip:], positions), skipped=skip)
         head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
+        if fast is not None and self.graphs is None and fast.can_step(context, embed_tokens, new_features):
+            # context rows always go through this call, however many arrive at once (a prompt's too), so that a
+            # row's keys and values do not depend on the steps that brought it
+            if k + 1 <= fast.row_limit:
+                return head(fast.step([DraftStep(context, new_features, new_start, anchor, pos, k)],
+                                      embed_tokens.weight)), self.draft_vocab  # [k, V']
+            fast.step([DraftStep(context, new_features, new_start, anchor, pos, 0)], embed_tokens.weight)
+            new_features = None
+        if new_features is not None and new_features.shape[1]:
+            self._append_context(context, new_features, new_start, fast)
 
         def eager() -> Tensor:
             block_ids = torch.full((1, k + 1), self.config.mask_token_id, device=device)
@@ -275,6 +279,15 @@ class DFlashDrafter(nn.Module):
         else:
             scores = eager()
         return scores, self.draft_vocab  # [k, V'] over the draft vocabulary [V'] (None: [k, vocab])
+
+    def _append_context(self, context: ContextCache, new_features: Tensor, new_start: int,
+                        fast: FastDrafterForward | None) -> None:
+        """Project verified target features [1, n, F] at positions new_start.. into the context's K/V rows."""
+        n = new_features.shape[1]
+        skip = context.outside_window(n)  # rows the window has passed already: not computed
+        positions = torch.arange(new_start + skip, new_start + n, device=new_features.device)
+        kv = fast.context_key_values if fast is not None else self.context_key_values
+        context.append(kv(new_features[:, skip:], positions), skipped=skip)
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the inference caches out (packed oneDNN tensors cannot be copied); they are
@@ -342,6 +355,20 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
 
+@dataclass
+class DraftStep:
+    """One sequence's drafting step (see :meth:`DFlashDrafter.draft_scores`): its context cache, its verified target
+    features not yet in it ([1, n, F] at positions ``new_start``.., or None), the anchor token at ``pos`` and the
+    k drafts to score after it."""
+
+    context: ContextCache
+    new_features: Tensor | None
+    new_start: int
+    anchor: int
+    pos: int
+    k: int
+
+
 class FastDrafterForward:
     """The drafter's inference forward (batch 1, no mask) on plain callables: q/k/v and gate/up fused into one
     product each, every product prepacked for oneDNN (:mod:`dflashkit.kernels`). Same maths as the modules;
@@ -361,6 +388,15 @@ class FastDrafterForward:
         self.context_k_norm = _per_head_norm([(a.k_norm, self.kv_heads) for a in attns])
         self.fused_weights = self._fused_weights(drafter)
         self.row_limit = row_kernels.max_rows()  # blocks of more rows: the Python layers
+        # the one-call step (row_kernels.drafter_step_batch): the context's products and norms, the final norm
+        self.step_weights = None
+        if self.fused_weights is not None and self.fc.small is not None and self.context_kv.small is not None:
+            self.step_weights = (self.fc.small, self.hidden_norm.weight, self.hidden_norm.eps, self.context_kv.small,
+                                 self.norm.weight, self.norm.eps)
+        self.mask_token_id = drafter.config.mask_token_id
+        self.learned_mask = drafter.mask_embedding.detach() if drafter.mask_embedding is not None else None
+        self._mask_row: tuple[tuple, Tensor] | None = None  # (the embedding table it was taken from, [H])
+        self._rotary: tuple[Tensor, Tensor] | None = None  # cos, signed sin [P, head_dim] for positions 0..P-1
 
     def _fused_weights(self, drafter: DFlashDrafter) -> list[Tensor] | None:
         """The tensors of ``row_kernels.decoder_layers`` (8 per layer) where its kernels run, else None."""
@@ -379,6 +415,67 @@ class FastDrafterForward:
                                                  f.gate_up.small, f.down.small, layer.self_attn.q_norm.weight,
                                                  layer.self_attn.k_norm.weight)
         return weights
+
+    def can_step(self, context: object, embed_tokens: nn.Module, new_features: Tensor | None = None) -> bool:
+        """Whether :meth:`step` runs drafting steps here: the kernels run the drafter, the context is a plain
+        :class:`ContextCache`, the features are bf16 and the target's embedding table is a bf16 [V, hidden] CPU table.
+        (Blocks of more than ``row_limit`` rows run the Python layers after it has taken their context rows.)"""
+        weight = getattr(embed_tokens, "weight", None)
+        return (self.step_weights is not None and self.fused_weights is not None
+                and isinstance(context, ContextCache)
+                and (new_features is None or new_features.dtype == torch.bfloat16)
+                and isinstance(weight, Tensor) and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and weight.dim() == 2 and weight.shape[1] == self.hidden_norm.weight.shape[0]
+                and weight.is_contiguous())
+
+    def step(self, drafts: list[DraftStep], embed: Tensor) -> Tensor:
+        """Drafting steps of several sequences in one C++ call (:func:`row_kernels.drafter_step_batch`; each one
+        :meth:`can_step`, its block at most ``row_limit`` rows): their new features enter their contexts, their
+        blocks run through every layer (k = 0: no block, the context rows only). Returns the final-normed hidden
+        rows of every step's k drafts, in order [sum of k, hidden]."""
+        features, writes, feature_positions, anchors, counts, positions, caches, starts, firsts = ([] for _ in range(9))
+        taken = []
+        empty = embed.new_empty(0)
+        for d in drafts:
+            context, n = d.context, d.new_features.shape[1] if d.new_features is not None else 0
+            skip = context.outside_window(n)  # rows the window has passed already: not computed
+            block = d.k + 1 if d.k > 0 else 0
+            writes.append(context.prepare(n, skip, block, self.kv_heads, self.head_dim, embed.dtype, embed.device))
+            features.append(d.new_features[0, skip:] if n > skip else empty)
+            feature_positions.append(d.new_start + skip)
+            taken.append((context, n, skip))
+            length = context.length + n  # the context's length once these rows are in: the block starts there
+            starts.append(length)
+            firsts.append(0 if context.window is None else max(0, length - context.window))
+            anchors.append(-1 if self.learned_mask is not None and d.anchor == self.mask_token_id else d.anchor)
+            counts.append(block)
+            positions.append(d.pos)
+            caches.append((context.keys, context.values))
+        end = max(max(p + c for p, c in zip(positions, counts)),
+                  max(p + (f.shape[0] if f.numel() else 0) for p, f in zip(feature_positions, features)))
+        hidden = row_kernels.drafter_step_batch(
+            features, self.step_weights, writes, feature_positions, embed, self.mask_row(embed), anchors, counts,
+            positions, self.rotary_rows(end, embed.dtype, embed.device), self.fused_weights, caches, starts, firsts,
+            self.heads, self.kv_heads, self.layers[0].intermediate, self.eps, self.head_dim**-0.5)
+        for context, n, skip in taken:
+            context.commit(n, skip)
+        return hidden
+
+    def mask_row(self, embed: Tensor) -> Tensor:
+        """The block's mask row [hidden]: the learned mask vector, or the mask token's row of the embedding table."""
+        key = (embed.data_ptr(), embed.shape)
+        if self._mask_row is None or self._mask_row[0] != key:
+            row = self.learned_mask if self.learned_mask is not None else embed[self.mask_token_id]
+            self._mask_row = (key, row.to(embed.dtype).contiguous())
+        return self._mask_row[1]
+
+    def rotary_rows(self, positions: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos and signed sin tables covering positions 0..positions-1 (grown by doubling, kept between steps)."""
+        if self._rotary is None or self._rotary[0].shape[0] < positions or self._rotary[0].dtype != dtype:
+            size = max(256, 1 << (positions - 1).bit_length())
+            cos, sin = self.rotary_tables(size, dtype, device)
+            self._rotary = (cos.contiguous(), sin.contiguous())
+        return self._rotary
 
     def run_fused(self, block_embeddings: Tensor, positions: Tensor, context: ContextCache) -> Tensor:
         """:meth:`__call__` in one C++ call (needs ``fused_weights``): the block's own keys and values go to the
@@ -489,18 +586,31 @@ class ContextCache:
     def append(self, kvs: list[KV], skipped: int = 0) -> None:
         """Append rows: ``skipped`` rows that were not computed (see :meth:`outside_window`; their buffer rows are
         left as they are and never read), then the rows of ``kvs``."""
-        n = skipped + kvs[0][0].shape[2]
-        if skipped and skipped > self.outside_window(n):
-            raise InvalidInputError(f"{skipped} of {n} rows skipped, but only {self.outside_window(n)} fall outside "
-                                    "the context window")
-        if self._buffers is None:
-            self._allocate(kvs[0][0], max(self.capacity, n))
-        elif self.length + n > self._buffers[0][0].shape[2]:
-            self.reserve(self.length + n)
-        start = self.length + skipped
+        like = kvs[0][0]  # [1, kv_heads, rows, head_dim]
+        n = skipped + like.shape[2]
+        start = self.prepare(n, skipped, 0, like.shape[1], like.shape[3], like.dtype, like.device)
         for (kb, vb), (k, v) in zip(self._buffers, kvs):
             kb[:, :, start : self.length + n] = k
             vb[:, :, start : self.length + n] = v
+        self.commit(n, skipped)
+
+    def prepare(self, n: int, skipped: int, scratch: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> int:
+        """Room for n more rows (the first ``skipped`` of them not computed) and ``scratch`` rows past them; returns
+        the buffer row where the computed rows go. They count once :meth:`commit` is called."""
+        if skipped and skipped > self.outside_window(n):
+            raise InvalidInputError(f"{skipped} of {n} rows skipped, but only {self.outside_window(n)} fall outside "
+                                    "the context window")
+        end = self.length + n + scratch
+        if self._buffers is None:
+            self._allocate((1, kv_heads, 0, head_dim), dtype, device, max(self.capacity, end))
+        elif end > self._buffers[0][0].shape[2]:
+            self.reserve(end)
+        return self.length + skipped
+
+    def commit(self, n: int, skipped: int = 0) -> None:
+        """Count the n rows :meth:`prepare` made room for (and its buffer rows then written) as context."""
+        start = self.length + skipped
         self.length += n
         if skipped:
             self.stored_from = start
@@ -510,7 +620,7 @@ class ContextCache:
         assert self.keys is not None, "context cache is empty"
         if end > self.keys.shape[2]:
             keys, values = self.keys, self.values
-            self._allocate(keys[0:1], max(2 * keys.shape[2], end))
+            self._allocate(keys[0:1].shape, keys.dtype, keys.device, max(2 * keys.shape[2], end))
             self.keys[:, :, : self.length] = keys[:, :, : self.length]
             self.values[:, :, : self.length] = values[:, :, : self.length]
 
@@ -532,8 +642,10 @@ class ContextCache:
             raise InvalidInputError("cannot crop a windowed context back into rows that were skipped")
         self.length = length
 
-    def _allocate(self, like: Tensor, capacity: int) -> None:
-        """New buffers shaped like `like` [1, kv_heads, *, head_dim] for every layer."""
-        shape = (self.num_layers, like.shape[1], capacity, like.shape[3])
-        self.keys, self.values = like.new_empty(shape), like.new_empty(shape)
+    def _allocate(self, like: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device,
+                  capacity: int) -> None:
+        """New buffers of the shape `like` [1, kv_heads, *, head_dim] for every layer."""
+        shape = (self.num_layers, like[1], capacity, like[3])
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
         self._buffers = [(self.keys[i : i + 1], self.values[i : i + 1]) for i in range(self.num_layers)]

@@ -359,6 +359,77 @@ def test_one_call_drafter_layers_attend_to_the_context_window_only(isa):
     assert torch.allclose(windowed.float(), ref, atol=0.03 * ref.abs().max().item())
 
 
+def _drafter_setup(block_size: int = 8):
+    from conftest import tiny_drafter, tiny_target
+
+    from dflashkit.target import TargetAdapter
+
+    model = tiny_target("qwen3", dtype=torch.bfloat16)
+    drafter = tiny_drafter(model, block_size=block_size)
+    drafter.use_fast_path()
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    return drafter, target
+
+
+def test_one_call_drafter_steps_of_several_sequences_are_each_sequences_own(isa):
+    """Several sequences' drafting steps in one call (their context rows and blocks batched, different lengths,
+    windows and k): every sequence's drafts and context rows are bitwise those of its step alone."""
+    from conftest import VOCAB
+
+    from dflashkit.drafter import DraftStep
+
+    drafter, target = _drafter_setup()
+    fast = drafter._fast_forward()
+    embed = target.embed_tokens.weight
+    setups = [(12, None, 7, 3), (20, 6, 5, 7), (9, None, 0, 1)]  # prompt length, window, new rows at the step, k
+    features = {}
+    for length, _, _, _ in setups:
+        ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+        features[length] = target.forward(ids, 0, target.new_cache(), logits_rows=1)[1]
+
+    def start(length, window, new):  # a context holding the prompt but its last `new` rows
+        context = drafter.new_context(capacity=8, window=window)
+        fast.step([DraftStep(context, features[length][:, : length - new], 0, 0, 0, 0)], embed)
+        return context
+
+    def step(length, window, new, k, context):
+        return DraftStep(context, features[length][:, length - new :] if new else None, length - new, 11, length, k)
+
+    alone, contexts = [], []
+    for setup in setups:
+        context = start(*setup[:3])
+        alone.append(fast.step([step(*setup, context)], embed))
+        contexts.append(context)
+    together_contexts = [start(*setup[:3]) for setup in setups]
+    together = fast.step([step(*setup, c) for setup, c in zip(setups, together_contexts)], embed)
+    assert torch.equal(together, torch.cat(alone))
+    for a, b in zip(contexts, together_contexts):
+        assert a.length == b.length and a.first == b.first
+        assert torch.equal(a.keys[:, :, a.stored_from : a.length], b.keys[:, :, b.stored_from : b.length])
+        assert torch.equal(a.values[:, :, a.stored_from : a.length], b.values[:, :, b.stored_from : b.length])
+
+
+def test_one_call_context_rows_do_not_depend_on_how_they_arrive(isa):
+    """A context row's keys and values are the same whether it arrived with the prompt or in a later step, and
+    whether the step's block fitted the one-call layers or ran the Python layers (blocks over ``row_limit``)."""
+    from conftest import VOCAB
+
+    drafter, target = _drafter_setup(block_size=8)
+    ids = torch.randint(3, VOCAB, (1, 14))
+    features = target.forward(ids, 0, target.new_cache(), logits_rows=1)[1]
+    args = (target.embed_tokens, target.lm_head)
+    whole = drafter.new_context(capacity=4)
+    drafter.draft_scores(whole, features, 0, 5, 14, 3, *args)
+    parts = drafter.new_context(capacity=4)
+    drafter.draft_scores(parts, features[:, :6], 0, 5, 6, 3, *args)
+    fast = drafter._fast_forward()
+    fast.row_limit = 2  # this step's block (k = 3: 4 rows) runs the Python layers
+    drafter.draft_scores(parts, features[:, 6:], 6, 5, 14, 3, *args)
+    assert parts.length == whole.length == 14
+    assert torch.equal(parts.keys[:, :, :14], whole.keys[:, :, :14])
+    assert torch.equal(parts.values[:, :, :14], whole.values[:, :, :14])
+
+
 def test_the_engine_line_names_the_row_kernels(isa, monkeypatch):
     from conftest import tiny_target
 

@@ -17,19 +17,22 @@
 // [counts[s], starts[s] + counts[s]] bool (an empty tensor: every row sees every key). The rows attend to cache rows
 // context_start..start+n-1 (a drafter's context window; 0: all, the only value with a hidden mask). Returns x after
 // the last layer and the feature layers' outputs concatenated [N, len(feature_layers) * H] (empty without).
-std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vector<torch::Tensor>& weights,
-                                                const torch::Tensor& cos, const torch::Tensor& sin_signed,
-                                                const std::vector<torch::Tensor>& keys,
-                                                const std::vector<torch::Tensor>& values,
-                                                const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
-                                                const std::vector<torch::Tensor>& hiddens, int64_t heads,
-                                                int64_t kv_heads, int64_t intermediate, double eps, double scaling,
-                                                const std::vector<int64_t>& feature_layers, int64_t context_start) {
+// (decoder_layers_batch below, with a context start per sequence.)
+std::vector<torch::Tensor> layers_over_caches(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                              const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                                              const std::vector<torch::Tensor>& keys,
+                                              const std::vector<torch::Tensor>& values,
+                                              const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+                                              const std::vector<torch::Tensor>& hiddens, int64_t heads,
+                                              int64_t kv_heads, int64_t intermediate, double eps, double scaling,
+                                              const std::vector<int64_t>& feature_layers,
+                                              const std::vector<int64_t>& context_starts) {
   const int64_t sequences = static_cast<int64_t>(counts.size());
   TORCH_CHECK(sequences >= 1 && static_cast<int64_t>(keys.size()) == sequences &&
               static_cast<int64_t>(values.size()) == sequences && static_cast<int64_t>(starts.size()) == sequences &&
-              static_cast<int64_t>(hiddens.size()) == sequences,
-              "one cache pair, start, row count and hidden mask per sequence");
+              static_cast<int64_t>(hiddens.size()) == sequences &&
+              static_cast<int64_t>(context_starts.size()) == sequences,
+              "one cache pair, start, row count, hidden mask and context start per sequence");
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x: contiguous [N, H] bf16");
   const int64_t n_all = x.size(0), width = x.size(1), d = keys[0].size(3), layers = keys[0].size(0);
   const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d;
@@ -44,6 +47,7 @@ std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vect
                 "caches: contiguous, room for the rows");
     TORCH_CHECK(hiddens[s].numel() == 0 || (hiddens[s].dim() == 2 && hiddens[s].size(0) == n && hiddens[s].size(1) == end),
                 "hidden: [n, start + n] bool or empty");
+    const int64_t context_start = context_starts[s];
     TORCH_CHECK(context_start >= 0 && context_start <= starts[s] && (hiddens[s].numel() == 0 || context_start == 0),
                 "context_start: in 0..start, and 0 with a hidden mask");
     offsets[s + 1] = offsets[s] + n;
@@ -93,7 +97,7 @@ std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vect
         for (int64_t kh = 0; kh < kv_heads; ++kh)  // values as they are
           std::memcpy(vl + (kh * cap + start + i) * d, row + (heads + kv_heads + kh) * d, d * sizeof(uint16_t));
       }
-      const int64_t seen = start + n - context_start;  // cache rows the sequence's rows attend to
+      const int64_t context_start = context_starts[s], seen = start + n - context_start;  // rows attended to
       torch::Tensor out = attention(qs[s], keys[s].select(0, layer).narrow(1, context_start, seen),
                                     values[s].select(0, layer).narrow(1, context_start, seen), hidden[s], n,
                                     scaling);  // [kv_heads, group * n, d]
@@ -119,6 +123,19 @@ std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vect
   return {x, features};
 }
 
+std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                                const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                                                const std::vector<torch::Tensor>& keys,
+                                                const std::vector<torch::Tensor>& values,
+                                                const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+                                                const std::vector<torch::Tensor>& hiddens, int64_t heads,
+                                                int64_t kv_heads, int64_t intermediate, double eps, double scaling,
+                                                const std::vector<int64_t>& feature_layers, int64_t context_start) {
+  return layers_over_caches(x, weights, cos, sin_signed, keys, values, starts, counts, hiddens, heads, kv_heads,
+                            intermediate, eps, scaling, feature_layers,
+                            std::vector<int64_t>(counts.size(), context_start));
+}
+
 // decoder_layers_batch for one sequence: x [n, H]; keys, values [layers, kv_heads, capacity, d]; hidden [n, start+n]
 // bool or None.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
@@ -132,6 +149,141 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<tor
   TORCH_CHECK(!hidden.has_value() || (mask.scalar_type() == at::kBool && mask.is_contiguous()), "hidden: contiguous bool");
   return decoder_layers_batch(x, weights, cos, sin_signed, {keys}, {values}, {start}, {x.size(0)}, {mask}, heads,
                               kv_heads, intermediate, eps, scaling, feature_layers, context_start);
+}
+
+// One drafting step of a DFlash drafter (its inference forward) for several sequences, in one call:
+// 1. each sequence's new target-feature rows features[s] [n_s, F] (verified since its last step; n_s may be 0) enter
+//    its context cache: fc product, hidden norm (hidden_eps), every layer's context key/value product (context_kv:
+//    outputs k_0 v_0 k_1 v_1 ..., kv_heads * d each), each layer's k norm (its q/k norms in `weights`, eps) and
+//    rotary; written at cache rows write_rows[s].., positions feature_positions[s]..;
+// 2. its block, block_counts[s] rows (0: none, the step only takes its context rows) at positions block_positions[s]..:
+//    the anchor's row of `embed` [V, H]
+//    (anchors[s] < 0: mask_row [H] instead), then mask_row; every layer over its cache as decoder_layers runs them
+//    (weights: 8 per layer), the block's own keys and values written as scratch from starts[s], attending to cache
+//    rows context_starts[s]..;
+// 3. the final norm (final_eps) of every block row but each block's first.
+// Rotary from cos_table, sin_table_signed [P, d] (row p: position p). The products of every stage run once over
+// every sequence's rows. Returns the rows the draft head reads, in order: [sum over blocks of (count - 1), H].
+torch::Tensor drafter_step_batch(const std::vector<torch::Tensor>& features, const torch::Tensor& fc,
+                                 const torch::Tensor& hidden_norm, double hidden_eps, const torch::Tensor& context_kv,
+                                 const std::vector<int64_t>& write_rows, const std::vector<int64_t>& feature_positions,
+                                 const torch::Tensor& embed, const torch::Tensor& mask_row,
+                                 const std::vector<int64_t>& anchors, const std::vector<int64_t>& block_counts,
+                                 const std::vector<int64_t>& block_positions, const torch::Tensor& cos_table,
+                                 const torch::Tensor& sin_table_signed, const std::vector<torch::Tensor>& weights,
+                                 const torch::Tensor& final_norm, double final_eps,
+                                 const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& context_starts,
+                                 int64_t heads, int64_t kv_heads, int64_t intermediate, double eps, double scaling) {
+  const int64_t sequences = static_cast<int64_t>(block_counts.size());
+  TORCH_CHECK(sequences >= 1 && static_cast<int64_t>(features.size()) == sequences &&
+              static_cast<int64_t>(write_rows.size()) == sequences &&
+              static_cast<int64_t>(feature_positions.size()) == sequences &&
+              static_cast<int64_t>(anchors.size()) == sequences &&
+              static_cast<int64_t>(block_positions.size()) == sequences &&
+              static_cast<int64_t>(keys.size()) == sequences && static_cast<int64_t>(starts.size()) == sequences,
+              "one feature matrix, write row, position, anchor, block and cache per sequence");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.scalar_type() == at::kBFloat16, "embed: contiguous [V, H] bf16");
+  const int64_t width = embed.size(1), layers = keys[0].size(0), d = keys[0].size(3), cap_rows = cos_table.size(0);
+  TORCH_CHECK(mask_row.is_contiguous() && mask_row.scalar_type() == at::kBFloat16 && mask_row.numel() == width &&
+              hidden_norm.numel() == width && final_norm.numel() == width, "mask row and norms: [H] bf16");
+  TORCH_CHECK(cos_table.is_contiguous() && sin_table_signed.is_contiguous() && cos_table.dim() == 2 &&
+              cos_table.size(1) == d && sin_table_signed.sizes() == cos_table.sizes(), "rotary tables: [P, d]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * layers, "8 tensors per layer");
+  const auto opts = embed.options();
+  const int64_t kv_width = kv_heads * d;
+  // 1. the context rows of every sequence
+  std::vector<int64_t> feature_offsets(sequences + 1, 0);
+  for (int64_t s = 0; s < sequences; ++s) {
+    const int64_t n = features[s].numel() ? features[s].size(0) : 0;
+    TORCH_CHECK(n == 0 || (features[s].dim() == 2 && features[s].scalar_type() == at::kBFloat16 &&
+                           features[s].size(1) == features[0].size(1)), "features: [n, F] bf16, alike");
+    TORCH_CHECK(write_rows[s] >= 0 && write_rows[s] + n <= keys[s].size(2) && feature_positions[s] >= 0 &&
+                feature_positions[s] + n <= cap_rows, "context rows: room in the cache and the rotary tables");
+    feature_offsets[s + 1] = feature_offsets[s] + n;
+  }
+  const int64_t n_features = feature_offsets[sequences];
+  if (n_features) {
+    torch::Tensor rows;
+    if (n_features == feature_offsets[1] && features[0].is_contiguous()) {
+      rows = features[0];
+    } else {
+      std::vector<torch::Tensor> parts;
+      for (const auto& f : features)
+        if (f.numel()) parts.push_back(f);
+      rows = torch::cat(parts).contiguous();
+    }
+    torch::Tensor ctx = linear(rows, fc, width, c10::nullopt);  // [N_f, H]
+    rms_norm(u16(ctx), width, n_features, width, u16(hidden_norm), static_cast<float>(hidden_eps), u16w(ctx), width);
+    torch::Tensor kv = linear(ctx, context_kv, layers * 2 * kv_width, c10::nullopt);  // [N_f, layers * 2 * kv * d]
+    auto normed_head = torch::empty({d}, opts);
+    for (int64_t s = 0; s < sequences; ++s) {
+      torch::Tensor ks = keys[s], vs = values[s];
+      const int64_t cap = ks.size(2);
+      for (int64_t i = 0; i < feature_offsets[s + 1] - feature_offsets[s]; ++i) {
+        const uint16_t* row = u16(kv) + (feature_offsets[s] + i) * layers * 2 * kv_width;
+        const int64_t at = write_rows[s] + i, p = feature_positions[s] + i;
+        for (int64_t layer = 0; layer < layers; ++layer) {
+          const torch::Tensor& norms = weights[8 * layer + 7];
+          for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            const uint16_t* src = row + (layer * 2) * kv_width + kh * d;
+            if (norms.numel()) {
+              rms_norm(src, d, 1, d, u16(norms) + d, static_cast<float>(eps), u16w(normed_head), d);
+              src = u16(normed_head);
+            }
+            const int64_t offset = ((layer * kv_heads + kh) * cap + at) * d;
+            rotate_into(src, u16(cos_table) + p * d, u16(sin_table_signed) + p * d, d, u16w(ks) + offset);
+            std::memcpy(u16w(vs) + offset, row + (layer * 2 + 1) * kv_width + kh * d, d * sizeof(uint16_t));
+          }
+        }
+      }
+    }
+  }
+  // 2. the blocks (block_counts[s] == 0: sequence s only takes its context rows)
+  int64_t n_block = 0, n_out = 0;
+  std::vector<int64_t> with_block;
+  for (int64_t s = 0; s < sequences; ++s) {
+    if (block_counts[s] == 0) continue;
+    TORCH_CHECK(block_counts[s] >= 2 && block_positions[s] >= 0 && block_positions[s] + block_counts[s] <= cap_rows,
+                "blocks: none or at least 2 rows, within the rotary tables");
+    TORCH_CHECK(anchors[s] < embed.size(0), "anchor id out of the embedding table");
+    with_block.push_back(s);
+    n_block += block_counts[s];
+    n_out += block_counts[s] - 1;
+  }
+  auto out = torch::empty({n_out, width}, opts);
+  if (with_block.empty()) return out;
+  auto x = torch::empty({n_block, width}, opts), cos = torch::empty({n_block, d}, opts),
+       sin = torch::empty({n_block, d}, opts);
+  std::vector<torch::Tensor> ks, vs, no_masks;
+  std::vector<int64_t> counts, block_starts, firsts;
+  int64_t r = 0;
+  for (int64_t s : with_block) {
+    for (int64_t i = 0; i < block_counts[s]; ++i, ++r) {
+      const uint16_t* src = i == 0 && anchors[s] >= 0 ? u16(embed) + anchors[s] * width : u16(mask_row);
+      std::memcpy(u16w(x) + r * width, src, width * sizeof(uint16_t));
+      std::memcpy(u16w(cos) + r * d, u16(cos_table) + (block_positions[s] + i) * d, d * sizeof(uint16_t));
+      std::memcpy(u16w(sin) + r * d, u16(sin_table_signed) + (block_positions[s] + i) * d, d * sizeof(uint16_t));
+    }
+    ks.push_back(keys[s]);
+    vs.push_back(values[s]);
+    no_masks.push_back(torch::empty({0}, opts.dtype(at::kBool)));
+    counts.push_back(block_counts[s]);
+    block_starts.push_back(starts[s]);
+    firsts.push_back(context_starts[s]);
+  }
+  torch::Tensor h = layers_over_caches(x, weights, cos, sin, ks, vs, block_starts, counts, no_masks, heads, kv_heads,
+                                       intermediate, eps, scaling, {}, firsts)[0];
+  // 3. the final norm of the rows the head reads
+  r = 0;
+  int64_t o = 0;
+  for (int64_t count : counts) {
+    rms_norm(u16(h) + (r + 1) * width, width, count - 1, width, u16(final_norm), static_cast<float>(final_eps),
+             u16w(out) + o * width, width);
+    r += count;
+    o += count - 1;
+  }
+  return out;
 }
 
 // How many threads at::parallel_for gives the kernels' work: it is compiled into this file, so without -fopenmp
@@ -155,4 +307,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
   m.def("decoder_layers_batch", &decoder_layers_batch,
         "every decoder layer for the rows of several sequences, each over its own cache, each row on its own");
+  m.def("drafter_step_batch", &drafter_step_batch,
+        "a DFlash drafter's step for several sequences: context rows in, block through every layer, final norm");
 }
