@@ -8,7 +8,10 @@ Each generation keeps its own decode loop (:func:`dflashkit.decode.decode`, unch
 target calls go to a :class:`ForwardBatcher`, which holds them until every member generation has made one, then
 runs them all as one pass (:meth:`TargetAdapter.forward_batch`) and hands each its result: a rendezvous per
 round. A member that is drafting, detokenizing or ending is waited for; one that ends leaves the batch. Drafting
-stays per sequence: the members' drafter forwards take turns.
+has a rendezvous of its own: a member's drafting call waits until every member is drafting or waiting for the
+pass, and the calls then run as one drafting round (:meth:`DFlashDrafter.draft_scores_batch`: their new context
+rows and blocks in one call of the drafter's kernels, their drafts through the head in one product), each
+sequence's scores bitwise those of its call alone.
 
 All heavy computation of the batch (the batched passes, the drafter's forwards) runs in one thread, its
 :class:`ComputeThread`, with torch's threads; the member threads run their own small tensor ops (sampling, the
@@ -58,6 +61,19 @@ class _Pending:
     result: tuple[Tensor, Tensor | None] | None = None
     error: BaseException | None = None
     share: float = 0.0  # seconds of the pass that were this call's (in proportion to its rows)
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+@dataclass
+class _DraftPending:
+    drafter: DFlashDrafter
+    args: tuple  # DFlashDrafter.draft_scores's arguments
+    result: tuple[Tensor, Tensor | None] | None = None
+    error: BaseException | None = None
+    share: float = 0.0  # seconds of the drafting round that were this call's (in proportion to its drafts)
 
     @property
     def done(self) -> bool:
@@ -172,9 +188,12 @@ class ForwardBatcher:
         self._cond = threading.Condition()
         self._members = 0
         self._waiting: list[_Pending] = []
+        self._drafting: list[_DraftPending] = []
         self._running = False
         self.passes = 0  # batched rounds run (for stats and tests)
         self.calls = 0  # member calls served
+        self.draft_rounds = 0  # drafting rounds run
+        self.drafts = 0  # member drafting calls served
 
     def join(self) -> BatchMember:
         """A new member generation (``gen.stream(..., batch=member)``); it must :meth:`leave` when it ends, or the
@@ -218,6 +237,54 @@ class ForwardBatcher:
         if pending.error is not None:
             raise pending.error
         return pending.result, pending.share
+
+    def draft(self, drafter: DFlashDrafter, args: tuple) -> tuple[tuple[Tensor, Tensor | None], float]:
+        """One member's drafting call (``drafter.draft_scores(*args)``): held until every member is drafting or
+        waiting for the target pass, then run with the others' in one drafting round
+        (:meth:`DFlashDrafter.draft_scores_batch`). Returns the scores and its share of the round in seconds."""
+        pending = _DraftPending(drafter, args)
+        with self._cond:
+            self._drafting.append(pending)
+            self._cond.notify_all()
+            while not pending.done:
+                if (not self._running and self._drafting
+                        and len(self._waiting) + len(self._drafting) >= self._members):  # nobody else will draft
+                    batch, self._drafting, self._running = self._drafting, [], True
+                    self._cond.release()
+                    try:
+                        self._run_drafts(batch)
+                    finally:
+                        self._cond.acquire()
+                        self._running = False
+                        self._cond.notify_all()
+                else:
+                    self._cond.wait()
+        if pending.error is not None:
+            raise pending.error
+        return pending.result, pending.share
+
+    def _run_drafts(self, batch: list[_DraftPending]) -> None:
+        self.draft_rounds += 1
+        self.drafts += len(batch)
+        start = time.perf_counter()
+        groups: dict[int, list[_DraftPending]] = {}
+        for p in batch:
+            groups.setdefault(id(p.drafter), []).append(p)
+        for group in groups.values():
+            try:
+                results = self.compute.call(group[0].drafter.draft_scores_batch, [p.args for p in group])
+                for p, result in zip(group, results):
+                    p.result = result
+            except Exception:  # noqa: BLE001  (one bad call: run them one by one, each gets its own result or error)
+                for p in group:
+                    try:
+                        p.result = self.compute.call(p.drafter.draft_scores, *p.args)
+                    except Exception as exc:  # noqa: BLE001
+                        p.error = exc
+        seconds = time.perf_counter() - start
+        drafts = sum(p.args[5] for p in batch)  # k of each call
+        for p in batch:
+            p.share = seconds * p.args[5] / drafts if drafts else seconds / len(batch)
 
     def _run(self, batch: list[_Pending]) -> None:
         self.passes += 1
@@ -299,7 +366,8 @@ class _BatchedTarget:
 
 
 class _ComputedDrafter:
-    """A drafter whose forwards run in the batch's compute thread (one at a time)."""
+    """A drafter whose forwards run in the batch's compute thread, the members' drafting steps of a round together
+    (:meth:`ForwardBatcher.draft`)."""
 
     def __init__(self, drafter: DFlashDrafter, member: BatchMember) -> None:
         self._drafter, self._member = drafter, member
@@ -307,17 +375,11 @@ class _ComputedDrafter:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._drafter, name)
 
-    def draft_scores(self, *args: Any, **kwargs: Any) -> Any:
+    def draft_scores(self, *args: Any) -> Any:
         queued = time.perf_counter()
-        started = []
-
-        def draft() -> Any:
-            started.append(time.perf_counter())
-            return self._drafter.draft_scores(*args, **kwargs)
-
-        scores = self._member.batcher.compute.call(draft)
-        # the wait for the compute thread (the others' drafting, a pass) is not its cost; its own drafting is
-        self._member.waited(queued, share=time.perf_counter() - started[0])
+        scores, share = self._member.batcher.draft(self._drafter, args)
+        # the wait for the others (their drafting, a pass) is not its cost; its share of the drafting round is
+        self._member.waited(queued, share=share)
         return scores
 
 

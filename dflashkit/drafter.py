@@ -280,6 +280,24 @@ class DFlashDrafter(nn.Module):
             scores = eager()
         return scores, self.draft_vocab  # [k, V'] over the draft vocabulary [V'] (None: [k, vocab])
 
+    @torch.inference_mode()
+    def draft_scores_batch(self, calls: list[tuple]) -> list[tuple[Tensor, Tensor | None]]:
+        """:meth:`draft_scores` for several sequences (each call: its arguments, in order): in one C++ call and one
+        head product where the kernels run them all (:meth:`FastDrafterForward.step`), else one after another.
+        Each sequence's scores are bitwise those of its call alone."""
+        fast = self._fast_forward() if self.fast and self.graphs is None and len(calls) > 1 else None
+        if fast is not None:
+            embed_tokens, lm_head = calls[0][6], calls[0][7]
+            if all(c[6] is embed_tokens and c[7] is lm_head and 0 < c[5] and c[5] + 1 <= fast.row_limit
+                   and fast.can_step(c[0], embed_tokens, c[1]) for c in calls) \
+                    and len({id(c[0]) for c in calls}) == len(calls):
+                head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
+                hidden = fast.step([DraftStep(*c[:6]) for c in calls], embed_tokens.weight)  # [sum of k, hidden]
+                limit = row_kernels.max_batch_rows()  # the head's rows stay on the kernel they take alone
+                scores = torch.cat([head(part) for part in hidden.split(limit)])  # [sum of k, V']
+                return [(rows, self.draft_vocab) for rows in scores.split([c[5] for c in calls])]
+        return [self.draft_scores(*c) for c in calls]
+
     def _append_context(self, context: ContextCache, new_features: Tensor, new_start: int,
                         fast: FastDrafterForward | None) -> None:
         """Project verified target features [1, n, F] at positions new_start.. into the context's K/V rows."""

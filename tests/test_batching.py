@@ -10,6 +10,7 @@ from conftest import VOCAB, tiny_drafter, tiny_target, word_tokenizer
 
 from dflashkit import SpeculativeGenerator, row_kernels
 from dflashkit.batching import ComputeThread, ForwardBatcher, member_thread
+from dflashkit.drafter import FastDrafterForward
 from dflashkit.errors import InvalidInputError
 from dflashkit.fast_target import FastTargetForward, ForwardCall
 from dflashkit.target import TargetAdapter
@@ -123,6 +124,10 @@ def test_generate_batch_equals_each_prompt_alone(dtype, options, monkeypatch):
     for prompt, seed, n in zip(PROMPTS, seeds, lengths):
         expected.append(gen.generate(prompt, max_new_tokens=n, seed=seed, **options))
     sizes = _count_batched_passes(monkeypatch)
+    one_call_drafts: list[int] = []  # sequences per one-call drafting step (bf16 on the kernels)
+    step = FastDrafterForward.step
+    monkeypatch.setattr(FastDrafterForward, "step",
+                        lambda self, drafts, embed: one_call_drafts.append(len(drafts)) or step(self, drafts, embed))
     results = [None] * len(PROMPTS)
     # generate_batch takes one set of options; members of one batcher may each have their own (here: lengths)
     compute = ComputeThread()  # served by this thread below, as generate_batch does
@@ -154,6 +159,10 @@ def test_generate_batch_equals_each_prompt_alone(dtype, options, monkeypatch):
             assert [x.logprob for x in r.logprobs] == [x.logprob for x in e.logprobs]
     assert max(sizes) == len(PROMPTS)  # the first rounds had every sequence in them
     assert batcher.passes < batcher.calls
+    if "block_size" in options or "tree" in options:  # (the adaptive policy times plain steps first: none here)
+        assert 0 < batcher.draft_rounds < batcher.drafts  # drafting steps ran together too
+        if dtype == torch.bfloat16:  # ... in one call of the drafter's kernels
+            assert max(one_call_drafts) > 1
 
 
 def test_generate_batch_api(monkeypatch):
