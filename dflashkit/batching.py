@@ -323,7 +323,7 @@ class BatchMember:
         return _BatchedTarget(target, self)
 
     def drafter(self, drafter: DFlashDrafter | None) -> Any:
-        """The drafter the member's decode loop calls (its forwards take turns with the other members')."""
+        """The drafter the member's decode loop calls (its drafting steps run in rounds with the other members')."""
         return _ComputedDrafter(drafter, self) if drafter is not None else None
 
     def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
