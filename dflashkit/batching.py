@@ -219,23 +219,7 @@ class ForwardBatcher:
         """One member's target call: returns, once the round it joined has run (as its leader or not), the call's
         result and its share of the pass in seconds."""
         pending = _Pending(call)
-        with self._cond:
-            self._waiting.append(pending)
-            self._cond.notify_all()
-            while not pending.done:
-                if not self._running and len(self._waiting) >= self._members:  # everyone is here: run the round
-                    batch, self._waiting, self._running = self._waiting, [], True
-                    self._cond.release()
-                    try:
-                        self._run(batch)
-                    finally:
-                        self._cond.acquire()
-                        self._running = False
-                        self._cond.notify_all()
-                else:
-                    self._cond.wait()
-        if pending.error is not None:
-            raise pending.error
+        self._rendezvous(pending, self._waiting, lambda: len(self._waiting) >= self._members, self._run)
         return pending.result, pending.share
 
     def draft(self, drafter: DFlashDrafter, args: tuple) -> tuple[tuple[Tensor, Tensor | None], float]:
@@ -243,16 +227,25 @@ class ForwardBatcher:
         waiting for the target pass, then run with the others' in one drafting round
         (:meth:`DFlashDrafter.draft_scores_batch`). Returns the scores and its share of the round in seconds."""
         pending = _DraftPending(drafter, args)
+        self._rendezvous(pending, self._drafting,  # the round runs when nobody else will draft in it
+                         lambda: len(self._waiting) + len(self._drafting) >= self._members, self._run_drafts)
+        return pending.result, pending.share
+
+    def _rendezvous(self, pending: _Pending | _DraftPending, queue: list, ready: Callable[[], bool],
+                    run: Callable[[list], None]) -> None:
+        """Queue a call and return once it is done: the member that finds ``ready()`` (under the lock, no round
+        running) takes the whole queue and runs it as one round, the others wait. Raises the call's error."""
         with self._cond:
-            self._drafting.append(pending)
+            queue.append(pending)
             self._cond.notify_all()
             while not pending.done:
-                if (not self._running and self._drafting
-                        and len(self._waiting) + len(self._drafting) >= self._members):  # nobody else will draft
-                    batch, self._drafting, self._running = self._drafting, [], True
+                if not self._running and queue and ready():
+                    batch = queue[:]
+                    queue.clear()
+                    self._running = True
                     self._cond.release()
                     try:
-                        self._run_drafts(batch)
+                        run(batch)
                     finally:
                         self._cond.acquire()
                         self._running = False
@@ -261,7 +254,6 @@ class ForwardBatcher:
                     self._cond.wait()
         if pending.error is not None:
             raise pending.error
-        return pending.result, pending.share
 
     def _run_drafts(self, batch: list[_DraftPending]) -> None:
         self.draft_rounds += 1

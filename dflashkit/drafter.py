@@ -292,9 +292,15 @@ class DFlashDrafter(nn.Module):
                    and fast.can_step(c[0], embed_tokens, c[1]) for c in calls) \
                     and len({id(c[0]) for c in calls}) == len(calls):
                 head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
-                hidden = fast.step([DraftStep(*c[:6]) for c in calls], embed_tokens.weight)  # [sum of k, hidden]
-                limit = row_kernels.max_batch_rows()  # the head's rows stay on the kernel they take alone
-                scores = torch.cat([head(part) for part in hidden.split(limit)])  # [sum of k, V']
+                before = [(c[0].length, c[0].stored_from) for c in calls]
+                try:
+                    hidden = fast.step([DraftStep(*c[:6]) for c in calls], embed_tokens.weight)  # [sum of k, hidden]
+                    limit = row_kernels.max_batch_rows()  # the head's rows stay on the kernel they take alone
+                    scores = torch.cat([head(part) for part in hidden.split(limit)])  # [sum of k, V']
+                except BaseException:  # the contexts as they were, so that the calls can be run again one by one
+                    for c, (length, stored_from) in zip(calls, before):
+                        c[0].length, c[0].stored_from = length, stored_from
+                    raise
                 return [(rows, self.draft_vocab) for rows in scores.split([c[5] for c in calls])]
         return [self.draft_scores(*c) for c in calls]
 

@@ -430,6 +430,39 @@ def test_one_call_context_rows_do_not_depend_on_how_they_arrive(isa):
     assert torch.equal(parts.values[:, :, :14], whole.values[:, :, :14])
 
 
+def test_draft_scores_batch_is_each_calls_own_and_undoes_a_failed_round(isa, monkeypatch):
+    """DFlashDrafter.draft_scores_batch: each sequence's scores bitwise its call alone; a round that fails after
+    its context rows went in leaves every context as it was, so that its calls can run again one by one."""
+    from conftest import VOCAB
+
+    from dflashkit.drafter import FastDrafterForward
+
+    drafter, target = _drafter_setup()
+    args = (target.embed_tokens, target.lm_head)
+    prompts = [torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (10, 17)]
+    features = [target.forward(p, 0, target.new_cache(), logits_rows=1)[1] for p in prompts]
+
+    def calls():
+        return [(drafter.new_context(capacity=8), f, 0, 9, f.shape[1], k, *args) for f, k in zip(features, (3, 6))]
+
+    alone = [drafter.draft_scores(*c)[0] for c in calls()]
+    pending = calls()
+    step = FastDrafterForward.step
+
+    def failing(self, drafts, embed):
+        step(self, drafts, embed)  # the context rows are in ...
+        raise RuntimeError("after the rows went in")  # ... and then the round fails
+
+    monkeypatch.setattr(FastDrafterForward, "step", failing)
+    with pytest.raises(RuntimeError, match="after the rows went in"):
+        drafter.draft_scores_batch(pending)
+    assert [c[0].length for c in pending] == [0, 0]
+    monkeypatch.setattr(FastDrafterForward, "step", step)
+    together = drafter.draft_scores_batch(pending)
+    assert all(torch.equal(a, t) for a, (t, _) in zip(alone, together))
+    assert [c[0].length for c in pending] == [10, 17]
+
+
 def test_the_engine_line_names_the_row_kernels(isa, monkeypatch):
     from conftest import tiny_target
 
