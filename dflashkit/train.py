@@ -117,6 +117,9 @@ class BlockStates(torch.nn.Module):
         return block_hidden(self.drafter, ids, anchors, keep, self._frozen[0], features=features)
 
 
+LOSS_CHUNK_ROWS = 256  # rows of [rows, V] logits per chunk of the loss (256 x 8,192 fp32: 8 MB)
+
+
 def position_weights(block_size: int, gamma: float) -> Tensor:
     """w_k = exp(-(k-1)/γ) for block offsets k = 1..B-1 (offset 0, the anchor, carries no loss)."""
     k = torch.arange(1, block_size, dtype=torch.float32)
@@ -146,9 +149,20 @@ def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor, total_w
 
     ``total_weight``: the denominator when these positions are one process's part of a batch spread over
     several (Σ w over the whole batch), so that the parts add up to the whole batch's loss."""
-    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
+    # in chunks of rows: each chunk's fp32 copy, log-softmax and their gradients stay in the CPU's caches instead
+    # of making several passes through memory over [rows, V] (the same values: every row's CE is its own)
+    rows = logits.flatten(0, -2)
+    ce = torch.cat([F.cross_entropy(part.float(), part_labels, reduction="none")
+                    for part, part_labels in zip(rows.split(LOSS_CHUNK_ROWS), labels.flatten().split(LOSS_CHUNK_ROWS))])
     total = weights.sum() if total_weight is None else total_weight
     return (ce * weights.flatten()).sum() / total.clamp_min(1e-9)
+
+
+def row_argmax(logits: Tensor) -> Tensor:
+    """argmax over the last dimension of logits [..., V] (any float dtype), in row chunks converted to fp32 (exact;
+    the same index, ties to the first): torch's CPU argmax over bf16 is several times slower than over fp32."""
+    rows = logits.detach().flatten(0, -2)
+    return torch.cat([part.float().argmax(-1) for part in rows.split(LOSS_CHUNK_ROWS)]).view(logits.shape[:-1])
 
 
 def soft_block_targets(
@@ -554,7 +568,7 @@ class Trainer:
         with torch.no_grad():  # the batch's figures: sums over the processes' parts when spread
             supervised = (weights > 0).float()
             figures = torch.cat((torch.stack([loss.detach(), *(t.detach() for t in terms.values())]).float(),
-                                 ((logits.argmax(-1) == labels).float() * supervised).sum((0, 1)),  # hits [B-1]
+                                 ((row_argmax(logits) == labels).float() * supervised).sum((0, 1)),  # hits [B-1]
                                  supervised.sum((0, 1))))  # supervised positions [B-1]
             if spread:
                 figures = self.parallel.all_sum(figures)

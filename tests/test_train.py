@@ -15,6 +15,7 @@ from dflashkit.train import (
     block_hidden,
     block_targets,
     position_weights,
+    row_argmax,
     sample_anchors,
     training_attention_mask,
     weighted_block_loss,
@@ -106,6 +107,29 @@ def test_loss_equals_naive_weighted_mean_including_cut_blocks():
                 assert labels[s, n, k - 1] == ids[s, p]
     assert den > 0
     assert abs(float(weighted_block_loss(logits, labels, weights)) - num / den) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_and_the_accuracy_in_row_chunks_equal_them_in_one_piece(dtype, monkeypatch):
+    """The loss runs over the logits in chunks of rows (and the accuracy's argmax too): the same loss, gradient
+    and argmax as over all rows at once, with rows that do not divide into chunks and ties in bf16."""
+    import dflashkit.train as train
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 7, 11).to(dtype)  # 105 rows
+    logits[0, 0, 0, 4] = logits[0, 0, 0, 9] = logits[0, 0, 0].max() + 1  # a tie: the first index wins
+    labels = torch.randint(0, 11, (3, 5, 7))
+    weights = torch.rand(3, 5, 7)
+    results = {}
+    for chunk in (8, 1000):
+        monkeypatch.setattr(train, "LOSS_CHUNK_ROWS", chunk)
+        x = logits.clone().requires_grad_()
+        loss = weighted_block_loss(x, labels, weights)
+        loss.backward()
+        results[chunk] = (loss.detach(), x.grad, row_argmax(x))
+    (l1, g1, a1), (l2, g2, a2) = results[8], results[1000]
+    assert torch.equal(l1, l2) and torch.equal(g1, g2)
+    assert torch.equal(a1, a2) and torch.equal(a1, logits.float().argmax(-1)) and a1[0, 0, 0] == 4
 
 
 # ---- end to end on a tiny random target ---------------------------------------------------------------
