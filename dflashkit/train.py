@@ -19,7 +19,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -316,6 +316,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     precision: str = "bf16"  # the drafter's forward: "bf16" autocast over fp32 master weights, or "fp32" throughout
+    compile: bool = False  # the drafter's training forward through torch.compile (inductor); eager where it fails
 
     def __post_init__(self) -> None:
         """Refuse settings that would train nothing useful (a NaN loss, a negative rate) before anything runs."""
@@ -447,6 +448,11 @@ class Trainer:
             device = torch.device(cfg.device)
             self.states = torch.nn.parallel.DistributedDataParallel(
                 self.block_states, device_ids=[device.index] if device.type == "cuda" else None)
+        # what a step's forward calls, spread over the processes or not: compiled on first use with cfg.compile
+        self.forwards: dict[bool, Callable[..., Tensor]] = {True: self.states, False: self.block_states}
+        self.compiled = cfg.compile
+        if cfg.compile:
+            self.forwards = {spread: torch.compile(module, dynamic=True) for spread, module in self.forwards.items()}
         if self.vocab is not None:  # target token id -> row of the draft vocabulary (-1: not in it)
             self.vocab_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long, device=cfg.device)
             self.vocab_index[self.vocab] = torch.arange(self.vocab.numel(), device=cfg.device)
@@ -546,7 +552,7 @@ class Trainer:
             weights = torch.zeros_like(weights)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
             # [S, N, B-1, H]; the mask vector is learned (the target's token rows are detached inside embed)
-            hidden = (self.states if spread else self.block_states)(ids, anchors, keep, features)
+            hidden = self.forwards[spread](ids, anchors, keep, features)
             head = self.target.lm_head.weight.detach()
             if self.vocab is not None:  # loss over the draft vocabulary only; other labels carry no loss
                 head = head[self.vocab]
@@ -622,7 +628,16 @@ class Trainer:
             # data parallel: gradients are averaged over the processes once, with the last micro-batch; each
             # process's loss is its part of the batch's, so world x part averages to the batch's gradient
             with self.states.no_sync() if self.parallel.enabled and not last else contextlib.nullcontext():
-                loss, info = self.loss_on(next(batch_iter))
+                batch = next(batch_iter)
+                try:
+                    loss, info = self.loss_on(batch)
+                except Exception as exc:  # noqa: BLE001  compiling failed (e.g. no C++ compiler): train eagerly
+                    if not self.compiled:
+                        raise
+                    self.log(f"torch.compile failed ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                             "); training without it")
+                    self.compiled, self.forwards = False, {True: self.states, False: self.block_states}
+                    loss, info = self.loss_on(batch)  # a real error in the step raises here
                 (loss * world / cfg.grad_accum).backward()
             total += info["loss"] / cfg.grad_accum
             accs.append(info["acc_per_position"])

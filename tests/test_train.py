@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,52 @@ def test_tiny_training_raises_tau(tmp_path):
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"]
     assert (tmp_path / "drafter" / "model.safetensors").is_file()
+
+
+def test_a_compile_failure_falls_back_to_eager_training(tmp_path, monkeypatch):
+    """--compile where torch.compile cannot build (e.g. no C++ compiler): the step is redone eagerly, the run says
+    so once and goes on without it."""
+    from conftest import tiny_target
+
+    calls = []
+
+    def broken_compile(module, **kwargs):
+        def run(*args):
+            calls.append(1)
+            raise RuntimeError("no C++ compiler found\nmore detail")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    model = tiny_target("llama")
+    messages = []
+    trainer = make_trainer(tmp_path, model, tiny_corpus(model, 8, seed=4, new_tokens=12), compile=True)
+    trainer.log = messages.append
+    batches = iter([trainer.train_seqs[:4]] * 3)
+    first = trainer.train_step(batches)
+    trainer.train_step(batches)
+    assert calls == [1] and not trainer.compiled
+    assert messages == ["torch.compile failed (RuntimeError: no C++ compiler found); training without it"]
+    assert first["step"] == 1 and math.isfinite(first["loss"]) and trainer.step == 2
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor needs a C++ compiler on a CPU")
+def test_compiled_training_computes_the_eager_loss(tmp_path):
+    """With --compile the step's forward runs through inductor: the loss and gradients of the eager forward up
+    to float rounding."""
+    from conftest import tiny_target
+
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 6, seed=5, new_tokens=12)
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        trainer = make_trainer(tmp_path / str(compiled), model, seqs, compile=compiled, precision="fp32")
+        loss, _ = trainer.loss_on(trainer.train_seqs[:3])
+        loss.backward()
+        assert trainer.compiled == compiled
+        results.append((loss.detach(), trainer.drafter.fc.weight.grad.clone()))
+    (l1, g1), (l2, g2) = results
+    assert torch.allclose(l1, l2, rtol=1e-4) and torch.allclose(g1, g2, rtol=1e-3, atol=1e-6)
 
 
 def test_every_trainable_parameter_gets_a_gradient(tmp_path):
