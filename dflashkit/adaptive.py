@@ -33,6 +33,11 @@ import threading
 from collections.abc import Sequence
 
 COPY_CANDIDATES = (2, 4, 8, 16)  # lengths + 1 of copied drafts (prompt lookup), within the policy's largest block
+# Batched members' blocks (drafted or copied) are capped so that a pass holds about this many of their rows: on the
+# AMX Xeon VM (session 25, generate_batch of 2 / 4 / 8 prompts, 96 tokens, 6 rounds interleaved, tok/s over plain
+# batched decoding) caps 16 / 8 / 4 / 2 gave 1.48 / 1.51 / 1.41 / 1.29x at 2 sequences, 1.10 / 1.13 / 1.15 / 1.15x at
+# 4, and at 8 0.92 (16) / 1.00 (4) / 1.03x (2): larger blocks' exploration and rows cost every member of a big batch.
+BATCH_ROWS = 16
 
 
 class AdaptiveBlockSize:
@@ -170,19 +175,31 @@ class BlockPolicies:
     block; at T=1 1.22 / 1.24 / 1.19 against 1.16 / 1.27 / 1.12.
     """
 
-    def __init__(self, max_block: int, sampled_max_block: int = 4, **kwargs) -> None:
-        self.max_block, self.sampled_max_block, self.kwargs = max_block, sampled_max_block, kwargs
-        self._policies: dict[tuple[bool, bool], AdaptiveBlockSize] = {}
+    def __init__(self, max_block: int, sampled_max_block: int = 4, batch_rows: int = BATCH_ROWS, **kwargs) -> None:
+        self.max_block, self.sampled_max_block, self.batch_rows, self.kwargs = max_block, sampled_max_block, batch_rows, kwargs
+        self._policies: dict[tuple[bool, bool, int], AdaptiveBlockSize] = {}
         self._lock = threading.Lock()
 
-    def get(self, greedy: bool, batched: bool = False) -> AdaptiveBlockSize:
-        """The policy of greedy or sampled requests, decoding alone or as members of a batch (whose steps wait
-        for the others' and whose passes hold their rows too: other costs, so other estimates)."""
+    def batched_max_block(self, members: int) -> int:
+        """The largest block of a member of a batch of ``members`` sequences whose passes run together: the largest
+        power of two (at least 2) with members x block <= ``batch_rows``."""
+        block = 2
+        while 2 * block * max(1, members) <= self.batch_rows:
+            block *= 2
+        return block
+
+    def get(self, greedy: bool, batched: bool = False, members: int = 1) -> AdaptiveBlockSize:
+        """The policy of greedy or sampled requests, decoding alone or as members of a batch of ``members``
+        sequences whose passes run together (whose steps wait for the others' and whose passes hold their rows
+        too: other costs, so other estimates; their blocks capped by :meth:`batched_max_block`)."""
+        largest = self.max_block if greedy else min(self.sampled_max_block, self.max_block)
+        if batched and members > 1:
+            largest = min(largest, self.batched_max_block(members))
+        key = (greedy, batched, largest)
         with self._lock:
-            if (greedy, batched) not in self._policies:
-                policy = AdaptiveBlockSize(self.max_block if greedy else min(self.sampled_max_block, self.max_block),
-                                           **self.kwargs)
+            if key not in self._policies:
+                policy = AdaptiveBlockSize(largest, **self.kwargs)
                 copies = [c for c in self.kwargs.get("candidates", COPY_CANDIDATES) if c >= 2] or [policy.max_block]
                 policy.copies = AdaptiveBlockSize(policy.max_block, **{**self.kwargs, "candidates": copies})
-                self._policies[(greedy, batched)] = policy
-            return self._policies[(greedy, batched)]
+                self._policies[key] = policy
+            return self._policies[key]

@@ -324,7 +324,9 @@ class SpeculativeGenerator:
             logprobs=logprobs,
             penalties=Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias or {}),
         )
-        policy = (self.block_policies.get(options.sampling.greedy, batched=batch is not None)
+        # batched passes (CPU row kernels): a member's blocks are capped by the batch's size (adaptive.BATCH_ROWS)
+        members = batch.batcher.members if batch is not None and self.target.batches_passes else 1
+        policy = (self.block_policies.get(options.sampling.greedy, batched=batch is not None, members=members)
                   if adaptive and drafter is not None else None)
         stream = GenerationStream(iter(()))
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):

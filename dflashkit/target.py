@@ -171,6 +171,12 @@ class TargetAdapter:
         """Whether :meth:`forward` takes a token tree (the fast forward does; transformers' forward is not run on trees)."""
         return self.fast_forward is not None
 
+    @property
+    def batches_passes(self) -> bool:
+        """Whether :meth:`forward_batch` runs several sequences' calls as one pass (the fast forward on the CPU row
+        kernels' one-call layers; elsewhere the calls run one after another)."""
+        return self.fast_forward is not None and self.graphs is None and self.fast_forward.fused_weights is not None
+
     @torch.inference_mode()
     def forward(
         self, input_ids: Tensor, start: int, cache: DynamicCache | StaticKVCache, logits_rows: int,

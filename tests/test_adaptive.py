@@ -207,3 +207,21 @@ def test_block_policies_size_copies_with_a_policy_of_their_own():
     assert policies.get(True).copies.candidates == [2, 4, 8, 16]
     assert policies.get(False).copies.candidates == [2, 4]  # the sampled regime's largest block is 4
     assert "copies" in policies.get(True).summary()
+
+
+def test_batched_members_blocks_are_capped_by_the_batch_size():
+    """A member of a batch whose passes run together gets blocks of at most BATCH_ROWS / members (a power of two,
+    at least 2), with estimates of its own per cap; alone (or a batch of one) the drafter's own largest block."""
+    from dflashkit.adaptive import BATCH_ROWS, BlockPolicies
+
+    policies = BlockPolicies(16)
+    assert BATCH_ROWS == 16
+    assert [policies.batched_max_block(m) for m in (1, 2, 3, 4, 5, 8, 16)] == [16, 8, 4, 4, 2, 2, 2]
+    assert policies.get(True, batched=True, members=1).max_block == 16
+    assert policies.get(True, batched=True, members=4).max_block == 4
+    assert policies.get(True, batched=True, members=8).candidates == [1, 2]
+    assert policies.get(True, batched=True, members=8).copies.candidates == [2]  # copies within the cap too
+    assert policies.get(False, batched=True, members=2).max_block == 4  # the sampled regime's own cap
+    assert policies.get(True, batched=True, members=4) is policies.get(True, batched=True, members=3)
+    assert policies.get(True, batched=True, members=4) is not policies.get(True, batched=True, members=8)
+    assert policies.get(True) is not policies.get(True, batched=True, members=1)
