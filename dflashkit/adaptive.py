@@ -167,6 +167,11 @@ class BlockPolicies:
     `dflash-lookup-b4` beat `dflash-lookup-auto` at T=1 (per-prompt speedup over `ar` 1.23 / 1.30 / 1.39 vs 1.00
     / 1.01 / 0.99 in bench-v9), the larger sizes' exploration and long copies costing more than they yield.
 
+    Members of a batch whose passes run together have policies of their own (their steps' costs are their shares
+    of the batch's passes and drafting rounds), one per block cap: their blocks, drafted or copied, are at most
+    :meth:`batched_max_block` (:data:`BATCH_ROWS` rows per pass over all members), since a large block's rows and
+    its exploration are paid by every member of a big batch.
+
     Each regime's policy sizes its copied drafts (prompt lookup) with a policy of its own (``policy.copies``,
     lengths + 1 among :data:`COPY_CANDIDATES`): copied tokens are accepted at other rates than drafted ones, and
     a copy of 15 tokens costs a 16-row verify whether or not it holds. Greedy, 8 prompts per set, interleaved
