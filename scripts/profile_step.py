@@ -1,6 +1,7 @@
 """Where the time of one decode step goes: phases of the loop, then operator classes from torch.profiler.
 
     .venv/bin/python scripts/profile_step.py --drafter PATH [--block-size 16] [--threads 2] [--tokens 96]
+        [--temperature 1.0]
 
 Decodes one prompt autoregressively and speculatively (after a warm-up), prints per-step milliseconds of
 each phase (draft, verify, other = acceptance, cache bookkeeping and Python), then profiles a few steps of
@@ -18,6 +19,7 @@ import torch
 from dflashkit import row_kernels
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.generator import SpeculativeGenerator
+from dflashkit.sampling import SamplingParams
 from dflashkit.stats import DecodeStats
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -40,11 +42,12 @@ def classify(name: str) -> str:
     return "other ops"
 
 
-def run(gen: SpeculativeGenerator, use_drafter: bool, block: int | None, tokens: int) -> DecodeStats:
+def run(gen: SpeculativeGenerator, use_drafter: bool, block: int | None, tokens: int,
+        temperature: float = 0.0) -> DecodeStats:
     ids = gen.encode_prompt(PROMPT)
     stats = DecodeStats(1)
     options = DecodeOptions(max_new_tokens=tokens, block_size=block if use_drafter else None,
-                            stop_token_ids=frozenset())
+                            stop_token_ids=frozenset(), sampling=SamplingParams(temperature=temperature))
     gen.target.set_feature_layers(gen.drafter.config.target_layer_ids if use_drafter else ())
     for _ in decode(gen.target, gen.drafter if use_drafter else None, ids, options, stats):
         pass
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (rejection sampler)")
     ap.add_argument("--eager", action="store_true", help="the eager path (transformers' forward, plain nn.Linear)")
     args = ap.parse_args()
     if args.threads:
@@ -64,12 +68,12 @@ def main() -> None:
     gen = SpeculativeGenerator.load(drafter=args.drafter, fast=not args.eager)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, target: {gen.target.engine}")
     for use in (False, True, False, True):  # warm-up, then measured
-        run(gen, use, args.block_size, 16)
+        run(gen, use, args.block_size, 16, args.temperature)
     for use, label in ((False, "autoregressive"), (True, "speculative")):
         times = []
         for _ in range(3):
             t = time.perf_counter()
-            s = run(gen, use, args.block_size, args.tokens)
+            s = run(gen, use, args.block_size, args.tokens, args.temperature)
             times.append((time.perf_counter() - t, s))
         wall, s = sorted(times, key=lambda x: x[0])[1]  # the median run
         steps = max(1, s.steps)
@@ -78,7 +82,7 @@ def main() -> None:
               f"{1e3 * s.verify_s / steps:.2f} ms, other {1e3 * s.other_s / steps:.2f} ms, "
               f"total {1e3 * s.decode_s / steps:.2f} ms")
         with torch.profiler.profile() as prof:
-            s = run(gen, use, args.block_size, args.tokens)
+            s = run(gen, use, args.block_size, args.tokens, args.temperature)
         per_class: dict[str, float] = defaultdict(float)
         for e in prof.key_averages():
             per_class[classify(e.key)] += e.self_cpu_time_total / 1e3
