@@ -20,16 +20,10 @@ import time
 
 import torch
 
+from batch_throughput import prompts  # scripts/ is on the path when this runs as a script
+
 from dflashkit import SpeculativeGenerator
 from dflashkit.adaptive import BATCH_ROWS, BlockPolicies
-from dflashkit.evalsets import load_set
-
-SETS = ("mt-bench", "humaneval", "math500")
-
-
-def prompts(count: int) -> list[str]:
-    pools = [load_set(name, limit=-(-count // len(SETS))) for name in SETS]
-    return [prompt for group in zip(*pools) for prompt in group][:count]  # one of each set in turn
 
 
 def main() -> None:
