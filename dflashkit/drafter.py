@@ -282,9 +282,6 @@ class DFlashDrafter(nn.Module):
             run = fast if fast is not None else self
             positions = torch.arange(pos, pos + k + 1, device=device)
             embeddings = self.embed(block_ids, embed_tokens)
-            if fast is not None and fast.fused_weights is not None and k + 1 <= fast.row_limit \
-                    and context.keys is not None:  # a GraphContext keeps its own per-layer buffers
-                return head(fast.run_fused(embeddings, positions, context)[0, 1:])
             return head(run(embeddings, positions, context.layers())[0, 1:])
 
         if self.graphs is not None and fast is not None:
@@ -299,22 +296,24 @@ class DFlashDrafter(nn.Module):
         head product where the kernels run them all (:meth:`FastDrafterForward.step`), else one after another.
         Each sequence's scores are bitwise those of its call alone."""
         fast = self._fast_forward() if self.fast and self.graphs is None and len(calls) > 1 else None
-        if fast is not None:
-            embed_tokens, lm_head = calls[0][6], calls[0][7]
-            if all(c[6] is embed_tokens and c[7] is lm_head and 0 < c[5] and c[5] + 1 <= fast.row_limit
-                   and fast.can_step(c[0], embed_tokens, c[1]) for c in calls) \
-                    and len({id(c[0]) for c in calls}) == len(calls):
-                head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
-                before = [(c[0].length, c[0].stored_from) for c in calls]
-                try:
-                    hidden = fast.step([DraftStep(*c[:6]) for c in calls], embed_tokens.weight)  # [sum of k, hidden]
-                    limit = row_kernels.max_batch_rows()  # the head's rows stay on the kernel they take alone
-                    scores = torch.cat([head(part) for part in hidden.split(limit)])  # [sum of k, V']
-                except BaseException:  # the contexts as they were, so that the calls can be run again one by one
-                    for c, (length, stored_from) in zip(calls, before):
-                        c[0].length, c[0].stored_from = length, stored_from
-                    raise
-                return [(rows, self.draft_vocab) for rows in scores.split([c[5] for c in calls])]
+        steps = [DraftStep(*c[:6]) for c in calls]
+        embed_tokens, lm_head = calls[0][6], calls[0][7]
+        if fast is not None \
+                and all(c[6] is embed_tokens and c[7] is lm_head for c in calls) \
+                and all(0 < d.k and d.k + 1 <= fast.row_limit and fast.can_step(d.context, embed_tokens, d.new_features)
+                        for d in steps) \
+                and len({id(d.context) for d in steps}) == len(steps):
+            head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
+            before = [(d.context.length, d.context.stored_from) for d in steps]
+            try:
+                hidden = fast.step(steps, embed_tokens.weight)  # [sum of k, hidden]
+                limit = row_kernels.max_batch_rows()  # the head's rows stay on the kernel they take alone
+                scores = torch.cat([head(part) for part in hidden.split(limit)])  # [sum of k, V']
+            except BaseException:  # the contexts as they were, so that the calls can be run again one by one
+                for d, (length, stored_from) in zip(steps, before):
+                    d.context.length, d.context.stored_from = length, stored_from
+                raise
+            return [(rows, self.draft_vocab) for rows in scores.split([d.k for d in steps])]
         return [self.draft_scores(*c) for c in calls]
 
     def _append_context(self, context: ContextCache, new_features: Tensor, new_start: int,
@@ -441,7 +440,8 @@ class FastDrafterForward:
         self._rotary: tuple[Tensor, Tensor] | None = None  # cos, signed sin [P, head_dim] for positions 0..P-1
 
     def _fused_weights(self, drafter: DFlashDrafter) -> list[Tensor] | None:
-        """The tensors of ``row_kernels.decoder_layers`` (8 per layer) where its kernels run, else None."""
+        """The layer tensors of the one-call step (8 per layer, as ``row_kernels.decoder_layers`` takes them) where its
+        kernels run, else None."""
         layers = drafter.layers
         eps = {norm.eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm,
                                                          layer.self_attn.q_norm, layer.self_attn.k_norm)}
@@ -518,18 +518,6 @@ class FastDrafterForward:
             cos, sin = self.rotary_tables(size, dtype, device)
             self._rotary = (cos.contiguous(), sin.contiguous())
         return self._rotary
-
-    def run_fused(self, block_embeddings: Tensor, positions: Tensor, context: ContextCache) -> Tensor:
-        """:meth:`__call__` in one C++ call (needs ``fused_weights``): the block's own keys and values go to the
-        context buffers' scratch rows past its length. Returns [1, s, hidden]."""
-        s = block_embeddings.shape[1]
-        context.reserve(context.length + s)
-        cos, sin = self.rotary(positions, block_embeddings.dtype)  # [s, head_dim]
-        h, _ = row_kernels.decoder_layers(block_embeddings[0], self.fused_weights, cos, signed_sin(sin), context.keys,
-                                          context.values, context.length, None, self.heads, self.kv_heads,
-                                          self.layers[0].intermediate, self.eps, self.head_dim**-0.5, [],
-                                          context.first)
-        return self.norm(h)[None]
 
     def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
         ctx = self.hidden_norm(self.fc(target_features))  # [1, n, hidden]

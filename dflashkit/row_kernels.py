@@ -302,7 +302,7 @@ def decoder_layers_batch(x: Tensor, weights: list[Tensor], cos: Tensor, sin_sign
     out, features = kernel().decoder_layers_batch(
         x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), [k for k, _ in caches],
         [v for _, v in caches], list(starts), list(counts), [h.contiguous() if h is not None else empty for h in hiddens],
-        heads, kv_heads, intermediate, eps, scaling, list(feature_layers), 0)
+        heads, kv_heads, intermediate, eps, scaling, list(feature_layers), [0] * len(counts))
     return out, features if feature_layers else None
 
 

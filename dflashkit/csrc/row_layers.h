@@ -14,19 +14,18 @@
 // input norm [H], qkv packed, qkv bias (fp32 [..] or an empty tensor), o packed, post norm [H], gate/up packed, down
 // packed, q/k norms ([2, d] bf16 or empty); cos, sin_signed [N, d] bf16; per sequence: keys, values [layers,
 // kv_heads, capacity, d], the position of its first row `starts[s]` (its rows are written there) and its hidden mask
-// [counts[s], starts[s] + counts[s]] bool (an empty tensor: every row sees every key). The rows attend to cache rows
-// context_start..start+n-1 (a drafter's context window; 0: all, the only value with a hidden mask). Returns x after
-// the last layer and the feature layers' outputs concatenated [N, len(feature_layers) * H] (empty without).
-// (decoder_layers_batch below, with a context start per sequence.)
-std::vector<torch::Tensor> layers_over_caches(torch::Tensor x, const std::vector<torch::Tensor>& weights,
-                                              const torch::Tensor& cos, const torch::Tensor& sin_signed,
-                                              const std::vector<torch::Tensor>& keys,
-                                              const std::vector<torch::Tensor>& values,
-                                              const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
-                                              const std::vector<torch::Tensor>& hiddens, int64_t heads,
-                                              int64_t kv_heads, int64_t intermediate, double eps, double scaling,
-                                              const std::vector<int64_t>& feature_layers,
-                                              const std::vector<int64_t>& context_starts) {
+// [counts[s], starts[s] + counts[s]] bool (an empty tensor: every row sees every key). Sequence s's rows attend to
+// cache rows context_starts[s]..start+n-1 (a drafter's context window; 0: all, the only value with a hidden mask).
+// Returns x after the last layer and the feature layers' outputs concatenated [N, len(feature_layers) * H] (empty without).
+std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                                const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                                                const std::vector<torch::Tensor>& keys,
+                                                const std::vector<torch::Tensor>& values,
+                                                const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+                                                const std::vector<torch::Tensor>& hiddens, int64_t heads,
+                                                int64_t kv_heads, int64_t intermediate, double eps, double scaling,
+                                                const std::vector<int64_t>& feature_layers,
+                                                const std::vector<int64_t>& context_starts) {
   const int64_t sequences = static_cast<int64_t>(counts.size());
   TORCH_CHECK(sequences >= 1 && static_cast<int64_t>(keys.size()) == sequences &&
               static_cast<int64_t>(values.size()) == sequences && static_cast<int64_t>(starts.size()) == sequences &&
@@ -123,19 +122,6 @@ std::vector<torch::Tensor> layers_over_caches(torch::Tensor x, const std::vector
   return {x, features};
 }
 
-std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vector<torch::Tensor>& weights,
-                                                const torch::Tensor& cos, const torch::Tensor& sin_signed,
-                                                const std::vector<torch::Tensor>& keys,
-                                                const std::vector<torch::Tensor>& values,
-                                                const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
-                                                const std::vector<torch::Tensor>& hiddens, int64_t heads,
-                                                int64_t kv_heads, int64_t intermediate, double eps, double scaling,
-                                                const std::vector<int64_t>& feature_layers, int64_t context_start) {
-  return layers_over_caches(x, weights, cos, sin_signed, keys, values, starts, counts, hiddens, heads, kv_heads,
-                            intermediate, eps, scaling, feature_layers,
-                            std::vector<int64_t>(counts.size(), context_start));
-}
-
 // decoder_layers_batch for one sequence: x [n, H]; keys, values [layers, kv_heads, capacity, d]; hidden [n, start+n]
 // bool or None.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
@@ -148,7 +134,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<tor
   torch::Tensor mask = hidden.has_value() ? *hidden : torch::empty({0}, x.options().dtype(at::kBool));
   TORCH_CHECK(!hidden.has_value() || (mask.scalar_type() == at::kBool && mask.is_contiguous()), "hidden: contiguous bool");
   return decoder_layers_batch(x, weights, cos, sin_signed, {keys}, {values}, {start}, {x.size(0)}, {mask}, heads,
-                              kv_heads, intermediate, eps, scaling, feature_layers, context_start);
+                              kv_heads, intermediate, eps, scaling, feature_layers, {context_start});
 }
 
 // One drafting step of a DFlash drafter (its inference forward) for several sequences, in one call:
@@ -272,8 +258,8 @@ torch::Tensor drafter_step_batch(const std::vector<torch::Tensor>& features, con
     block_starts.push_back(starts[s]);
     firsts.push_back(context_starts[s]);
   }
-  torch::Tensor h = layers_over_caches(x, weights, cos, sin, ks, vs, block_starts, counts, no_masks, heads, kv_heads,
-                                       intermediate, eps, scaling, {}, firsts)[0];
+  torch::Tensor h = decoder_layers_batch(x, weights, cos, sin, ks, vs, block_starts, counts, no_masks, heads, kv_heads,
+                                         intermediate, eps, scaling, {}, firsts)[0];
   // 3. the final norm of the rows the head reads
   r = 0;
   int64_t o = 0;
