@@ -13,16 +13,26 @@ leave as soon as they end; on a GPU a step of 1,024 rows costs what a step of 51
 kernels bounds it: SmolLM2-135M, H100, batch 256 ~2.3K tok/s, batch 512 4.7K) while a copy of a 1,024-row
 cache is not free, so there finished rows stay in the batch (their tokens ignored) until a quarter of it has
 ended (``compact_fraction``).
+
+:func:`generate_continuous` is the CPU's loop: decoder-only targets that :class:`FastTargetForward` covers decode
+on it, every waiting prompt's next token in one pass (the weights stream from memory once for up to
+``max_batch_rows`` rows, each prompt attends over its own cache) and a finished prompt's slot taking the next
+prompt at once (continuous batching), so the batch stays full until the prompts run out instead of shrinking
+to its longest answer's last rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .attention import use_packed_gqa
+from .errors import InvalidInputError
+from .fast_target import FastTargetForward, ForwardCall, StaticKVCache
 from .linear import pack_linears
 from .models import cache_kwargs
 from .sampling import SamplingParams, argmax, sample, warp
@@ -86,3 +96,80 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
                          use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state[:, -1]
         next_position = next_position + 1
     return outputs
+
+
+@dataclass
+class _Answering:
+    """One prompt being answered in a :func:`generate_continuous` slot."""
+
+    index: int  # the prompt's index
+    cache: StaticKVCache
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)  # the answer so far
+
+
+@torch.inference_mode()
+def generate_continuous(forward: FastTargetForward, prompts: Sequence[Sequence[int]], *, slots: int,
+                        max_new_tokens: int, eos_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
+                        seeds: Sequence[int] | None = None) -> Iterator[tuple[int, list[int]]]:
+    """Yields (prompt index, new ids) as each answer ends (an eos token, kept, or ``max_new_tokens``), up to
+    ``slots`` prompts decoding together, in the order the answers end.
+
+    Each step runs every slot's next token through :meth:`FastTargetForward.batch`, whose rows are each computed
+    on their own: an answer is the one its prompt decoded alone on this forward gives, whatever the slots or the
+    other prompts (greedy; sampled answers draw from a generator per prompt seeded with ``seeds[i]``, so they do
+    not depend on the batching either). A prompt is prefilled when a slot takes it.
+    """
+    if slots < 1 or max_new_tokens < 1:
+        raise InvalidInputError(f"need slots >= 1 and max_new_tokens >= 1 (got {slots}, {max_new_tokens})")
+    if any(len(p) == 0 for p in prompts):
+        raise InvalidInputError("every prompt needs at least one token")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise InvalidInputError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    if not sampling.greedy and seeds is None:
+        raise InvalidInputError("sampling needs a seed per prompt")
+    eos = set(eos_ids)
+    device = forward.device
+    capacity = max((len(p) for p in prompts), default=1) + max_new_tokens
+    waiting, spare = deque(range(len(prompts))), []  # prompts not yet taken; caches of finished answers
+    answering: list[_Answering] = []
+
+    def pick(logits: torch.Tensor, rows: list[_Answering]) -> list[int]:  # logits [rows, vocab]
+        if sampling.greedy:
+            return argmax(logits).tolist()
+        return [int(sample(warp(logits[r : r + 1], sampling), a.generator)[0]) for r, a in enumerate(rows)]
+
+    def ended(a: _Answering, token: int) -> bool:
+        a.tokens.append(token)
+        return token in eos or len(a.tokens) == max_new_tokens
+
+    while waiting or answering:
+        while waiting and len(answering) < slots:  # free slots take the next prompts
+            i = waiting.popleft()
+            cache = spare.pop() if spare else forward.new_cache(capacity)
+            cache.crop(0)
+            generator = None
+            if seeds is not None:
+                generator = torch.Generator(device=device).manual_seed(int(seeds[i]))
+            a = _Answering(i, cache, generator)
+            logits, _ = forward(torch.tensor([list(prompts[i])], device=device), 0, cache, 1, [])  # [1, vocab]
+            if ended(a, pick(logits, [a])[0]):
+                spare.append(cache)
+                yield i, a.tokens
+            else:
+                answering.append(a)
+        if not answering:
+            continue
+        calls = [ForwardCall(torch.tensor([[a.tokens[-1]]], device=device), a.cache.length, a.cache, 1)
+                 for a in answering]
+        limit = max(1, forward.batch_row_limit)
+        logits = torch.cat([rows for c in range(0, len(calls), limit)
+                            for rows, _ in forward.batch(calls[c : c + limit], [])])  # [slots in use, vocab]
+        still = []
+        for a, token in zip(answering, pick(logits, answering)):
+            if ended(a, token):
+                spare.append(a.cache)
+                yield a.index, a.tokens
+            else:
+                still.append(a)
+        answering = still

@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--num-prompts", type=int, default=1024)
     d.add_argument("--max-new-tokens", type=int, default=256)
-    d.add_argument("--batch-size", type=int, default=32, help="prompts answered together (with --server: requests in "
-                   "flight)")
+    d.add_argument("--batch-size", type=int, default=64, help="prompts answered together (on a CPU: decoding at once, "
+                   "a finished one's slot taking the next prompt; with --server: requests in flight)")
     d.add_argument("--server", default=None, metavar="URL",
                    help="answer through an OpenAI-compatible server that serves --target (vLLM, SGLang, llama-server, "
                    "dflashkit serve), e.g. http://localhost:8000/v1; the target's weights are then not loaded here")

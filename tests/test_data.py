@@ -66,6 +66,27 @@ class CountingGenerate:
         return self.inner(model, prompts, **kwargs)
 
 
+class CountingContinuous:
+    """Wraps data.generate_continuous: records the prompts of every call and the answers it gave; raises Killed
+    after `die_after` answers (None: never)."""
+
+    def __init__(self, monkeypatch, die_after: int | None = None) -> None:
+        self.inner, self.calls, self.answers, self.die_after = data.generate_continuous, [], 0, die_after
+        monkeypatch.setattr(data, "generate_continuous", self)
+
+    def __call__(self, forward, prompts, **kwargs):
+        self.calls.append(len(prompts))
+        for answer in self.inner(forward, prompts, **kwargs):
+            if self.die_after is not None and self.answers == self.die_after:
+                raise Killed
+            self.answers += 1
+            yield answer
+
+
+class Killed(BaseException):
+    pass
+
+
 # ---- ShareGPT ------------------------------------------------------------------------------------------------
 
 
@@ -335,11 +356,12 @@ def check_records(records: list[dict], max_new_tokens: int) -> None:
             assert len(resp) == max_new_tokens and EOS not in resp
 
 
-def test_regenerate_matches_unbatched_greedy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["continuous", "batches"])
+def test_regenerate_matches_unbatched_greedy(tmp_path: Path, engine: str) -> None:
     model, tok = make_model(), make_tokenizer()
     prompts = word_prompts(12) + [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]]
     summary = data.regenerate(model, tok, prompts, tmp_path / "out", batch_size=5, max_new_tokens=12,
-                              shard_size=8, progress=False)
+                              shard_size=8, progress=False, engine=engine)
     records = data.load_shards(tmp_path / "out", require_complete=True)
     assert [r["id"] for r in records] == list(range(len(prompts)))
     check_records(records, 12)
@@ -356,19 +378,22 @@ def test_regenerate_matches_unbatched_greedy(tmp_path: Path) -> None:
         assert r["response_ids"] == (alone[: alone.index(EOS) + 1] if EOS in alone else alone)
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["settings"]["max_new_tokens"] == 12 and meta["target"]["vocab_size"] == VOCAB
+    assert {shard["engine"] for shard in meta["shards"].values()} == {engine}
     assert meta["totals"]["written"] == len(prompts)
     lines = (tmp_path / "out" / "prompts.jsonl").read_text().splitlines()
     assert [json.loads(line)["prompt"] for line in lines] == prompts
 
 
-def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("engine", ["continuous", "batches"])
+def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path, monkeypatch, engine: str) -> None:
     model, tok = make_model(), make_tokenizer()
     out = tmp_path / "out"
     prompts = word_prompts(10, seed=1)
-    kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=4, progress=False)
-    counter = CountingGenerate(monkeypatch)
+    kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=4, progress=False, engine=engine)
+    counter = CountingGenerate(monkeypatch) if engine == "batches" else CountingContinuous(monkeypatch)
     data.regenerate(model, tok, prompts, out, **kwargs)
-    assert counter.calls == [3, 1, 3, 1, 2]  # shards of 4, 4, 2 prompts in batches of 3
+    # shards of 4, 4, 2 prompts: in batches of 3, or each in one continuous run
+    assert counter.calls == ([3, 1, 3, 1, 2] if engine == "batches" else [4, 4, 2])
     first = data.load_shards(out)
     last = data.shard_path(out, 2)
     kept = data.shard_path(out, 0).stat().st_mtime_ns
@@ -407,12 +432,10 @@ def test_a_kill_mid_shard_loses_at_most_the_batch_in_progress(tmp_path: Path, mo
     batch's records as they were and generates only the rest; a torn last line is dropped."""
     model, tok = make_model(), make_tokenizer()
     prompts = word_prompts(7, seed=6)
-    kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=7, temperature=1.0, seed=2, progress=False)
+    kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=7, temperature=1.0, seed=2, progress=False,
+                  engine="batches")
     reference = data.regenerate(model, tok, prompts, tmp_path / "ref", **kwargs)
     counter = CountingGenerate(monkeypatch)
-
-    class Killed(BaseException):
-        pass
 
     def dies_on_second_batch(model_, prompts_, **kw):
         if len(counter.calls) == 1:
@@ -442,11 +465,39 @@ def test_a_kill_mid_shard_loses_at_most_the_batch_in_progress(tmp_path: Path, mo
     assert records == data.load_shards(tmp_path / "ref")
 
 
-def test_regenerate_sampling_is_seeded_and_skips_long_prompts(tmp_path: Path) -> None:
+def test_a_kill_mid_shard_loses_no_finished_answer_of_continuous_batching(tmp_path: Path, monkeypatch) -> None:
+    """Continuous batching writes each answer as it ends (SYNC_SECONDS 0: flushed at once): a run killed after 4
+    answers resumes with those records as they were, answers only the other 5 prompts, and samples what an
+    uninterrupted run with other slots does (a seed per prompt)."""
+    model, tok = make_model(), make_tokenizer()
+    prompts = word_prompts(9, seed=7)
+    kwargs = dict(max_new_tokens=6, shard_size=9, temperature=1.0, seed=2, progress=False, engine="continuous")
+    reference = data.regenerate(model, tok, prompts, tmp_path / "ref", batch_size=4, **kwargs)
+    monkeypatch.setattr(data, "SYNC_SECONDS", 0.0)
+    counter = CountingContinuous(monkeypatch, die_after=4)
+    out = tmp_path / "out"
+    with pytest.raises(Killed):
+        data.regenerate(model, tok, prompts, out, batch_size=3, **kwargs)
+    partial = data.partial_shard_path(out, 0)
+    written = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert len(written) == 4 and not data.shard_path(out, 0).exists()
+
+    counter.calls, counter.answers, counter.die_after = [], 0, None
+    summary = data.regenerate(model, tok, prompts, out, batch_size=2, **kwargs)
+    assert counter.calls == [5] and counter.answers == 5
+    assert summary["written"] == 9 == reference["written"] and not partial.exists()
+    records = data.load_shards(out, require_complete=True)
+    assert all(r in records for r in written)
+    check_records(records, 6)
+    assert records == data.load_shards(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("engine", ["continuous", "batches"])
+def test_regenerate_sampling_is_seeded_and_skips_long_prompts(tmp_path: Path, engine: str) -> None:
     model, tok = make_model(), make_tokenizer()
     prompts = word_prompts(6, seed=2) + [" ".join(["sea"] * 40)]
     kwargs = dict(batch_size=4, max_new_tokens=8, temperature=1.0, top_p=0.9, shard_size=4, seed=3,
-                  max_prompt_tokens=30, progress=False)
+                  max_prompt_tokens=30, progress=False, engine=engine)
     s1 = data.regenerate(model, tok, prompts, tmp_path / "a", **kwargs)
     data.regenerate(model, tok, prompts, tmp_path / "b", **kwargs)
     assert s1["skipped_too_long"] == 1 and s1["written"] == 6
@@ -528,3 +579,17 @@ def test_a_damaged_shard_is_named_with_its_line(tmp_path: Path) -> None:
     shard.write_text("\n".join(lines[:2] + [json.dumps(bad)] + lines[3:]) + "\n")
     with pytest.raises(data.DataError, match=rf"{shard.name}:3: .*token ids >= 0"):
         data.load_shards(tmp_path / "out")
+
+
+def test_regenerate_engine_choice_is_checked_before_anything_is_written(tmp_path: Path) -> None:
+    tok = make_tokenizer()
+    with pytest.raises(InvalidInputError, match="engine must be"):
+        data.regenerate(make_model(), tok, ["hi"], tmp_path / "a", engine="fast", progress=False)
+    with pytest.raises(InvalidInputError, match="activation"):  # a model the fast forward does not cover
+        data.regenerate(tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "b", engine="continuous",
+                        progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    summary = data.regenerate(tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "c",
+                              max_new_tokens=3, progress=False)  # auto: static batches for it
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    assert summary["written"] == 1 and meta["shards"]["00000"]["engine"] == "batches"

@@ -572,3 +572,34 @@ def test_a_kernel_the_os_will_not_run_is_refused_with_a_warning(monkeypatch, tmp
     monkeypatch.setenv("DFLASHKIT_KERNEL_DIR", str(tmp_path / "unbuilt"))
     with pytest.warns(RuntimeWarning, match="AMX bf16 CPU kernel could not be built .*refused the AMX tile state"):
         assert row_kernels._build(row_kernels.ISAS["amx"]) is None
+
+
+def test_a_batched_pass_of_many_sequences_is_bitwise_each_alone(isa):
+    """decoder_layers_batch runs every sequence's attention of a layer in one parallel region (attention_calls):
+    9 sequences with contexts of 1-40 positions, 1-2 rows each (13 in all: one pass on every instruction set), give
+    the logits and cache rows each gives alone."""
+    from conftest import VOCAB, tiny_target
+
+    from dflashkit.fast_target import FastTargetForward, ForwardCall
+
+    forward = FastTargetForward(tiny_target("qwen3", dtype=torch.bfloat16))
+    counts = [1 + i % 2 for i in range(9)]
+    assert forward.fused_weights is not None and forward.batches(counts)
+    g = torch.Generator().manual_seed(4)
+    contexts = [1, 40, 7, 23, 2, 31, 16, 5, 11]
+    prompts = [torch.randint(4, VOCAB, (1, n), generator=g) for n in contexts]
+    steps = [torch.randint(4, VOCAB, (1, n), generator=g) for n in counts]
+
+    def prefilled():
+        caches = [forward.new_cache(64) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            forward(p, 0, c, 1, [])
+        return caches
+
+    alone, together = prefilled(), prefilled()
+    expected = [forward(s, n, c, s.shape[1], [])[0] for s, n, c in zip(steps, contexts, alone)]
+    got = forward.batch([ForwardCall(s, n, c, s.shape[1]) for s, n, c in zip(steps, contexts, together)], [])
+    for e, (l, _), c1, c2 in zip(expected, got, alone, together):
+        assert torch.equal(e, l) and c1.length == c2.length
+        assert torch.equal(c1.keys[:, :, : c1.length], c2.keys[:, :, : c2.length])
+        assert torch.equal(c1.values[:, :, : c1.length], c2.values[:, :, : c2.length])

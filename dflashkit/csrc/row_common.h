@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
@@ -61,6 +62,17 @@ inline LinearShape check_linear_int8(const torch::Tensor& x, const torch::Tensor
   return {m, k, packed.size(0), 0, check_columns(n_out, packed.size(0), 16, bias)};
 }
 
+// One grouped-query attention of attention_calls (each ISA's source defines it), as raw bf16 pointers:
+// q [kv_heads, rows, d] (the query heads sharing a key/value head stacked: row r is query row r % n); keys, values:
+// kv head h's rows at k + h * k_head, v + h * v_head, m rows of d each, contiguous; hidden [n, m] bool (true: row i
+// does not see key j) or null (every row sees every key); out [kv_heads, rows, d].
+struct AttnCall {
+  const uint16_t *q, *k, *v;
+  uint16_t* out;
+  const bool* hidden;
+  int64_t rows, n, m, k_head, v_head;
+};
+
 struct AttentionShape {
   int64_t heads, rows, d, m;
   const bool* hidden;  // [n, m] or null
@@ -85,6 +97,15 @@ inline AttentionShape check_attention(const torch::Tensor& q, const torch::Tenso
     hid = hidden->data_ptr<bool>();
   }
   return {heads, rows, d, m, hid};
+}
+
+inline AttnCall attention_call(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                               const AttentionShape& shape, int64_t n, torch::Tensor& out) {
+  return {reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+          reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+          reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
+          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), shape.hidden, shape.rows, n, shape.m,
+          keys.stride(0), values.stride(0)};
 }
 
 }  // namespace

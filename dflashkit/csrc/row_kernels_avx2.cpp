@@ -395,42 +395,57 @@ void attend_rows(const Attn& a, int64_t h, int64_t r0, int64_t left, int64_t m8,
 }
 
 template <int CH>
-void attend_all(const Attn& a, int64_t heads) {
-  const int64_t m8 = (a.m + 7) / 8 * 8;
-  const int64_t tiles = (a.rows + kTile - 1) / kTile;
-  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kTile * m8), probs(kTile * (a.m + 8));
-    std::vector<int64_t> seen(kTile * a.m + 1);
+void attend_calls(const std::vector<AttnCall>& calls, int64_t heads, int64_t d, float scale) {
+  const int64_t count = static_cast<int64_t>(calls.size());
+  std::vector<Attn> jobs;
+  std::vector<int64_t> first_task(count + 1, 0), tiles(count);
+  int64_t widest = 1;
+  for (int64_t c = 0; c < count; ++c) {
+    const AttnCall& call = calls[c];
+    jobs.push_back(Attn{call.q, call.k, call.v, call.out, call.hidden, call.rows, call.n, call.m, call.k_head,
+                        call.v_head, d, scale});
+    tiles[c] = (call.rows + kTile - 1) / kTile;
+    first_task[c + 1] = first_task[c] + heads * tiles[c];
+    widest = call.m > widest ? call.m : widest;
+  }
+  const int64_t widest8 = (widest + 7) / 8 * 8;
+  at::parallel_for(0, first_task[count], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kTile * widest8), probs(kTile * (widest + 8));
+    std::vector<int64_t> seen(kTile * widest + 1);
+    int64_t c = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / tiles, r0 = (task % tiles) * kTile;
-      attend_rows<CH, kTile>(a, h, r0, a.rows - r0, m8, scores.data(), probs.data(), seen.data());
+      while (task >= first_task[c + 1]) ++c;
+      const int64_t local = task - first_task[c], h = local / tiles[c], r0 = (local % tiles[c]) * kTile;
+      const int64_t m8 = (jobs[c].m + 7) / 8 * 8;
+      attend_rows<CH, kTile>(jobs[c], h, r0, jobs[c].rows - r0, m8, scores.data(), probs.data(), seen.data());
     }
   });
 }
 
 }  // namespace
 
-// Grouped-query attention, fp32 inside, one query row at a time.
+// Grouped-query attention of several independent calls (AttnCall, row_common.h), fp32 inside, one query row at a
+// time, in one parallel region over (call, kv head, tile of query rows); a row's result does not depend on the rows
+// or calls beside it.
+void attention_calls(const std::vector<AttnCall>& calls, int64_t heads, int64_t d, double scale) {
+  if (calls.empty()) return;
+  switch (d) {
+    case 16: attend_calls<2>(calls, heads, d, static_cast<float>(scale)); break;
+    case 32: attend_calls<4>(calls, heads, d, static_cast<float>(scale)); break;
+    case 64: attend_calls<8>(calls, heads, d, static_cast<float>(scale)); break;
+    default: attend_calls<16>(calls, heads, d, static_cast<float>(scale)); break;
+  }
+}
+
+// Grouped-query attention (torch-level): one call of attention_calls.
 // q [kv_heads, R, d] bf16 (the query heads sharing a key/value head stacked: row r is query row r % n);
 // keys, values [kv_heads, m, d] bf16 with contiguous rows; hidden [n, m] bool (true: row i does not see key j)
 // or None (every row sees every key). d: 16, 32, 64 or 128. Returns [kv_heads, R, d] bf16.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                         const c10::optional<torch::Tensor>& hidden, int64_t n, double scale) {
   const AttentionShape shape = check_attention(q, keys, values, hidden, n);
-  const int64_t heads = shape.heads, rows = shape.rows, d = shape.d, m = shape.m;
-  const bool* hid = shape.hidden;
   auto out = torch::empty_like(q);
-  const Attn a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-               reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
-               reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
-               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), hid, rows, n, m, keys.stride(0),
-               values.stride(0), d, static_cast<float>(scale)};
-  switch (d) {
-    case 16: attend_all<2>(a, heads); break;
-    case 32: attend_all<4>(a, heads); break;
-    case 64: attend_all<8>(a, heads); break;
-    default: attend_all<16>(a, heads); break;
-  }
+  attention_calls({attention_call(q, keys, values, shape, n, out)}, shape.heads, shape.d, scale);
   return out;
 }
 

@@ -459,55 +459,66 @@ void attend_rows(const Attn& a, int64_t h, int64_t r0, int64_t left, float* scor
 }
 
 template <int CH>
-void attend_all(Attn a, int64_t heads) {
+void attend_calls(const std::vector<AttnCall>& calls, int64_t heads, float scale) {
   constexpr int kTile = CH >= 8 ? 2 : 4;  // registers: kTile * CH query vectors, then as many accumulators
-  std::vector<int64_t> prefix(a.n);  // per mask row: the length of the prefix it sees, or -1
-  for (int64_t i = 0; i < a.n; ++i) {
-    const bool* row = a.hidden ? a.hidden + i * a.m : nullptr;
-    int64_t length = 0;
-    while (length < a.m && !(row && row[length])) ++length;
-    int64_t j = length;
-    while (j < a.m && row[j]) ++j;
-    prefix[i] = j == a.m ? length : -1;
+  const int64_t count = static_cast<int64_t>(calls.size());
+  std::vector<Attn> jobs;
+  std::vector<std::vector<int64_t>> prefixes(count);  // per call and mask row: the prefix it sees, or -1
+  std::vector<int64_t> first_task(count + 1, 0), tiles(count);
+  int64_t widest = 1;
+  for (int64_t c = 0; c < count; ++c) {
+    const AttnCall& call = calls[c];
+    std::vector<int64_t>& prefix = prefixes[c];
+    prefix.resize(call.n);
+    for (int64_t i = 0; i < call.n; ++i) {
+      const bool* row = call.hidden ? call.hidden + i * call.m : nullptr;
+      int64_t length = 0;
+      while (length < call.m && !(row && row[length])) ++length;
+      int64_t j = length;
+      while (j < call.m && row[j]) ++j;
+      prefix[i] = j == call.m ? length : -1;
+    }
+    jobs.push_back(Attn{call.q, call.k, call.v, call.out, call.hidden, prefix.data(), call.rows, call.n, call.m,
+                        call.k_head, call.v_head, scale});
+    tiles[c] = (call.rows + kTile - 1) / kTile;
+    first_task[c + 1] = first_task[c] + heads * tiles[c];
+    widest = call.m > widest ? call.m : widest;
   }
-  a.prefix = prefix.data();
-  const int64_t tiles = (a.rows + kTile - 1) / kTile;
-  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kTile * a.m), probs(kTile * (a.m + 16));
-    std::vector<int64_t> seen(kTile * a.m);
+  at::parallel_for(0, first_task[count], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kTile * widest), probs(kTile * (widest + 16));
+    std::vector<int64_t> seen(kTile * widest);
+    int64_t c = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / tiles, r0 = (task % tiles) * kTile;
-      attend_rows<CH, kTile>(a, h, r0, a.rows - r0, scores.data(), probs.data(), seen.data());
+      while (task >= first_task[c + 1]) ++c;
+      const int64_t local = task - first_task[c], h = local / tiles[c], r0 = (local % tiles[c]) * kTile;
+      attend_rows<CH, kTile>(jobs[c], h, r0, jobs[c].rows - r0, scores.data(), probs.data(), seen.data());
     }
   });
 }
 
 }  // namespace
 
-// Grouped-query attention, fp32 inside, one query row at a time.
-// q [kv_heads, R, d] bf16 (the query heads sharing a key/value head stacked: row r is query row r % n);
-// keys, values [kv_heads, m, d] bf16 with contiguous rows; hidden [n, m] bool (true: row i does not see key j)
-// or None (every row sees every key). d: 16, 32, 64 or 128. Returns [kv_heads, R, d] bf16.
-// Per row: s_j = scale * q.k_j (fp32, fixed order), softmax over the visible keys (max, then exp and a sum in
-// key order), out = sum_j p_j v_j / sum, rounded once. Hidden keys are skipped before anything is summed, so a
-// row's result is bitwise the one computed over only the keys it sees (a chain's row i = a one-token step).
+// Grouped-query attention of several independent calls (AttnCall, row_common.h), fp32 inside, one query row at a
+// time, in one parallel region over (call, kv head, tile of query rows). Per row: s_j = scale * q.k_j (fp32, fixed
+// order), softmax over the visible keys (max, then exp and a sum in key order), out = sum_j p_j v_j / sum, rounded
+// once. Hidden keys are skipped before anything is summed, so a row's result is bitwise the one computed over only
+// the keys it sees (a chain's row i = a one-token step), whatever rows or calls run beside it.
+void attention_calls(const std::vector<AttnCall>& calls, int64_t heads, int64_t d, double scale) {
+  if (calls.empty()) return;
+  switch (d) {
+    case 16: attend_calls<1>(calls, heads, static_cast<float>(scale)); break;
+    case 32: attend_calls<2>(calls, heads, static_cast<float>(scale)); break;
+    case 64: attend_calls<4>(calls, heads, static_cast<float>(scale)); break;
+    default: attend_calls<8>(calls, heads, static_cast<float>(scale)); break;
+  }
+}
+
+// Grouped-query attention (torch-level): one call of attention_calls.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                         const c10::optional<torch::Tensor>& hidden, int64_t n, double scale) {
   const AttentionShape shape = check_attention(q, keys, values, hidden, n);
-  const int64_t heads = shape.heads, rows = shape.rows, d = shape.d, m = shape.m;
-  const bool* hid = shape.hidden;
   auto out = torch::empty_like(q);
-  const Attn a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-               reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
-               reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
-               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), hid, nullptr, rows, n, m, keys.stride(0),
-               values.stride(0), static_cast<float>(scale)};
-  switch (d) {
-    case 16: attend_all<1>(a, heads); break;
-    case 32: attend_all<2>(a, heads); break;
-    case 64: attend_all<4>(a, heads); break;
-    default: attend_all<8>(a, heads); break;
-  }
+  attention_calls({attention_call(q, keys, values, shape, n, out)}, shape.heads, shape.d, scale);
   return out;
 }
 

@@ -44,8 +44,9 @@ std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vect
                 values[s].scalar_type() == at::kBFloat16, "caches: [layers, kv_heads, capacity, d] bf16, alike");
     TORCH_CHECK(keys[s].is_contiguous() && values[s].is_contiguous() && starts[s] >= 0 && end <= keys[s].size(2),
                 "caches: contiguous, room for the rows");
-    TORCH_CHECK(hiddens[s].numel() == 0 || (hiddens[s].dim() == 2 && hiddens[s].size(0) == n && hiddens[s].size(1) == end),
-                "hidden: [n, start + n] bool or empty");
+    TORCH_CHECK(hiddens[s].numel() == 0 || (hiddens[s].dim() == 2 && hiddens[s].size(0) == n && hiddens[s].size(1) == end &&
+                                            hiddens[s].scalar_type() == at::kBool && hiddens[s].is_contiguous()),
+                "hidden: contiguous [n, start + n] bool or empty");
     const int64_t context_start = context_starts[s];
     TORCH_CHECK(context_start >= 0 && context_start <= starts[s] && (hiddens[s].numel() == 0 || context_start == 0),
                 "context_start: in 0..start, and 0 with a hidden mask");
@@ -54,17 +55,21 @@ std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vect
   TORCH_CHECK(offsets[sequences] == n_all, "the row counts add up to the rows of x");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * layers, "8 tensors per layer");
   TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(0) == n_all && cos.size(1) == d, "cos/sin: [N, d]");
-  TORCH_CHECK(d % 16 == 0 && d <= 256, "head size: a multiple of 16, at most 256");
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "head size: 16, 32, 64 or 128");
   x = x.clone();
   auto opts = x.options();
   auto h = torch::empty({n_all, width}, opts);
   auto attn_rows = torch::empty({n_all, heads * d}, opts), act = torch::empty({n_all, intermediate}, opts);
   auto normed_head = torch::empty({d}, opts);
-  std::vector<torch::Tensor> qs;  // per sequence: its queries, the heads sharing a K/V head stacked [kv_heads, group n, d]
-  std::vector<c10::optional<torch::Tensor>> hidden;
+  // per sequence s, from row offsets[s] * heads * d: its queries, the heads sharing a K/V head stacked
+  // [kv_heads, group n, d], and its attention output in the same layout
+  auto queries = torch::empty({n_all * heads * d}, opts), attended = torch::empty({n_all * heads * d}, opts);
+  std::vector<AttnCall> calls(sequences);
   for (int64_t s = 0; s < sequences; ++s) {
-    qs.push_back(torch::empty({kv_heads, group * counts[s], d}, opts));
-    hidden.push_back(hiddens[s].numel() ? c10::optional<torch::Tensor>(hiddens[s]) : c10::nullopt);
+    const int64_t n = counts[s], seen = starts[s] + n - context_starts[s];  // the cache rows it attends to
+    calls[s] = AttnCall{u16(queries) + offsets[s] * heads * d, nullptr, nullptr,
+                        u16w(attended) + offsets[s] * heads * d, hiddens[s].numel() ? hiddens[s].data_ptr<bool>() : nullptr,
+                        group * n, n, seen, keys[s].size(2) * d, values[s].size(2) * d};
   }
   const int64_t features_count = static_cast<int64_t>(feature_layers.size());
   auto features = features_count ? torch::empty({n_all, features_count * width}, opts) : torch::empty({0}, opts);
@@ -89,21 +94,24 @@ std::vector<torch::Tensor> decoder_layers_batch(torch::Tensor x, const std::vect
             rms_norm(src, d, 1, d, u16(w[7]) + (head < heads ? 0 : d), static_cast<float>(eps), u16w(normed_head), d);
             src = u16(normed_head);
           }
-          uint16_t* dst = head < heads ? u16w(qs[s]) + ((head / group) * group * n + (head % group) * n + i) * d
+          uint16_t* dst = head < heads ? u16w(queries) + first * heads * d + ((head / group) * group * n + (head % group) * n + i) * d
                                        : kl + ((head - heads) * cap + start + i) * d;
           rotate_into(src, c, sn, d, dst);
         }
         for (int64_t kh = 0; kh < kv_heads; ++kh)  // values as they are
           std::memcpy(vl + (kh * cap + start + i) * d, row + (heads + kv_heads + kh) * d, d * sizeof(uint16_t));
       }
-      const int64_t context_start = context_starts[s], seen = start + n - context_start;  // rows attended to
-      torch::Tensor out = attention(qs[s], keys[s].select(0, layer).narrow(1, context_start, seen),
-                                    values[s].select(0, layer).narrow(1, context_start, seen), hidden[s], n,
-                                    scaling);  // [kv_heads, group * n, d]
+      calls[s].k = kl + context_starts[s] * d;
+      calls[s].v = vl + context_starts[s] * d;
+    }
+    attention_calls(calls, kv_heads, d, scaling);  // every sequence's attention in one parallel region
+    for (int64_t s = 0; s < sequences; ++s) {
+      const int64_t n = counts[s], first = offsets[s];
+      const uint16_t* out = u16(attended) + first * heads * d;  // [kv_heads, group * n, d]
       for (int64_t i = 0; i < n; ++i)
         for (int64_t head = 0; head < heads; ++head)
           std::memcpy(u16w(attn_rows) + ((first + i) * heads + head) * d,
-                      u16(out) + ((head / group) * group * n + (head % group) * n + i) * d, d * sizeof(uint16_t));
+                      out + ((head / group) * group * n + (head % group) * n + i) * d, d * sizeof(uint16_t));
     }
     torch::Tensor o = linear(attn_rows, w[3], width, c10::nullopt);
     add_into(u16w(x), u16(o), n_all * width);
