@@ -861,8 +861,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p))
     fork_devices = [device] if device is not None and device.type == "cuda" else []
 
-
-    def _answers(encoded: list[tuple[int, list[int]]], shard: int) -> Iterator[list[tuple[int, list[int], list[int]]]]:
+    def answers(encoded: list[tuple[int, list[int]]], shard: int) -> Iterator[list[tuple[int, list[int], list[int]]]]:
         """(prompt index, prompt ids, response ids) of the shard's prompts, in groups as they are answered."""
         if forward is not None:  # a seed per prompt: the same answers whatever the slots
             seeds = None if sampling.greedy else [seed * 1_000_003 + i for i, _ in encoded]
@@ -916,7 +915,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
             with open(partial, "a", encoding="utf-8") as log, torch.random.fork_rng(devices=fork_devices), \
                     torch.inference_mode():
                 synced = time.perf_counter()
-                for answered in _answers(encoded, k):
+                for answered in answers(encoded, k):
                     new = [{"id": i, "prompt_ids": ids, "response_ids": response,
                             "finished": bool(response) and response[-1] in eos_ids}
                            for i, ids, response in answered]  # fmt: skip
