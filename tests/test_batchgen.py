@@ -25,17 +25,22 @@ def _alone(model, ids, max_new_tokens, eos):
     return new[: new.index(eos) + 1] if eos in new else new
 
 
+def _prompts_and_eos(model, count: int = 9, seed: int = 0):
+    """Random prompts of 1-29 tokens and, as "eos", the token whose first occurrences in unstopped continuations
+    fall at the most different steps, so that answers end (and leave the batch) at different steps."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (count,), generator=g)]
+    free = generate_batch(model, prompts, max_new_tokens=20, eos_ids=[0], pad_id=0)
+    eos = max(range(4, 96), key=lambda t: len({row.index(t) for row in free if t in row[:-1]}))
+    return prompts, eos
+
+
 @pytest.mark.parametrize("arch,compact_fraction", [("llama", None), ("qwen2", None), ("qwen3", None),
                                                    ("llama", 0.3), ("llama", 1.0)])
 def test_greedy_batch_equals_each_prompt_alone(arch, compact_fraction):
     """Rows leave the batch as they end (None on a CPU), once 30% have ended, or never (1.0): same tokens."""
     model = tiny_target(arch, tie_word_embeddings=False)  # a tied tiny model greedily repeats its last token
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (9,), generator=g)]
-    # Declare as "eos" the token whose first occurrences in unstopped continuations fall at the most different
-    # steps, so that rows end (and leave the batch) at different steps.
-    free = generate_batch(model, prompts, max_new_tokens=20, eos_ids=[0], pad_id=0)
-    eos = max(range(4, 96), key=lambda t: len({row.index(t) for row in free if t in row[:-1]}))
+    prompts, eos = _prompts_and_eos(model)
     batched = generate_batch(model, prompts, max_new_tokens=20, eos_ids=[eos], pad_id=0,
                              compact_fraction=compact_fraction)
     assert len({len(r) for r in batched}) > 2, "the test needs rows that end at different steps"
@@ -57,15 +62,6 @@ def test_sampling_is_seeded_and_stops_at_eos():
 
 
 # ---- continuous batching on the fast forward -----------------------------------------------------------------
-
-
-def _prompts_and_eos(model, count: int = 9, seed: int = 0):
-    """Random prompts of 1-29 tokens and an eos token at which free continuations end at different steps."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (count,), generator=g)]
-    free = generate_batch(model, prompts, max_new_tokens=20, eos_ids=[0], pad_id=0)
-    eos = max(range(4, 96), key=lambda t: len({row.index(t) for row in free if t in row[:-1]}))
-    return prompts, eos
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
