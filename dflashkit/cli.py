@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --distill-topk: loss = (1 - w) * token cross-entropy + w * distribution cross-entropy")
     t.add_argument("--random-init", action="store_true", help="do not initialise from the target's last layers")
     t.add_argument("--init", default=None, metavar="DRAFTER",
-                   help="start from this drafter's weights (e.g. to continue on more data; same shape)")
+                   help="start from this drafter's weights (e.g. to continue on more data; same shape, or fewer "
+                        "layers than --layers: new layers are appended as identities)")
     t.add_argument("--eval-every", type=int, default=250, help="steps between τ estimates on held-out prompts (0 = never)")
     t.add_argument("--eval-sets", default=None, metavar="SETS",
                    help="at each evaluation also τ on these evaluation sets' prompts, e.g. mt-bench,humaneval,math500 "

@@ -294,7 +294,8 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None  # None: learned mask vector
     init_from_target: bool = True
-    init_drafter: str | None = None  # start from this drafter's weights (same shape; its draft vocabulary is kept)
+    init_drafter: str | None = None  # start from this drafter's weights (same shape, or fewer layers: deepened;
+    #                                  its draft vocabulary is kept)
     anchors_per_seq: int = 32
     seqs_per_step: int = 8
     grad_accum: int = 1
@@ -393,6 +394,27 @@ def init_from_target(drafter: DFlashDrafter, model: torch.nn.Module) -> None:
             drafter.mask_embedding.copy_(model.get_input_embeddings().weight.float().mean(0))
 
 
+def deepened(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
+    """`drafter` with layers appended up to `num_layers`, computing exactly what it computed.
+
+    Each new layer copies one of the existing layers (the last ones first) with its attention and MLP output
+    projections zeroed: its residual branches add nothing until training moves those projections, so a run
+    continues from the trained drafter's own drafts with more depth to learn with.
+    """
+    have = drafter.config.num_hidden_layers
+    if num_layers < have:
+        raise InvalidInputError(f"cannot deepen a {have}-layer drafter to {num_layers} layers")
+    grown = DFlashDrafter(drafter.config.replace(num_hidden_layers=num_layers)).to(drafter.fc.weight.device)
+    state = drafter.state_dict()
+    for new in range(have, num_layers):
+        donor = have - 1 - (new - have) % have
+        for name, value in drafter.layers[donor].state_dict().items():
+            zero = name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"layers.{new}.{name}"] = torch.zeros_like(value) if zero else value.clone()
+    grown.load_state_dict(state)
+    return grown
+
+
 class Trainer:
     """Holds target, drafter, optimizer and data; `run()` trains with checkpoints and resumes.
 
@@ -423,11 +445,15 @@ class Trainer:
         held_out = {tuple(s.input_ids[: s.num_prompt]) for s in self.eval_seqs}  # no other answer of them trains
         self.train_seqs = [s for s in seqs[n_eval:] if tuple(s.input_ids[: s.num_prompt]) not in held_out]
         torch.manual_seed(cfg.seed)
+        start = self._initial_drafter(model) if cfg.init_drafter else None
+        layer_ids = cfg.target_layer_ids
+        if layer_ids is None and start is not None:  # continuing: its feature layers unless told otherwise
+            layer_ids = list(start.config.target_layer_ids)
         shape = drafter_config_for(
             model, num_layers=cfg.num_layers, block_size=cfg.block_size,
-            target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
+            target_layer_ids=layer_ids, mask_token_id=cfg.mask_token_id,
         )  # fmt: skip
-        start = self._initial_drafter(model, shape) if cfg.init_drafter else None
+        start = self._fitted(start, shape) if start is not None else None
         if start is not None:  # continuing: keep its draft vocabulary
             self.vocab = start.draft_vocab
         else:
@@ -510,19 +536,28 @@ class Trainer:
             {"config": asdict(self.cfg), "machine": machine, "processes": self.parallel.world_size,
              "torch": torch.__version__}, f, indent=1))
 
-    def _initial_drafter(self, model, want: DrafterConfig) -> DFlashDrafter:
-        """The drafter named by cfg.init_drafter, checked against the target and this run's shape `want`."""
-        cfg = self.cfg
-        start = load_drafter(cfg.init_drafter, dtype=torch.float32, device=cfg.device)
+    def _initial_drafter(self, model) -> DFlashDrafter:
+        """The drafter named by cfg.init_drafter, checked against the target."""
+        start = load_drafter(self.cfg.init_drafter, dtype=torch.float32, device=self.cfg.device)
         check_compatible(start.config, model)
+        return start
+
+    def _fitted(self, start: DFlashDrafter, want: DrafterConfig) -> DFlashDrafter:
+        """`start` checked against this run's shape `want`, deepened where the run asks for more layers."""
+        cfg = self.cfg
         got = start.config
         problems = [f"{name} {getattr(got, name)!r} (this run: {getattr(want, name)!r})"
-                    for name in ("num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
-                                 "learned_mask_embedding")
+                    for name in ("block_size", "target_layer_ids", "mask_token_id", "learned_mask_embedding")
                     if getattr(got, name) != getattr(want, name)]
+        if got.num_hidden_layers > want.num_hidden_layers:  # deeper runs may grow it (below), never shrink it
+            problems.insert(0, f"num_hidden_layers {got.num_hidden_layers} (this run: {want.num_hidden_layers})")
         if problems:
             raise InvalidInputError(f"--init {cfg.init_drafter}: not the shape of this run: " + "; ".join(problems)
                                     + ". Pass the matching --layers/--block-size/--target-layers/--mask-token-id.")
+        if got.num_hidden_layers < want.num_hidden_layers:
+            self.log(f"--init {cfg.init_drafter}: {got.num_hidden_layers} layers, deepened to "
+                     f"{want.num_hidden_layers} (new layers start as identities)")
+            start = deepened(start, want.num_hidden_layers)
         return start
 
     # ---- one step -------------------------------------------------------------------------------------

@@ -425,10 +425,45 @@ def test_init_from_a_trained_drafter_keeps_weights_and_draft_vocabulary(tmp_path
     assert saved.config.context_window == first.cfg.max_seq_len  # it never trained on longer contexts
     for (name, p), q in zip(saved.state_dict().items(), second.drafter.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
-    with pytest.raises(InvalidInputError, match="num_hidden_layers"):
-        make_trainer(tmp_path / "c", model, [*more], init_drafter=str(tmp_path / "d"), num_layers=3)
+    with pytest.raises(InvalidInputError, match="num_hidden_layers"):  # fewer layers than the drafter: refused
+        make_trainer(tmp_path / "c", model, [*more], init_drafter=str(tmp_path / "d"), num_layers=1)
     with pytest.raises(IncompatibleDrafterError):
         make_trainer(tmp_path / "e", tiny_target("llama", seed=7), [*more], init_drafter=str(tmp_path / "d"))
+
+
+def test_init_with_more_layers_deepens_the_drafter_without_changing_what_it_computes(tmp_path):
+    from conftest import tiny_target
+
+    from dflashkit.checkpoint import load_drafter, save_drafter
+    from dflashkit.errors import InvalidInputError
+    from dflashkit.train import deepened
+
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
+    first = make_trainer(tmp_path / "a", model, [*seqs], steps=3)
+    first.run(resume=False, progress=False)
+    save_drafter(first.drafter, tmp_path / "d")
+    deeper = make_trainer(tmp_path / "b", model, [*seqs], init_drafter=str(tmp_path / "d"), num_layers=4, steps=4)
+    assert deeper.drafter.config.num_hidden_layers == 4
+    fresh = make_trainer(tmp_path / "f", model, [*seqs], num_layers=4)  # a new 4-layer drafter reads other layers
+    assert fresh.drafter.config.target_layer_ids != first.drafter.config.target_layer_ids
+    assert deeper.drafter.config.target_layer_ids == first.drafter.config.target_layer_ids  # the init's are kept
+    old, new = load_drafter(tmp_path / "d", dtype=torch.float32).eval(), deeper.drafter.eval()
+    torch.manual_seed(0)
+    hidden = model.config.hidden_size
+    features = torch.randn(1, 12, len(old.config.target_layer_ids) * hidden)
+    block = torch.randn(1, 4, hidden)
+    with torch.no_grad():
+        want = old(block, torch.arange(12, 16), old.context_key_values(features, torch.arange(12)))
+        got = new(block, torch.arange(12, 16), new.context_key_values(features, torch.arange(12)))
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the new layers start as identities
+    before = {k: v.clone() for k, v in deeper.drafter.state_dict().items()}
+    deeper.run(resume=False, progress=False)
+    for name in ("layers.2.self_attn.o_proj.weight", "layers.3.mlp.down_proj.weight"):  # they do learn
+        assert not torch.equal(deeper.drafter.state_dict()[name], before[name]), name
+    with pytest.raises(InvalidInputError, match="deepen"):
+        deepened(deeper.drafter, 2)
 
 
 def test_trainer_records_the_data_it_used(tmp_path):
