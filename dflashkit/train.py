@@ -294,8 +294,8 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None  # None: learned mask vector
     init_from_target: bool = True
-    init_drafter: str | None = None  # start from this drafter's weights (same shape, or fewer layers: deepened;
-    #                                  its draft vocabulary is kept)
+    # start from this drafter's weights (same shape, or fewer layers: deepened); its draft vocabulary is kept
+    init_drafter: str | None = None
     anchors_per_seq: int = 32
     seqs_per_step: int = 8
     grad_accum: int = 1
