@@ -44,14 +44,22 @@ stage() {
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d $KIT/whl "transformers==$tf" "gguf==$("$PY" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
   "$PY" - "$n" "$KIT/prompts/prompts.jsonl" <<'EOF'
-import json, sys
+import json, random, sys
 from dflashkit.data import collect_prompts
+from dflashkit.evalsets import MATH_SUFFIX
 n, path = int(sys.argv[1]), sys.argv[2]
-found = collect_prompts("sharegpt-turns:0.6,sharegpt:0.25,math:0.15", n=n, seed=11)
+# chat turns, code-completion requests (documented functions of the installed Python source) and school math,
+# half of it with the common step-by-step instruction; evaluation prompts are dropped by collect_prompts
+chat = collect_prompts("sharegpt-turns:0.35,sharegpt:0.15,code:0.35", n=n - n * 15 // 100, seed=11)
+math = collect_prompts("math", n=n * 15 // 100, seed=12)
+rng = random.Random(13)
+prompts = chat.prompts + [q + MATH_SUFFIX if rng.random() < 0.5 else q for q in math.prompts]
+rng.shuffle(prompts)
 with open(path, "w", encoding="utf-8") as f:
-    for p in found.prompts:
+    for p in prompts:
         f.write(json.dumps({"prompt": p} if isinstance(p, str) else {"messages": p}, ensure_ascii=False) + "\n")
-print(f"{len(found.prompts)} prompts ({found.per_source}; evaluation prompts dropped: {found.excluded})")
+print(f"{len(prompts)} prompts ({chat.per_source}, math {len(math)}; evaluation prompts dropped: "
+      f"{chat.excluded} {math.excluded})")
 EOF
   xz -T2 -6 -f $KIT/prompts/prompts.jsonl
   local gguf; gguf=$("$PY" -c "from dflashkit.models import embedded_gguf_path; print(embedded_gguf_path())")
@@ -121,9 +129,53 @@ train() {  # there: continue the shipped drafter on the regenerated answers (dis
   tail -n 3 "$DK/runs/gpu/train_log.jsonl" 2>/dev/null || true
 }
 
+session() {  # there, in one call: graphs check, data, a timed training run, bring, all within END_S seconds
+  env_setup
+  set +e +o pipefail  # a phase that fails or runs out of time must not stop the others
+  export TQDM_DISABLE=1
+  local t0=$SECONDS run=$DK/runs/gpu
+  timeout "${CHECK_S:-150}" bash -c "source scripts/device_kit.sh env; check" 2>&1 | grep -v -i "warn" | tail -n 30
+  echo "== check done at $((SECONDS - t0)) s"
+  local end=${END_S:-560}
+  LIMIT=$(( ${DATA_S:-180} < end - (SECONDS - t0) - 200 ? ${DATA_S:-180} : end - (SECONDS - t0) - 200 ))
+  LIMIT=$(( LIMIT < 30 ? 30 : LIMIT )) data "${PROMPTS_N:-60000}" | tail -n 5
+  "$PY3" -c "from dflashkit.data import load_shards; r = load_shards('$DK/data/gpu'); \
+print(len(r), 'answers,', sum(len(x['response_ids']) for x in r), 'response tokens')"
+  echo "== data done at $((SECONDS - t0)) s"
+  # a 40 s probe sizes the schedule: steps = its rate x what is left of the call (END_S) less start-up and bring
+  timeout 40 "$PY3" -m dflashkit train --data "$DK/data/gpu" --out "$DK/runs/probe" \
+    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-64}" --steps 100000 \
+    --eval-every 0 --checkpoint-every 100000 --no-resume --distill-topk 32 > /dev/null 2>&1
+  local train_s=$(( end - (SECONDS - t0) - 45 ))  # what is left, less the time bring takes
+  local steps; steps=$("$PY3" - "$DK/runs/probe/train_log.jsonl" "$train_s" <<'EOF'
+import json, os, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()] if os.path.exists(sys.argv[1]) else []
+if len(recs) < 4:
+    print(1500)
+    sys.exit(f"probe: only {len(recs)} steps logged; 1500 steps assumed")
+half = recs[len(recs) // 2:]
+rate = (half[-1]["step"] - half[0]["step"]) / max(1e-9, half[-1]["elapsed_s"] - half[0]["elapsed_s"])
+print(max(100, int(0.85 * rate * (float(sys.argv[2]) - 25))))
+print(f"probe: {len(recs)} steps, {rate:.2f} steps/s", file=sys.stderr)
+EOF
+)
+  echo "== probe done at $((SECONDS - t0)) s: $steps steps in at most $train_s s"
+  timeout "$train_s" "$PY3" -m dflashkit train --data "$DK/data/gpu" --out "$run" \
+    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-64}" --steps "$steps" \
+    --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 --checkpoint-every 500 \
+    2>&1 | grep -v -i "warn" | tail -n 5
+  tail -n 2 "$run/train_log.jsonl"
+  echo "== train done at $((SECONDS - t0)) s"
+  bring
+}
+
 bring() {  # there: the trained drafter, its log and settings into $OUT (files of at most 16 MiB come back)
   local run=$DK/runs/gpu OUT=${OUT:?set OUT, the folder that comes back}
   env_setup
+  if [ ! -f "$run/drafter/config.json" ] && [ -f "$run/checkpoint/config.json" ]; then  # stopped before its end
+    "$PY3" -c "import sys, torch; from dflashkit.checkpoint import load_drafter, save_drafter; \
+save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$run/checkpoint" "$run/drafter"
+  fi
   "$PY3" -m dflashkit ngram-store --data "$DK/data/gpu" --out "$run/drafter"  # prompt lookup's store of past answers
   cp "$run"/drafter/config.json "$run"/drafter/mask_embedding.pt "$run"/drafter/ngram_store.safetensors \
      "$run"/train_log.jsonl "$run"/run_config.json "$OUT"/
@@ -139,5 +191,6 @@ case "${1:-}" in
   data) shift; data "$@" ;;
   train) shift; train "$@" ;;
   bring) bring ;;
+  session) session ;;
   *) sed -n '2,30p' "${BASH_SOURCE[0]}" ;;
 esac

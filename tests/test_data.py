@@ -188,6 +188,46 @@ def test_missing_sharegpt_package(monkeypatch: pytest.MonkeyPatch) -> None:
         next(data.sharegpt_prompts())
 
 
+# ---- code --------------------------------------------------------------------------------------------------
+
+
+def test_code_prompts_are_documented_public_functions_in_seeded_order(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "tests").mkdir()
+    body = "    x = 1\n    y = 2\n    return x + y\n"
+    doc = "Add two numbers and return the sum, which is what the caller wants to know."
+    (tmp_path / "pkg" / "mod.py").write_text(
+        f'import os\n\n@decorated\ndef kept(a: int) -> int:\n    """{doc}"""\n{body}\n'
+        f'def _private(a):\n    """{doc}"""\n{body}\n'
+        f'def undocumented(a):\n{body}\n'
+        f'def short_doc(a):\n    """Adds."""\n{body}\n'
+        f'def no_body(a):\n    """{doc}"""\n    return a\n'
+        f'class C:\n    def method(self):\n        """{doc}"""\n        a = 1\n        b = 2\n        return a\n'
+    )
+    (tmp_path / "pkg" / "other.py").write_text(f'def second(b):\n    """{doc}\n\n    More words."""\n{body}')
+    (tmp_path / "pkg" / "tests" / "test_x.py").write_text(f'def in_tests(a):\n    """{doc}"""\n{body}')
+    (tmp_path / "pkg" / "broken.py").write_text("def (:\n")
+    got = list(data.code_prompts(seed=0, roots=[tmp_path]))
+    assert len(got) == 2  # only public top-level functions with a docstring and a body, outside test folders
+    kept = next(p for p in got if "def kept" in p)
+    assert kept == next(r for r in data.CODE_REQUESTS if r.format(code="@@").split("@@")[0] in kept).format(
+        code=f'@decorated\ndef kept(a: int) -> int:\n    """{doc}"""')  # signature + docstring, no body
+    assert any('More words."""\n```' in p for p in got)  # a multi-line docstring ends the stub
+    assert got == list(data.code_prompts(seed=0, roots=[tmp_path]))
+    orders = {tuple("kept" in p for p in data.code_prompts(seed=s, roots=[tmp_path])) for s in range(8)}
+    assert len(orders) == 2  # the file order depends on the seed
+
+
+def test_code_source_mixes_like_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = "Return the argument unchanged; a helper used by the tests of the code prompt source."
+    for i in range(6):
+        (tmp_path / f"m{i}.py").write_text(f'def f{i}(a):\n    """{doc}"""\n    b = a\n    c = b\n    return c\n')
+    monkeypatch.setattr(data, "python_source_roots", lambda: [tmp_path])
+    assert [(s.kind, s.weight) for s in data.parse_sources("code:0.5,math")] == [("code", 0.5), ("math", 1.0)]
+    got = data.collect_prompts("code", n=10, seed=1, exclude_eval=False)
+    assert len(got) == 6 and got.per_source == {"code": 6} and all("```python" in p for p in got)
+
+
 # ---- math ------------------------------------------------------------------------------------------------
 
 
@@ -281,7 +321,7 @@ def test_parse_sources() -> None:
         ("sharegpt", 0.7, None), ("math", 0.3, None), ("jsonl", 2.0, "/x/y.jsonl"),
         ("hf", 1.0, "org/ds:train:text"), ("jsonl", 1.0, "/a/b.jsonl"),
     ]  # fmt: skip
-    for bad in ["", "nope:1", "sharegpt:x", "sharegpt:-1", "jsonl", "math:0"]:
+    for bad in ["", "nope:1", "sharegpt:x", "sharegpt:-1", "jsonl", "math:0", "code:x", "code:/some/path"]:
         with pytest.raises(InvalidInputError):
             data.parse_sources(bad)
 

@@ -1,0 +1,95 @@
+"""On a CUDA machine: decoding through real CUDA graphs is lossless, and graphs really replay.
+
+Tiny random targets (llama, qwen2, qwen3 layouts) and drafters in fp32 on the GPU. For each prompt and block size:
+speculative greedy with the target's and the drafter's steps replayed from CUDA graphs == plain greedy on
+transformers' eager forward, token for token; the same with the adaptive block-size policy (several verify
+shapes); and T=1 sampling with graphs == the fast path without graphs for the same seed. Prints what it ran,
+how many graphs were captured and which shapes fell back to eager; exits 1 on any mismatch or fallback.
+Not a unit test (CI has no GPU): run it where a GPU is lent, e.g. through scripts/device_kit.sh.
+
+    python scripts/gpu_check.py
+    python scripts/gpu_check.py --cpu   # the script itself, on a CPU, with a capture that records nothing
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from conftest import tiny_drafter, tiny_target  # noqa: E402
+
+from dflashkit.adaptive import AdaptiveBlockSize  # noqa: E402
+from dflashkit.decode import DecodeOptions, decode  # noqa: E402
+from dflashkit.sampling import SamplingParams  # noqa: E402
+from dflashkit.target import TargetAdapter  # noqa: E402
+
+PROMPTS = [[5, 9, 14, 3, 22], [7] * 12, list(range(3, 40)), [11, 4]]
+
+
+def tokens(target, drafter, prompt, policy=None, **kw) -> list[int]:
+    options = DecodeOptions(**{"max_new_tokens": 48, **kw})
+    return [t for s in decode(target, drafter, prompt, options, None, block_policy=policy) for t in s.tokens]
+
+
+def main() -> int:
+    cpu = "--cpu" in sys.argv[1:]
+    if not cpu and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (--cpu runs the script with a stand-in capture)")
+        return 2
+    if cpu:
+        from test_cuda_graphs import ReplayCapture
+    device, failures = torch.device("cpu" if cpu else "cuda"), []
+    print(f"torch {torch.__version__} on {'a CPU, stand-in capture' if cpu else torch.cuda.get_device_name()}")
+    for arch in ("llama", "qwen2", "qwen3"):
+        for block in (4, 8, 16):
+            model = tiny_target(arch).to(device)
+            drafter = tiny_drafter(model, block_size=block).to(device)
+            layers = drafter.config.target_layer_ids
+            eager = TargetAdapter(copy.deepcopy(model), layers, fast=False, cuda_graphs=False)
+            fast = TargetAdapter(copy.deepcopy(model), layers, cuda_graphs=False)
+            graphed = TargetAdapter(model, layers)
+            if cpu:
+                graphed.use_step_graphs(ReplayCapture())
+            assert graphed.graphs is not None, "the fast forward on CUDA should replay graphs"
+            plain_drafter = copy.deepcopy(drafter)
+            plain_drafter.use_fast_path(True)
+            drafter.use_fast_path(True)
+            drafter.use_step_graphs(ReplayCapture() if cpu else None)
+            t0 = time.perf_counter()
+            for i, prompt in enumerate(PROMPTS):
+                plain = tokens(eager, None, prompt)
+                checks = {
+                    "graphs, plain": tokens(graphed, None, prompt),
+                    "graphs, speculative": tokens(graphed, drafter, prompt),
+                    "graphs, adaptive": tokens(graphed, drafter, prompt, AdaptiveBlockSize(block, explore_every=3))
+                    if block >= 8 else tokens(graphed, drafter, prompt),
+                }
+                for name, got in checks.items():
+                    if got != plain:
+                        at = next((j for j, (a, b) in enumerate(zip(got, plain)) if a != b), min(len(got), len(plain)))
+                        failures.append(f"{arch} b{block} prompt {i} {name}: parts from plain greedy at token {at}")
+                sampling = SamplingParams(temperature=1.0)
+                with_graphs = tokens(graphed, drafter, prompt, sampling=sampling, seed=7)
+                without = tokens(fast, plain_drafter, prompt, sampling=sampling, seed=7)
+                if with_graphs != without:
+                    failures.append(f"{arch} b{block} prompt {i} T=1: graphs and no graphs sample differently")
+            if not cpu:
+                torch.cuda.synchronize()
+            fell_back = {**graphed.graphs.failed, **drafter.graphs.failed}
+            failures += [f"{arch} b{block} fell back to eager: {k} {v}" for k, v in fell_back.items()]
+            print(f"{arch:6s} block {block:2d}: {len(PROMPTS)} prompts x 4 checks in {time.perf_counter() - t0:5.1f} s; "
+                  f"target graphs captured {graphed.graphs.captures}, drafter graphs {drafter.graphs.captures}, "
+                  f"fallbacks {len(fell_back)}")
+    for f in failures:
+        print("FAIL", f)
+    print("all identical, no fallback" if not failures else f"{len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
