@@ -139,23 +139,29 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   local end=${END_S:-560}
   LIMIT=$(( ${DATA_S:-180} < end - (SECONDS - t0) - 200 ? ${DATA_S:-180} : end - (SECONDS - t0) - 200 ))
   LIMIT=$(( LIMIT < 30 ? 30 : LIMIT )) data "${PROMPTS_N:-60000}" | tail -n 5
-  "$PY3" -c "from dflashkit.data import load_shards; r = load_shards('$DK/data/gpu'); \
-print(len(r), 'answers,', sum(len(x['response_ids']) for x in r), 'response tokens')"
+  local answers; answers=$("$PY3" -c "from dflashkit.data import load_shards; r = load_shards('$DK/data/gpu'); \
+print(len(r), sum(len(x['response_ids']) for x in r))")
+  answers=${answers:-0 0}
+  echo "data: ${answers% *} answers, ${answers#* } response tokens"
   echo "== data done at $((SECONDS - t0)) s"
   # a 40 s probe sizes the schedule: steps = its rate x what is left of the call (END_S) less start-up and bring
   timeout 40 "$PY3" -m dflashkit train --data "$DK/data/gpu" --out "$DK/runs/probe" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-64}" --steps 100000 \
     --eval-every 0 --checkpoint-every 100000 --no-resume --distill-topk 32 > /dev/null 2>&1
   local train_s=$(( end - (SECONDS - t0) - 45 ))  # what is left, less the time bring takes
-  local steps; steps=$("$PY3" - "$DK/runs/probe/train_log.jsonl" "$train_s" <<'EOF'
+  local steps; steps=$("$PY3" - "$DK/runs/probe/train_log.jsonl" "$train_s" "${answers% *}" "${SEQS:-64}" <<'EOF'
 import json, os, sys
+MAX_EPOCHS = 6
 recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()] if os.path.exists(sys.argv[1]) else []
 if len(recs) < 4:
     print(1500)
     sys.exit(f"probe: only {len(recs)} steps logged; 1500 steps assumed")
 half = recs[len(recs) // 2:]
 rate = (half[-1]["step"] - half[0]["step"]) / max(1e-9, half[-1]["elapsed_s"] - half[0]["elapsed_s"])
-print(max(100, int(0.85 * rate * (float(sys.argv[2]) - 25))))
+by_time = int(0.85 * rate * (float(sys.argv[2]) - 25))
+by_epochs = MAX_EPOCHS * int(sys.argv[3]) // int(sys.argv[4])  # more passes over little data would overfit
+print(max(100, min(by_time, by_epochs)))
+print(f"steps: {by_time} fit the time, {by_epochs} make {MAX_EPOCHS} epochs", file=sys.stderr)
 print(f"probe: {len(recs)} steps, {rate:.2f} steps/s", file=sys.stderr)
 EOF
 )
@@ -163,7 +169,7 @@ EOF
   timeout "$train_s" "$PY3" -m dflashkit train --data "$DK/data/gpu" --out "$run" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-64}" --steps "$steps" \
     --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 --checkpoint-every 500 \
-    2>&1 | grep -v -i "warn" | tail -n 5
+    2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 5
   tail -n 2 "$run/train_log.jsonl"
   echo "== train done at $((SECONDS - t0)) s"
   bring
