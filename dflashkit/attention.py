@@ -59,7 +59,7 @@ def packed_gqa_attention(
     packed = query.reshape(batch, kv_heads, group * q_len, head_dim)  # [batch, kv_heads, group*q_len, head_dim]
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling,
                                          dropout_p=dropout if module.training else 0.0)
-    out = out.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()  # [batch, q_len, heads, head_dim]
+    out = out.reshape(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()  # [batch, q_len, heads, head_dim]
     return out, None
 
 

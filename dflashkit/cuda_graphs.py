@@ -367,13 +367,15 @@ class GraphedDrafts(_Graphs):
         capacity = slot.key_positions.shape[0]
         group = self.drafter.layers[0].self_attn.n_heads // self.drafter.layers[0].self_attn.n_kv
         context = list(zip(slot.keys, slot.values))
-        block_visible = torch.ones(s, dtype=torch.bool, device=self.device)
         shape = _Shape()
 
         def step() -> None:
+            # every tensor the step reads lives in the slot or the modules, or is made here: a graph keeps the
+            # addresses, not this closure, so a tensor made beside the step would be freed and its memory reused
             embeddings = self.drafter.embed(slot.ids[:, :s], embed_tokens)  # [1, s, hidden]
             positions = slot.pos + slot.rows[:s]  # [s]
             in_context = (slot.key_positions < slot.length) & (slot.key_positions >= slot.first)  # [capacity]
+            block_visible = torch.ones(s, dtype=torch.bool, device=self.device)
             visible = torch.cat((in_context, block_visible))  # [capacity + s]
             mask = torch.zeros(capacity + s, dtype=embeddings.dtype, device=self.device)
             mask = mask.masked_fill(~visible, float("-inf"))[None, None, None].expand(1, 1, group * s, capacity + s)

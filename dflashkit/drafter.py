@@ -127,7 +127,7 @@ class DrafterAttention(nn.Module):
         b, h, s, d = q.shape
         if attn_mask is None:  # inference: the block sees everything; query heads packed per K/V head, no copy
             packed = q.reshape(b, self.n_kv, (h // self.n_kv) * s, d)  # [batch, kv_heads, group*q_len, head_dim]
-            out = F.scaled_dot_product_attention(packed, k, v).view(b, h, s, d)
+            out = F.scaled_dot_product_attention(packed, k, v).reshape(b, h, s, d)
         else:
             if self.n_kv != h:
                 k, v = k.repeat_interleave(h // self.n_kv, dim=1), v.repeat_interleave(h // self.n_kv, dim=1)
@@ -556,7 +556,7 @@ class FastDrafterForward:
             keys = torch.cat((k_ctx, k), dim=2)  # [1, kv_heads, ctx+s, d]
             values = torch.cat((v_ctx, v.view(1, s, kv, d).transpose(1, 2)), dim=2)
             packed = q.reshape(1, kv, (heads // kv) * s, d)  # query heads per K/V head, no K/V copy
-            out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask).view(1, heads, s, d)
+            out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask).reshape(1, heads, s, d)
             h = h + layer.o(out.transpose(1, 2).reshape(1, s, heads * d))
             gate_up = layer.gate_up(layer.post_norm(h))
             h = h + layer.down(F.silu(gate_up[..., : layer.intermediate]) * gate_up[..., layer.intermediate :])

@@ -365,7 +365,7 @@ class FastTargetForward:
             keys, values = write(i, k[0], v.view(n, kv_heads, d).transpose(0, 1))
             packed = q.reshape(1, kv_heads, group * n, d)  # query heads sharing a K/V head, one block each
             out = attend(packed, keys, values, layer.scaling)  # [1, kv_heads, group*n, d]
-            out = out.view(1, heads, n, d).transpose(1, 2).reshape(1, n, heads * d)
+            out = out.reshape(1, heads, n, d).transpose(1, 2).reshape(1, n, heads * d)
             x = x + layer.o(out)
             gate_up = layer.gate_up(layer.post_norm(x))
             x = x + layer.down(F.silu(gate_up[..., : layer.intermediate]) * gate_up[..., layer.intermediate :])

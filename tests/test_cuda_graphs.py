@@ -17,6 +17,8 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_drafter, tiny_target
 from test_fast_target import PROMPTS, run
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflashkit.adaptive import AdaptiveBlockSize
@@ -309,3 +311,71 @@ def test_drafting_step_reads_no_tensor_value():
     twin = graphed_drafter(drafter, checking)
     assert run(plain, twin, PROMPTS[1], block_size=4) == run(plain, drafter, PROMPTS[1], block_size=4)
     assert twin.graphs.captures and not twin.graphs.failed
+
+
+def _storage(t: object) -> torch.UntypedStorage | None:
+    """A tensor's storage; None for opaque ones (the CPU's prepacked oneDNN weights, which the modules own)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage()
+    except NotImplementedError:
+        return None
+
+
+class OuterReads(TorchDispatchMode):
+    """Notes (weakly) the storage of every tensor a step reads that the step did not make itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: set[int] = set()
+        self.outer: dict[int, tuple[StorageWeakRef, str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves((args, kwargs)):
+            storage = _storage(t)
+            if storage is not None and storage.data_ptr() not in self.made:
+                ref = StorageWeakRef(storage)
+                self.outer.setdefault(ref.cdata, (ref, f"{func} {tuple(t.shape)}"))
+        self.made |= {s.data_ptr() for s in map(_storage, tree_leaves(out)) if s is not None}
+        return out
+
+
+class LifetimeCapture:
+    """Stand-in capture that records which outer tensors a step reads. A CUDA graph keeps their addresses but not
+    the step's Python closure: a tensor that only the closure keeps alive is freed after the capture and its
+    memory reused, so the replay reads garbage. ``orphans()`` drops the steps and names the tensors that died."""
+
+    def __init__(self) -> None:
+        self.steps: list = []
+        self.reads: dict[int, tuple[StorageWeakRef, str]] = {}
+
+    def __call__(self, step, pool):
+        recorder = OuterReads()
+        with recorder:
+            step()
+        self.reads.update(recorder.outer)
+        index = len(self.steps)
+        self.steps.append(step)
+        return lambda: self.steps[index]()  # holds no reference to the step itself, as a CUDA graph
+
+    def orphans(self) -> list[str]:
+        self.steps.clear()
+        gc.collect()
+        return [what for ref, what in self.reads.values() if ref.expired()]
+
+
+def test_graphed_steps_read_only_tensors_that_outlive_the_capture():
+    """Every tensor a recorded target or drafting step reads from outside itself lives on after the capture (in
+    the slot, the model or the drafter): on a GPU, the drafting step read a mask made beside it and freed."""
+    plain, _, drafter, _ = pair("qwen3")
+    target_capture, draft_capture = LifetimeCapture(), LifetimeCapture()
+    graphed = TargetAdapter(plain.model, drafter.config.target_layer_ids)
+    graphed.use_step_graphs(target_capture)
+    twin = graphed_drafter(drafter, draft_capture)
+    context = twin.new_context(64)  # noqa: F841 - held, as a generation holds it, while the steps are dropped
+    cache = graphed.new_cache(64)  # noqa: F841
+    run(graphed, twin, PROMPTS[1], block_size=4, max_new_tokens=12)
+    assert target_capture.reads and draft_capture.reads
+    assert target_capture.orphans() == [] and draft_capture.orphans() == []

@@ -283,3 +283,20 @@ def test_rotate_equals_rotate_half_bitwise():
         cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
         expected = x * cos + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * sin
         assert torch.equal(rotate(x, cos, signed_sin(sin)), expected)
+
+
+def test_attention_results_in_a_gpus_memory_layout_decode_the_same_tokens(monkeypatch):
+    """A GPU's attention kernels return [batch, seq, heads, dim] storage behind the [batch, heads, seq, dim] shape
+    (CPU kernels: contiguous). Every path reshapes the result rather than viewing it (a view fails on that
+    layout; seen on an H200): with such results, each path decodes the same tokens as before."""
+    paths = engines("qwen3")
+    want = {name: [run(t, d, p) for p in PROMPTS] for name, (t, d) in paths.items()}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def gpu_layout(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strides as a GPU kernel's
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
+    got = {name: [run(t, d, p) for p in PROMPTS] for name, (t, d) in paths.items()}
+    assert got == want
