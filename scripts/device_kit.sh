@@ -13,11 +13,17 @@
 # deduplication, and 22,877 school-math questions; 8.3 MB as xz; staging took 2.6 min.)
 # A call carries at most 64 MiB with the ~30 MiB repository, and /tmp there survives only while the machine
 # stays warm (30 s after a call), so the transfer is four calls in quick succession:
-#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets"], command="bash scripts/device_kit.sh receive")
+#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets"],
+#       command="bash scripts/device_kit.sh receive && source scripts/device_kit.sh env && python3 scripts/gpu_check.py")
 #   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
-#   run(carry=[".devkit/t3"], command="bash scripts/device_kit.sh receive && bash scripts/device_kit.sh check")
-# then, each call within 30 s of the last (each stops itself after LIMIT=540 s and the next resumes):
+#   run(carry=[".devkit/t3"], timeout_s=595,
+#       command="bash scripts/device_kit.sh receive && END_S=555 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
+# The last call checks the GPU decodes (CHECK_S=0 skips it), regenerates answers for DATA_S seconds, sizes a
+# training run by a 40 s probe to what is left of END_S, trains, and brings the drafter back (`bring`).
+# Session 28 (H200, 15 min of device time in all): the four calls took ~11 min; data ran 170 s (8,935 answers,
+# 1.39M tokens, ~8K tok/s: data is the bottleneck) and training 811 steps x 64 sequences in 2 min (6.6 steps/s).
+# Or step by step, each call within 30 s of the last (each stops itself after LIMIT=540 s and the next resumes):
 #   run(command="bash scripts/device_kit.sh data 60000")      # repeat until all shards are there
 #   run(command="bash scripts/device_kit.sh train 3000")      # repeat until done
 #   run(command="bash scripts/device_kit.sh bring")           # drafter + store + log; here: cat model.safetensors.part-* > model.safetensors
@@ -134,10 +140,12 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   set +e +o pipefail  # a phase that fails or runs out of time must not stop the others
   export TQDM_DISABLE=1
   local t0=$SECONDS run=$DK/runs/gpu
-  timeout "${CHECK_S:-150}" bash -c "source scripts/device_kit.sh env; check" 2>&1 | grep -v -i "warn" | tail -n 30
+  if [ "${CHECK_S:-90}" -gt 0 ]; then
+    timeout "${CHECK_S:-90}" bash -c "source scripts/device_kit.sh env; check" 2>&1 | grep -v -i "warn" | tail -n 30
+  fi
   echo "== check done at $((SECONDS - t0)) s"
   local end=${END_S:-560}
-  LIMIT=$(( ${DATA_S:-180} < end - (SECONDS - t0) - 200 ? ${DATA_S:-180} : end - (SECONDS - t0) - 200 ))
+  LIMIT=$(( ${DATA_S:-260} < end - (SECONDS - t0) - 180 ? ${DATA_S:-260} : end - (SECONDS - t0) - 180 ))
   LIMIT=$(( LIMIT < 30 ? 30 : LIMIT )) data "${PROMPTS_N:-60000}" | tail -n 5
   local answers; answers=$("$PY3" -c "from dflashkit.data import load_shards; r = load_shards('$DK/data/gpu'); \
 print(len(r), sum(len(x['response_ids']) for x in r))")

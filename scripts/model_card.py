@@ -95,6 +95,12 @@ def lineage(config: dict) -> list[str]:
             f"- `{train_command(config)}`: {log[-1]['step']} steps, {wall_minutes(log):.0f} min{last_eval}."]
 
 
+def _in_sections(lines: list[str], i: int, names: tuple[str, ...]) -> bool:
+    """Whether line i of a card lies in one of the named ``## `` sections (headings included)."""
+    heading = next((lines[j] for j in range(i, -1, -1) if lines[j].startswith("## ")), None)
+    return heading is not None and heading.strip() in names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", required=True, type=Path, help="training run folder (drafter/, checkpoint/, train_log.jsonl)")
@@ -106,6 +112,8 @@ def main() -> None:
                     "records (e.g. a trainer bug found after the run); repeatable, shown as written")  # fmt: skip
     ap.add_argument("--store-note", action="append", default=[], help="a line on the n-gram store in OUT (the "
                     "`dflashkit ngram-store` command that made it); repeatable, shown as written")  # fmt: skip
+    ap.add_argument("--previous-card", type=Path, default=None, help="the card of the drafter this run started from "
+                    "(--init): its Data and Training sections are kept, as written, as this drafter's history")
     args = ap.parse_args()
     run = args.run.expanduser()
 
@@ -140,6 +148,9 @@ def main() -> None:
     used = {u["folder"]: u for u in json.loads(used_file.read_text())} if used_file.exists() else {}
     for folder in str(config["data_dir"]).split(","):
         folder = Path(folder).expanduser()
+        if not (folder / "meta.json").is_file():  # e.g. made on a lent GPU machine and left there
+            lines += [f"- `{folder}`: not on this machine, so nothing about it is read from files here (see below)."]
+            continue
         meta = json.loads((folder / "meta.json").read_text())
         shards = meta.get("shards", {}).values()
         gen_min = sum(s.get("seconds", 0) for s in shards) / 60
@@ -152,7 +163,7 @@ def main() -> None:
     lines += [f"- {note}" for note in args.data_note]
     last = log[-1]
     evals = [r for r in log if "tau" in r]
-    earlier = lineage(config)
+    earlier = [] if args.previous_card else lineage(config)
     lines += ["", "## Training", ""]
     if earlier:
         lines += ["Earlier stages (each continued from the previous one's drafter with `--init`):", "", *earlier, "",
@@ -160,10 +171,12 @@ def main() -> None:
     lines += [
         f"`{train_command(config)}` (threads as the machine allowed; resumable). {last['step']} steps, "
         f"{wall_minutes(log):.1f} min of wall time over all its processes.",
-        "",
-        "| step | held-out τ (decode loop) | held-out top-1 by block position 1, 2, 3 | training top-1, 1, 2, 3 |",
-        "|---:|---:|---|---|",
     ]
+    if evals:
+        lines += ["", "| step | held-out τ (decode loop) | held-out top-1 by block position 1, 2, 3 | training top-1, 1, 2, 3 |",
+                  "|---:|---:|---|---|"]  # fmt: skip
+    else:
+        lines += ["", "No held-out evaluation ran during training (`--eval-every 0`)."]
     lines += [f"| {r['step']} | {r['tau']:.2f} | {', '.join(f'{a:.2f}' for a in r.get('heldout_acc', [])[:3])} | "
               f"{', '.join(f'{a:.2f}' for a in r['acc'][:3])} |" for r in evals]
     if args.training_note:
@@ -198,6 +211,12 @@ def main() -> None:
                   *[f"- {note}" for note in args.store_note]]  # fmt: skip
     lines += ["", f"Greedy divergences from plain decoding: {len(bench['divergences'])}, of which not a bf16 tie: "
               f"{bench['non_tie_divergences_in_dflashkit']}.", ""]
+    if args.previous_card:
+        previous = args.previous_card.expanduser().read_text().splitlines()
+        kept = [line for i, line in enumerate(previous) if _in_sections(previous, i, ("## Data", "## Training"))]
+        lines += ["## History: the drafter this one started from", "",
+                  f"From that drafter's card (`{args.previous_card}`), its Data and Training sections as written:", "",
+                  *["#" + line if line.startswith("## ") else line for line in kept], ""]
 
     args.out.mkdir(parents=True, exist_ok=True)
     for f in DRAFTER_FILES:
