@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="sharegpt:0.8,math:0.2",
         help="comma-separated prompt sources with relative weights: sharegpt[:W] (first turns), "
         "sharegpt-turns[:W] (later turns with the exchange before them), math[:W], code[:W] (complete documented "
-        "functions of the installed Python source), jsonl:PATH[:W], "
+        "functions and methods of the installed Python source), jsonl:PATH[:W], "
         "hf:NAME[:SPLIT[:FIELD]][:W] (default: %(default)s)",
     )
     d.add_argument("--num-prompts", type=int, default=1024)

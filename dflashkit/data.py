@@ -386,7 +386,8 @@ def python_source_roots() -> list[pathlib.Path]:
 
 
 def _function_stubs(path: pathlib.Path, min_doc: int, max_doc: int) -> Iterator[str]:
-    """Public top-level functions of one file with a docstring and a real body, as signature + docstring."""
+    """Public functions of one file (top level, and methods of top-level public classes, under their class line)
+    with a docstring and a real body, each as its signature + docstring."""
     import ast
 
     try:
@@ -395,22 +396,28 @@ def _function_stubs(path: pathlib.Path, min_doc: int, max_doc: int) -> Iterator[
     except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError):
         return
     lines = text.splitlines()
-    for node in tree.body:
+
+    def stub(node: ast.AST) -> str | None:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
-            continue
+            return None
         doc = ast.get_docstring(node, clean=False)
         if doc is None or not min_doc <= len(doc) <= max_doc or len(node.body) < 3:
-            continue
+            return None
         first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-        stub = "\n".join(lines[first - 1: node.body[0].end_lineno]).rstrip()
-        if stub:
-            yield stub
+        return "\n".join(lines[first - 1: node.body[0].end_lineno]).rstrip() or None
+
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for method in filter(None, map(stub, node.body)):
+                yield f"class {node.name}:\n{method}" if method.startswith((" ", "\t")) else method
+        elif (found := stub(node)) is not None:
+            yield found
 
 
 def code_prompts(seed: int = 0, roots: Sequence[str | os.PathLike] | None = None, *, min_doc: int = 60,
                  max_doc: int = 1200) -> Iterator[str]:
-    """Code-completion requests: the signature and docstring of a public function found in installed Python
-    source (default :func:`python_source_roots`; test folders skipped), wrapped in one of
+    """Code-completion requests: the signature and docstring of a public function or method found in installed
+    Python source (default :func:`python_source_roots`; test folders skipped), wrapped in one of
     :data:`CODE_REQUESTS`. Files are visited in a seeded order, so the prompts are deterministic for a seed
     given the same installed files. The target writes the body, as in HumanEval-style requests."""
     files = sorted({f for r in (roots or python_source_roots()) for f in pathlib.Path(r).rglob("*.py")

@@ -208,13 +208,15 @@ def test_code_prompts_are_documented_public_functions_in_seeded_order(tmp_path: 
     (tmp_path / "pkg" / "tests" / "test_x.py").write_text(f'def in_tests(a):\n    """{doc}"""\n{body}')
     (tmp_path / "pkg" / "broken.py").write_text("def (:\n")
     got = list(data.code_prompts(seed=0, roots=[tmp_path]))
-    assert len(got) == 2  # only public top-level functions with a docstring and a body, outside test folders
+    assert len(got) == 3  # public functions and methods with a docstring and a body, outside test folders
+    method = next(p for p in got if "def method" in p)
+    assert f'```python\nclass C:\n    def method(self):\n        """{doc}"""\n```' in method  # under its class line
     kept = next(p for p in got if "def kept" in p)
     assert kept == next(r for r in data.CODE_REQUESTS if r.format(code="@@").split("@@")[0] in kept).format(
         code=f'@decorated\ndef kept(a: int) -> int:\n    """{doc}"""')  # signature + docstring, no body
     assert any('More words."""\n```' in p for p in got)  # a multi-line docstring ends the stub
     assert got == list(data.code_prompts(seed=0, roots=[tmp_path]))
-    orders = {tuple("kept" in p for p in data.code_prompts(seed=s, roots=[tmp_path])) for s in range(8)}
+    orders = {tuple("second" in p for p in data.code_prompts(seed=s, roots=[tmp_path])) for s in range(8)}
     assert len(orders) == 2  # the file order depends on the seed
 
 
