@@ -192,6 +192,8 @@ def test_missing_sharegpt_package(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_code_prompts_are_documented_public_functions_in_seeded_order(tmp_path: Path) -> None:
+    tmp_path = tmp_path / "tests" / "site"  # a root inside a folder named like a test folder is still read
+    tmp_path.mkdir(parents=True)
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "tests").mkdir()
     body = "    x = 1\n    y = 2\n    return x + y\n"
