@@ -21,8 +21,9 @@
 #       command="bash scripts/device_kit.sh receive && END_S=555 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
 # The last call checks the GPU decodes (CHECK_S=0 skips it), regenerates answers for DATA_S seconds, sizes a
 # training run by a 40 s probe to what is left of END_S, trains, and brings the drafter back (`bring`).
-# Session 28 (H200, 15 min of device time in all): the four calls took ~11 min; data ran 170 s (8,935 answers,
-# 1.39M tokens, ~8K tok/s: data is the bottleneck) and training 811 steps x 64 sequences in 2 min (6.6 steps/s).
+# Session 28 (H200, 15 min of device time in all): five calls took 11.5 min (two of them reran gpu_check.py after
+# a fix made within the warm window); data ran 170 s (8,935 answers, 1.39M tokens, ~8K tok/s: data is the
+# bottleneck) and training 811 steps x 64 sequences in 2 min (6.6 steps/s).
 # Or step by step, each call within 30 s of the last (each stops itself after LIMIT=540 s and the next resumes):
 #   run(command="bash scripts/device_kit.sh data 60000")      # repeat until all shards are there
 #   run(command="bash scripts/device_kit.sh train 3000")      # repeat until done

@@ -66,8 +66,7 @@ def main() -> int:
                 checks = {
                     "graphs, plain": tokens(graphed, None, prompt),
                     "graphs, speculative": tokens(graphed, drafter, prompt),
-                    "graphs, adaptive": tokens(graphed, drafter, prompt, AdaptiveBlockSize(block, explore_every=3))
-                    if block >= 8 else tokens(graphed, drafter, prompt),
+                    "graphs, adaptive": tokens(graphed, drafter, prompt, AdaptiveBlockSize(block, explore_every=3)),
                 }
                 for name, got in checks.items():
                     if got != plain:
