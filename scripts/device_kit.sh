@@ -24,6 +24,8 @@
 # Session 28 (H200, 15 min of device time in all): five calls took 11.5 min (two of them reran gpu_check.py after
 # a fix made within the warm window); data ran 170 s (8,935 answers, 1.39M tokens, ~8K tok/s: data is the
 # bottleneck) and training 811 steps x 64 sequences in 2 min (6.6 steps/s).
+# Before a next data run there, profile that path in the call that receives the last part (~2 min):
+#   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 4096 --batch-size 1024
 # Or step by step, each call within 30 s of the last (each stops itself after LIMIT=540 s and the next resumes):
 #   run(command="bash scripts/device_kit.sh data 60000")      # repeat until all shards are there
 #   run(command="bash scripts/device_kit.sh train 3000")      # repeat until done
