@@ -1115,6 +1115,11 @@ def _canonical(prompt: Prompt) -> Prompt:
     raise InvalidInputError(f"a prompt must be text or a list of chat messages, got {prompt!r:.80}")
 
 
+def _checked_ids(rec: Any) -> bool:
+    ids = [rec.get(k) if isinstance(rec, dict) else None for k in ("prompt_ids", "response_ids")]
+    return all(isinstance(x, list) and all(isinstance(t, int) and t >= 0 for t in x) for x in ids)
+
+
 def _read_shard(path: pathlib.Path) -> list[dict[str, Any]]:
     """A shard's records; a damaged line is an error naming the file and line (never a bare JSON traceback)."""
     records = []
@@ -1127,16 +1132,18 @@ def _read_shard(path: pathlib.Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not a JSON record ({e.msg}); the shard is damaged: delete it "
                                 "and run the same `dflashkit data` command again to regenerate it") from None
-            ids = [rec.get(k) if isinstance(rec, dict) else None for k in ("prompt_ids", "response_ids")]
-            if not all(isinstance(x, list) and all(isinstance(t, int) and t >= 0 for t in x) for x in ids):
+            if not _checked_ids(rec):
                 raise DataError(f"{path}:{lineno}: prompt_ids and response_ids must be lists of token ids >= 0")
             records.append(rec)
     return records
 
 
-def load_shards(out_dir: str | os.PathLike, *, require_complete: bool = False) -> list[dict[str, Any]]:
+def load_shards(out_dir: str | os.PathLike, *, require_complete: bool = False,
+                include_partial: bool = False) -> list[dict[str, Any]]:
     """The records of every shard written in ``out_dir``, in prompt order:
-    ``{"id", "prompt_ids", "response_ids", "finished"}``. With ``require_complete``, a missing shard is an error."""
+    ``{"id", "prompt_ids", "response_ids", "finished"}``. With ``require_complete``, a missing shard is an error;
+    with ``include_partial``, a shard not yet complete gives the answers already finished in it (its
+    ``.partial.jsonl``: what a run stopped mid-shard has answered; a line torn by a kill is left out)."""
     out = pathlib.Path(out_dir).expanduser()
     meta_file = out / "meta.json"
     if not meta_file.is_file():
@@ -1150,6 +1157,12 @@ def load_shards(out_dir: str | os.PathLike, *, require_complete: bool = False) -
             records.extend(_read_shard(path))
         else:
             missing.append(k)
+            if include_partial:
+                partial = _read_partial(partial_shard_path(out, k))
+                if not all(map(_checked_ids, partial)):
+                    raise DataError(f"{partial_shard_path(out, k)}: prompt_ids and response_ids must be lists of "
+                                    "token ids >= 0")
+                records.extend(sorted(partial, key=lambda r: r["id"]))  # answered in length order
     if missing and require_complete:
         raise DataError(f"{out} is incomplete: {len(missing)} of {meta['num_shards']} shards missing "
                         "(run the regeneration again to finish it)")

@@ -219,7 +219,7 @@ def data_folders(data_dir: str | os.PathLike) -> list[Path]:
 
 def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSequence]:
     """Prompt + regenerated response pairs from `dflashkit data` shards (one or comma-separated folders, in
-    order), cut to max_len tokens.
+    order; a shard still in progress gives the answers finished in it), cut to max_len tokens.
 
     A prompt may come with several responses (e.g. sampled regenerations at a temperature): each distinct one
     is kept. A response that repeats one already kept for the same prompt, or is a prefix of it (the same greedy
@@ -229,7 +229,7 @@ def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSe
 
     kept: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}  # prompt -> [(response, source)]
     for source, folder in enumerate(data_folders(data_dir)):
-        for rec in load_shards(folder):
+        for rec in load_shards(folder, include_partial=True):  # a shard in progress gives its finished answers
             prompt, response = tuple(rec["prompt_ids"]), tuple(rec["response_ids"])
             answers = kept.setdefault(prompt, [])
             if any(old[: len(response)] == response for old, _ in answers):

@@ -123,10 +123,12 @@ check() {  # there: the environment works and the GPU decodes (eager fast forwar
 }
 
 data() {  # there: regenerate answers to the staged prompts on the GPU; stops itself before a call's 600 s limit
+  # (shards of 4 batches: a shard's prompts are sorted by length, so each batch pads less; training also takes the
+  # answers finished in a shard that the time limit cut)
   env_setup
   timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "jsonl:$DK/prompts.jsonl" --num-prompts "${1:-60000}" \
     --seed 3 --temperature 0 --device "$DEVICE" --batch-size "${BATCH:-1024}" --max-new-tokens 192 \
-    --max-prompt-tokens 512 --shard-size "${BATCH:-1024}" --out "$DK/data/gpu" --no-progress || true
+    --max-prompt-tokens 512 --shard-size "${SHARD:-4096}" --out "$DK/data/gpu" --no-progress || true
   ls "$DK/data/gpu" | grep -c '^shard-.*[0-9].jsonl$' || true  # complete shards; the same command resumes
 }
 
@@ -150,7 +152,7 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   local end=${END_S:-560}
   LIMIT=$(( ${DATA_S:-260} < end - (SECONDS - t0) - 180 ? ${DATA_S:-260} : end - (SECONDS - t0) - 180 ))
   LIMIT=$(( LIMIT < 30 ? 30 : LIMIT )) data "${PROMPTS_N:-60000}" | tail -n 5
-  local answers; answers=$("$PY3" -c "from dflashkit.data import load_shards; r = load_shards('$DK/data/gpu'); \
+  local answers; answers=$("$PY3" -c "from dflashkit.data import load_shards; r = load_shards('$DK/data/gpu', include_partial=True); \
 print(len(r), sum(len(x['response_ids']) for x in r))")
   answers=${answers:-0 0}
   echo "data: ${answers% *} answers, ${answers#* } response tokens"

@@ -442,14 +442,19 @@ def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path, monkeypatch, 
     last = data.shard_path(out, 2)
     kept = data.shard_path(out, 0).stat().st_mtime_ns
 
-    # A kill during shard 2: its file never appeared, a temp file was left behind.
+    # A kill during shard 2: its file never appeared, a temp file was left behind, and one of its answers had
+    # reached its partial file (with a line torn by the kill after it).
     last.unlink()
     (out / ".shard-00002.jsonl.tmp-dead").write_text("partial")
+    finished = max(first, key=lambda r: r["id"])
+    data.partial_shard_path(out, 2).write_text(json.dumps(finished) + '\n{"id": 9, "prompt_ids": [1, 2')
     with pytest.raises(data.DataError, match="incomplete"):
         data.load_shards(out, require_complete=True)
+    assert data.load_shards(out) == [r for r in first if r["id"] < 8]
+    assert data.load_shards(out, include_partial=True) == [r for r in first if r["id"] < 8] + [finished]
     counter.calls.clear()
     summary = data.regenerate(model, tok, prompts, out, **kwargs)
-    assert counter.calls == [2]  # only the missing shard
+    assert counter.calls == [1]  # only the missing shard, less the answer its partial file kept
     assert summary["shards_generated"] == 1 and summary["shards_resumed"] == 2 and summary["written"] == 10
     assert data.load_shards(out) == first
     assert data.shard_path(out, 0).stat().st_mtime_ns == kept

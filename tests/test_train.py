@@ -500,7 +500,7 @@ def test_several_answers_to_a_prompt_are_kept_once_each(monkeypatch):
               {"prompt_ids": [1, 2], "response_ids": [6, 6, 6]},  # another (sampled) answer
               {"prompt_ids": [3], "response_ids": [8, 9, 10, 11]}],  # extends a kept answer
     }
-    monkeypatch.setattr(data, "load_shards", lambda folder: iter(folders[Path(folder).name]))
+    monkeypatch.setattr(data, "load_shards", lambda folder, **_: iter(folders[Path(folder).name]))
     seqs = load_sequences("a,b", 64)
     assert [(s.input_ids, s.num_prompt, s.source) for s in seqs] == [
         ([1, 2, 5, 6, 7], 2, 0), ([1, 2, 6, 6, 6], 2, 1), ([3, 8, 9, 10, 11], 1, 0)]
