@@ -114,6 +114,7 @@ def main() -> None:
                     "`dflashkit ngram-store` command that made it); repeatable, shown as written")  # fmt: skip
     ap.add_argument("--previous-card", type=Path, default=None, help="the card of the drafter this run started from "
                     "(--init): its Data and Training sections are kept, as written, as this drafter's history")
+    ap.add_argument("--previous-name", default=None, help="how the card names that drafter's card (default: the path)")
     args = ap.parse_args()
     run = args.run.expanduser()
 
@@ -215,7 +216,8 @@ def main() -> None:
         previous = args.previous_card.expanduser().read_text().splitlines()
         kept = [line for i, line in enumerate(previous) if _in_sections(previous, i, ("## Data", "## Training"))]
         lines += ["## History: the drafter this one started from", "",
-                  f"From that drafter's card (`{args.previous_card}`), its Data and Training sections as written:", "",
+                  f"From that drafter's card ({args.previous_name or f'`{args.previous_card}`'}), its Data and Training "
+                  "sections as written:", "",
                   *["#" + line if line.startswith("## ") else line for line in kept], ""]
 
     args.out.mkdir(parents=True, exist_ok=True)
