@@ -24,8 +24,9 @@
 # Session 28 (H200, 15 min of device time in all): five calls took 11.5 min (two of them reran gpu_check.py after
 # a fix made within the warm window); data ran 170 s (8,935 answers, 1.39M tokens, ~8K tok/s: data is the
 # bottleneck) and training 811 steps x 64 sequences in 2 min (6.6 steps/s).
-# Before a next data run there, profile that path in the call that receives the last part (~2 min):
-#   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 4096 --batch-size 1024
+# Before a next data run there, profile that path: PROFILE_S=120 makes `session` run
+#   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
+# before its data phase (as given vs length-sorted batches, and a torch.profiler table of decode steps).
 # Or step by step, each call within 30 s of the last (each stops itself after LIMIT=540 s and the next resumes):
 #   run(command="bash scripts/device_kit.sh data 60000")      # repeat until all shards are there
 #   run(command="bash scripts/device_kit.sh train 3000")      # repeat until done
@@ -149,6 +150,11 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
     timeout "${CHECK_S:-90}" bash -c "source scripts/device_kit.sh env; check" 2>&1 | grep -v -i "warn" | tail -n 30
   fi
   echo "== check done at $((SECONDS - t0)) s"
+  if [ "${PROFILE_S:-0}" -gt 0 ]; then  # where the data path's time goes (scripts/batch_data_profile.py)
+    timeout "$PROFILE_S" "$PY3" scripts/batch_data_profile.py --device "$DEVICE" --jsonl "$DK/prompts.jsonl" \
+      --prompts 2048 --batch-size "${BATCH:-1024}" --rounds 1 2>&1 | grep -v -i "warn" | tail -n 30
+    echo "== profile done at $((SECONDS - t0)) s"
+  fi
   local end=${END_S:-560}
   LIMIT=$(( ${DATA_S:-260} < end - (SECONDS - t0) - 180 ? ${DATA_S:-260} : end - (SECONDS - t0) - 180 ))
   LIMIT=$(( LIMIT < 30 ? 30 : LIMIT )) data "${PROMPTS_N:-60000}" | tail -n 5
