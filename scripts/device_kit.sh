@@ -150,7 +150,8 @@ data() {  # there: regenerate answers to the staged prompts on the GPU; stops it
   env_setup
   timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "jsonl:$DK/prompts.jsonl" --num-prompts "${1:-60000}" \
     --seed 3 --temperature 0 --device "$DEVICE" --batch-size "${BATCH:-1024}" --max-new-tokens 192 \
-    --max-prompt-tokens 512 --shard-size "${SHARD:-4096}" --out "$DK/data/gpu" --no-progress || true
+    --max-prompt-tokens 512 --shard-size "${SHARD:-4096}" --out "$DK/data/gpu" --no-progress \
+    --no-eval-exclusion || true  # `stage` excluded the evaluation prompts already (checking 60K again: ~10 s)
   ls "$DK/data/gpu" | grep -c '^shard-.*[0-9].jsonl$' || true  # complete shards; the same command resumes
 }
 
