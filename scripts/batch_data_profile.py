@@ -68,8 +68,10 @@ def main() -> None:
     lengths = sorted(len(ids) for ids in encoded)
     print(f"{device}: {len(encoded)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {statistics.median(lengths)})"
           f", batches of {args.batch_size}, at most {args.max_new_tokens} new tokens")
-    cut = lambda ids: [ids[i : i + args.batch_size] for i in range(0, len(ids), args.batch_size)]  # noqa: E731
-    ways = {"as given": cut(encoded), "sorted by length": cut(sorted(encoded, key=len))}
+    def batches(ids: list[list[int]]) -> list[list[list[int]]]:
+        return [ids[i : i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
+
+    ways = {"as given": batches(encoded), "sorted by length": batches(sorted(encoded, key=len))}
     for batches in ways.values():  # warm-up: kernels, allocator, one small batch
         generate_batch(model, batches[0][:8], max_new_tokens=4, eos_ids=eos, pad_id=pad)
     rates: dict[str, list[float]] = {name: [] for name in ways}

@@ -95,10 +95,15 @@ def lineage(config: dict) -> list[str]:
             f"- `{train_command(config)}`: {log[-1]['step']} steps, {wall_minutes(log):.0f} min{last_eval}."]
 
 
-def _in_sections(lines: list[str], i: int, names: tuple[str, ...]) -> bool:
-    """Whether line i of a card lies in one of the named ``## `` sections (headings included)."""
-    heading = next((lines[j] for j in range(i, -1, -1) if lines[j].startswith("## ")), None)
-    return heading is not None and heading.strip() in names
+def card_sections(lines: list[str], names: tuple[str, ...]) -> list[str]:
+    """The lines of a card's named ``## `` sections (headings included), in order."""
+    kept, inside = [], False
+    for line in lines:
+        if line.startswith("## "):
+            inside = line.strip() in names
+        if inside:
+            kept.append(line)
+    return kept
 
 
 def main() -> None:
@@ -213,8 +218,7 @@ def main() -> None:
     lines += ["", f"Greedy divergences from plain decoding: {len(bench['divergences'])}, of which not a bf16 tie: "
               f"{bench['non_tie_divergences_in_dflashkit']}.", ""]
     if args.previous_card:
-        previous = args.previous_card.expanduser().read_text().splitlines()
-        kept = [line for i, line in enumerate(previous) if _in_sections(previous, i, ("## Data", "## Training"))]
+        kept = card_sections(args.previous_card.expanduser().read_text().splitlines(), ("## Data", "## Training"))
         lines += ["## History: the drafter this one started from", "",
                   f"From that drafter's card ({args.previous_name or f'`{args.previous_card}`'}), its Data and Training "
                   "sections as written:", "",
