@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from .batchgen import generate_batch, generate_continuous
+from .batchgen import generate_batch, generate_continuous, generate_static
 from .distributed import SINGLE, Parallel
 from .errors import DFlashError, InvalidInputError
 from .fast_target import FastTargetForward, unsupported_reason
@@ -881,10 +881,13 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     ``server`` (a :class:`dflashkit.data_server.ServerTarget`; ``model`` then None): the answers come from an
     OpenAI-compatible server, ``batch_size`` requests at a time.
 
-    ``engine`` (a local model): "continuous" (:func:`generate_continuous` on the fast forward; greedy answers are
-    the ones dflashkit's decoder gives), "batches" (transformers' decoder in static batches, :func:`generate_batch`)
-    or "auto" (continuous on a CPU where the fast forward covers the target: 2.07x the tokens per second of
-    batches for SmolLM2-135M on the 2-core AMX VM, ``scripts/data_speed.py``; batches elsewhere).
+    ``engine`` (a local model): "continuous" (:func:`generate_continuous` on the fast forward, on a CPU; greedy
+    answers are the ones dflashkit's decoder gives), "static" (:func:`generate_static`: one fixed-shape batch on the
+    fast forward, its decode step a CUDA graph on a GPU), "batches" (transformers' decoder in static batches,
+    :func:`generate_batch`) or "auto": continuous on a CPU where the fast forward covers the target (2.07x the
+    tokens per second of batches for SmolLM2-135M on the 2-core AMX VM, ``scripts/data_speed.py``), static on a GPU
+    where it covers it (transformers' decoder is bound there by its host time per step,
+    ``scripts/batch_data_profile.py``), batches elsewhere.
     """
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
         raise InvalidInputError("batch_size, shard_size, max_new_tokens and max_prompt_tokens must be >= 1")
@@ -896,16 +899,21 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
         raise InvalidInputError("the tokenizer/model defines no eos token: responses could never end")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     device = next(model.parameters()).device if server is None else None
-    if engine not in ("auto", "continuous", "batches"):
-        raise InvalidInputError(f"engine must be 'auto', 'continuous' or 'batches', got {engine!r}")
+    if engine not in ("auto", "continuous", "static", "batches"):
+        raise InvalidInputError(f"engine must be 'auto', 'continuous', 'static' or 'batches', got {engine!r}")
     forward = None
     if server is None and engine != "batches":
-        reason = unsupported_reason(model) or ("" if device.type == "cpu" else f"the model is on {device.type}")
+        reason = unsupported_reason(model)
+        if engine == "continuous" and not reason and device.type != "cpu":
+            reason = f"the model is on {device.type}"
         if not reason:
             forward = FastTargetForward(model)
-        elif engine == "continuous":
-            raise InvalidInputError(f"engine 'continuous' runs on a CPU, on targets the fast forward covers: {reason}")
-    engine = "server" if server is not None else "continuous" if forward is not None else "batches"
+            if engine == "auto":
+                engine = "continuous" if device.type == "cpu" else "static"
+        elif engine in ("continuous", "static"):
+            raise InvalidInputError(f"engine {engine!r} runs on targets the fast forward covers"
+                                    f"{' (continuous: on a CPU)' if engine == 'continuous' else ''}: {reason}")
+    engine = "server" if server is not None else engine if forward is not None else "batches"
     settings = {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": float(top_p),
                 "shard_size": shard_size, "seed": seed, "max_prompt_tokens": max_prompt_tokens}
     target = server.identity if server is not None else _target_identity(model)
@@ -931,7 +939,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
 
     def answers(encoded: list[tuple[int, list[int]]], shard: int) -> Iterator[list[tuple[int, list[int], list[int]]]]:
         """(prompt index, prompt ids, response ids) of the shard's prompts, in groups as they are answered."""
-        if forward is not None:  # a seed per prompt: the same answers whatever the slots
+        if engine == "continuous":  # a seed per prompt: the same answers whatever the slots
             seeds = None if sampling.greedy else [seed * 1_000_003 + i for i, _ in encoded]
             for j, response in generate_continuous(forward, [ids for _, ids in encoded], slots=batch_size,
                                                    max_new_tokens=max_new_tokens, eos_ids=eos_ids,
@@ -945,8 +953,12 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                                           max_new_tokens=max_new_tokens, sampling=sampling)
             else:
                 torch.manual_seed((seed * 1_000_003 + shard) * 1_000_033 + batch[0][0])  # per batch: resumable
-                responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
-                                           eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
+                if engine == "static":
+                    responses = generate_static(forward, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
+                                                eos_ids=eos_ids, sampling=sampling)
+                else:
+                    responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
+                                               eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
             yield [(i, ids, response) for (i, ids), response in zip(batch, responses)]
 
     from tqdm.auto import tqdm
@@ -988,7 +1000,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                             "finished": bool(response) and response[-1] in eos_ids}
                            for i, ids, response in answered]  # fmt: skip
                     _write_records(log, new)
-                    if forward is None or time.perf_counter() - synced >= SYNC_SECONDS:
+                    if engine != "continuous" or time.perf_counter() - synced >= SYNC_SECONDS:
                         log.flush()
                         os.fsync(log.fileno())
                         synced = time.perf_counter()

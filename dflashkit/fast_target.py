@@ -44,7 +44,7 @@ from .quantize import Int8Linear
 Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]
 
 
-def _sdpa(q: Tensor, keys: Tensor, values: Tensor, scale: float, mask: Tensor | None) -> Tensor:
+def masked_sdpa(q: Tensor, keys: Tensor, values: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -267,13 +267,13 @@ class FastTargetForward:
             if hidden is not None:  # additive (SDPA's fastest form here); packed query rows repeat per group
                 mask = x.new_zeros(n, end).masked_fill_(hidden, float("-inf"))
                 mask = mask[None].expand(group, n, end).reshape(1, 1, group * n, end)
-            attend = functools.partial(_sdpa, mask=mask)
+            attend = functools.partial(masked_sdpa, mask=mask)
 
-        def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # k, v: [kv_heads, n, d]
-            cache.keys[i, :, start:end], cache.values[i, :, start:end] = k, v
+        def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # k, v: [1, kv_heads, n, d]
+            cache.keys[i, :, start:end], cache.values[i, :, start:end] = k[0], v[0]
             return cache.keys[i : i + 1, :, :end], cache.values[i : i + 1, :, :end]
 
-        x, features = self._layers(x, cos, sin, attend, write, feature_layers)
+        x, features = self.run_layers(x, cos, sin, attend, write, feature_layers)
         cache.length = end
         logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
         return logits, features
@@ -340,32 +340,33 @@ class FastTargetForward:
             out.append((rows, features[f : f + n][None] if features is not None else None))
         return out
 
-    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
-                write: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]],
-                feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
-        """x [1, n, hidden] through every decoder layer. ``write(i, k, v)`` stores layer i's new keys and values
-        [kv_heads, n, d] and returns the keys and values to attend over [1, kv_heads, m, d]; ``attend(q, keys,
-        values, scale)`` is the attention of the packed queries [1, kv_heads, group*n, d] (with the step's
-        mask). Returns x and the feature layers' outputs."""
+    def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
+                   write: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]],
+                   feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+        """x [b, n, hidden] through every decoder layer, with rotary tables cos and signed sin broadcastable to
+        [b, 1, n, head_dim]. ``write(i, k, v)`` stores layer i's new keys and values [b, kv_heads, n, d] and
+        returns the keys and values to attend over [b, kv_heads, m, d]; ``attend(q, keys, values, scale)`` is the
+        attention of the packed queries [b, kv_heads, group*n, d] (with the step's mask). Returns x and the
+        feature layers' outputs."""
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        group, n = heads // kv_heads, x.shape[1]
+        group, b, n = heads // kv_heads, x.shape[0], x.shape[1]
         wanted = {i: None for i in feature_layers}
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
-            qkv = layer.qkv(h)  # [1, n, (heads + 2*kv_heads) * d]
+            qkv = layer.qkv(h)  # [b, n, (heads + 2*kv_heads) * d]
             v = qkv[..., heads * d + kv_heads * d :]
             if layer.q_norm is None:  # rotate queries and keys in one go (fewer small ops: they dominate here)
-                qk = qkv[..., : (heads + kv_heads) * d].view(1, n, heads + kv_heads, d).transpose(1, 2)
-                qk = rotate(qk, cos, sin)  # [1, heads + kv_heads, n, d]
+                qk = qkv[..., : (heads + kv_heads) * d].view(b, n, heads + kv_heads, d).transpose(1, 2)
+                qk = rotate(qk, cos, sin)  # [b, heads + kv_heads, n, d]
                 q, k = qk[:, :heads], qk[:, heads:]
             else:  # Qwen3: per-head RMSNorm of queries and keys before the rotation
                 q, k, _ = qkv.split(layer.splits, dim=-1)
-                q = rotate(layer.q_norm(q.view(1, n, heads, d)).transpose(1, 2), cos, sin)  # [1, heads, n, d]
-                k = rotate(layer.k_norm(k.view(1, n, kv_heads, d)).transpose(1, 2), cos, sin)  # [1, kv_heads, n, d]
-            keys, values = write(i, k[0], v.view(n, kv_heads, d).transpose(0, 1))
-            packed = q.reshape(1, kv_heads, group * n, d)  # query heads sharing a K/V head, one block each
-            out = attend(packed, keys, values, layer.scaling)  # [1, kv_heads, group*n, d]
-            out = out.reshape(1, heads, n, d).transpose(1, 2).reshape(1, n, heads * d)
+                q = rotate(layer.q_norm(q.view(b, n, heads, d)).transpose(1, 2), cos, sin)  # [b, heads, n, d]
+                k = rotate(layer.k_norm(k.view(b, n, kv_heads, d)).transpose(1, 2), cos, sin)  # [b, kv_heads, n, d]
+            keys, values = write(i, k, v.view(b, n, kv_heads, d).transpose(1, 2))
+            packed = q.reshape(b, kv_heads, group * n, d)  # query heads sharing a K/V head, one block each
+            out = attend(packed, keys, values, layer.scaling)  # [b, kv_heads, group*n, d]
+            out = out.reshape(b, heads, n, d).transpose(1, 2).reshape(b, n, heads * d)
             x = x + layer.o(out)
             gate_up = layer.gate_up(layer.post_norm(x))
             x = x + layer.down(F.silu(gate_up[..., : layer.intermediate]) * gate_up[..., layer.intermediate :])
@@ -407,10 +408,10 @@ class FastTargetForward:
         mask = mask[None].expand(group, n, capacity).reshape(1, 1, group * n, capacity)
 
         def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-            keys[i].index_copy_(1, rows, k)
-            values[i].index_copy_(1, rows, v)
+            keys[i].index_copy_(1, rows, k[0])
+            values[i].index_copy_(1, rows, v[0])
             return keys[i : i + 1], values[i : i + 1]
 
-        x, features = self._layers(x, cos, sin, functools.partial(_sdpa, mask=mask), write, feature_layers)
+        x, features = self.run_layers(x, cos, sin, functools.partial(masked_sdpa, mask=mask), write, feature_layers)
         logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
         return logits, features

@@ -1,15 +1,21 @@
-"""Where the time of static-batch answer generation goes (the path `dflashkit data` takes on a GPU).
+"""Where the time of static-batch answer generation goes (the paths `dflashkit data` takes on a GPU), and which
+is faster.
 
-    python scripts/batch_data_profile.py --device cuda [--prompts 2048] [--batch-size 1024] [--max-new-tokens 192]
-        [--jsonl PROMPTS.jsonl] [--sources sharegpt-turns:0.5,code:0.3,math:0.2] [--profile-steps 8]
+    python scripts/batch_data_profile.py --device cuda [--engines static,batches] [--prompts 2048]
+        [--batch-size 1024] [--max-new-tokens 192] [--jsonl PROMPTS.jsonl] [--profile-steps 8]
+        [--random-weights CONFIG_FOLDER]
 
-On a lent GPU, session 28's `dflashkit data --device cuda --batch-size 1024` wrote ~8.2K response tokens/s: about
-100 ms per decode step for a 135M-parameter target, far above what its arithmetic costs there. This script times
-`batchgen.generate_batch` on the same kind of prompts (real prompts, chat template, up to 512 tokens) two ways, in
-one process, the order alternating per round: batches in the prompts' own order (as `data` fills a shard of one
-batch) and batches of prompts sorted by length (less padding). Then it profiles a few decode steps of one batch
-with torch.profiler and prints the top operations by self time (device time on a GPU), and the prefill's share.
-Prints what it measured; runs on a CPU too (small sizes) to check itself.
+On a lent GPU, session 28's `dflashkit data --device cuda --batch-size 1024` (transformers' decoder in static
+batches, ``batchgen.generate_batch``) wrote ~8.2K response tokens/s: about 100 ms per decode step for a
+135M-parameter target, far above what its arithmetic costs there. ``batchgen.generate_static`` runs the fast forward
+over one preallocated batch cache with its decode step replayed from a CUDA graph. This script times each engine
+on the same batches of real prompts (chat template, up to 512 tokens, sorted by length as `data` sorts a shard), in
+one process, the order alternating per round; compares their greedy answers on the first batch (identical rows,
+and where the others first part); then profiles a few decode steps of one batch per engine with torch.profiler
+(top operations by self time: device time on a GPU) and the prefill's share. ``--random-weights`` takes a folder
+with the target's config.json and tokenizer (e.g. from ``save_pretrained``) and times a randomly initialised
+model of that shape (its answers rarely end early: every step of every row runs). Prints what it measured; runs
+on a CPU too (small sizes) to check itself.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import time
 import torch
 
 from dflashkit import data
-from dflashkit.batchgen import generate_batch
+from dflashkit.batchgen import generate_batch, generate_static
+from dflashkit.fast_target import FastTargetForward
 from dflashkit.models import load_target
 from dflashkit.text import encode_chat, eos_token_ids
 
@@ -31,14 +38,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(model, batches: list[list[list[int]]], args, eos: list[int], pad: int) -> tuple[float, int]:
+def engine_runner(name: str, model):
+    """batch, max_new_tokens, eos, pad -> answers, for one engine."""
+    if name == "batches":
+        return lambda batch, n, eos, pad: generate_batch(model, batch, max_new_tokens=n, eos_ids=eos, pad_id=pad)
+    if name == "static":
+        forward = FastTargetForward(model)
+        return lambda batch, n, eos, pad: generate_static(forward, batch, max_new_tokens=n, eos_ids=eos)
+    raise SystemExit(f"unknown engine {name!r} (static, batches)")
+
+
+def timed(run, batches: list[list[list[int]]], args, eos: list[int], pad: int, device) -> tuple[float, int]:
     """Seconds and response tokens of generating every batch."""
-    device = next(model.parameters()).device
     sync(device)
     start, tokens = time.perf_counter(), 0
     for batch in batches:
-        out = generate_batch(model, batch, max_new_tokens=args.max_new_tokens, eos_ids=eos, pad_id=pad)
-        tokens += sum(len(o) for o in out)
+        tokens += sum(len(o) for o in run(batch, args.max_new_tokens, eos, pad))
     sync(device)
     return time.perf_counter() - start, tokens
 
@@ -53,12 +68,23 @@ def main() -> None:
     ap.add_argument("--jsonl", default=None, help="prompts from this file (default: --sources)")
     ap.add_argument("--sources", default="sharegpt-turns:0.5,sharegpt:0.2,math:0.3")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--engines", default="static,batches", help="comma-separated: static, batches")
     ap.add_argument("--profile-steps", type=int, default=8, help="decode steps of one batch under torch.profiler")
+    ap.add_argument("--random-weights", default=None, metavar="FOLDER",
+                    help="a random model of the config.json in FOLDER (tokenizer from there too)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_target(device=args.device)
+    if args.random_weights:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(args.random_weights)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(args.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.random_weights)
+    else:
+        model, tokenizer = load_target(device=args.device)
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -68,43 +94,53 @@ def main() -> None:
     lengths = sorted(len(ids) for ids in encoded)
     print(f"{device}: {len(encoded)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {statistics.median(lengths)})"
           f", batches of {args.batch_size}, at most {args.max_new_tokens} new tokens")
-    def batches(ids: list[list[int]]) -> list[list[list[int]]]:
-        return [ids[i : i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
-
-    ways = {"as given": batches(encoded), "sorted by length": batches(sorted(encoded, key=len))}
-    for batches in ways.values():  # warm-up: kernels, allocator, one small batch
-        generate_batch(model, batches[0][:8], max_new_tokens=4, eos_ids=eos, pad_id=pad)
-    rates: dict[str, list[float]] = {name: [] for name in ways}
+    batches = [b for b in (sorted(encoded, key=len)[i : i + args.batch_size]
+                           for i in range(0, len(encoded), args.batch_size))]
+    padding = sum(len(b) * max(map(len, b)) - sum(map(len, b)) for b in batches)
+    engines = {name: engine_runner(name, model) for name in args.engines.split(",")}
+    answers = {}
+    for name, run in engines.items():  # warm-up (kernels, allocator, graphs), and the first batch's answers
+        run(batches[0][:8], 4, eos, pad)
+        answers[name] = run(batches[0], args.max_new_tokens, eos, pad)
+    first = next(iter(answers))
+    for name in list(answers)[1:]:
+        same = sum(a == b for a, b in zip(answers[first], answers[name]))
+        parts = sorted(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                       for a, b in zip(answers[first], answers[name]) if a != b)
+        print(f"greedy answers of the first batch, {name} vs {first}: {same} of {len(batches[0])} identical"
+              + (f"; the others part at token {parts[0]}..{parts[-1]} (median {statistics.median(parts)})"
+                 if parts else ""))
+    rates: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.rounds):
-        for name in (list(ways) if r % 2 == 0 else list(reversed(ways))):
-            seconds, tokens = timed(model, ways[name], args, eos, pad)
+        for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+            seconds, tokens = timed(engines[name], batches, args, eos, pad, device)
             rates[name].append(tokens / seconds)
-            padding = sum(len(b) * max(map(len, b)) - sum(map(len, b)) for b in ways[name])
-            print(f"round {r}: {name:17s} {tokens} response tokens in {seconds:6.1f} s = {tokens / seconds:8.0f} tok/s "
-                  f"(prompt padding {padding} tokens)")
+            print(f"round {r}: {name:8s} {tokens} response tokens in {seconds:6.1f} s = {tokens / seconds:8.0f} "
+                  f"tok/s (batches of {args.batch_size}, prompt padding {padding} tokens)")
     for name, values in rates.items():
-        print(f"median {name:17s} {statistics.median(values):8.0f} tok/s")
+        print(f"median {name:8s} {statistics.median(values):8.0f} tok/s")
 
     from torch.profiler import ProfilerActivity, profile
 
-    batch = ways["as given"][0]
+    batch = batches[0]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    t0 = time.perf_counter()
-    generate_batch(model, batch, max_new_tokens=1, eos_ids=[], pad_id=pad)  # prefill + one step
-    sync(device)
-    prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        generate_batch(model, batch, max_new_tokens=args.profile_steps, eos_ids=[], pad_id=pad)
-        sync(device)
-    total = time.perf_counter() - t0
-    step = (total - prefill) / max(1, args.profile_steps - 1)
-    print(f"one batch of {len(batch)}: prefill + 1 token {prefill * 1e3:.0f} ms; then ~{step * 1e3:.1f} ms per decode "
-          f"step ({args.profile_steps} steps profiled, profiler overhead included)")
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
-
+    for name, run in engines.items():
+        sync(device)
+        t0 = time.perf_counter()
+        run(batch, 1, [], pad)  # prefill + one token
+        sync(device)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        run(batch, args.profile_steps, [], pad)
+        sync(device)
+        unprofiled = (time.perf_counter() - t0 - prefill) / max(1, args.profile_steps - 1)
+        with profile(activities=activities) as prof:
+            run(batch, args.profile_steps, [], pad)
+            sync(device)
+        print(f"{name}: one batch of {len(batch)}: prefill + 1 token {prefill * 1e3:.0f} ms; then ~"
+              f"{unprofiled * 1e3:.1f} ms per decode step ({args.profile_steps} steps, not profiled)")
+        print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60))
 
 if __name__ == "__main__":
     main()

@@ -3,8 +3,10 @@
 Tiny random targets (llama, qwen2, qwen3 layouts) and drafters in fp32 on the GPU. For each prompt and block size:
 speculative greedy with the target's and the drafter's steps replayed from CUDA graphs == plain greedy on
 transformers' eager forward, token for token; the same with the adaptive block-size policy (several verify
-shapes); and T=1 sampling with graphs == the fast path without graphs for the same seed. Prints what it ran,
-how many graphs were captured and which shapes fell back to eager; exits 1 on any mismatch or fallback.
+shapes); and T=1 sampling with graphs == the fast path without graphs for the same seed. Then the data path's
+fixed-shape batch (``batchgen.generate_static``, its decode step a CUDA graph): greedy answers to prompts of mixed
+lengths == transformers' decoder in static batches (``generate_batch``). Prints what it ran, how many graphs were
+captured and which shapes fell back to eager; exits 1 on any mismatch or fallback.
 Not a unit test (CI has no GPU): run it where a GPU is lent, e.g. through scripts/device_kit.sh.
 
     python scripts/gpu_check.py
@@ -17,6 +19,7 @@ import copy
 import pathlib
 import sys
 import time
+import warnings
 
 import torch
 
@@ -24,6 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from conftest import tiny_drafter, tiny_target  # noqa: E402
 
 from dflashkit.adaptive import AdaptiveBlockSize  # noqa: E402
+from dflashkit.batchgen import generate_batch, generate_static  # noqa: E402
+from dflashkit.fast_target import FastTargetForward  # noqa: E402
 from dflashkit.decode import DecodeOptions, decode  # noqa: E402
 from dflashkit.sampling import SamplingParams  # noqa: E402
 from dflashkit.target import TargetAdapter  # noqa: E402
@@ -84,6 +89,20 @@ def main() -> int:
             print(f"{arch:6s} block {block:2d}: {len(PROMPTS)} prompts x 4 checks in {time.perf_counter() - t0:5.1f} s; "
                   f"target graphs captured {graphed.graphs.captures}, drafter graphs {drafter.graphs.captures}, "
                   f"fallbacks {len(fell_back)}")
+    for arch in ("llama", "qwen2", "qwen3"):  # the data path: one fixed-shape batch, its step a graph
+        model = tiny_target(arch, tie_word_embeddings=False).to(device)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(4, 96, (int(n),), generator=g).tolist()
+                   for n in torch.randint(1, 40, (24,), generator=g)]
+        expected = generate_batch(model, prompts, max_new_tokens=24, eos_ids=[2], pad_id=0, compact_fraction=1.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = generate_static(FastTargetForward(model), prompts, max_new_tokens=24, eos_ids=[2],
+                                  graph=ReplayCapture() if cpu else "auto")
+        differ = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+        failures += [f"{arch} static batch: answer {i} parts from generate_batch" for i in differ]
+        failures += [f"{arch} static batch: {w.message}" for w in caught if issubclass(w.category, RuntimeWarning)]
+        print(f"{arch:6s} static batch of {len(prompts)}: {len(prompts) - len(differ)} answers identical")
     for f in failures:
         print("FAIL", f)
     print("all identical, no fallback" if not failures else f"{len(failures)} failures")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflashkit import row_kernels
-from dflashkit.batchgen import generate_batch, generate_continuous
+from dflashkit.batchgen import generate_batch, generate_continuous, generate_static
 from dflashkit.errors import InvalidInputError
 from dflashkit.fast_target import FastTargetForward
 from dflashkit.sampling import SamplingParams
@@ -137,3 +137,96 @@ def test_continuous_refuses_bad_arguments(kwargs, message):
     call = dict(prompts=[[5, 6], [7]], slots=2, max_new_tokens=4, eos_ids=[EOS]) | kwargs
     with pytest.raises(InvalidInputError, match=message):
         list(generate_continuous(forward, call.pop("prompts"), **call))
+
+
+# ---- one fixed-shape batch on the fast forward (the GPU's data path) -------------------------------------------
+
+
+class ReplayCapture:
+    """Stand-in for a CUDA graph capture on a CPU: a replay runs the step again."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+
+    def __call__(self, step, pool):
+        self.captured += 1
+        return step
+
+
+def frozen(step, pool):
+    """A recording that ignores its inputs: every replay leaves the capture's outputs."""
+    step()
+    return lambda: None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_static_greedy_equals_each_prompt_alone(arch):
+    """fp32: every answer equals transformers' generate on that prompt alone, whether the prompts are prefilled
+    one, four or all at a time, the host checks for ended rows every step or every third, and the decode steps
+    run eagerly or replayed from a (stand-in) capture."""
+    model = tiny_target(arch, tie_word_embeddings=False)
+    prompts, eos = _prompts_and_eos(model)
+    forward = FastTargetForward(model)
+    expected = [_alone(model, ids, 20, eos) for ids in prompts]
+    assert len({len(a) for a in expected}) > 2, "the test needs answers that end at different steps"
+    capture = ReplayCapture()
+    for prefill_rows, check_every, graph in ((1, 1, None), (4, 3, capture), (20, 8, None)):
+        got = generate_static(forward, prompts, max_new_tokens=20, eos_ids=[eos], prefill_rows=prefill_rows,
+                              check_every=check_every, graph=graph)
+        assert got == expected, (prefill_rows, check_every)
+    assert capture.captured == 1
+
+def test_static_stops_early_once_every_row_has_ended():
+    """Prompts whose answers all end within a few tokens: answers cut at eos, and no step beyond the first check
+    after the last one ended (counted through the forward's layers)."""
+    model = tiny_target("llama", tie_word_embeddings=False)
+    prompts, eos = _prompts_and_eos(model)
+    forward = FastTargetForward(model)
+    first = generate_static(forward, prompts, max_new_tokens=1, eos_ids=[eos])
+    calls = []
+    original = forward.run_layers
+    forward.run_layers = lambda *a, **k: (calls.append(a[0].shape[1]), original(*a, **k))[1]
+    answers = generate_static(forward, prompts, max_new_tokens=50, eos_ids=[t for a in first for t in a],
+                              check_every=4)
+    assert answers == first  # every row ends with its first token
+    assert calls.count(1) == 3  # decode steps 1..3 ran before the check at step 4 saw every row ended
+
+
+def test_a_frozen_static_graph_falls_back_to_eager_steps():
+    model = tiny_target("llama", tie_word_embeddings=False)
+    prompts, eos = _prompts_and_eos(model)
+    forward = FastTargetForward(model)
+    with pytest.warns(RuntimeWarning, match="disagreed"):
+        got = generate_static(forward, prompts, max_new_tokens=20, eos_ids=[eos], graph=frozen)
+    assert got == generate_static(forward, prompts, max_new_tokens=20, eos_ids=[eos], graph=None)
+
+
+def test_static_sampling_is_seeded_and_stops_at_eos():
+    model = tiny_target("llama", tie_word_embeddings=False)
+    forward = FastTargetForward(model)
+    prompts, eos = _prompts_and_eos(model)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    runs = [generate_static(forward, prompts, max_new_tokens=15, eos_ids=[eos], sampling=params,
+                            generator=torch.Generator().manual_seed(seed)) for seed in (3, 3, 4)]
+    assert runs[0] == runs[1] != runs[2]
+    for answer in runs[0]:
+        assert 1 <= len(answer) <= 15 and eos not in answer[:-1]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(prompts=[[5], []]), "at least one"),
+    (dict(prompts=[]), "at least one"), (dict(prefill_rows=0), "prefill_rows"),
+])
+def test_static_refuses_bad_arguments(kwargs, message):
+    forward = FastTargetForward(tiny_target("llama"))
+    call = dict(prompts=[[5, 6], [7]], max_new_tokens=4, eos_ids=[EOS]) | kwargs
+    with pytest.raises(InvalidInputError, match=message):
+        generate_static(forward, call.pop("prompts"), **call)
+
+
+def test_static_cuda_graphs_need_a_cuda_device():
+    from dflashkit.cuda_graphs import cuda_capture
+
+    with pytest.raises(InvalidInputError, match="CUDA"):
+        generate_static(FastTargetForward(tiny_target("llama")), [[5, 6]], max_new_tokens=4, eos_ids=[EOS],
+                        graph=cuda_capture)

@@ -55,11 +55,11 @@ def word_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 class CountingGenerate:
-    """Wraps data.generate_batch and records the batch size of every call."""
+    """Wraps data.generate_batch (or another static-batch function of data) and records every call's batch size."""
 
-    def __init__(self, monkeypatch) -> None:
-        self.inner, self.calls = data.generate_batch, []
-        monkeypatch.setattr(data, "generate_batch", self)
+    def __init__(self, monkeypatch, name: str = "generate_batch") -> None:
+        self.inner, self.calls = getattr(data, name), []
+        monkeypatch.setattr(data, name, self)
 
     def __call__(self, model, prompts, **kwargs):
         self.calls.append(len(prompts))
@@ -400,7 +400,7 @@ def check_records(records: list[dict], max_new_tokens: int) -> None:
             assert len(resp) == max_new_tokens and EOS not in resp
 
 
-@pytest.mark.parametrize("engine", ["continuous", "batches"])
+@pytest.mark.parametrize("engine", ["continuous", "static", "batches"])
 def test_regenerate_matches_unbatched_greedy(tmp_path: Path, engine: str) -> None:
     model, tok = make_model(), make_tokenizer()
     prompts = word_prompts(12) + [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]]
@@ -428,16 +428,17 @@ def test_regenerate_matches_unbatched_greedy(tmp_path: Path, engine: str) -> Non
     assert [json.loads(line)["prompt"] for line in lines] == prompts
 
 
-@pytest.mark.parametrize("engine", ["continuous", "batches"])
+@pytest.mark.parametrize("engine", ["continuous", "static", "batches"])
 def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path, monkeypatch, engine: str) -> None:
     model, tok = make_model(), make_tokenizer()
     out = tmp_path / "out"
     prompts = word_prompts(10, seed=1)
     kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=4, progress=False, engine=engine)
-    counter = CountingGenerate(monkeypatch) if engine == "batches" else CountingContinuous(monkeypatch)
+    counter = (CountingContinuous(monkeypatch) if engine == "continuous" else
+               CountingGenerate(monkeypatch, "generate_static" if engine == "static" else "generate_batch"))
     data.regenerate(model, tok, prompts, out, **kwargs)
     # shards of 4, 4, 2 prompts: in batches of 3, or each in one continuous run
-    assert counter.calls == ([3, 1, 3, 1, 2] if engine == "batches" else [4, 4, 2])
+    assert counter.calls == ([4, 4, 2] if engine == "continuous" else [3, 1, 3, 1, 2])
     first = data.load_shards(out)
     last = data.shard_path(out, 2)
     kept = data.shard_path(out, 0).stat().st_mtime_ns
@@ -541,7 +542,7 @@ def test_a_kill_mid_shard_loses_no_finished_answer_of_continuous_batching(tmp_pa
     assert records == data.load_shards(tmp_path / "ref")
 
 
-@pytest.mark.parametrize("engine", ["continuous", "batches"])
+@pytest.mark.parametrize("engine", ["continuous", "static", "batches"])
 def test_regenerate_sampling_is_seeded_and_skips_long_prompts(tmp_path: Path, engine: str) -> None:
     model, tok = make_model(), make_tokenizer()
     prompts = word_prompts(6, seed=2) + [" ".join(["sea"] * 40)]
@@ -634,9 +635,10 @@ def test_regenerate_engine_choice_is_checked_before_anything_is_written(tmp_path
     tok = make_tokenizer()
     with pytest.raises(InvalidInputError, match="engine must be"):
         data.regenerate(make_model(), tok, ["hi"], tmp_path / "a", engine="fast", progress=False)
-    with pytest.raises(InvalidInputError, match="activation"):  # a model the fast forward does not cover
-        data.regenerate(tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "b", engine="continuous",
-                        progress=False)
+    for engine in ("continuous", "static"):
+        with pytest.raises(InvalidInputError, match="activation"):  # a model the fast forward does not cover
+            data.regenerate(tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "b", engine=engine,
+                            progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     summary = data.regenerate(tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "c",
                               max_new_tokens=3, progress=False)  # auto: static batches for it
