@@ -183,27 +183,30 @@ GRAPH_CHECK_TOLERANCE = 0.1  # graph vs eager logits: max |difference| / max |lo
 
 
 @torch.inference_mode()
-def generate_static(forward: FastTargetForward, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                    eos_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
+def generate_static(forward: FastTargetForward, prompts: Sequence[Sequence[int]], *, slots: int,
+                    max_new_tokens: int, eos_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                     generator: torch.Generator | None = None, graph: Capture | None | str = "auto",
-                    prefill_rows: int = 64, check_every: int = 8) -> list[list[int]]:
-    """Continue every prompt until an eos token (kept) or ``max_new_tokens``, as one fixed-shape batch; returns the
-    new ids. The GPU's data path.
+                    prefill_rows: int = 64, check_every: int = 8) -> Iterator[tuple[int, list[int]]]:
+    """Yields (prompt index, new ids) as each answer ends (an eos token, kept, or ``max_new_tokens``), ``slots``
+    prompts decoding together in one fixed-shape batch, an ended prompt's slot taking the next prompt. The GPU's
+    data path.
 
-    transformers' decoder spends ~110 ms of host time per decode step of SmolLM2-135M on an H100 whatever the batch
-    (256 rows: ~2.3K tok/s, 512: ~4.7K), far above the GPU's work. Here the prompts are left-padded into one
-    preallocated cache (keys and values [layers, rows, kv_heads, capacity, head_dim]) and prefilled ``prefill_rows``
-    at a time through the fast forward's layers; every decode step then has the same shapes (one token per row,
-    written at the same cache column for all rows, attention over the whole capacity under a mask of the columns
-    each row holds), so on CUDA it is recorded once as a CUDA graph and replayed (``graph``: "auto" = on CUDA;
-    None = eager steps; a :data:`dflashkit.cuda_graphs.Capture` = record with it). The host reads the device only
-    every ``check_every`` steps (have all rows ended?) and at the end; ended rows stay in the batch (their later
-    tokens dropped). The graph's first two replays are checked against the eager step, and
-    the graph dropped for eager steps if they differ. Greedy answers are the fast forward's (a test checks them against
-    :func:`generate_batch` in fp32); sampled ones draw from ``generator`` on the batch's device.
+    transformers' decoder spends ~100 ms of host time per decode step of SmolLM2-135M on a GPU whatever the batch
+    (H100: 256 rows ~2.3K tok/s, 512 rows ~4.7K). Here every slot has one row of a preallocated cache (keys and
+    values [layers, slots, kv_heads, capacity, head_dim]) used as a ring: every decode step writes each slot's token
+    at the same column, the next one each step, and attends over the whole ring under a mask of the columns the slot
+    holds (a prompt of L tokens plus its answer never spans more than the capacity, so nothing it holds is
+    overwritten while it runs). The step's shapes never change, so on CUDA it is recorded once as a CUDA graph and
+    replayed (``graph``: "auto" = on CUDA; None = eager steps; a :data:`dflashkit.cuda_graphs.Capture` = record with
+    it); its first two replays are checked against the eager step and the graph dropped if they differ. The host
+    reads the tokens every ``check_every`` steps: answers that ended are yielded and their slots prefilled
+    (``prefill_rows`` prompts at a time, through the fast forward's layers) with the next prompts at the columns just
+    before the next step's; slots without a prompt left idle. A slot steps on for up to ``check_every - 1`` tokens
+    after its answer ends (dropped). Greedy answers are the fast forward's (tests check them against transformers'
+    generate in fp32); sampled ones draw from ``generator`` on the batch's device, so they depend on the slots.
     """
-    if max_new_tokens < 1 or prefill_rows < 1 or check_every < 1:
-        raise InvalidInputError("max_new_tokens, prefill_rows and check_every must be >= 1")
+    if slots < 1 or max_new_tokens < 1 or prefill_rows < 1 or check_every < 1:
+        raise InvalidInputError("slots, max_new_tokens, prefill_rows and check_every must be >= 1")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InvalidInputError("need at least one prompt, each of at least one token")
     device, dtype = forward.device, forward.dtype
@@ -211,98 +214,128 @@ def generate_static(forward: FastTargetForward, prompts: Sequence[Sequence[int]]
         graph = cuda_capture if device.type == "cuda" else None
     elif graph is cuda_capture and device.type != "cuda":
         raise InvalidInputError("CUDA graphs need the target on a CUDA device")
-    rows, width = len(prompts), max(len(p) for p in prompts)
-    capacity = -(-(width + max_new_tokens - 1) // 16) * 16  # the last token is never written; SDPA likes x16
+    rows = min(slots, len(prompts))
+    longest = max(len(p) for p in prompts)
+    capacity = -(-(longest + max_new_tokens - 1) // 16) * 16  # ring columns; x16 suits SDPA's kernels
     layers, kv_heads, head_dim = len(forward.layers), forward.kv_heads, forward.head_dim
     group = forward.heads // kv_heads
     keys = torch.zeros(layers, rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
     values = torch.zeros_like(keys)
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    held = torch.zeros(rows, capacity, dtype=torch.bool)  # the cache columns that hold one of the row's tokens
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-        held[r, width - len(p) : width] = True
-    ids, held = ids.to(device), held.to(device)
-    positions = (held[:, :width].cumsum(-1) - 1).clamp(min=0)  # [rows, width]: padding shares position 0
-    cos_table, sin_table = forward.rotary_tables(capacity + 1)  # [capacity + 1, head_dim]: every position used
+    cos_table, sin_table = forward.rotary_tables(longest + max_new_tokens + check_every)  # [positions, head_dim]
+    tokens = torch.zeros(rows, dtype=torch.long, device=device)  # each slot's token to decode next
+    position = torch.zeros(rows, dtype=torch.long, device=device)  # its position
+    column = torch.zeros(1, dtype=torch.long, device=device)  # the ring column the next step writes
+    mask = torch.zeros(rows, 1, 1, capacity, dtype=dtype, device=device)  # additive: 0 = a column the slot holds
+    logits = torch.empty(rows, forward.head.weight.shape[0], dtype=dtype, device=device)  # the step's output
 
-    def choose(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
-        return argmax(logits) if sampling.greedy else sample(warp(logits, sampling), generator)
+    def choose(scores: torch.Tensor) -> torch.Tensor:  # [n, vocab] -> [n]
+        return argmax(scores) if sampling.greedy else sample(warp(scores, sampling), generator)
 
-    # prefill: rows a..b-1 at a time; query j sees the row's tokens up to j (and itself, so that padding rows,
-    # which see nothing else, stay finite)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    own = torch.eye(width, dtype=torch.bool, device=device)
-    tokens = torch.empty(rows, dtype=torch.long, device=device)
-    for a in range(0, rows, prefill_rows):
-        b = min(rows, a + prefill_rows)
-        visible = causal[None] & (held[a:b, None, :width] | own[None])  # [chunk, width, width]
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-        mask = mask[:, None, None].expand(b - a, 1, group, width, width).reshape(b - a, 1, group * width, width)
-        cos = cos_table[positions[a:b]][:, None]  # [chunk, 1, width, head_dim]
-        sin = sin_table[positions[a:b]][:, None]
+    def prefill(slots_: list[int], batch: list[Sequence[int]], at: int) -> torch.Tensor:
+        """Write the prompts into the slots' rows at the ring columns just before ``at``; their first tokens."""
+        width = max(len(p) for p in batch)
+        n = len(batch)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        real = torch.zeros(n, width, dtype=torch.bool)
+        for j, p in enumerate(batch):
+            ids[j, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+            real[j, width - len(p) :] = True
+        ids, real = ids.to(device), real.to(device)
+        where = torch.nonzero(real)  # [tokens, 2]: (prompt j, its column in the padded batch), row-major
+        lengths = real.sum(-1)  # [n]
+        target_rows = torch.tensor(slots_, device=device)[where[:, 0]]
+        target_cols = (at - width + where[:, 1]) % capacity  # a prompt's last token just before column `at`
+        positions = (real.cumsum(-1) - 1).clamp(min=0)  # [n, width]: padding shares position 0
+        visible = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & (
+            real[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None])  # padding sees itself
+        scores = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        scores = scores[:, None, None].expand(n, 1, group, width, width).reshape(n, 1, group * width, width)
 
-        def write_prefill(i: int, k: torch.Tensor, v: torch.Tensor, a: int = a, b: int = b
-                          ) -> tuple[torch.Tensor, torch.Tensor]:  # k, v: [chunk, kv_heads, width, head_dim]
-            keys[i, a:b, :, :width], values[i, a:b, :, :width] = k, v
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # k, v: [n, kv_heads, width, head_dim] -> the slots' ring columns, real tokens only
+            keys[i][target_rows, :, target_cols] = k.transpose(1, 2)[where[:, 0], where[:, 1]]
+            values[i][target_rows, :, target_cols] = v.transpose(1, 2)[where[:, 0], where[:, 1]]
             return k, v
 
-        x, _ = forward.run_layers(forward.embed(ids[a:b]), cos, sin, functools.partial(masked_sdpa, mask=mask),
-                                  write_prefill, [])
-        tokens[a:b] = choose(forward.head(forward.final_norm(x[:, -1])))  # [chunk]
-
-    # decode: the step's state lives in tensors, so that a graph of it replays at every step
-    position = positions[:, -1] + 1  # [rows]: the position of the token being decoded
-    column = torch.full((1,), width, dtype=torch.long, device=device)  # the cache column it is written at
-    mask = torch.zeros(rows, 1, 1, capacity, dtype=dtype, device=device)  # additive: 0 = a column the row holds
-    mask.masked_fill_(~held[:, None, None], float("-inf"))
-    logits = torch.empty(rows, forward.head.weight.shape[0], dtype=dtype, device=device)  # the step's output
+        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]  # [n, 1, width, head_dim]
+        x, _ = forward.run_layers(forward.embed(ids), cos, sin, functools.partial(masked_sdpa, mask=scores), write, [])
+        index = torch.tensor(slots_, device=device)
+        held = torch.full((n, capacity), float("-inf"), dtype=dtype, device=device)
+        held[where[:, 0], target_cols] = 0.0
+        mask[index] = held[:, None, None]
+        position[index] = lengths
+        first = choose(forward.head(forward.final_norm(x[:, -1])))  # [n]
+        tokens[index] = first
+        return first
 
     def step() -> None:
         mask.index_fill_(-1, column, 0.0)
-        cos, sin = cos_table[position][:, None, None], sin_table[position][:, None, None]  # [rows, 1, 1, head_dim]
+        cos, sin = cos_table[position][:, None, None], sin_table[position][:, None, None]  # [slots, 1, 1, head_dim]
 
-        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, kv, 1, d]
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [slots, kv, 1, d]
             keys[i].index_copy_(2, column, k)
             values[i].index_copy_(2, column, v)
             return keys[i], values[i]
 
         x, _ = forward.run_layers(forward.embed(tokens[:, None]), cos, sin, functools.partial(masked_sdpa, mask=mask),
                                   write, [])
-        logits.copy_(forward.head(forward.final_norm(x[:, 0])))  # [rows, vocab]
+        logits.copy_(forward.head(forward.final_norm(x[:, 0])))  # [slots, vocab]
 
-    # the step only writes the cache column and mask entry of the current state and the logits, so running it
-    # again (eagerly, to check a replay) changes nothing else
-    replay = graph(step, None) if graph is not None and max_new_tokens > 1 else None
-    checks = GRAPH_CHECKS
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
-    ended = torch.isin(tokens, eos)  # [rows]
-    generated = [tokens.clone()]
-    for s in range(1, max_new_tokens):
-        if s % check_every == 0 and bool(ended.all()):
-            break
-        if replay is None:
-            step()
-        else:
-            replay()
-            if checks:  # the first replays, at the capture's state and at the next one
-                checks -= 1
-                replayed = logits.to(torch.float32, copy=True)  # (.float() of fp32 logits is the buffer itself)
+    eos = set(eos_ids)
+    waiting = deque(range(len(prompts)))
+    answering: list[int | None] = [None] * rows  # each slot's prompt index (None: idle)
+    answers: dict[int, list[int]] = {}
+
+    def fill(free: list[int], at: int) -> Iterator[tuple[int, list[int]]]:
+        """Give the free slots the next prompts (yielding answers that end with their first token)."""
+        while free and waiting:
+            taken = [(free.pop(0), waiting.popleft()) for _ in range(min(len(free), prefill_rows, len(waiting)))]
+            first = prefill([r for r, _ in taken], [prompts[i] for _, i in taken], at).tolist()
+            for (r, i), t in zip(taken, first):
+                answering[r], answers[i] = i, [t]
+                if t in eos or max_new_tokens == 1:
+                    answering[r] = None
+                    free.append(r)
+                    yield i, answers.pop(i)
+
+    yield from fill(list(range(rows)), 0)
+    replay, checks = None, GRAPH_CHECKS
+    if graph is not None and any(a is not None for a in answering):
+        replay = graph(step, None)  # the step writes only its state's column, mask entry and the logits: rerunnable
+    recent: list[torch.Tensor] = []
+    while any(a is not None for a in answering):
+        for _ in range(check_every):
+            if replay is None:
                 step()
-                scale = logits.float().abs().max().clamp(min=1e-6)
-                if float((replayed - logits.float()).abs().max() / scale) > GRAPH_CHECK_TOLERANCE:
-                    warnings.warn("generate_static: a CUDA graph's step disagreed with the eager step; decoding "
-                                  "without the graph", RuntimeWarning, stacklevel=2)
-                    replay = None
-        tokens.copy_(choose(logits))
-        generated.append(tokens.clone())
-        ended |= torch.isin(tokens, eos)
-        position += 1
-        column += 1
-    table = torch.stack(generated, dim=1).tolist()  # [rows, steps]: the one read of the tokens
-    eos_set = set(eos_ids)
-    outputs = []
-    for answer in table:
-        end = next((j + 1 for j, t in enumerate(answer) if t in eos_set), len(answer))
-        outputs.append(answer[:end])
-    return outputs
+            else:
+                replay()
+                if checks:  # the first replays, at the capture's state and at the next one
+                    checks -= 1
+                    replayed = logits.to(torch.float32, copy=True)  # (.float() of fp32 logits is the buffer itself)
+                    step()
+                    scale = logits.float().abs().max().clamp(min=1e-6)
+                    if float((replayed - logits.float()).abs().max() / scale) > GRAPH_CHECK_TOLERANCE:
+                        warnings.warn("generate_static: a CUDA graph's step disagreed with the eager step; decoding "
+                                      "without the graph", RuntimeWarning, stacklevel=2)
+                        replay = None
+            tokens.copy_(choose(logits))
+            recent.append(tokens.clone())
+            position += 1
+            column.add_(1).remainder_(capacity)
+        block = torch.stack(recent, dim=1).tolist()  # [slots, check_every]: the check's one read of the tokens
+        recent.clear()
+        free = []
+        for r, i in enumerate(answering):
+            if i is None:
+                continue
+            answer = answers[i]
+            for t in block[r]:
+                answer.append(t)
+                if t in eos or len(answer) == max_new_tokens:
+                    answering[r] = None
+                    free.append(r)
+                    yield i, answers.pop(i)
+                    break
+        idle = [r for r, i in enumerate(answering) if i is None]
+        position[torch.tensor(idle, dtype=torch.long, device=device)] = 0  # keeps idle slots inside the tables
+        yield from fill(free, int(column))

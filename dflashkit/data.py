@@ -25,8 +25,10 @@ While a shard is generated, every finished answer is appended (and flushed to di
 answers in progress.
 
 On a CPU the answers come from :func:`dflashkit.batchgen.generate_continuous` (the fast forward, continuous
-batching: up to ``batch_size`` prompts decoding at once, a finished one's slot taking the next prompt), elsewhere
-from transformers' decoder in static batches (:func:`dflashkit.batchgen.generate_batch`).
+batching: up to ``batch_size`` prompts decoding at once, a finished one's slot taking the next prompt), on a GPU
+from :func:`dflashkit.batchgen.generate_static` (the same slots in one fixed-shape batch, its decode step a CUDA
+graph), for targets the fast forward does not cover from transformers' decoder in static batches
+(:func:`dflashkit.batchgen.generate_batch`).
 """
 
 from __future__ import annotations
@@ -882,8 +884,9 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     OpenAI-compatible server, ``batch_size`` requests at a time.
 
     ``engine`` (a local model): "continuous" (:func:`generate_continuous` on the fast forward, on a CPU; greedy
-    answers are the ones dflashkit's decoder gives), "static" (:func:`generate_static`: one fixed-shape batch on the
-    fast forward, its decode step a CUDA graph on a GPU), "batches" (transformers' decoder in static batches,
+    answers are the ones dflashkit's decoder gives), "static" (:func:`generate_static`: ``batch_size`` slots in one
+    fixed-shape batch on the fast forward, a finished prompt's slot taking the next prompt, the decode step a CUDA
+    graph on a GPU; sampled answers are seeded per shard), "batches" (transformers' decoder in static batches,
     :func:`generate_batch`) or "auto": continuous on a CPU where the fast forward covers the target (2.07x the
     tokens per second of batches for SmolLM2-135M on the 2-core AMX VM, ``scripts/data_speed.py``), static on a GPU
     where it covers it (transformers' decoder is bound there by its host time per step,
@@ -946,6 +949,12 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                                                    sampling=sampling, seeds=seeds):
                 yield [(encoded[j][0], encoded[j][1], response)]
             return
+        if engine == "static":  # seeded per shard: a resumed shard draws as a fresh one
+            torch.manual_seed((seed * 1_000_003 + shard) * 1_000_033)
+            for j, response in generate_static(forward, [ids for _, ids in encoded], slots=batch_size,
+                                               max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=sampling):
+                yield [(encoded[j][0], encoded[j][1], response)]
+            return
         for b in range(0, len(encoded), batch_size):
             batch = encoded[b : b + batch_size]
             if server is not None:  # a seed per prompt: the same answers whichever batch it is in
@@ -953,12 +962,8 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                                           max_new_tokens=max_new_tokens, sampling=sampling)
             else:
                 torch.manual_seed((seed * 1_000_003 + shard) * 1_000_033 + batch[0][0])  # per batch: resumable
-                if engine == "static":
-                    responses = generate_static(forward, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
-                                                eos_ids=eos_ids, sampling=sampling)
-                else:
-                    responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
-                                               eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
+                responses = generate_batch(model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
+                                           eos_ids=eos_ids, pad_id=pad_id, sampling=sampling)
             yield [(i, ids, response) for (i, ids), response in zip(batch, responses)]
 
     from tqdm.auto import tqdm
@@ -1000,7 +1005,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                             "finished": bool(response) and response[-1] in eos_ids}
                            for i, ids, response in answered]  # fmt: skip
                     _write_records(log, new)
-                    if engine != "continuous" or time.perf_counter() - synced >= SYNC_SECONDS:
+                    if engine not in ("continuous", "static") or time.perf_counter() - synced >= SYNC_SECONDS:
                         log.flush()
                         os.fsync(log.fileno())
                         synced = time.perf_counter()

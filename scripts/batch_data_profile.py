@@ -8,14 +8,14 @@ is faster.
 On a lent GPU, session 28's `dflashkit data --device cuda --batch-size 1024` (transformers' decoder in static
 batches, ``batchgen.generate_batch``) wrote ~8.2K response tokens/s: about 100 ms per decode step for a
 135M-parameter target, far above what its arithmetic costs there. ``batchgen.generate_static`` runs the fast forward
-over one preallocated batch cache with its decode step replayed from a CUDA graph. This script times each engine
-on the same batches of real prompts (chat template, up to 512 tokens, sorted by length as `data` sorts a shard), in
-one process, the order alternating per round; compares their greedy answers on the first batch (identical rows,
-and where the others first part); then profiles a few decode steps of one batch per engine with torch.profiler
-(top operations by self time: device time on a GPU) and the prefill's share. ``--random-weights`` takes a folder
-with the target's config.json and tokenizer (e.g. from ``save_pretrained``) and times a randomly initialised
-model of that shape (its answers rarely end early: every step of every row runs). Prints what it measured; runs
-on a CPU too (small sizes) to check itself.
+in slots of one preallocated batch cache (an ended answer's slot taking the next prompt) with its decode step
+replayed from a CUDA graph. This script times each engine on the same real prompts (chat template, up to 512 tokens,
+sorted by length as `data` sorts a shard), in one process, the order alternating per round; compares their greedy
+answers on the first batch (identical rows, and where the others first part); then profiles a few decode steps of
+one batch per engine with torch.profiler (top operations by self time: device time on a GPU) and the prefill's
+share. ``--random-weights`` takes a folder with the target's config.json and tokenizer (e.g. from
+``save_pretrained``) and times a randomly initialised model of that shape (its answers rarely end early: every step
+of every row runs). Prints what it measured; runs on a CPU too (small sizes) to check itself.
 """
 
 from __future__ import annotations
@@ -38,22 +38,30 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def engine_runner(name: str, model):
-    """batch, max_new_tokens, eos, pad -> answers, for one engine."""
+def engine_runner(name: str, model, batch_size: int):
+    """(prompts, max_new_tokens, eos, pad) -> answers in the prompts' order, as `data` runs that engine over a shard:
+    static batches of `batch_size` one after another, or `batch_size` slots refilled as answers end."""
     if name == "batches":
-        return lambda batch, n, eos, pad: generate_batch(model, batch, max_new_tokens=n, eos_ids=eos, pad_id=pad)
+        def run(prompts, n, eos, pad):
+            return [a for i in range(0, len(prompts), batch_size)
+                    for a in generate_batch(model, prompts[i : i + batch_size], max_new_tokens=n, eos_ids=eos,
+                                            pad_id=pad)]
+        return run
     if name == "static":
         forward = FastTargetForward(model)
-        return lambda batch, n, eos, pad: generate_static(forward, batch, max_new_tokens=n, eos_ids=eos)
+
+        def run(prompts, n, eos, pad):
+            got = dict(generate_static(forward, prompts, slots=batch_size, max_new_tokens=n, eos_ids=eos))
+            return [got[i] for i in range(len(prompts))]
+        return run
     raise SystemExit(f"unknown engine {name!r} (static, batches)")
 
 
-def timed(run, batches: list[list[list[int]]], args, eos: list[int], pad: int, device) -> tuple[float, int]:
-    """Seconds and response tokens of generating every batch."""
+def timed(run, prompts: list[list[int]], args, eos: list[int], pad: int, device) -> tuple[float, int]:
+    """Seconds and response tokens of answering every prompt."""
     sync(device)
-    start, tokens = time.perf_counter(), 0
-    for batch in batches:
-        tokens += sum(len(o) for o in run(batch, args.max_new_tokens, eos, pad))
+    start = time.perf_counter()
+    tokens = sum(len(o) for o in run(prompts, args.max_new_tokens, eos, pad))
     sync(device)
     return time.perf_counter() - start, tokens
 
@@ -94,10 +102,10 @@ def main() -> None:
     lengths = sorted(len(ids) for ids in encoded)
     print(f"{device}: {len(encoded)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {statistics.median(lengths)})"
           f", batches of {args.batch_size}, at most {args.max_new_tokens} new tokens")
-    batches = [b for b in (sorted(encoded, key=len)[i : i + args.batch_size]
-                           for i in range(0, len(encoded), args.batch_size))]
+    ordered = sorted(encoded, key=len)  # as `data` orders a shard's prompts
+    batches = [ordered[i : i + args.batch_size] for i in range(0, len(ordered), args.batch_size)]
     padding = sum(len(b) * max(map(len, b)) - sum(map(len, b)) for b in batches)
-    engines = {name: engine_runner(name, model) for name in args.engines.split(",")}
+    engines = {name: engine_runner(name, model, args.batch_size) for name in args.engines.split(",")}
     answers = {}
     for name, run in engines.items():  # warm-up (kernels, allocator, graphs), and the first batch's answers
         run(batches[0][:8], 4, eos, pad)
@@ -113,10 +121,10 @@ def main() -> None:
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.rounds):
         for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
-            seconds, tokens = timed(engines[name], batches, args, eos, pad, device)
+            seconds, tokens = timed(engines[name], ordered, args, eos, pad, device)
             rates[name].append(tokens / seconds)
             print(f"round {r}: {name:8s} {tokens} response tokens in {seconds:6.1f} s = {tokens / seconds:8.0f} "
-                  f"tok/s (batches of {args.batch_size}, prompt padding {padding} tokens)")
+                  f"tok/s (batches / slots of {args.batch_size}; static batches' prompt padding {padding} tokens)")
     for name, values in rates.items():
         print(f"median {name:8s} {statistics.median(values):8.0f} tok/s")
 

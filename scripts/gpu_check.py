@@ -4,9 +4,10 @@ Tiny random targets (llama, qwen2, qwen3 layouts) and drafters in fp32 on the GP
 speculative greedy with the target's and the drafter's steps replayed from CUDA graphs == plain greedy on
 transformers' eager forward, token for token; the same with the adaptive block-size policy (several verify
 shapes); and T=1 sampling with graphs == the fast path without graphs for the same seed. Then the data path's
-fixed-shape batch (``batchgen.generate_static``, its decode step a CUDA graph): greedy answers to prompts of mixed
-lengths == transformers' decoder in static batches (``generate_batch``). Prints what it ran, how many graphs were
-captured and which shapes fell back to eager; exits 1 on any mismatch or fallback.
+fixed-shape batch (``batchgen.generate_static``: 8 slots refilled as answers end, its decode step a CUDA graph):
+greedy answers to 24 prompts of mixed lengths == transformers' decoder in static batches (``generate_batch``).
+Prints what it ran, how many graphs were captured and which shapes fell back to eager; exits 1 on any mismatch or
+fallback.
 Not a unit test (CI has no GPU): run it where a GPU is lent, e.g. through scripts/device_kit.sh.
 
     python scripts/gpu_check.py
@@ -97,12 +98,13 @@ def main() -> int:
         expected = generate_batch(model, prompts, max_new_tokens=24, eos_ids=[2], pad_id=0, compact_fraction=1.0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = generate_static(FastTargetForward(model), prompts, max_new_tokens=24, eos_ids=[2],
-                                  graph=ReplayCapture() if cpu else "auto")
+            answers = dict(generate_static(FastTargetForward(model), prompts, slots=8, max_new_tokens=24,
+                                           eos_ids=[2], graph=ReplayCapture() if cpu else "auto"))
+            got = [answers[i] for i in range(len(prompts))]
         differ = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
         failures += [f"{arch} static batch: answer {i} parts from generate_batch" for i in differ]
         failures += [f"{arch} static batch: {w.message}" for w in caught if issubclass(w.category, RuntimeWarning)]
-        print(f"{arch:6s} static batch of {len(prompts)}: {len(prompts) - len(differ)} answers identical")
+        print(f"{arch:6s} static slots: {len(prompts) - len(differ)} of {len(prompts)} answers identical")
     for f in failures:
         print("FAIL", f)
     print("all identical, no fallback" if not failures else f"{len(failures)} failures")

@@ -161,35 +161,54 @@ def frozen(step, pool):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_static_greedy_equals_each_prompt_alone(arch):
-    """fp32: every answer equals transformers' generate on that prompt alone, whether the prompts are prefilled
-    one, four or all at a time, the host checks for ended rows every step or every third, and the decode steps
-    run eagerly or replayed from a (stand-in) capture."""
+    """fp32: every answer equals transformers' generate on that prompt alone, whatever the slots (1: one prompt at
+    a time; 2 or 4: slots refilled as answers end, at ring columns that wrap around; 20: all at once), the prompts
+    prefilled per slot or together, the host reading the tokens every step or every third or eighth, and the decode
+    steps run eagerly or replayed from a (stand-in) capture."""
     model = tiny_target(arch, tie_word_embeddings=False)
     prompts, eos = _prompts_and_eos(model)
     forward = FastTargetForward(model)
     expected = [_alone(model, ids, 20, eos) for ids in prompts]
     assert len({len(a) for a in expected}) > 2, "the test needs answers that end at different steps"
     capture = ReplayCapture()
-    for prefill_rows, check_every, graph in ((1, 1, None), (4, 3, capture), (20, 8, None)):
-        got = generate_static(forward, prompts, max_new_tokens=20, eos_ids=[eos], prefill_rows=prefill_rows,
-                              check_every=check_every, graph=graph)
-        assert got == expected, (prefill_rows, check_every)
+    for slots, prefill_rows, check_every, graph in ((1, 1, 1, None), (2, 1, 2, None), (4, 2, 3, capture),
+                                                    (20, 20, 8, None)):
+        got = dict(generate_static(forward, prompts, slots=slots, max_new_tokens=20, eos_ids=[eos],
+                                   prefill_rows=prefill_rows, check_every=check_every, graph=graph))
+        assert sorted(got) == list(range(len(prompts)))
+        assert [got[i] for i in range(len(prompts))] == expected, (slots, prefill_rows, check_every)
     assert capture.captured == 1
 
-def test_static_stops_early_once_every_row_has_ended():
-    """Prompts whose answers all end within a few tokens: answers cut at eos, and no step beyond the first check
-    after the last one ended (counted through the forward's layers)."""
+
+def test_static_answers_come_as_they_end_and_slots_are_refilled():
+    """Two slots for nine prompts: answers come in the order they end, and at most two prompts are in flight."""
     model = tiny_target("llama", tie_word_embeddings=False)
     prompts, eos = _prompts_and_eos(model)
     forward = FastTargetForward(model)
-    first = generate_static(forward, prompts, max_new_tokens=1, eos_ids=[eos])
-    calls = []
+    prefilled = []
     original = forward.run_layers
-    forward.run_layers = lambda *a, **k: (calls.append(a[0].shape[1]), original(*a, **k))[1]
-    answers = generate_static(forward, prompts, max_new_tokens=50, eos_ids=[t for a in first for t in a],
-                              check_every=4)
-    assert answers == first  # every row ends with its first token
-    assert calls.count(1) == 3  # decode steps 1..3 ran before the check at step 4 saw every row ended
+    forward.run_layers = lambda *a, **k: (prefilled.append(a[0].shape[:2]), original(*a, **k))[1]
+    order = [i for i, _ in generate_static(forward, prompts, slots=2, max_new_tokens=20, eos_ids=[eos],
+                                           check_every=1)]
+    assert sorted(order) == list(range(len(prompts))) and order != list(range(len(prompts)))
+    prefills = [shape for shape in prefilled if shape[1] > 1 or shape[0] != 2]  # decode steps are [2, 1]
+    assert sum(rows for rows, _ in prefills) == len(prompts) and max(rows for rows, _ in prefills) <= 2
+
+
+def test_static_stops_once_every_answer_has_ended():
+    """Answers that all end with their first token: cut at eos, and no decode step runs."""
+    model = tiny_target("llama", tie_word_embeddings=False)
+    prompts, eos = _prompts_and_eos(model)
+    forward = FastTargetForward(model)
+    first = dict(generate_static(forward, prompts, slots=4, max_new_tokens=1, eos_ids=[eos]))
+    assert all(len(a) == 1 for a in first.values())
+    steps = []
+    original = forward.run_layers
+    forward.run_layers = lambda *a, **k: (steps.append(a[0].shape[1] == 1), original(*a, **k))[1]
+    answers = dict(generate_static(forward, prompts, slots=4, max_new_tokens=50,
+                                   eos_ids=[t for a in first.values() for t in a]))
+    assert answers == first
+    assert len(steps) == 3 and not any(steps)  # three prefills of up to 4 slots (prompts of one token aside: none)
 
 
 def test_a_frozen_static_graph_falls_back_to_eager_steps():
@@ -197,8 +216,8 @@ def test_a_frozen_static_graph_falls_back_to_eager_steps():
     prompts, eos = _prompts_and_eos(model)
     forward = FastTargetForward(model)
     with pytest.warns(RuntimeWarning, match="disagreed"):
-        got = generate_static(forward, prompts, max_new_tokens=20, eos_ids=[eos], graph=frozen)
-    assert got == generate_static(forward, prompts, max_new_tokens=20, eos_ids=[eos], graph=None)
+        got = dict(generate_static(forward, prompts, slots=4, max_new_tokens=20, eos_ids=[eos], graph=frozen))
+    assert got == dict(generate_static(forward, prompts, slots=4, max_new_tokens=20, eos_ids=[eos], graph=None))
 
 
 def test_static_sampling_is_seeded_and_stops_at_eos():
@@ -206,27 +225,27 @@ def test_static_sampling_is_seeded_and_stops_at_eos():
     forward = FastTargetForward(model)
     prompts, eos = _prompts_and_eos(model)
     params = SamplingParams(temperature=1.0, top_p=0.9)
-    runs = [generate_static(forward, prompts, max_new_tokens=15, eos_ids=[eos], sampling=params,
-                            generator=torch.Generator().manual_seed(seed)) for seed in (3, 3, 4)]
+    runs = [dict(generate_static(forward, prompts, slots=4, max_new_tokens=15, eos_ids=[eos], sampling=params,
+                                 generator=torch.Generator().manual_seed(seed))) for seed in (3, 3, 4)]
     assert runs[0] == runs[1] != runs[2]
-    for answer in runs[0]:
+    for answer in runs[0].values():
         assert 1 <= len(answer) <= 15 and eos not in answer[:-1]
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(prompts=[[5], []]), "at least one"),
+    (dict(slots=0), "slots"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(prompts=[[5], []]), "at least one"),
     (dict(prompts=[]), "at least one"), (dict(prefill_rows=0), "prefill_rows"),
 ])
 def test_static_refuses_bad_arguments(kwargs, message):
     forward = FastTargetForward(tiny_target("llama"))
-    call = dict(prompts=[[5, 6], [7]], max_new_tokens=4, eos_ids=[EOS]) | kwargs
+    call = dict(prompts=[[5, 6], [7]], slots=2, max_new_tokens=4, eos_ids=[EOS]) | kwargs
     with pytest.raises(InvalidInputError, match=message):
-        generate_static(forward, call.pop("prompts"), **call)
+        list(generate_static(forward, call.pop("prompts"), **call))
 
 
 def test_static_cuda_graphs_need_a_cuda_device():
     from dflashkit.cuda_graphs import cuda_capture
 
     with pytest.raises(InvalidInputError, match="CUDA"):
-        generate_static(FastTargetForward(tiny_target("llama")), [[5, 6]], max_new_tokens=4, eos_ids=[EOS],
-                        graph=cuda_capture)
+        list(generate_static(FastTargetForward(tiny_target("llama")), [[5, 6]], slots=1, max_new_tokens=4,
+                             eos_ids=[EOS], graph=cuda_capture))

@@ -437,8 +437,8 @@ def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path, monkeypatch, 
     counter = (CountingContinuous(monkeypatch) if engine == "continuous" else
                CountingGenerate(monkeypatch, "generate_static" if engine == "static" else "generate_batch"))
     data.regenerate(model, tok, prompts, out, **kwargs)
-    # shards of 4, 4, 2 prompts: in batches of 3, or each in one continuous run
-    assert counter.calls == ([4, 4, 2] if engine == "continuous" else [3, 1, 3, 1, 2])
+    # shards of 4, 4, 2 prompts: in batches of 3, or each in one run of 3 slots refilled as answers end
+    assert counter.calls == ([3, 1, 3, 1, 2] if engine == "batches" else [4, 4, 2])
     first = data.load_shards(out)
     last = data.shard_path(out, 2)
     kept = data.shard_path(out, 0).stat().st_mtime_ns
