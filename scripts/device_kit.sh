@@ -154,12 +154,14 @@ check() {  # there: the environment works and the GPU decodes (eager fast forwar
 }
 
 data() {  # there: regenerate answers to the staged prompts on the GPU; stops itself before a call's 600 s limit
+  # generate_static runs a shard in BATCH slots, refilled as answers end, then drains (its last answers keep a
+  # whole batch's step): shards of 8 x BATCH keep that tail small; training reads a cut shard's finished answers
   # (shards of 4 batches: a shard's prompts are sorted by length, so each batch pads less; training also takes the
   # answers finished in a shard that the time limit cut)
   env_setup
   timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "jsonl:$DK/prompts.jsonl" --num-prompts "${1:-60000}" \
     --seed 3 --temperature 0 --device "$DEVICE" --batch-size "${BATCH:-2048}" --max-new-tokens 192 \
-    --max-prompt-tokens 512 --shard-size "${SHARD:-4096}" --out "$DK/data/gpu" --no-progress \
+    --max-prompt-tokens 512 --shard-size "${SHARD:-16384}" --out "$DK/data/gpu" --no-progress \
     --no-eval-exclusion || true  # `stage` excluded the evaluation prompts already (checking 60K again: ~10 s)
   ls "$DK/data/gpu" | grep -c '^shard-.*[0-9].jsonl$' || true  # complete shards; the same command resumes
 }
