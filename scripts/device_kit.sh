@@ -3,7 +3,7 @@
 # cannot download, staged here in .devkit/ (ignored through .git/info/exclude), carried over in a few calls,
 # and put together there. Not used by users, tests or CI.
 #
-# Here:   bash scripts/device_kit.sh stage [N_PROMPTS]
+# Here:   bash scripts/device_kit.sh stage [N_PROMPTS [SKIP]]   # SKIP: the first SKIP prompts go last (answered before)
 #         bash scripts/device_kit.sh stage-data DATA_DIR   # optional: answers made on this CPU meanwhile (below)
 #   .devkit/whl/        wheels the device image lacks or has in another version (transformers, gguf)
 #   .devkit/prompts/    N_PROMPTS training prompts (default 60000; ShareGPT turns + first turns + code-completion
@@ -36,6 +36,8 @@
 # the batch's longest answer). Four calls: 1 (wheels, prompts, eval sets, .devkit/randomtarget = the target's
 # config + tokenizer; gpu_check.py 69 s + the profile) 235 s + start, 2-3 seconds each, 4 the session (423 s:
 # CHECK_S=0 DATA_S=130 BATCH=2048 END_S=545; training took 204 s of the 316 s it was given).
+# The list `stage 60000` makes is the same each time (seeded); session 29's GPU answered its first 28,672 prompts (7
+# shards of 4,096, the 7th in part), so the next session stages with `stage 60000 28672` to answer new prompts first.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -59,7 +61,7 @@ PY3=${PY3:-python3}
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 
 stage() {
-  local n=${1:-60000}
+  local n=${1:-60000} skip=${2:-0}
   mkdir -p "$(git rev-parse --git-dir)/info"
   grep -qx "/$KIT/" "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo "/$KIT/" >> "$(git rev-parse --git-dir)/info/exclude"
   mkdir -p $KIT/whl $KIT/prompts $KIT/evalsets
@@ -67,11 +69,11 @@ stage() {
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d $KIT/whl "transformers==$tf" "gguf==$("$PY" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
-  "$PY" - "$n" "$KIT/prompts/prompts.jsonl" <<'EOF'
+  "$PY" - "$n" "$KIT/prompts/prompts.jsonl" "$skip" <<'EOF'
 import json, random, sys
 from dflashkit.data import collect_prompts
 from dflashkit.evalsets import MATH_SUFFIX
-n, path = int(sys.argv[1]), sys.argv[2]
+n, path, skip = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 # chat turns, code-completion requests (documented functions of the installed Python source) and school math,
 # half of it with the common step-by-step instruction; evaluation prompts are dropped by collect_prompts
 chat = collect_prompts("sharegpt-turns:0.35,sharegpt:0.15,code:0.35", n=n - n * 15 // 100, seed=11)
@@ -79,6 +81,7 @@ math = collect_prompts("math", n=n * 15 // 100, seed=12)
 rng = random.Random(13)
 prompts = chat.prompts + [q + MATH_SUFFIX if rng.random() < 0.5 else q for q in math.prompts]
 rng.shuffle(prompts)
+prompts = prompts[skip:] + prompts[:skip]  # the first `skip` were answered in an earlier session: last now
 with open(path, "w", encoding="utf-8") as f:
     for p in prompts:
         f.write(json.dumps({"prompt": p} if isinstance(p, str) else {"messages": p}, ensure_ascii=False) + "\n")

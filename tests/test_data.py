@@ -644,3 +644,27 @@ def test_regenerate_engine_choice_is_checked_before_anything_is_written(tmp_path
                               max_new_tokens=3, progress=False)  # auto: static batches for it
     meta = json.loads((tmp_path / "c" / "meta.json").read_text())
     assert summary["written"] == 1 and meta["shards"]["00000"]["engine"] == "batches"
+
+
+@pytest.mark.parametrize("device,expected", [("cpu", 64), ("cuda", 1024)])
+def test_cli_batch_size_default_follows_the_device(tmp_path: Path, fake_target: list, monkeypatch, device: str,
+                                                  expected: int) -> None:
+    """64 prompts at once on a CPU; 1,024 slots on a GPU, where a step costs about the same for either."""
+    import dflashkit.distributed
+
+    class Called(Exception):
+        pass
+
+    def fake_regenerate(model, tokenizer, prompts, out, **kwargs):
+        raise Called(kwargs["batch_size"])
+
+    monkeypatch.setattr(dflashkit.distributed, "from_environment", lambda d: (dflashkit.distributed.SINGLE, device))
+    monkeypatch.setattr(data, "regenerate", fake_regenerate)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(3, seed=4)])
+    args = ["data", "--out", str(tmp_path / "out"), "--sources", f"jsonl:{src}", "--no-progress", "--min-chars", "1"]
+    with pytest.raises(Called) as called:
+        main(args)
+    assert called.value.args == (expected,)
+    with pytest.raises(Called) as called:
+        main([*args, "--batch-size", "7"])
+    assert called.value.args == (7,)
