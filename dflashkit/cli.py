@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--min-chars", type=int, default=10, help="skip prompts shorter than this (characters)")
     d.add_argument("--max-chars", type=int, default=2000, help="skip prompts longer than this (characters)")
     d.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit lost if killed)")
+    d.add_argument("--engine", choices=["auto", "continuous", "static", "batches"], default="auto",
+                   help="how a local target answers: continuous (the fast forward's batched passes, a CPU's default), "
+                   "static (one fixed-shape batch of slots, its step a CUDA graph: a GPU's default), batches "
+                   "(transformers' decoder in static batches: any model); default: %(default)s")
     d.add_argument("--no-eval-exclusion", action="store_true", help="keep prompts that match evaluation sets")
     d.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     d.add_argument("--device", default="cpu")
@@ -954,6 +958,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     data.parse_sources(args.sources)  # fail early on a bad --sources
     _apply_threads(args.threads)
     parallel, device = from_environment(args.device)  # under torchrun: each process generates its share of shards
+    if args.server and args.engine != "auto":
+        raise data.InvalidInputError("--engine chooses how a local target answers: drop it with --server")
     if args.batch_size is None:  # a GPU's step costs about the same for 64 rows as for 1,024 (generate_static)
         args.batch_size = 1024 if torch.device(device).type == "cuda" and not args.server else 64
     quiet = args.no_progress or not parallel.is_main
@@ -1014,7 +1020,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         model, tokenizer, prompts, out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, shard_size=args.shard_size, seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens, progress=not quiet, extra_meta=extra, parallel=parallel,
-        server=server,
+        server=server, engine=args.engine,
     )  # fmt: skip
     parallel.close()
     if not parallel.is_main:

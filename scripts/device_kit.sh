@@ -24,6 +24,8 @@
 #   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t3"], timeout_s=595,
 #       command="bash scripts/device_kit.sh receive && END_S=555 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
+# (`data` answers with the engine ENGINE, default auto = generate_static on a GPU; a session whose data phase wrote no
+# answer runs it again with --engine batches, transformers' decoder.)
 # The last call checks the GPU decodes (CHECK_S=0 skips it), regenerates answers for DATA_S seconds, sizes a
 # training run by a 40 s probe to what is left of END_S, trains, and brings the drafter back (`bring`).
 # Session 28 (H200, 15 min of device time in all): five calls took 11.5 min (two of them reran gpu_check.py after
@@ -164,7 +166,7 @@ data() {  # there: regenerate answers to the staged prompts on the GPU; stops it
   env_setup
   timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "jsonl:$DK/prompts.jsonl" --num-prompts "${1:-60000}" \
     --seed 3 --temperature 0 --device "$DEVICE" --batch-size "${BATCH:-2048}" --max-new-tokens 192 \
-    --max-prompt-tokens 512 --shard-size "${SHARD:-16384}" --out "$DK/data/gpu" --no-progress \
+    --max-prompt-tokens 512 --shard-size "${SHARD:-16384}" --out "$DK/data/gpu" --no-progress --engine "${ENGINE:-auto}" \
     --no-eval-exclusion || true  # `stage` excluded the evaluation prompts already (checking 60K again: ~10 s)
   ls "$DK/data/gpu" | grep -c '^shard-.*[0-9].jsonl$' || true  # complete shards; the same command resumes
 }
@@ -175,6 +177,12 @@ train() {  # there: continue the shipped drafter on the regenerated answers (dis
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-32}" --steps "${1:-3000}" \
     --lr 6e-4 --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --checkpoint-every 250 || true
   tail -n 3 "$DK/runs/gpu/train_log.jsonl" 2>/dev/null || true
+}
+
+count_answers() {  # there: "ANSWERS TOKENS" in the data folders training reads (unfinished shards included)
+  "$PY3" -c "import sys; from dflashkit.data import load_shards; \
+r = [x for d in sys.argv[1].split(',') for x in load_shards(d, include_partial=True)]; \
+print(len(r), sum(len(x['response_ids']) for x in r))" "$(data_dirs)" 2>/dev/null || echo "0 0"
 }
 
 session() {  # there, in one call: graphs check, data, a timed training run, bring, all within END_S seconds
@@ -194,10 +202,12 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   local end=${END_S:-560}
   LIMIT=$(( ${DATA_S:-260} < end - (SECONDS - t0) - 180 ? ${DATA_S:-260} : end - (SECONDS - t0) - 180 ))
   LIMIT=$(( LIMIT < 30 ? 30 : LIMIT )) data "${PROMPTS_N:-60000}" | tail -n 5
-  local answers; answers=$("$PY3" -c "import sys; from dflashkit.data import load_shards; \
-r = [x for d in sys.argv[1].split(',') for x in load_shards(d, include_partial=True)]; \
-print(len(r), sum(len(x['response_ids']) for x in r))" "$(data_dirs)")
-  answers=${answers:-0 0}
+  local answers; answers=$(count_answers)
+  if [ "${answers% *}" = "0" ] && [ $((end - (SECONDS - t0))) -gt 300 ]; then  # the static engine failed: batches
+    echo "no answers: data again with --engine batches"
+    LIMIT=$(( end - (SECONDS - t0) - 240 )) ENGINE=batches data "${PROMPTS_N:-60000}" | tail -n 5
+    answers=$(count_answers)
+  fi
   echo "data: ${answers% *} answers, ${answers#* } response tokens"
   echo "== data done at $((SECONDS - t0)) s"
   # a 40 s probe sizes the schedule: steps = its rate x what is left of the call (END_S) less start-up and bring

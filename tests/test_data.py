@@ -668,3 +668,16 @@ def test_cli_batch_size_default_follows_the_device(tmp_path: Path, fake_target: 
     with pytest.raises(Called) as called:
         main([*args, "--batch-size", "7"])
     assert called.value.args == (7,)
+
+
+def test_cli_engine_choice_reaches_regenerate(tmp_path: Path, fake_target: list, capsys) -> None:
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(5, seed=4)])
+    args = ["data", "--sources", f"jsonl:{src}", "--max-new-tokens", "3", "--batch-size", "2", "--shard-size", "8",
+            "--dtype", "float32", "--no-progress", "--min-chars", "1"]
+    for engine in ("static", "batches"):
+        assert main([*args, "--out", str(tmp_path / engine), "--engine", engine]) == 0
+        meta = json.loads((tmp_path / engine / "meta.json").read_text())
+        assert {shard["engine"] for shard in meta["shards"].values()} == {engine}
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "s"), "--engine", "static", "--server", "http://localhost:1/v1"]) == 2
+    assert "--engine" in capsys.readouterr().err
