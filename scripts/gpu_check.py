@@ -48,7 +48,7 @@ def main() -> int:
         print("no CUDA device: nothing to check (--cpu runs the script with a stand-in capture)")
         return 2
     if cpu:
-        from test_cuda_graphs import ReplayCapture
+        from conftest import ReplayCapture
     device, failures = torch.device("cpu" if cpu else "cuda"), []
     print(f"torch {torch.__version__} on {'a CPU, stand-in capture' if cpu else torch.cuda.get_device_name()}")
     for arch in ("llama", "qwen2", "qwen3"):

@@ -102,3 +102,21 @@ def tiny_drafter(model, block_size: int = 8, seed: int = 1, num_layers: int = 2,
 @pytest.fixture(params=["llama", "qwen3"])
 def arch(request) -> str:
     return request.param
+
+
+class ReplayCapture:
+    """Stand-in for CUDA graph capture on a CPU: counts captures; a replay runs the step again."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+
+    def __call__(self, step, pool):
+        self.captured += 1
+        return step
+
+
+def frozen(step, pool):
+    """A recording that ignores its inputs (what a graph does when the step read a tensor's value in Python): every
+    replay gives the capture step's outputs again, whatever the inputs are now."""
+    step()  # recorded at the capture's inputs
+    return lambda: None

@@ -12,7 +12,7 @@ from dflashkit.errors import InvalidInputError
 from dflashkit.fast_target import FastTargetForward
 from dflashkit.sampling import SamplingParams
 
-from conftest import tiny_target
+from conftest import ReplayCapture, frozen, tiny_target
 
 EOS = 2
 needs_kernels = pytest.mark.skipif(row_kernels.kernel() is None, reason="the CPU row kernels do not run here")
@@ -140,23 +140,6 @@ def test_continuous_refuses_bad_arguments(kwargs, message):
 
 
 # ---- one fixed-shape batch on the fast forward (the GPU's data path) -------------------------------------------
-
-
-class ReplayCapture:
-    """Stand-in for a CUDA graph capture on a CPU: a replay runs the step again."""
-
-    def __init__(self) -> None:
-        self.captured = 0
-
-    def __call__(self, step, pool):
-        self.captured += 1
-        return step
-
-
-def frozen(step, pool):
-    """A recording that ignores its inputs: every replay leaves the capture's outputs."""
-    step()
-    return lambda: None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -15,7 +15,7 @@ from copy import deepcopy
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_drafter, tiny_target
+from conftest import VOCAB, ReplayCapture, frozen, tiny_drafter, tiny_target
 from test_fast_target import PROMPTS, run
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
@@ -27,17 +27,6 @@ from dflashkit.errors import InvalidInputError
 from dflashkit.fast_target import StepInputs
 from dflashkit.sampling import SamplingParams
 from dflashkit.target import TargetAdapter
-
-
-class ReplayCapture:
-    """Stand-in for CUDA graph capture on a CPU: counts captures; a replay runs the step again."""
-
-    def __init__(self) -> None:
-        self.captured = 0
-
-    def __call__(self, step, pool):
-        self.captured += 1
-        return step
 
 
 def pair(arch: str = "llama", block_size: int = 8):
@@ -194,13 +183,6 @@ def test_caches_are_pooled_and_lent_to_one_generation_at_a_time():
 def broken(step, pool):
     """A capture that fails, as CUDA's does when the step synchronises with the host."""
     raise RuntimeError("operation not permitted when stream is capturing")
-
-
-def frozen(step, pool):
-    """A recording that ignores its inputs (what a graph does when the step read a tensor's value in Python): every
-    replay gives the capture step's outputs again, whatever the inputs are now."""
-    step()  # recorded at the capture's inputs
-    return lambda: None
 
 
 @pytest.mark.parametrize("capture,warning", [(broken, "capture failed"), (frozen, "differ")])
