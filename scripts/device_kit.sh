@@ -38,8 +38,12 @@
 # the batch's longest answer). Four calls: 1 (wheels, prompts, eval sets, .devkit/randomtarget = the target's
 # config + tokenizer; gpu_check.py 69 s + the profile) 235 s + start, 2-3 seconds each, 4 the session (423 s:
 # CHECK_S=0 DATA_S=130 BATCH=2048 END_S=545; training took 204 s of the 316 s it was given).
-# The list `stage 60000` makes is the same each time (seeded); session 29's GPU answered its first 28,672 prompts (7
-# shards of 4,096, the 7th in part), so the next session stages with `stage 60000 28672` to answer new prompts first.
+# The list `stage 60000` makes is the same each time (seeded; checked); session 29's GPU answered its first 28,672
+# prompts (7 shards of 4,096, the 7th in part), so the next session stages with `stage 60000 28672` to answer new
+# prompts first. With slots refilled as answers end the GPU may answer all 60,000 within DATA_S: `session` then spends
+# the data time left on sampled answers (T=0.8) to the same prompts (another folder; training keeps every distinct
+# answer of a prompt; the n-gram store reads the greedy answers only). Dry-run on this CPU (DEVICE=cpu, 20 prompts,
+# END_S=240): greedy pass, sampled pass, probe, training, bring, all ran.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -139,8 +143,9 @@ receive() {  # there: move whatever this call carried into $DK
   ls $DK $DK/site | tr '\n' ' '; echo
 }
 
-data_dirs() {  # there: the folders training reads: the GPU's answers, and those carried from the CPU machine if any
-  local dirs=$DK/data/gpu
+data_dirs() {  # there: the folders training reads: the GPU's answers (greedy, then sampled if any), and those carried
+  local dirs=$DK/data/gpu  # from the CPU machine if any; `greedy` as the first argument: the greedy folders only
+  if [ "${1:-}" != greedy ] && [ -f "$DK/data/gpu-t08/meta.json" ]; then dirs=$dirs,$DK/data/gpu-t08; fi
   if [ -f "$DK/data/cpu/meta.json" ]; then dirs=$dirs,$DK/data/cpu; fi
   echo "$dirs"
 }
@@ -161,14 +166,15 @@ check() {  # there: the environment works and the GPU decodes (eager fast forwar
 data() {  # there: regenerate answers to the staged prompts on the GPU; stops itself before a call's 600 s limit
   # generate_static runs a shard in BATCH slots, refilled as answers end, then drains (its last answers keep a
   # whole batch's step): shards of 8 x BATCH keep that tail small; training reads a cut shard's finished answers
-  # (shards of 4 batches: a shard's prompts are sorted by length, so each batch pads less; training also takes the
-  # answers finished in a shard that the time limit cut)
+  # TEMP=0.8 DATA_NAME=gpu-t08 DSEED=4: sampled answers to the same prompts, in another folder (what `session` does
+  # when the greedy pass has answered every prompt and data time is left: the staged list is finite)
   env_setup
   timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "jsonl:$DK/prompts.jsonl" --num-prompts "${1:-60000}" \
-    --seed 3 --temperature 0 --device "$DEVICE" --batch-size "${BATCH:-2048}" --max-new-tokens 192 \
-    --max-prompt-tokens 512 --shard-size "${SHARD:-16384}" --out "$DK/data/gpu" --no-progress --engine "${ENGINE:-auto}" \
+    --seed "${DSEED:-3}" --temperature "${TEMP:-0}" --device "$DEVICE" --batch-size "${BATCH:-2048}" \
+    --max-new-tokens 192 --max-prompt-tokens 512 --shard-size "${SHARD:-16384}" --out "$DK/data/${DATA_NAME:-gpu}" \
+    --no-progress --engine "${ENGINE:-auto}" \
     --no-eval-exclusion || true  # `stage` excluded the evaluation prompts already (checking 60K again: ~10 s)
-  ls "$DK/data/gpu" | grep -c '^shard-.*[0-9].jsonl$' || true  # complete shards; the same command resumes
+  ls "$DK/data/${DATA_NAME:-gpu}" | grep -c '^shard-.*[0-9].jsonl$' || true  # complete shards; the same command resumes
 }
 
 train() {  # there: continue the shipped drafter on the regenerated answers (distilled); resumes, stops before 600 s
@@ -200,12 +206,20 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
     echo "== profile done at $((SECONDS - t0)) s"
   fi
   local end=${END_S:-560}
-  LIMIT=$(( ${DATA_S:-260} < end - (SECONDS - t0) - 180 ? ${DATA_S:-260} : end - (SECONDS - t0) - 180 ))
-  LIMIT=$(( LIMIT < 30 ? 30 : LIMIT )) data "${PROMPTS_N:-60000}" | tail -n 5
+  local data_s=$(( ${DATA_S:-260} < end - (SECONDS - t0) - 180 ? ${DATA_S:-260} : end - (SECONDS - t0) - 180 ))
+  data_s=$(( data_s < 30 ? 30 : data_s ))
+  local d0=$SECONDS
+  LIMIT=$data_s data "${PROMPTS_N:-60000}" | tail -n 5
   local answers; answers=$(count_answers)
   if [ "${answers% *}" = "0" ] && [ $((end - (SECONDS - t0))) -gt 300 ]; then  # the static engine failed: batches
     echo "no answers: data again with --engine batches"
     LIMIT=$(( end - (SECONDS - t0) - 240 )) ENGINE=batches data "${PROMPTS_N:-60000}" | tail -n 5
+    answers=$(count_answers)
+  fi
+  local left=$(( data_s - (SECONDS - d0) ))  # every prompt answered before the data time ran out
+  if [ "$left" -gt 30 ]; then
+    echo "greedy pass done with ${left} s of data time left: sampled answers (T=0.8) to the same prompts"
+    LIMIT=$left TEMP=0.8 DSEED=4 DATA_NAME=gpu-t08 data "${PROMPTS_N:-60000}" | tail -n 5
     answers=$(count_answers)
   fi
   echo "data: ${answers% *} answers, ${answers#* } response tokens"
@@ -248,7 +262,7 @@ bring() {  # there: the trained drafter, its log and settings into $OUT (files o
     "$PY3" -c "import sys, torch; from dflashkit.checkpoint import load_drafter, save_drafter; \
 save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$run/checkpoint" "$run/drafter"
   fi
-  "$PY3" -m dflashkit ngram-store --data "$(data_dirs)" --out "$run/drafter"  # prompt lookup's store of past answers
+  "$PY3" -m dflashkit ngram-store --data "$(data_dirs greedy)" --out "$run/drafter"  # lookup's store: greedy answers
   cp "$run"/drafter/config.json "$run"/drafter/mask_embedding.pt "$run"/drafter/ngram_store.safetensors \
      "$run"/train_log.jsonl "$run"/run_config.json "$OUT"/
   split -b 15M -d "$run"/drafter/model.safetensors "$OUT"/model.safetensors.part-  # here: cat the parts back
