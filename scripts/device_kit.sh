@@ -44,6 +44,11 @@
 # the data time left on sampled answers (T=0.8) to the same prompts (another folder; training keeps every distinct
 # answer of a prompt; the n-gram store reads the greedy answers only). Dry-run on this CPU (DEVICE=cpu, 20 prompts,
 # END_S=240): greedy pass, sampled pass, probe, training, bring, all ran.
+# Training there ran 5.4-6.6 steps/s at 64 sequences per step whatever else changed: one step is ~14K aten operations
+# (counted on this CPU with torch.profiler, 4 sequences; about as many at 64), so a GPU step is bound by the host
+# dispatching them (~150 ms), not by the GPU. `session` now trains at SEQS=128 (twice the sequences per second if
+# that holds; lr unchanged at 6e-4), and the distillation's LM head runs over 8,192 rows at a time on a GPU (512
+# before: ~150 launches fewer per step). Judge the run by its steps/s in the probe line.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -226,10 +231,10 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   echo "== data done at $((SECONDS - t0)) s"
   # a 40 s probe sizes the schedule: steps = its rate x what is left of the call (END_S) less start-up and bring
   timeout 40 "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$DK/runs/probe" \
-    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-64}" --steps 100000 \
+    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps 100000 \
     --eval-every 0 --checkpoint-every 100000 --no-resume --distill-topk 32 > /dev/null 2>&1
   local train_s=$(( end - (SECONDS - t0) - 45 ))  # what is left, less the time bring takes
-  local steps; steps=$("$PY3" - "$DK/runs/probe/train_log.jsonl" "$train_s" "${answers% *}" "${SEQS:-64}" <<'EOF'
+  local steps; steps=$("$PY3" - "$DK/runs/probe/train_log.jsonl" "$train_s" "${answers% *}" "${SEQS:-128}" <<'EOF'
 import json, os, sys
 MAX_EPOCHS = 6
 recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()] if os.path.exists(sys.argv[1]) else []
@@ -247,7 +252,7 @@ EOF
 )
   echo "== probe done at $((SECONDS - t0)) s: $steps steps in at most $train_s s"
   timeout "$train_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
-    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-64}" --steps "$steps" \
+    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps "$steps" \
     --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 --checkpoint-every 500 \
     2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 5
   tail -n 2 "$run/train_log.jsonl"
