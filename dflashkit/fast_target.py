@@ -375,6 +375,23 @@ class FastTargetForward:
         features = torch.cat([wanted[i] for i in feature_layers], dim=-1) if feature_layers else None
         return x, features
 
+    @torch.inference_mode()
+    def sequences(self, input_ids: Tensor, feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+        """Whole sequences [b, n] from position 0, no cache (training's target pass): the final-normed hidden
+        states [b, n, hidden] and the feature layers' outputs [b, n, n_feat*hidden]. Right padding is harmless:
+        attention is causal, so padding never reaches the real positions. About 25 operations per layer against
+        transformers' ~240, which bounds a training step on a GPU (the host dispatches them)."""
+        b, n = input_ids.shape
+        group = self.heads // self.kv_heads
+        cos, sin = self.rotary_tables(n)  # [n, head_dim]
+        hidden = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1)  # key j > query i: not seen
+        x = self.embed(input_ids)  # [b, n, hidden]
+        mask = x.new_zeros(n, n).masked_fill_(hidden, float("-inf"))
+        mask = mask[None].expand(group, n, n).reshape(1, 1, group * n, n)  # packed query rows repeat per group
+        x, features = self.run_layers(x, cos[None, None], sin[None, None], functools.partial(masked_sdpa, mask=mask),
+                                      lambda i, k, v: (k, v), feature_layers)
+        return self.final_norm(x), features
+
     def rotary_tables(self, positions: int) -> tuple[Tensor, Tensor]:
         """cos and signed sin of positions 0..positions-1 [positions, head_dim], computed by the model's own rotary
         module (each position's values do not depend on the others, so a row equals what a forward at that

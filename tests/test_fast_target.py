@@ -81,6 +81,28 @@ def test_logits_and_features_equal_transformers_in_fp32(any_arch):
         torch.testing.assert_close(v_got, v_ref, rtol=1e-4, atol=1e-4)
 
 
+def test_training_pass_over_whole_sequences_equals_transformers_in_fp32(any_arch):
+    """The target pass training runs (right-padded sequences from position 0, no cache): features and top-K
+    log-probabilities through the fast forward equal transformers' forward with hooks; so do prompt log-probs."""
+    model = tiny_target(any_arch)
+    reference = TargetAdapter(copy.deepcopy(model), [0, 2, 5], fast=False)
+    fast = TargetAdapter(model, [0, 2, 5])
+    ids = torch.randint(3, VOCAB, (3, 17), generator=torch.Generator().manual_seed(2))
+    ids[1, 11:] = 0  # right padding
+    ref = reference.features_and_top_logprobs(ids, 6, chunk=5)
+    got = fast.features_and_top_logprobs(ids, 6, chunk=5)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-4)  # features
+    assert torch.equal(got[1], ref[1])  # top ids
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-4, atol=1e-4)  # their log-probabilities
+    torch.testing.assert_close(fast.features(ids), ref[0], rtol=1e-4, atol=1e-4)
+    prompt = ids[0].tolist()
+    for a, b in zip(fast.prompt_logprobs(prompt, 3), reference.prompt_logprobs(prompt, 3)):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    plain = TargetAdapter(copy.deepcopy(model))  # no feature layers: an empty feature tensor
+    assert plain.features(ids).shape == (3, 17, 0)
+
+
 @pytest.mark.parametrize("rope", ["default", "llama3"])
 def test_rotary_variants_follow_the_models_own_rotary_module(rope):
     overrides = {}
