@@ -379,8 +379,8 @@ class FastTargetForward:
     def sequences(self, input_ids: Tensor, feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
         """Whole sequences [b, n] from position 0, no cache (training's target pass): the final-normed hidden
         states [b, n, hidden] and the feature layers' outputs [b, n, n_feat*hidden]. Right padding is harmless:
-        attention is causal, so padding never reaches the real positions. About 25 operations per layer against
-        transformers' ~240, which bounds a training step on a GPU (the host dispatches them)."""
+        attention is causal, so padding never reaches the real positions. About a third of the kernels of transformers'
+        forward (SmolLM2-135M: ~800 against ~2,500), whose dispatch bounds a training step on a GPU."""
         b, n = input_ids.shape
         group = self.heads // self.kv_heads
         cos, sin = self.rotary_tables(n)  # [n, head_dim]
