@@ -117,7 +117,14 @@ class BlockStates(torch.nn.Module):
         return block_hidden(self.drafter, ids, anchors, keep, self._frozen[0], features=features)
 
 
-LOSS_CHUNK_ROWS = 256  # rows of [rows, V] logits per chunk of the loss (256 x 8,192 fp32: 8 MB)
+LOSS_CHUNK_ROWS = 256  # rows of [rows, V] logits per chunk of the loss on a CPU (256 x 8,192 fp32: 8 MB)
+DEVICE_LOSS_CHUNK_ROWS = 16384  # elsewhere (512 MB): a GPU step is bound by dispatching its operations, and 256-row
+# chunks of 64 sequences x 32 blocks x 15 positions were ~2,000 more per step
+
+
+def loss_chunk_rows(logits: Tensor) -> int:
+    """Rows per chunk of the loss and the accuracy's argmax over logits [rows, V] on their device."""
+    return LOSS_CHUNK_ROWS if logits.device.type == "cpu" else DEVICE_LOSS_CHUNK_ROWS
 
 
 def position_weights(block_size: int, gamma: float) -> Tensor:
@@ -151,9 +158,9 @@ def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor, total_w
     several (Σ w over the whole batch), so that the parts add up to the whole batch's loss."""
     # in chunks of rows: each chunk's fp32 copy, log-softmax and their gradients stay in the CPU's caches instead
     # of making several passes through memory over [rows, V] (the same values: every row's CE is its own)
-    rows = logits.flatten(0, -2)
+    rows, chunk = logits.flatten(0, -2), loss_chunk_rows(logits)
     ce = torch.cat([F.cross_entropy(part.float(), part_labels, reduction="none")
-                    for part, part_labels in zip(rows.split(LOSS_CHUNK_ROWS), labels.flatten().split(LOSS_CHUNK_ROWS))])
+                    for part, part_labels in zip(rows.split(chunk), labels.flatten().split(chunk))])
     total = weights.sum() if total_weight is None else total_weight
     return (ce * weights.flatten()).sum() / total.clamp_min(1e-9)
 
@@ -162,7 +169,7 @@ def row_argmax(logits: Tensor) -> Tensor:
     """argmax over the last dimension of logits [..., V] (any float dtype), in row chunks converted to fp32 (exact;
     the same index, ties to the first): torch's CPU argmax over bf16 is several times slower than over fp32."""
     rows = logits.detach().flatten(0, -2)
-    return torch.cat([part.float().argmax(-1) for part in rows.split(LOSS_CHUNK_ROWS)]).view(logits.shape[:-1])
+    return torch.cat([part.float().argmax(-1) for part in rows.split(loss_chunk_rows(rows))]).view(logits.shape[:-1])
 
 
 def soft_block_targets(

@@ -133,6 +133,13 @@ def test_the_loss_and_the_accuracy_in_row_chunks_equal_them_in_one_piece(dtype, 
     assert torch.equal(a1, a2) and torch.equal(a1, logits.float().argmax(-1)) and a1[0, 0, 0] == 4
 
 
+def test_loss_chunks_are_small_on_a_cpu_and_large_elsewhere():
+    from dflashkit.train import DEVICE_LOSS_CHUNK_ROWS, LOSS_CHUNK_ROWS, loss_chunk_rows
+
+    assert loss_chunk_rows(torch.zeros(2, 3)) == LOSS_CHUNK_ROWS == 256
+    assert loss_chunk_rows(torch.zeros(2, 3, device="meta")) == DEVICE_LOSS_CHUNK_ROWS >= 64 * LOSS_CHUNK_ROWS
+
+
 # ---- end to end on a tiny random target ---------------------------------------------------------------
 
 
