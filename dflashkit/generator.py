@@ -324,10 +324,16 @@ class SpeculativeGenerator:
             logprobs=logprobs,
             penalties=Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias or {}),
         )
-        # batched passes (CPU row kernels): a member's blocks are capped by the batch's size (adaptive.BATCH_ROWS)
-        members = batch.batcher.members if batch is not None and self.target.batches_passes else 1
-        policy = (self.block_policies.get(options.sampling.greedy, batched=batch is not None, members=members)
-                  if adaptive and drafter is not None else None)
+        # batched passes (CPU row kernels): a member's blocks are capped by the batch's size at each step
+        # (adaptive.BATCH_ROWS); members join and leave while it decodes
+        policy = None
+        if adaptive and drafter is not None:
+            greedy = options.sampling.greedy
+            if batch is None:
+                policy = self.block_policies.get(greedy)
+            else:
+                batcher, batches = batch.batcher, self.target.batches_passes
+                policy = self.block_policies.for_batch(greedy, lambda: batcher.members if batches else 1)
         stream = GenerationStream(iter(()))
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise InvalidInputError(f"prefix_cache must be a PrefixCache, got {type(prefix_cache).__name__}")

@@ -18,7 +18,11 @@ latency grows with the queue; llama-server batches its slots, as dflashkit does 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,8 +63,20 @@ class InProcessServer:
         self.thread.join(30)
 
 
-def run_batch(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int, list[float]]:
-    """All prompts from `concurrency` client threads: (wall seconds, completion tokens, latencies)."""
+CLIENTS = pathlib.Path(__file__).with_name("http_clients.py")
+
+
+def run_batch(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int, clients: str = "process"
+              ) -> tuple[float, int, list[float]]:
+    """All prompts from `concurrency` client threads: (wall seconds, completion tokens, latencies). The threads run in
+    a process of their own (``clients="process"``, scripts/http_clients.py), or in this one (``"threads"``, where
+    they share the interpreter lock with the in-process dflashkit servers)."""
+    if clients == "process":
+        job = {"url": url, "prompts": prompts, "concurrency": concurrency, "max_tokens": max_tokens}
+        done = subprocess.run([sys.executable, str(CLIENTS)], input=json.dumps(job), capture_output=True, text=True,
+                              check=True)
+        out = json.loads(done.stdout)
+        return out["wall"], out["tokens"], out["latencies"]
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
     def ask(ids: list[int]) -> tuple[int, float]:
@@ -86,6 +102,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=4, help="the batched dflashkit servers' --max-batch (1: none)")
+    ap.add_argument("--clients", choices=["process", "threads"], default="process",
+                    help="where the client threads run: a process of their own (default) or this one (before session "
+                    "29: they then share the interpreter lock with the in-process dflashkit servers)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = SpeculativeGenerator.load()
@@ -137,18 +156,19 @@ def run(args: argparse.Namespace, spec: SpeculativeGenerator, plain: Speculative
 
     try:
         for url in servers.values():  # warm-up
-            run_batch(url, prompts[:1], 1, 8)
+            run_batch(url, prompts[:1], 1, 8, args.clients)
         results: dict[tuple[str, int], list[tuple[float, float]]] = {}
         names = list(servers)
         for c in levels:
             for r in range(args.rounds):
                 for name in names[r % len(names):] + names[: r % len(names)]:
-                    wall, tokens, latencies = run_batch(servers[name], prompts, c, args.max_tokens)
+                    wall, tokens, latencies = run_batch(servers[name], prompts, c, args.max_tokens, args.clients)
                     results.setdefault((name, c), []).append((tokens / wall, statistics.median(latencies)))
                     print(f"  C={c} round {r} {name}: {tokens / wall:.1f} tok/s, median latency "
                           f"{statistics.median(latencies):.2f} s", flush=True)
         print(f"\n{len(prompts)} greedy requests of at most {args.max_tokens} tokens per batch, {args.rounds} rounds, "
-              f"{args.threads} threads per server; medians over rounds")
+              f"{args.threads} threads per server, clients in {'their own process' if args.clients == 'process' else 'this process'}; "
+              "medians over rounds")
         print("| server | " + " | ".join(f"C={c}: tok/s, latency" for c in levels) + " |")
         print("|---|" + "---:|" * len(levels))
         for name in names:

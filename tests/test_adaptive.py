@@ -225,3 +225,29 @@ def test_batched_members_blocks_are_capped_by_the_batch_size():
     assert policies.get(True, batched=True, members=4) is policies.get(True, batched=True, members=3)
     assert policies.get(True, batched=True, members=4) is not policies.get(True, batched=True, members=8)
     assert policies.get(True) is not policies.get(True, batched=True, members=1)
+
+
+def test_a_members_policy_follows_the_batch_size_at_each_step():
+    """A member that starts alone and is joined by seven others: its next steps choose within the cap of a batch
+    of 8 (and its copies too), and each step is reported to the policy that chose it."""
+    from dflashkit.adaptive import BlockPolicies
+
+    policies = BlockPolicies(16)
+    size = [1]
+    member = policies.for_batch(True, lambda: size[0])
+    alone, full = policies.get(True, batched=True, members=1), policies.get(True, batched=True, members=8)
+    assert member.max_block == 16 and member.copies.max_block == 16  # what the decode loop sizes its caches by
+    assert member.current() is alone and member.copies.current() is alone.copies
+    block = member.choose()
+    size[0] = 8  # the others join before the step is reported
+    member.observe(block, block - 1, 0, 0.01)
+    assert (alone.steps, full.steps) == (1, 0)
+    assert member.current() is full and member.copies.current() is full.copies
+    for _ in range(20):
+        block = member.choose()
+        assert block in (1, 2)
+        member.observe(block, block - 1, block - 1, 0.01)
+        assert member.copies.choose() == 2
+    assert full.steps == 20 and alone.steps == 1
+    size[0] = 0  # the batch emptied (the member itself left): the policy of one
+    assert member.current() is alone
