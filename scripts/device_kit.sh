@@ -48,8 +48,8 @@
 # (counted on this CPU with torch.profiler, 4 sequences; about as many at 64), so a GPU step is bound by the host
 # dispatching them (~150 ms), not by the GPU. `session` now trains at SEQS=128 (twice the sequences per second if
 # that holds; lr unchanged at 6e-4), and the distillation's LM head runs over 8,192 rows at a time on a GPU (512
-# before: ~150 launches fewer per step), the loss's row chunks are 16,384 rows off a CPU (256 before: ~2,600 operations
-# more per step at 64 sequences, growing with the batch), and the target's training pass runs on the fast forward
+# before: ~150 launches fewer per step), the loss's row chunks are 16,384 rows off a CPU (256 before: ~40 operations each,
+# ~4,700 more per step at 64 sequences, growing with the batch), and the target's training pass runs on the fast forward
 # (~2,800 operations fewer). Judge the run by its steps/s in the probe line.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run

@@ -18,23 +18,27 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 
-def main() -> None:
-    job = json.loads(sys.stdin.read())
-    url = job["url"]
+def run_clients(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    """Every prompt from ``concurrency`` threads: {"wall", "tokens", "latencies"} as described above."""
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
     def ask(ids: list[int]) -> tuple[int, float]:
         start = time.perf_counter()
         r = httpx.post(url + "/v1/completions", timeout=900,
-                       json={"model": model, "prompt": ids, "max_tokens": job["max_tokens"], "temperature": 0})
+                       json={"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0})
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"], time.perf_counter() - start
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(job["concurrency"]) as pool:
-        answers = list(pool.map(ask, job["prompts"]))
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(ask, prompts))
     wall = time.perf_counter() - start
-    print(json.dumps({"wall": wall, "tokens": sum(n for n, _ in answers), "latencies": [t for _, t in answers]}))
+    return {"wall": wall, "tokens": sum(n for n, _ in answers), "latencies": [t for _, t in answers]}
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    print(json.dumps(run_clients(job["url"], job["prompts"], job["concurrency"], job["max_tokens"])))
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import torch
 import uvicorn
+
+from http_clients import run_clients  # this script's folder is on the path when it runs
 
 from dflashkit import SpeculativeGenerator
 from dflashkit.batching import ComputeThread
@@ -76,20 +76,9 @@ def run_batch(url: str, prompts: list[list[int]], concurrency: int, max_tokens: 
         done = subprocess.run([sys.executable, str(CLIENTS)], input=json.dumps(job), capture_output=True, text=True,
                               check=True)
         out = json.loads(done.stdout)
-        return out["wall"], out["tokens"], out["latencies"]
-    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-
-    def ask(ids: list[int]) -> tuple[int, float]:
-        start = time.perf_counter()
-        r = httpx.post(url + "/v1/completions", timeout=900,
-                       json={"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0})
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"], time.perf_counter() - start
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        answers = list(pool.map(ask, prompts))
-    return time.perf_counter() - start, sum(n for n, _ in answers), [t for _, t in answers]
+    else:
+        out = run_clients(url, prompts, concurrency, max_tokens)
+    return out["wall"], out["tokens"], out["latencies"]
 
 
 def main() -> None:
@@ -167,8 +156,8 @@ def run(args: argparse.Namespace, spec: SpeculativeGenerator, plain: Speculative
                     print(f"  C={c} round {r} {name}: {tokens / wall:.1f} tok/s, median latency "
                           f"{statistics.median(latencies):.2f} s", flush=True)
         print(f"\n{len(prompts)} greedy requests of at most {args.max_tokens} tokens per batch, {args.rounds} rounds, "
-              f"{args.threads} threads per server, clients in {'their own process' if args.clients == 'process' else 'this process'}; "
-              "medians over rounds")
+              f"{args.threads} threads per server, clients in "
+              f"{'their own process' if args.clients == 'process' else 'this process'}; medians over rounds")
         print("| server | " + " | ".join(f"C={c}: tok/s, latency" for c in levels) + " |")
         print("|---|" + "---:|" * len(levels))
         for name in names:
