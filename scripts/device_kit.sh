@@ -59,7 +59,8 @@
 # Or step by step, each call within 30 s of the last (each stops itself after LIMIT=540 s and the next resumes):
 #   run(command="bash scripts/device_kit.sh data 60000")      # repeat until all shards are there
 #   run(command="bash scripts/device_kit.sh train 3000")      # repeat until done
-#   run(command="bash scripts/device_kit.sh bring")           # drafter + store + log; here: cat model.safetensors.part-* > model.safetensors
+#   run(command="bash scripts/device_kit.sh bring")           # drafter + store + log + answers; here: cat the parts
+#                                                             # back, tar -xf drafter-extra.tar
 # or any command that starts with `source scripts/device_kit.sh env;`, e.g.
 #   source scripts/device_kit.sh env; dflashkit generate "Hi" --device cuda --compare-ar
 #   source scripts/device_kit.sh env; dflashkit data --sources jsonl:$DK/prompts.jsonl --device cuda \
@@ -270,9 +271,22 @@ bring() {  # there: the trained drafter, its log and settings into $OUT (files o
 save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$run/checkpoint" "$run/drafter"
   fi
   "$PY3" -m dflashkit ngram-store --data "$(data_dirs greedy)" --out "$run/drafter"  # lookup's store: greedy answers
-  cp "$run"/drafter/config.json "$run"/drafter/mask_embedding.pt "$run"/drafter/ngram_store.safetensors \
-     "$run"/train_log.jsonl "$run"/run_config.json "$OUT"/
+  # at most 8 files come back (16 MiB each, 64 MiB in all): the small ones in one tar, the weights in parts
+  tar -cf "$OUT"/drafter-extra.tar -C "$run"/drafter config.json mask_embedding.pt ngram_store.safetensors \
+     -C "$run" train_log.jsonl run_config.json
   split -b 15M -d "$run"/drafter/model.safetensors "$OUT"/model.safetensors.part-  # here: cat the parts back
+  # the greedy answers too, where they pack into 28 MiB (meta + shards, the stage-data format: a later session
+  # carries them as .devkit/cpudata/data.tar.xz and trains on them without answering those prompts again)
+  if [ -f $DK/data/gpu/meta.json ]; then
+    (cd $DK/data/gpu && timeout 90 tar -cf - meta.json $(ls | grep -E '^shard-[0-9]+(\.partial)?\.jsonl$') \
+       | xz -T0 -6 > $DK/data-gpu.tar.xz)
+    local size; size=$(stat -c %s $DK/data-gpu.tar.xz 2>/dev/null || echo 0)
+    if [ "$size" -gt 0 ] && [ "$size" -le $((28 * 1024 * 1024)) ]; then
+      split -b 15M -d $DK/data-gpu.tar.xz "$OUT"/data-gpu.tar.xz.part-
+    else
+      echo "the greedy answers pack into $size bytes: not brought back"
+    fi
+  fi
   ls -la "$OUT"
 }
 
