@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep n-grams seen at least this often (default: %(default)s)")
     n.add_argument("--max-draft", type=int, default=ngram_store.DEFAULT_MAX_DRAFT,
                    help="longest draft it proposes (default: %(default)s)")
+    n.add_argument("--merge", action="append", default=[], metavar="STORE",
+                   help="merge an existing store into the new one (an ngram_store.safetensors or a drafter folder "
+                        "holding one; repeatable): the store grows with each batch of answers without their data")
     n.set_defaults(func=cmd_ngram_store)
 
     from .bench.command import add_bench_parser
@@ -440,7 +443,7 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
     import pathlib
 
     from .errors import InvalidInputError
-    from .ngram_store import FILENAME, NgramStore
+    from .ngram_store import FILENAME, NgramStore, find_store
     from .train import load_sequences
 
     if args.n < 1 or args.min_count < 1 or args.max_draft < 1:
@@ -450,13 +453,25 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"{out}: not a drafter folder (no config.json)")
     with _status(f"Reading answers from {args.data}...", False):  # distinct answers, as training counts them
         sequences = [s.input_ids[max(0, s.num_prompt - args.n) :] for s in load_sequences(args.data, sys.maxsize)]
+    merges = []
+    for path in args.merge:  # read first: a wrong path fails before the counting
+        path = pathlib.Path(path).expanduser()
+        found = find_store(path) if path.is_dir() else (path if path.is_file() else None)
+        if found is None:
+            raise InvalidInputError(f"--merge {path}: no n-gram store there")
+        merges.append(NgramStore.load(found))
+        if merges[-1].n != args.n:
+            raise InvalidInputError(f"--merge {path}: a store of {merges[-1].n}-grams, not {args.n}-grams (--n)")
     with _status(f"Counting {args.n}-grams of {len(sequences)} answers...", False):
         store = NgramStore.build(sequences, n=args.n, min_count=args.min_count, max_draft=args.max_draft)
+    for other in merges:
+        store = store.merged(other)
     vocab = json.loads((out / "config.json").read_text()).get("vocab_size")
     if isinstance(vocab, int):
         store.check_vocab(vocab)  # answers of another target: refused here, not when generate loads the store
     store.save(out / FILENAME)
-    print(f"{len(store)} {args.n}-grams (seen >= {args.min_count} times) from {len(sequences)} answers -> "
+    merged = f", merged with {len(merges)} store(s)" if merges else ""
+    print(f"{len(store)} {args.n}-grams (seen >= {args.min_count} times) from {len(sequences)} answers{merged} -> "
           f"{out / FILENAME}", file=sys.stderr)
     return 0
 

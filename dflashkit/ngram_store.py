@@ -72,6 +72,25 @@ class NgramStore:
                 table[key], counts[key] = token, count
         return cls(table, n, counts, max_draft, min_count)
 
+    def merged(self, other: NgramStore) -> NgramStore:
+        """The union of two stores (e.g. one session's answers with the shipped store's), so that the store grows
+        with every batch of regenerated answers. A store keeps each n-gram's top follower and its count only, so
+        where both hold an n-gram: the same follower adds the counts (exact), different followers keep the one
+        counted more often (the other follower's count in this corpus is not known: approximate)."""
+        if other.n != self.n:
+            raise ValueError(f"cannot merge a store of {other.n}-grams into one of {self.n}-grams")
+        table, counts = dict(self.table), dict(self.counts)
+        for key, token in other.table.items():
+            count = other.counts.get(key, 0)
+            if key not in table:
+                table[key], counts[key] = token, count
+            elif table[key] == token:
+                counts[key] = counts.get(key, 0) + count
+            elif (count, -token) > (counts.get(key, 0), -table[key]):  # more often; the smaller id on ties
+                table[key], counts[key] = token, count
+        min_counts = [m for m in (self.min_count, other.min_count) if m is not None]
+        return NgramStore(table, self.n, counts, self.max_draft, min(min_counts) if min_counts else None)
+
     def propose(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` (and ``max_draft``) tokens: the most frequent continuation of the last n tokens,
         then of the last n tokens with it appended, and so on ([] when the text's last n-gram is not stored)."""

@@ -38,9 +38,21 @@
 # the batch's longest answer). Four calls: 1 (wheels, prompts, eval sets, .devkit/randomtarget = the target's
 # config + tokenizer; gpu_check.py 69 s + the profile) 235 s + start, 2-3 seconds each, 4 the session (423 s:
 # CHECK_S=0 DATA_S=130 BATCH=2048 END_S=545; training took 204 s of the 316 s it was given).
+# Session 30 (H200, `stage 60000 28672`; four calls as above without .devkit/randomtarget, then a fifth within the
+# warm window: 717 s of device time in all): gpu_check.py 66 s, every check identical, the refilled static slots too
+# (24 of 24 per architecture). Session (CHECK_S=0 DATA_S=130 END_S=555, 446 s): data 23,025 answers, 3.40M tokens
+# by 144 s (~31K tok/s with loading: fewer than session 29's 27,992 without refill), probe 3.62 steps/s at SEQS=128
+# (574 sequences/s in the run itself, 918 steps in 205 s: vs ~420/s at 64, so a step is no longer only dispatch),
+# bring 35 s. Fifth call, `batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 4096
+# --batch-size 2048 --rounds 1` (real weights, 115 s): static 46.2K tok/s vs batches 24.5K; a static decode step of
+# 2,048 slots 30.2 ms (68K tok/s if every slot were busy: refills and the drain cost the rest). The greedy answers came
+# back (bring, 4.6 MB as tar.xz; median prompt 104 tokens, answer 192: 10,001 of the 23,025 ended before the cap):
+# kept here as .devkit/gpudata/s30-data-gpu.tar.xz; to train on them again, `mkdir -p .devkit/cpudata && cp
+# .devkit/gpudata/s30-data-gpu.tar.xz .devkit/cpudata/data.tar.xz` and carry .devkit/cpudata in call 2 or 3
+# (receive unpacks it into $DK/data/cpu, which data_dirs adds).
 # The list `stage 60000` makes is the same each time (seeded; checked); session 29's GPU answered its first 28,672
-# prompts (7 shards of 4,096, the 7th in part), so the next session stages with `stage 60000 28672` to answer new
-# prompts first. With slots refilled as answers end the GPU may answer all 60,000 within DATA_S: `session` then spends
+# prompts (7 shards of 4,096, the 7th in part), session 30's the next 16,384 and 6,641 of the 16,384 after, so the next
+# session stages with `stage 60000 45056` to answer new prompts first. With slots refilled as answers end the GPU may answer all 60,000 within DATA_S: `session` then spends
 # the data time left on sampled answers (T=0.8) to the same prompts (another folder; training keeps every distinct
 # answer of a prompt; the n-gram store reads the greedy answers only). Dry-run on this CPU (DEVICE=cpu, 20 prompts,
 # END_S=240): greedy pass, sampled pass, probe, training, bring, all ran.
@@ -270,7 +282,9 @@ bring() {  # there: the trained drafter, its log and settings into $OUT (files o
     "$PY3" -c "import sys, torch; from dflashkit.checkpoint import load_drafter, save_drafter; \
 save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$run/checkpoint" "$run/drafter"
   fi
-  "$PY3" -m dflashkit ngram-store --data "$(data_dirs greedy)" --out "$run/drafter"  # lookup's store: greedy answers
+  # lookup's store: the greedy answers', merged with the shipped drafter's (the store grows session by session)
+  "$PY3" -m dflashkit ngram-store --data "$(data_dirs greedy)" --out "$run/drafter" \
+    --merge dflashkit/drafters/smollm2-135m-instruct
   # at most 8 files come back (16 MiB each, 64 MiB in all): the small ones in one tar, the weights in parts
   tar -cf "$OUT"/drafter-extra.tar -C "$run"/drafter config.json mask_embedding.pt ngram_store.safetensors \
      -C "$run" train_log.jsonl run_config.json

@@ -51,6 +51,23 @@ def test_propose_chains_the_most_frequent_continuations():
     assert NgramStore({(1, 2): 3}, n=2).propose([1, 2], 4) == [3]  # (2, 3) unknown: the chain stops
 
 
+def test_merged_is_the_union_and_the_counts_decide_where_the_followers_differ():
+    a = NgramStore({(1, 2): 3, (2, 3): 4, (5, 5): 1}, n=2, counts={(1, 2): 5, (2, 3): 2, (5, 5): 3}, min_count=2)
+    b = NgramStore({(1, 2): 3, (2, 3): 7, (6, 6): 2, (5, 5): 0}, n=2, counts={(1, 2): 1, (2, 3): 9, (6, 6): 4,
+                                                                             (5, 5): 3}, min_count=3)
+    m = a.merged(b)
+    assert m.table == {(1, 2): 3, (2, 3): 7, (5, 5): 0, (6, 6): 2}
+    assert m.counts == {(1, 2): 6, (2, 3): 9, (5, 5): 3, (6, 6): 4}  # same follower: summed; else the larger count
+    assert m.min_count == 2 and m.n == 2 and a.table[(2, 3)] == 4  # a itself unchanged
+    # exact where every corpus's top followers agree: merging the stores of two halves = the store of the whole
+    seqs = [[1, 2, 3, 4] * 3, [1, 2, 3, 4, 1, 2] * 2, [4, 3, 2, 1] * 2]
+    halves = NgramStore.build(seqs[:1], n=2, min_count=1).merged(NgramStore.build(seqs[1:], n=2, min_count=1))
+    whole = NgramStore.build(seqs, n=2, min_count=1)
+    assert halves.table == whole.table and halves.counts == whole.counts
+    with pytest.raises(ValueError, match="3-grams into one of 2-grams"):
+        a.merged(NgramStore({(1, 2, 3): 4}, n=3))
+
+
 def test_save_and_load_round_trip_and_bad_files(tmp_path: Path):
     store = NgramStore.build(corpus(3), n=3, min_count=1, max_draft=5)
     store.save(tmp_path / FILENAME)
@@ -119,6 +136,32 @@ def test_cli_builds_the_store_into_a_drafter_folder_that_loads_with_it(tmp_path:
     with pytest.raises(SystemExit):
         main(["ngram-store", "--data", str(data)])  # --out is required
     assert main(["ngram-store", "--data", str(data), "--out", str(tmp_path)]) == 2  # not a drafter folder
+
+
+def test_cli_merges_earlier_stores_into_the_new_one(tmp_path: Path, capsys):
+    folder = tmp_path / "drafter"
+    save_drafter(tiny_drafter(tiny_target("llama"), block_size=4), folder)
+
+    def data_folder(name: str, response: list[int]) -> Path:
+        data = tmp_path / name
+        data.mkdir()
+        (data / "meta.json").write_text(json.dumps({"num_shards": 1}))
+        record = {"id": 0, "prompt_ids": [1, 2, 3], "response_ids": response, "finished": True}
+        (data / "shard-00000.jsonl").write_text(json.dumps(record) + "\n")
+        return data
+
+    first, second = data_folder("a", [4, 5, 6, 7]), data_folder("b", [8, 9, 10, 11])
+    args = ["ngram-store", "--out", str(folder), "--n", "2", "--min-count", "1"]
+    assert main([*args, "--data", str(first)]) == 0
+    assert main([*args, "--data", str(second), "--merge", str(folder)]) == 0  # the folder's own store grows
+    assert "merged with 1 store(s)" in capsys.readouterr().err
+    store = load_drafter(folder, dtype=torch.float32).ngram_store
+    assert store.propose([4, 5], 3) == [6, 7] and store.propose([8, 9], 3) == [10, 11]
+    assert main([*args, "--data", str(second), "--merge", str(tmp_path / "missing")]) == 2
+    assert "no n-gram store there" in capsys.readouterr().err
+    assert main([*args, "--n", "3", "--data", str(second), "--merge", str(folder / FILENAME)]) == 2
+    assert "not 3-grams" in capsys.readouterr().err
+    assert NgramStore.load(folder / FILENAME).propose([4, 5], 3) == [6, 7]  # a refused merge wrote nothing
 
 
 def test_cli_refuses_answers_of_another_vocabulary(tmp_path: Path, capsys):
