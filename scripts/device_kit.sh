@@ -40,22 +40,24 @@
 # CHECK_S=0 DATA_S=130 BATCH=2048 END_S=545; training took 204 s of the 316 s it was given).
 # Session 30 (H200, `stage 60000 28672`; four calls as above without .devkit/randomtarget, then a fifth within the
 # warm window: 717 s of device time in all): gpu_check.py 66 s, every check identical, the refilled static slots too
-# (24 of 24 per architecture). Session (CHECK_S=0 DATA_S=130 END_S=555, 446 s): data 23,025 answers, 3.40M tokens
-# by 144 s (~31K tok/s with loading: fewer than session 29's 27,992 without refill), probe 3.62 steps/s at SEQS=128
-# (574 sequences/s in the run itself, 918 steps in 205 s: vs ~420/s at 64, so a step is no longer only dispatch),
-# bring 35 s. Fifth call, `batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 4096
-# --batch-size 2048 --rounds 1` (real weights, 115 s): static 46.2K tok/s vs batches 24.5K; a static decode step of
-# 2,048 slots 30.2 ms (68K tok/s if every slot were busy: refills and the drain cost the rest). The greedy answers came
-# back (bring, 4.6 MB as tar.xz; median prompt 104 tokens, answer 192: 10,001 of the 23,025 ended before the cap):
-# kept here as .devkit/gpudata/s30-data-gpu.tar.xz; to train on them again, `mkdir -p .devkit/cpudata && cp
+# (24 of 24 per architecture). Session (CHECK_S=0 DATA_S=130 END_S=555, 446 s): data by 144 s, 23,025 answers, 3.40M
+# tokens: the first shard (16,384 prompts, 391 too long) in 57 s, 2.49M tokens = 43K tok/s, then 7,032 answers of
+# the second; ~30 s went to loading and preparing the 60,000 prompts. Probe 3.62 steps/s at SEQS=128 (574
+# sequences/s in the run itself, 918 steps in 205 s: vs ~420/s at 64, so a step is no longer only dispatch); bring
+# 35 s. Fifth call, `batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 4096 --batch-size 2048
+# --rounds 1` (real weights, 115 s): static 46.2K tok/s vs batches 24.5K; a static decode step of 2,048 slots 30.2 ms
+# (68K tok/s if every slot were busy: refills and the drain cost the rest). The greedy answers came back (bring, 4.6
+# MB as tar.xz; median prompt 104 tokens, answer 192: 10,001 of the 23,025 ended before the cap): kept here as
+# .devkit/gpudata/s30-data-gpu.tar.xz; to train on them again, `mkdir -p .devkit/cpudata && cp
 # .devkit/gpudata/s30-data-gpu.tar.xz .devkit/cpudata/data.tar.xz` and carry .devkit/cpudata in call 2 or 3
 # (receive unpacks it into $DK/data/cpu, which data_dirs adds).
 # The list `stage 60000` makes is the same each time (seeded; checked); session 29's GPU answered its first 28,672
-# prompts (7 shards of 4,096, the 7th in part), session 30's the next 16,384 and 6,641 of the 16,384 after, so the next
-# session stages with `stage 60000 45056` to answer new prompts first. With slots refilled as answers end the GPU may answer all 60,000 within DATA_S: `session` then spends
-# the data time left on sampled answers (T=0.8) to the same prompts (another folder; training keeps every distinct
-# answer of a prompt; the n-gram store reads the greedy answers only). Dry-run on this CPU (DEVICE=cpu, 20 prompts,
-# END_S=240): greedy pass, sampled pass, probe, training, bring, all ran.
+# prompts (7 shards of 4,096, the 7th in part), session 30's the next 16,384 (15,993 answered, 391 too long) and
+# 7,032 of the 16,384 after, so the next session stages with `stage 60000 45056` to answer new prompts first. At
+# ~43K tok/s all 60,000 would take ~210 s of data time; where DATA_S covers them, `session` spends the data time left
+# on sampled answers (T=0.8) to the same prompts (another folder; training keeps every distinct answer of a prompt;
+# the n-gram store reads the greedy answers only). Dry-run on this CPU (DEVICE=cpu, 20 prompts, END_S=240): greedy
+# pass, sampled pass, probe, training, bring, all ran.
 # Training there ran 5.4-6.6 steps/s at 64 sequences per step whatever else changed: one step is ~14K aten operations
 # (counted on this CPU with torch.profiler, 4 sequences; about as many at 64), so a GPU step is bound by the host
 # dispatching them (~150 ms), not by the GPU. `session` now trains at SEQS=128 (twice the sequences per second if
