@@ -167,7 +167,7 @@ receive() {  # there: move whatever this call carried into $DK
 
 data_dirs() {  # there: the folders training reads: the GPU's answers (greedy, then sampled if any), and those carried
   local dirs=$DK/data/gpu  # from the CPU machine if any; `greedy` as the first argument: the greedy folders only
-  if [ "${1:-}" != greedy ] && [ -f "$DK/data/gpu-t08/meta.json" ]; then dirs=$dirs,$DK/data/gpu-t08; fi
+  if [ "${1:-}" != greedy ] && [ -f "$DK/data/gpu-sampled/meta.json" ]; then dirs=$dirs,$DK/data/gpu-sampled; fi
   if [ -f "$DK/data/cpu/meta.json" ]; then dirs=$dirs,$DK/data/cpu; fi
   echo "$dirs"
 }
@@ -188,7 +188,7 @@ check() {  # there: the environment works and the GPU decodes (eager fast forwar
 data() {  # there: regenerate answers to the staged prompts on the GPU; stops itself before a call's 600 s limit
   # generate_static runs a shard in BATCH slots, refilled as answers end, then drains (its last answers keep a
   # whole batch's step): shards of 8 x BATCH keep that tail small; training reads a cut shard's finished answers
-  # TEMP=0.8 DATA_NAME=gpu-t08 DSEED=4: sampled answers to the same prompts, in another folder (what `session` does
+  # TEMP=0.8 DATA_NAME=gpu-sampled DSEED=4: sampled answers to the same prompts, in another folder (what `session` does
   # when the greedy pass has answered every prompt and data time is left: the staged list is finite)
   env_setup
   timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "jsonl:$DK/prompts.jsonl" --num-prompts "${1:-60000}" \
@@ -231,17 +231,20 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   local data_s=$(( ${DATA_S:-260} < end - (SECONDS - t0) - 180 ? ${DATA_S:-260} : end - (SECONDS - t0) - 180 ))
   data_s=$(( data_s < 30 ? 30 : data_s ))
   local d0=$SECONDS
-  LIMIT=$data_s data "${PROMPTS_N:-60000}" | tail -n 5
+  # SAMPLED_S: seconds of the data time kept for sampled answers (temperature STEMP, default 0.8) to the prompts the
+  # greedy pass answered first, e.g. SAMPLED_S=60 STEMP=1 for the T=1 regime's contexts (off the greedy path)
+  local sampled_s=${SAMPLED_S:-0} stemp=${STEMP:-0.8}
+  LIMIT=$(( data_s - sampled_s > 30 ? data_s - sampled_s : 30 )) data "${PROMPTS_N:-60000}" | tail -n 5
   local answers; answers=$(count_answers)
   if [ "${answers% *}" = "0" ] && [ $((end - (SECONDS - t0))) -gt 300 ]; then  # the static engine failed: batches
     echo "no answers: data again with --engine batches"
     LIMIT=$(( end - (SECONDS - t0) - 240 )) ENGINE=batches data "${PROMPTS_N:-60000}" | tail -n 5
     answers=$(count_answers)
   fi
-  local left=$(( data_s - (SECONDS - d0) ))  # every prompt answered before the data time ran out
+  local left=$(( data_s - (SECONDS - d0) ))  # SAMPLED_S, or every prompt answered before the data time ran out
   if [ "$left" -gt 30 ]; then
-    echo "greedy pass done with ${left} s of data time left: sampled answers (T=0.8) to the same prompts"
-    LIMIT=$left TEMP=0.8 DSEED=4 DATA_NAME=gpu-t08 data "${PROMPTS_N:-60000}" | tail -n 5
+    echo "greedy pass done with ${left} s of data time left: sampled answers (T=$stemp) to the same prompts"
+    LIMIT=$left TEMP=$stemp DSEED=4 DATA_NAME=gpu-sampled data "${PROMPTS_N:-60000}" | tail -n 5
     answers=$(count_answers)
   fi
   echo "data: ${answers% *} answers, ${answers#* } response tokens"
