@@ -82,7 +82,7 @@ def check_usage(usage: Any, expected) -> None:
 def test_models_and_health(server, client) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
-    health = httpx.get(server.url + "/health").json()
+    health = httpx.get(server.url + "/health", timeout=30).json()
     assert health["status"] == "ok" and health["model"] == MODEL and health["speculative"] is True
     assert health["block_size"] == 4 and health["context_length"] == 512
 
@@ -379,17 +379,17 @@ def test_next_turn_restores_the_cached_prefix(offline) -> None:
         ids1, ids2 = offline.tokenizer.encode(first), offline.tokenizer.encode(second)
         assert len(ids1) + len(offline.tokenizer.encode(one.choices[0].text)) - 1 <= cached < len(ids2)
         assert two.choices[0].text == expected.text
-        health = httpx.get(live.url + "/health").json()["prefix_cache"]
+        health = httpx.get(live.url + "/health", timeout=30).json()["prefix_cache"]
         assert health["hits"] == 1 and health["reused_tokens"] == cached and health["sequences"] == 1
         off = client.completions.create(model=MODEL, prompt=second, temperature=0, max_tokens=16,
                                         extra_body={"cache_prompt": False})
         assert off.usage.prompt_tokens_details.cached_tokens == 0 and off.choices[0].text == expected.text
-        metrics = httpx.get(live.url + "/metrics").text
+        metrics = httpx.get(live.url + "/metrics", timeout=30).text
         assert f"dflashkit_prompt_tokens_cached_total {float(cached)}" in metrics
-        bad = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "w5", "cache_prompt": "no"})
+        bad = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "w5", "cache_prompt": "no"}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prompt"
     with LiveServer(create_app(tiny_generator(), model_id=MODEL, prefix_cache_mb=0)) as live:
-        assert httpx.get(live.url + "/health").json()["prefix_cache"] is None
+        assert httpx.get(live.url + "/health", timeout=30).json()["prefix_cache"] is None
     with pytest.raises(InvalidInputError, match="MiB"):
         create_app(tiny_generator(), model_id=MODEL, prefix_cache_mb=-1)
 
@@ -438,7 +438,7 @@ def test_batched_server_gives_every_client_its_own_output() -> None:
     extra = reference(offline, "w5 w6", True, temperature=1.0, seed=8, max_tokens=20, lookup=True)
     with LiveServer(app) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        assert httpx.get(live.url + "/health").json()["max_batch"] == 3
+        assert httpx.get(live.url + "/health", timeout=30).json()["max_batch"] == 3
         barrier = threading.Barrier(len(cases))
         seen_running: list[int] = []
 
@@ -560,7 +560,7 @@ def test_server_keeps_serving_after_errors(server, client) -> None:
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model=MODEL, prompt=LONG_PROMPT)
     for path in ("/nowhere", "/v1/nowhere"):
-        r = httpx.get(server.url + path)
+        r = httpx.get(server.url + path, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["message"]
     resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=3)
     assert resp.usage.completion_tokens == 3
@@ -676,8 +676,8 @@ def test_metrics_are_prometheus_text_and_add_up() -> None:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
         usages = [client.completions.create(model=MODEL, prompt="w5 w6 w7", **{**SAMPLED, "seed": s}).usage
                   for s in (1, 2)]  # fmt: skip
-        httpx.post(live.url + "/v1/completions", json={"model": "nope", "prompt": "w5"})
-        r = httpx.get(live.url + "/metrics")
+        httpx.post(live.url + "/v1/completions", json={"model": "nope", "prompt": "w5"}, timeout=30)
+        r = httpx.get(live.url + "/metrics", timeout=30)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         families = {f.name: f for f in text_string_to_metric_families(r.text)}
     assert {"dflashkit_requests", "dflashkit_generations", "dflashkit_prompt_tokens", "dflashkit_completion_tokens",
@@ -719,7 +719,7 @@ def test_default_server_is_adaptive_with_lookup_and_gives_plain_outputs(offline)
                                            extra_body={"sampler": "rejection"})
         with pytest.raises(openai.BadRequestError, match="sampler"):
             client.completions.create(model=MODEL, prompt="w5", max_tokens=4, extra_body={"sampler": "gumbel"})
-        health = httpx.get(live.url + "/health").json()
+        health = httpx.get(live.url + "/health", timeout=30).json()
     plain = offline.generate("w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False)
     plain_sampled = offline.generate("w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False, temperature=1,
                                      seed=5)
@@ -917,13 +917,13 @@ def test_api_key_guards_the_api_and_cors_answers_allowed_origins() -> None:
     app = create_app(tiny_generator(), model_id=MODEL, api_key="sekret", allowed_origins=["http://ui.example"])
     with LiveServer(app) as live:
         for path in ("/v1/models", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
-            r = httpx.post(live.url + path, json={"bad": 1}) if path != "/v1/models" else httpx.get(live.url + path)
+            r = httpx.post(live.url + path, json={"bad": 1}, timeout=30) if path != "/v1/models" else httpx.get(live.url + path, timeout=30)
             assert r.status_code == 401, (path, r.text)
             error = r.json()["error"]
             assert error["type"] == ("authentication_error" if path == "/v1/messages" else "invalid_request_error")
             assert "API key" in error["message"]
         for path in ("/health", "/metrics", "/"):
-            assert httpx.get(live.url + path).status_code == 200
+            assert httpx.get(live.url + path, timeout=30).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=live.url + "/v1", api_key="sekret", max_retries=0)
@@ -935,9 +935,9 @@ def test_api_key_guards_the_api_and_cors_answers_allowed_origins() -> None:
         assert anthropic.Anthropic(base_url=live.url, api_key="sekret", max_retries=0).messages.create(
             model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "w5"}]).usage.output_tokens == 3
         preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
-        r = httpx.options(live.url + "/v1/chat/completions", headers={"Origin": "http://ui.example", **preflight})
+        r = httpx.options(live.url + "/v1/chat/completions", headers={"Origin": "http://ui.example", **preflight}, timeout=30)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
-        r = httpx.options(live.url + "/v1/chat/completions", headers={"Origin": "http://other.example", **preflight})
+        r = httpx.options(live.url + "/v1/chat/completions", headers={"Origin": "http://other.example", **preflight}, timeout=30)
         assert "access-control-allow-origin" not in r.headers
     with pytest.raises(InvalidInputError, match="api_key"):
         create_app(tiny_generator(), api_key=" ")
