@@ -53,11 +53,13 @@
 # (receive unpacks it into $DK/data/cpu, which data_dirs adds).
 # The list `stage 60000` makes is the same each time (seeded; checked); session 29's GPU answered its first 28,672
 # prompts (7 shards of 4,096, the 7th in part), session 30's the next 16,384 (15,993 answered, 391 too long) and
-# 7,032 of the 16,384 after, so the next session stages with `stage 60000 45056` to answer new prompts first. At
-# ~43K tok/s all 60,000 would take ~210 s of data time; where DATA_S covers them, `session` spends the data time left
-# on sampled answers (T=0.8) to the same prompts (another folder; training keeps every distinct answer of a prompt;
-# the n-gram store reads the greedy answers only). Dry-run on this CPU (DEVICE=cpu, 20 prompts, END_S=240): greedy
-# pass, sampled pass, probe, training, bring, all ran.
+# 7,032 of the 16,384 after, so the next session stages with `stage 60000 45056` to answer new prompts first (staged
+# so in .devkit/ at the end of session 30, 2026-11-26 07:00 UTC). At ~43K tok/s all 60,000 would take ~210 s of data
+# time; where DATA_S covers them, `session` spends the data time left on sampled answers (STEMP, default 0.8) to the
+# same prompts (folder gpu-sampled; training keeps every distinct answer of a prompt; the n-gram store reads the
+# greedy answers only); SAMPLED_S=N keeps N s of DATA_S for them in any case (e.g. SAMPLED_S=60 STEMP=1: contexts
+# of the T=1 regime, where the drafter's acceptance is the open question). Dry-run on this CPU (DEVICE=cpu, 20
+# prompts, END_S=240, SAMPLED_S=60 STEMP=1): greedy pass, sampled pass, probe, training, merged store, bring, all ran.
 # Training there ran 5.4-6.6 steps/s at 64 sequences per step whatever else changed: one step is ~14K aten operations
 # (counted on this CPU with torch.profiler, 4 sequences; about as many at 64), so a GPU step is bound by the host
 # dispatching them (~150 ms), not by the GPU. `session` now trains at SEQS=128 (twice the sequences per second if
