@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the drafter's training forward through torch.compile (inductor; needs a C++ compiler on "
                    "a CPU): ~1.4x faster steps on the 2-core AMX VM after 2-3 min of compiling; falls back to eager "
                    "where compiling fails")
+    t.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="train for about SECONDS (from the first step, loading not counted): the step rate measured "
+                   "over the first steps sizes the schedule to end in time; --steps is then the most it runs")
     t.add_argument("--feature-cache", choices=("auto", "on", "off"), default="auto",
                    help="keep the target's features (and soft labels) on disk, one target pass per sequence per run; "
                    "auto = on for the CPU (a target pass costs more than reading them back), off on a GPU")
@@ -553,7 +556,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, draft_vocab_size=args.draft_vocab or None, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, seed=args.seed, device=device,
         distill_topk=args.distill_topk, distill_weight=args.distill_weight, precision=args.precision,
-        compile=args.compile,
+        compile=args.compile, time_budget_s=args.time_budget,
         eval_sets=[x.strip() for x in args.eval_sets.split(",") if x.strip()] if args.eval_sets else None,
         eval_set_prompts=args.eval_set_prompts,
         cache_features=args.feature_cache == "on" or (args.feature_cache == "auto"

@@ -326,6 +326,10 @@ class TrainConfig:
     device: str = "cpu"
     precision: str = "bf16"  # the drafter's forward: "bf16" autocast over fp32 master weights, or "fp32" throughout
     compile: bool = False  # the drafter's training forward through torch.compile (inductor); eager where it fails
+    # > 0: train for about this many seconds (from the first step): the step rate measured over the first steps
+    # sizes the schedule (warmup and cosine decay) to end in time; `steps` is then the most it may run, and the
+    # schedule's length until the measurement (keep it near what may fit: its warmup is the run's first steps')
+    time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         """Refuse settings that would train nothing useful (a NaN loss, a negative rate) before anything runs."""
@@ -363,16 +367,19 @@ class TrainConfig:
                 raise bad("eval_sets", f"must name evaluation sets among {', '.join(INSTALL)}")
         if self.precision not in ("bf16", "fp32"):
             raise bad("precision", 'must be "bf16" or "fp32"')
+        if self.time_budget_s is not None and not (math.isfinite(self.time_budget_s) and self.time_budget_s > 0):
+            raise bad("time_budget_s", "must be a number of seconds > 0 (None: no budget)")
         if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise InvalidInputError(f"the output {self.out_dir} is a file, not a folder: choose another --out")
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to 0."""
-    warm = max(1, int(cfg.warmup_ratio * cfg.steps))
+def lr_at(step: int, cfg: TrainConfig, total: int | None = None) -> float:
+    """Linear warmup, then cosine decay to 0 over ``total`` steps (default: ``cfg.steps``)."""
+    total = cfg.steps if total is None else total
+    warm = max(1, int(cfg.warmup_ratio * total))
     if step < warm:
         return cfg.lr * (step + 1) / warm
-    progress = (step - warm) / max(1, cfg.steps - warm)
+    progress = (step - warm) / max(1, total - warm)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
@@ -521,6 +528,9 @@ class Trainer:
                 self.eval_set_ids[name] = [encode_chat(tokenizer, p)[: cfg.max_seq_len]
                                            for p in load_set(name, limit=cfg.eval_set_prompts, seed=cfg.seed)]
         self.step = 0
+        # the schedule's length: cfg.steps, or what a time budget measured fits (fixed once measured, checkpointed)
+        self.total_steps, self.schedule_fixed = cfg.steps, cfg.time_budget_s is None
+        self._rate_from: tuple[float, int] | None = None  # (time, step) where the step rate's measurement began
         self.stop_requested = False  # set by a SIGINT/SIGTERM during run(): checkpoint, then stop
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -662,7 +672,7 @@ class Trainer:
     def train_step(self, batch_iter: Iterator[list[TrainingSequence]]) -> dict[str, Any]:
         cfg = self.cfg
         for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.step, cfg)
+            g["lr"] = lr_at(self.step, cfg, self.total_steps)
         self.opt.zero_grad(set_to_none=True)
         total, accs, parts = 0.0, [], {}
         world = self.parallel.world_size
@@ -691,7 +701,8 @@ class Trainer:
         self.opt.step()
         self.step += 1
         acc = [sum(a) / len(a) for a in zip(*accs)]
-        return {"step": self.step, "loss": total, "grad_norm": grad_norm, "lr": lr_at(self.step - 1, cfg), "acc": acc,
+        return {"step": self.step, "loss": total, "grad_norm": grad_norm, "lr": lr_at(self.step - 1, cfg, self.total_steps),
+                "acc": acc,
                 **parts}
 
     # ---- evaluation: τ with the real decode loop on held-out prompts -------------------------------
@@ -757,6 +768,8 @@ class Trainer:
         state = {
             "step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
+            # a schedule a time budget sized keeps its length when resumed (without a budget: --steps, as given)
+            "total_steps": self.total_steps if self.cfg.time_budget_s is not None and self.schedule_fixed else None,
         }  # fmt: skip
         with atomic_dir(self.ckpt) as tmp:
             write_drafter_files(self.drafter, tmp)
@@ -772,6 +785,8 @@ class Trainer:
         self.drafter.load_state_dict(loaded.state_dict())
         self.opt.load_state_dict(state["optimizer"])
         self.step = state["step"]
+        if state.get("total_steps"):  # a schedule sized by a time budget keeps its length (its lr so far)
+            self.total_steps, self.schedule_fixed = int(state["total_steps"]), True
         self.gen.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         return True
@@ -794,7 +809,7 @@ class Trainer:
             next(batch_iter)
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (progress and main), desc="train",
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and main), desc="train",
                    dynamic_ncols=True)
         t0 = time.perf_counter()
         self.stop_requested = False
@@ -810,16 +825,47 @@ class Trainer:
         self.parallel.barrier()
         return self.out / "drafter"
 
+    def _size_schedule(self, t0: float, first_step: int, bar) -> bool:
+        """With a time budget: once the steps after the first two (compiling, caches warming) have run for a while,
+        fix the schedule's length to the steps that fit the rest of the budget at their rate (at most cfg.steps;
+        data parallel: the fewest any process can do). True once the time budget is spent."""
+        budget, now = self.cfg.time_budget_s, time.perf_counter()
+        if budget is None:
+            return False
+        if self.schedule_fixed:
+            return self.parallel.any(now - t0 >= budget, self.cfg.device)
+        if self.step == first_step + 2:
+            self._rate_from = (now, self.step)
+        measured = self._rate_from is not None and self.step - self._rate_from[1] >= 5 and (
+            now - self._rate_from[0] >= min(30.0, 0.1 * budget) or now - t0 >= 0.5 * budget)
+        if not self.parallel.any(measured, self.cfg.device):
+            return False
+        if self._rate_from is None or self.step == self._rate_from[1]:  # another process measured first
+            fit = self.step
+        else:
+            rate = (self.step - self._rate_from[1]) / max(1e-9, now - self._rate_from[0])  # steps per second
+            fit = self.step + int(0.97 * rate * max(0.0, budget - (now - t0)))
+        total = min([self.cfg.steps, *(int(f) for f in self.parallel.gather_objects(fit))])
+        self.total_steps, self.schedule_fixed = max(total, self.step), True
+        bar.total = self.total_steps
+        bar.refresh()
+        self.log(f"time budget {budget:g} s: {self.total_steps} steps in all (measured over steps "
+                 f"{self._rate_from[1] if self._rate_from else self.step}-{self.step})")
+        return False
+
     def _loop(self, batch_iter, bar, log_file, t0: float) -> None:
         cfg = self.cfg
-        while self.step < cfg.steps:
+        first_step, self._rate_from = self.step, None
+        while self.step < self.total_steps:
             # Ctrl-C / SIGTERM: keep this step's work, then stop (data parallel: all at the same step)
             if self.parallel.any(self.stop_requested, cfg.device):
                 self.save()
                 self.log(f"stopped at step {self.step}; checkpoint saved: the same command resumes here")
                 raise KeyboardInterrupt
             rec = self.train_step(batch_iter)
-            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+            spent = self._size_schedule(t0, first_step, bar)  # the time budget is spent: this run ends here
+            last = spent or self.step == self.total_steps
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or last):
                 if self.parallel.is_main:  # the first process evaluates while the others wait
                     # the held-out training prompts ("") and the evaluation sets' own (MT-Bench, HumanEval, ...)
                     taus = self.tau_by_set({"": self.heldout_prompts(), **self.eval_set_ids})
@@ -837,8 +883,12 @@ class Trainer:
             if "heldout_acc" in rec:
                 shown.update(tau=f"{rec['tau']:.2f}", heldout_acc1=f"{rec['heldout_acc'][0]:.2f}")
             bar.set_postfix(shown)
-            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+            if self.step % cfg.checkpoint_every == 0 or last:
                 self.save()
+            if spent and self.step < self.total_steps:
+                self.log(f"time budget of {cfg.time_budget_s:g} s spent at step {self.step} of {self.total_steps}; "
+                         "checkpoint saved (the same command resumes here)")
+                break
 
 
 @contextmanager

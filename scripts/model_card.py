@@ -30,7 +30,7 @@ TRAIN_FLAGS = {  # TrainConfig field -> `dflashkit train` flag (fields at their 
     "grad_accum": "--grad-accum", "steps": "--steps", "lr": "--lr", "warmup_ratio": "--warmup",
     "max_seq_len": "--max-seq-len", "draft_vocab_size": "--draft-vocab", "eval_every": "--eval-every",
     "checkpoint_every": "--checkpoint-every", "seed": "--seed", "distill_topk": "--distill-topk",
-    "distill_weight": "--distill-weight", "device": "--device",
+    "distill_weight": "--distill-weight", "device": "--device", "time_budget_s": "--time-budget",
 }  # fmt: skip
 
 

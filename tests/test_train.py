@@ -323,6 +323,89 @@ def test_resume_continues_with_the_same_state(tmp_path):
         torch.testing.assert_close(p, q, msg=f"{name} differs after resume")
 
 
+def test_lr_schedule_warms_up_then_decays_to_zero_over_the_given_total():
+    from dflashkit.train import TrainConfig, lr_at
+
+    cfg = TrainConfig(data_dir="", out_dir="unused", steps=1000, lr=1e-3, warmup_ratio=0.1)
+    assert lr_at(0, cfg, 50) == pytest.approx(1e-3 / 5) and lr_at(4, cfg, 50) == pytest.approx(1e-3)  # 5 warmup steps
+    assert lr_at(49, cfg, 50) < 2e-5 and lr_at(27, cfg, 50) == pytest.approx(5e-4, rel=0.05)  # half-way down
+    assert lr_at(49, cfg) == pytest.approx(5e-4) and lr_at(999, cfg) == lr_at(999, cfg, 1000)  # default: cfg.steps
+
+
+class FakeClock:
+    """dflashkit.train's `time`: perf_counter moves only when a test step says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def clocked_steps(trainer, clock: FakeClock, seconds_per_step) -> None:
+    """Each training step of `trainer` takes seconds_per_step(step) on `clock`."""
+    real_step = trainer.train_step
+
+    def step(batch_iter):
+        clock.now += seconds_per_step(trainer.step)
+        return real_step(batch_iter)
+
+    trainer.train_step = step
+
+
+def test_a_time_budget_sizes_the_schedule_to_the_measured_step_rate(tmp_path, monkeypatch):
+    """--time-budget: after the first steps the schedule's length is fixed to what fits the rest of the budget at the
+    measured rate (here 1 s per step, 40 s: 39 steps), and the cosine decay ends on the last one."""
+    import dflashkit.train
+    from conftest import tiny_target
+
+    clock = FakeClock()
+    monkeypatch.setattr(dflashkit.train, "time", clock)
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 12, seed=3, new_tokens=16)
+    # before the measurement the schedule is --steps long (here its warmup: 3 steps), then as measured
+    trainer = make_trainer(tmp_path / "run", model, seqs, steps=60, time_budget_s=40.0, warmup_ratio=0.05)
+    clocked_steps(trainer, clock, lambda step: 1.0)
+    trainer.run(resume=False, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    # the rate is measured from step 2 on, over >= 5 steps and >= 4 s (10% of the budget): 7 + int(0.97 x 33) = 39
+    assert trainer.total_steps == 39 and [r["step"] for r in log] == list(range(1, 40))
+    assert log[-1]["lr"] < 0.01 * trainer.cfg.lr and max(r["lr"] for r in log) == pytest.approx(trainer.cfg.lr)
+    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 39 and state["total_steps"] == 39
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+
+
+def test_a_spent_time_budget_stops_with_a_checkpoint_that_resumes_the_same_schedule(tmp_path, monkeypatch):
+    """Steps that slow down after the measurement: the run stops when the budget is spent (checkpointed, the
+    drafter written), and the same command resumes with the schedule's length unchanged."""
+    import dflashkit.train
+    from conftest import tiny_target
+
+    clock = FakeClock()
+    monkeypatch.setattr(dflashkit.train, "time", clock)
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 12, seed=4, new_tokens=16)
+    trainer = make_trainer(tmp_path / "run", model, seqs, steps=60, time_budget_s=40.0, checkpoint_every=100)
+    clocked_steps(trainer, clock, lambda step: 1.0 if step < 7 else 3.0)  # measured at 1 s, then 3 s per step
+    trainer.run(resume=False, progress=False)
+    # 39 steps planned at step 7 (t = 7 s); then 3 s per step: the budget ends at step 18 (t = 40 s)
+    assert trainer.total_steps == 39 and trainer.step == 18
+    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 18 and state["total_steps"] == 39
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+    lr_at_stop = json.loads((tmp_path / "run" / "train_log.jsonl").read_text().splitlines()[-1])["lr"]
+    resumed = make_trainer(tmp_path / "run", model, seqs, steps=60, time_budget_s=40.0, checkpoint_every=100)
+    clocked_steps(resumed, clock, lambda step: 1.0)
+    resumed.run(resume=True, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert resumed.step == 39 and [r["step"] for r in log] == list(range(1, 40))  # 21 more steps fit in 40 s
+    assert log[18]["lr"] < lr_at_stop and log[-1]["lr"] < 0.01 * resumed.cfg.lr  # the same decay, continued
+
+
 def test_cached_features_give_the_same_loss(tmp_path):
     from conftest import tiny_target
 
@@ -633,6 +716,7 @@ def test_block_hidden_is_each_block_run_alone_over_the_context_before_its_anchor
     ({"block_size": 1}, "block_size"), ({"steps": 0}, "steps"), ({"target_layer_ids": []}, "target_layer_ids"),
     ({"distill_weight": 2.0}, "distill_weight"), ({"precision": "fp16"}, "precision"),
     ({"eval_sets": ["gsm8k"]}, "eval_sets"), ({"eval_sets": []}, "eval_sets"),
+    ({"time_budget_s": 0.0}, "time_budget_s"), ({"time_budget_s": float("inf")}, "time_budget_s"),
 ])  # fmt: skip
 def test_train_config_refuses_settings_that_train_nothing_useful(tmp_path, overrides, field):
     """A NaN loss (gamma 0), a negative rate...: refused before anything runs or is written."""
@@ -654,7 +738,8 @@ def test_train_cli_bad_flags_fail_before_loading(tmp_path, capsys, monkeypatch):
     (data / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     (tmp_path / "a-file").write_text("x")
     for flags, message in ((["--target-layers", "abc"], "--target-layers"), (["--gamma", "0"], "gamma"),
-                           (["--lr", "-1"], "lr"), (["--out", str(tmp_path / "a-file")], "is a file")):
+                           (["--lr", "-1"], "lr"), (["--out", str(tmp_path / "a-file")], "is a file"),
+                           (["--time-budget", "0"], "time_budget_s")):
         out = [] if "--out" in flags else ["--out", str(tmp_path / "run")]
         assert main(["train", "--data", str(data), *out, *flags]) == 2
         assert message in capsys.readouterr().err, flags
