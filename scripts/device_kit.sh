@@ -26,8 +26,9 @@
 #       command="bash scripts/device_kit.sh receive && END_S=555 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
 # (`data` answers with the engine ENGINE, default auto = generate_static on a GPU; a session whose data phase wrote no
 # answer runs it again with --engine batches, transformers' decoder.)
-# The last call checks the GPU decodes (CHECK_S=0 skips it), regenerates answers for DATA_S seconds, sizes a
-# training run by a 40 s probe to what is left of END_S, trains, and brings the drafter back (`bring`).
+# The last call checks the GPU decodes (CHECK_S=0 skips it), regenerates answers for DATA_S seconds, trains for
+# what is left of END_S (`train --time-budget`: its schedule sized by its own step rate; sessions 28-30 ran a 40 s
+# probe first), and brings the drafter back (`bring`).
 # Session 28 (H200, 15 min of device time in all): five calls took 11.5 min (two of them reran gpu_check.py after
 # a fix made within the warm window); data ran 170 s (8,935 answers, 1.39M tokens, ~8K tok/s: data is the
 # bottleneck) and training 811 steps x 64 sequences in 2 min (6.6 steps/s).
@@ -59,14 +60,14 @@
 # same prompts (folder gpu-sampled; training keeps every distinct answer of a prompt; the n-gram store reads the
 # greedy answers only); SAMPLED_S=N keeps N s of DATA_S for them in any case (e.g. SAMPLED_S=60 STEMP=1: contexts
 # of the T=1 regime, where the drafter's acceptance is the open question). Dry-run on this CPU (DEVICE=cpu, 20
-# prompts, END_S=240, SAMPLED_S=60 STEMP=1): greedy pass, sampled pass, probe, training, merged store, bring, all ran.
+# prompts, END_S=240, SAMPLED_S=60 STEMP=1): greedy pass, sampled pass, training, merged store, bring, all ran.
 # Training there ran 5.4-6.6 steps/s at 64 sequences per step whatever else changed: one step is ~14K aten operations
 # (counted on this CPU with torch.profiler, 4 sequences; about as many at 64), so a GPU step is bound by the host
 # dispatching them (~150 ms), not by the GPU. `session` now trains at SEQS=128 (twice the sequences per second if
 # that holds; lr unchanged at 6e-4), and the distillation's LM head runs over 8,192 rows at a time on a GPU (512
 # before: ~150 launches fewer per step), the loss's row chunks are 16,384 rows off a CPU (256 before: ~40 operations each,
 # ~4,700 more per step at 64 sequences, growing with the batch), and the target's training pass runs on the fast forward
-# (~2,800 operations fewer). Judge the run by its steps/s in the probe line.
+# (~2,800 operations fewer). Judge the run by its steps/s (the "time budget" line: steps in all over the budget).
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -251,32 +252,18 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   fi
   echo "data: ${answers% *} answers, ${answers#* } response tokens"
   echo "== data done at $((SECONDS - t0)) s"
-  # a 40 s probe sizes the schedule: steps = its rate x what is left of the call (END_S) less start-up and bring
-  timeout 40 "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$DK/runs/probe" \
-    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps 100000 \
-    --eval-every 0 --checkpoint-every 100000 --no-resume --distill-topk 32 > /dev/null 2>&1
+  # the schedule fits the time left (END_S less bring's ~45 s and the train command's loading, ~20 s on the H200):
+  # `train --time-budget` measures its step rate over its first steps and sizes the cosine schedule to end in time
+  # (session 30 sized it by a 40 s probe run instead, whose rate, 3.62 steps/s, was below the run's own 4.5: the run
+  # ended after 205 of its 324 s); at most 6 epochs of the answers (more passes over little data would overfit)
   local train_s=$(( end - (SECONDS - t0) - 45 ))  # what is left, less the time bring takes
-  local steps; steps=$("$PY3" - "$DK/runs/probe/train_log.jsonl" "$train_s" "${answers% *}" "${SEQS:-128}" <<'EOF'
-import json, os, sys
-MAX_EPOCHS = 6
-recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()] if os.path.exists(sys.argv[1]) else []
-if len(recs) < 4:
-    print(1500)
-    sys.exit(f"probe: only {len(recs)} steps logged; 1500 steps assumed")
-half = recs[len(recs) // 2:]
-rate = (half[-1]["step"] - half[0]["step"]) / max(1e-9, half[-1]["elapsed_s"] - half[0]["elapsed_s"])
-by_time = int(0.85 * rate * (float(sys.argv[2]) - 25))
-by_epochs = MAX_EPOCHS * int(sys.argv[3]) // int(sys.argv[4])  # more passes over little data would overfit
-print(max(100, min(by_time, by_epochs)))
-print(f"steps: {by_time} fit the time, {by_epochs} make {MAX_EPOCHS} epochs", file=sys.stderr)
-print(f"probe: {len(recs)} steps, {rate:.2f} steps/s", file=sys.stderr)
-EOF
-)
-  echo "== probe done at $((SECONDS - t0)) s: $steps steps in at most $train_s s"
+  local cap=$(( 6 * ${answers% *} / ${SEQS:-128} )); cap=$(( cap < 100 ? 100 : cap ))
+  local budget=$(( train_s - ${LOAD_S:-35} )); budget=$(( budget < 30 ? 30 : budget ))
+  echo "== training from $((SECONDS - t0)) s: ${budget} s of steps, at most $cap steps (6 epochs), stopped after ${train_s} s"
   timeout "$train_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
-    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps "$steps" \
-    --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 --checkpoint-every 500 \
-    2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 5
+    --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps "$cap" \
+    --time-budget "$budget" --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 \
+    --checkpoint-every 500 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
   tail -n 2 "$run/train_log.jsonl"
   echo "== train done at $((SECONDS - t0)) s"
   bring
