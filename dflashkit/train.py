@@ -326,9 +326,10 @@ class TrainConfig:
     device: str = "cpu"
     precision: str = "bf16"  # the drafter's forward: "bf16" autocast over fp32 master weights, or "fp32" throughout
     compile: bool = False  # the drafter's training forward through torch.compile (inductor); eager where it fails
-    # > 0: train for about this many seconds (from the first step): the step rate measured over the first steps
-    # sizes the schedule (warmup and cosine decay) to end in time; `steps` is then the most it may run, and the
-    # schedule's length until the measurement (keep it near what may fit: its warmup is the run's first steps')
+    # > 0: train for about this many seconds (from the first step): the step rate measured over early steps (once
+    # the feature caches are full) sizes the schedule (warmup and cosine decay) to end in time; `steps` is then the
+    # most it may run, and the schedule's length until the measurement (keep it near what may fit: its warmup is
+    # the run's first steps')
     time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -826,31 +827,34 @@ class Trainer:
         return self.out / "drafter"
 
     def _size_schedule(self, t0: float, first_step: int, bar) -> bool:
-        """With a time budget: once the steps after the first two (compiling, caches warming) have run for a while,
-        fix the schedule's length to the steps that fit the rest of the budget at their rate (at most cfg.steps;
-        data parallel: the fewest any process can do). True once the time budget is spent."""
+        """With a time budget: once the steps after the first two (compiling) and after the feature caches are full
+        (a CPU run's first epoch computes the features: slower steps) have run for a while, fix the schedule's length
+        to the steps that fit the rest of the budget at their rate (at most cfg.steps; data parallel: the fewest any
+        process can do). At half the budget it is fixed whatever was measured. True once the budget is spent."""
         budget, now = self.cfg.time_budget_s, time.perf_counter()
         if budget is None:
             return False
         if self.schedule_fixed:
             return self.parallel.any(now - t0 >= budget, self.cfg.device)
-        if self.step == first_step + 2:
+        caches_full = all(store is None or bool(store.filled.all()) for store in (self.store, self.soft_store))
+        if self._rate_from is None and self.step >= first_step + 2 and caches_full:
             self._rate_from = (now, self.step)
         measured = self._rate_from is not None and self.step - self._rate_from[1] >= 5 and (
-            now - self._rate_from[0] >= min(30.0, 0.1 * budget) or now - t0 >= 0.5 * budget)
-        if not self.parallel.any(measured, self.cfg.device):
+            now - self._rate_from[0] >= min(30.0, 0.1 * budget))
+        if not self.parallel.any(measured or now - t0 >= 0.5 * budget, self.cfg.device):
             return False
-        if self._rate_from is None or self.step == self._rate_from[1]:  # another process measured first
-            fit = self.step
-        else:
-            rate = (self.step - self._rate_from[1]) / max(1e-9, now - self._rate_from[0])  # steps per second
-            fit = self.step + int(0.97 * rate * max(0.0, budget - (now - t0)))
+        if self._rate_from is not None and self.step > self._rate_from[1]:
+            start_time, start_step = self._rate_from
+        else:  # half the budget gone before a measurement (caches still filling): the rate since the first step
+            start_time, start_step = t0, first_step
+        rate = (self.step - start_step) / max(1e-9, now - start_time)  # steps per second
+        fit = self.step + int(0.97 * rate * max(0.0, budget - (now - t0)))
         total = min([self.cfg.steps, *(int(f) for f in self.parallel.gather_objects(fit))])
         self.total_steps, self.schedule_fixed = max(total, self.step), True
         bar.total = self.total_steps
         bar.refresh()
-        self.log(f"time budget {budget:g} s: {self.total_steps} steps in all (measured over steps "
-                 f"{self._rate_from[1] if self._rate_from else self.step}-{self.step})")
+        self.log(f"time budget {budget:g} s: {self.total_steps} steps in all ({rate:.2f} steps/s over steps "
+                 f"{start_step}-{self.step})")
         return False
 
     def _loop(self, batch_iter, bar, log_file, t0: float) -> None:

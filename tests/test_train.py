@@ -371,7 +371,8 @@ def test_a_time_budget_sizes_the_schedule_to_the_measured_step_rate(tmp_path, mo
     clocked_steps(trainer, clock, lambda step: 1.0)
     trainer.run(resume=False, progress=False)
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
-    # the rate is measured from step 2 on, over >= 5 steps and >= 4 s (10% of the budget): 7 + int(0.97 x 33) = 39
+    # the rate is measured from step 3 on (the feature cache full: 11 sequences, 4 per step), over >= 5 steps and
+    # >= 4 s (10% of the budget): at step 8, 8 + int(0.97 x 32) = 39
     assert trainer.total_steps == 39 and [r["step"] for r in log] == list(range(1, 40))
     assert log[-1]["lr"] < 0.01 * trainer.cfg.lr and max(r["lr"] for r in log) == pytest.approx(trainer.cfg.lr)
     state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
@@ -390,20 +391,45 @@ def test_a_spent_time_budget_stops_with_a_checkpoint_that_resumes_the_same_sched
     model = tiny_target("llama")
     seqs = tiny_corpus(model, 12, seed=4, new_tokens=16)
     trainer = make_trainer(tmp_path / "run", model, seqs, steps=60, time_budget_s=40.0, checkpoint_every=100)
-    clocked_steps(trainer, clock, lambda step: 1.0 if step < 7 else 3.0)  # measured at 1 s, then 3 s per step
+    clocked_steps(trainer, clock, lambda step: 1.0 if step < 8 else 3.0)  # measured at 1 s, then 3 s per step
     trainer.run(resume=False, progress=False)
-    # 39 steps planned at step 7 (t = 7 s); then 3 s per step: the budget ends at step 18 (t = 40 s)
-    assert trainer.total_steps == 39 and trainer.step == 18
+    # 39 steps planned at step 8 (t = 8 s); then 3 s per step: the budget ends at step 19 (t = 41 s)
+    assert trainer.total_steps == 39 and trainer.step == 19
     state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 18 and state["total_steps"] == 39
+    assert state["step"] == 19 and state["total_steps"] == 39
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
     lr_at_stop = json.loads((tmp_path / "run" / "train_log.jsonl").read_text().splitlines()[-1])["lr"]
     resumed = make_trainer(tmp_path / "run", model, seqs, steps=60, time_budget_s=40.0, checkpoint_every=100)
     clocked_steps(resumed, clock, lambda step: 1.0)
     resumed.run(resume=True, progress=False)
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
-    assert resumed.step == 39 and [r["step"] for r in log] == list(range(1, 40))  # 21 more steps fit in 40 s
-    assert log[18]["lr"] < lr_at_stop and log[-1]["lr"] < 0.01 * resumed.cfg.lr  # the same decay, continued
+    assert resumed.step == 39 and [r["step"] for r in log] == list(range(1, 40))  # 20 more steps fit in 40 s
+    assert log[19]["lr"] < lr_at_stop and log[-1]["lr"] < 0.01 * resumed.cfg.lr  # the same decay, continued
+
+
+def test_a_time_budget_measures_the_rate_once_the_feature_cache_is_full(tmp_path, monkeypatch):
+    """A CPU run's first epoch computes the features (slow steps); the steps after it set the schedule."""
+    import dflashkit.train
+    from conftest import tiny_target
+
+    clock = FakeClock()
+    monkeypatch.setattr(dflashkit.train, "time", clock)
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 12, seed=5, new_tokens=16)
+    trainer = make_trainer(tmp_path / "run", model, seqs, steps=200, time_budget_s=60.0)
+    assert trainer.store is not None and len(trainer.store) == 11  # 11 training sequences: 3 steps an epoch
+    clocked_steps(trainer, clock, lambda step: 5.0 if step < 3 else 1.0)  # first epoch: 5 s a step
+    trainer.run(resume=False, progress=False)
+    # measured from step 3 (t = 15 s) to step 8 (t = 20 s): 1 step/s, so 8 + int(0.97 x 40) = 46 (the first epoch's
+    # rate, 0.2 steps/s, would have planned 15)
+    assert trainer.total_steps == 46 and trainer.step == 46
+    # a budget half spent before the cache is full: fixed then, at the rate since the first step
+    clock = FakeClock()
+    monkeypatch.setattr(dflashkit.train, "time", clock)
+    trainer = make_trainer(tmp_path / "run2", model, seqs, steps=200, time_budget_s=20.0)
+    clocked_steps(trainer, clock, lambda step: 5.0 if step < 3 else 1.0)
+    trainer.run(resume=False, progress=False)
+    assert trainer.total_steps == trainer.step == 2 + int(0.97 * (2 / 10) * 10)  # at step 2, t = 10 s
 
 
 def test_cached_features_give_the_same_loss(tmp_path):
