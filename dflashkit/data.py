@@ -59,7 +59,7 @@ from .errors import DFlashError, InvalidInputError
 from .fast_target import FastTargetForward, unsupported_reason
 from .fsutil import atomic_write
 from .sampling import SamplingParams
-from .text import encode_chat, eos_token_ids
+from .text import encode_chats, eos_token_ids
 
 Prompt = str | list[dict[str, str]]  # one user turn, or chat messages ending with a user turn
 
@@ -980,8 +980,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
         for k in todo:
             lo, hi = k * shard_size, min(len(prompts), (k + 1) * shard_size)
             encoded, skipped = [], 0
-            for i in range(lo, hi):
-                ids = encode_chat(tokenizer, prompts[i])
+            for i, ids in zip(range(lo, hi), encode_chats(tokenizer, prompts[lo:hi])):
                 if len(ids) > max_prompt_tokens:
                     skipped += 1
                 else:

@@ -16,6 +16,7 @@ from conftest import VOCAB, tiny_target
 from dflashkit import data
 from dflashkit.cli import main
 from dflashkit.errors import InvalidInputError
+from dflashkit.text import encode_chat
 
 WORDS = ["user", "assistant", "system", "hello", "world", "the", "a", "story", "tell", "me", "about", "sea", "sky"]
 CHAT_TEMPLATE = (
@@ -414,7 +415,7 @@ def test_regenerate_matches_unbatched_greedy(tmp_path: Path, engine: str) -> Non
     assert summary["response_tokens"] == sum(len(r["response_ids"]) for r in records) == summary["run_response_tokens"]
     # Left padding + attention mask: each batched response equals the prompt generated on its own.
     for r, p in zip(records, prompts):
-        ids = data.encode_chat(tok, p)
+        ids = encode_chat(tok, p)  # one prompt at a time (the data path tokenizes a shard at once)
         assert r["prompt_ids"] == ids
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0)

@@ -7,6 +7,7 @@ offline. The embedded SmolLM2 tokenizer is used as well when its cache folder ex
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pathlib
@@ -453,3 +454,18 @@ def test_eos_from_the_model_config_stops_generation(gen):
     deltas, result = collect(generator, seed=1, **SAMPLING)
     assert result.token_ids == tokens[: j + 1] and result.finish_reason == "stop"
     assert "".join(d.text for d in deltas) == result.text
+
+
+@pytest.mark.parametrize("templated", [True, False])
+def test_encode_chats_equals_encode_chat_of_each_prompt(tokenizer, templated):
+    """The data path tokenizes a shard's prompts in one batch call: the same ids as one prompt at a time."""
+    from dflashkit.text import encode_chat, encode_chats
+
+    tok = copy.copy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}") if templated else None
+    prompts = ["hello world", "Ünïcode — and 数字 12345", [{"role": "user", "content": "a"},
+                                                          {"role": "assistant", "content": "b c"},
+                                                          {"role": "user", "content": "d"}], "x" * 300]
+    assert encode_chats(tok, prompts) == [encode_chat(tok, p) for p in prompts]
+    assert encode_chats(tok, []) == []
