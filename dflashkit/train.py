@@ -702,9 +702,8 @@ class Trainer:
         self.opt.step()
         self.step += 1
         acc = [sum(a) / len(a) for a in zip(*accs)]
-        return {"step": self.step, "loss": total, "grad_norm": grad_norm, "lr": lr_at(self.step - 1, cfg, self.total_steps),
-                "acc": acc,
-                **parts}
+        lr = lr_at(self.step - 1, cfg, self.total_steps)
+        return {"step": self.step, "loss": total, "grad_norm": grad_norm, "lr": lr, "acc": acc, **parts}
 
     # ---- evaluation: τ with the real decode loop on held-out prompts -------------------------------
 
