@@ -27,7 +27,11 @@
 #   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t3"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t4"], timeout_s=595,
-#       command="bash scripts/device_kit.sh receive && END_S=555 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
+#       command="bash scripts/device_kit.sh receive && END_S=555 CHECK_S=0 DATA_S=180 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
+# (END_S: what the call's timeout leaves, less ~40 s; CHECK_S=0 where call 1 ran gpu_check.py. DATA_S=180 balances
+# the two phases as measured in session 30: data ~280 answers/s after ~30 s of loading, training ~574 sequences/s,
+# so ~150 s of answers (~40K) feed the ~280 s of training left about 4 epochs, under the 6-epoch cap; the 130 s of
+# sessions 29-30 made too few answers for the training time once the schedule fills its budget.)
 # (`data` answers with the engine ENGINE, default auto = generate_static on a GPU; a session whose data phase wrote no
 # answer runs it again with --engine batches, transformers' decoder.)
 # The last call checks the GPU decodes (CHECK_S=0 skips it), regenerates answers for DATA_S seconds, trains for
