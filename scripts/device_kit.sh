@@ -292,18 +292,22 @@ save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$ru
   tar -cf "$OUT"/drafter-extra.tar -C "$run"/drafter config.json mask_embedding.pt ngram_store.safetensors \
      -C "$run" train_log.jsonl run_config.json
   split -b 15M -d "$run"/drafter/model.safetensors "$OUT"/model.safetensors.part-  # here: cat the parts back
-  # the greedy answers too, where they pack into 28 MiB (meta + shards, the stage-data format: a later session
-  # carries them as .devkit/cpudata/data.tar.xz and trains on them without answering those prompts again)
-  if [ -f $DK/data/gpu/meta.json ]; then
-    (cd $DK/data/gpu && timeout 90 tar -cf - meta.json $(ls | grep -E '^shard-[0-9]+(\.partial)?\.jsonl$') \
-       | xz -T0 -6 > $DK/data-gpu.tar.xz)
-    local size; size=$(stat -c %s $DK/data-gpu.tar.xz 2>/dev/null || echo 0)
-    if [ "$size" -gt 0 ] && [ "$size" -le $((28 * 1024 * 1024)) ]; then
-      split -b 15M -d $DK/data-gpu.tar.xz "$OUT"/data-gpu.tar.xz.part-
+  # the answers too (meta + shards, the stage-data format: a later session carries them as .devkit/cpudata/data.tar.xz
+  # and trains on them without answering those prompts again), within what comes back: 8 files, 64 MiB in all, the
+  # drafter's ~31 MiB included: the greedy ones where they pack into 28 MiB, the sampled ones where both fit 32 MiB
+  local left=$((32 * 1024 * 1024)) name size
+  for name in gpu gpu-sampled; do
+    [ -f "$DK/data/$name/meta.json" ] || continue
+    (cd "$DK/data/$name" && timeout 90 tar -cf - meta.json $(ls | grep -E '^shard-[0-9]+(\.partial)?\.jsonl$') \
+       | xz -T0 -6 > "$DK/data-$name.tar.xz")
+    size=$(stat -c %s "$DK/data-$name.tar.xz" 2>/dev/null || echo 0)
+    if [ "$size" -gt 0 ] && [ "$size" -le $((28 * 1024 * 1024)) ] && [ "$size" -le "$left" ]; then
+      split -b 15M -d "$DK/data-$name.tar.xz" "$OUT/data-$name.tar.xz.part-"
+      left=$((left - size))
     else
-      echo "the greedy answers pack into $size bytes: not brought back"
+      echo "the answers of $name pack into $size bytes: not brought back"
     fi
-  fi
+  done
   ls -la "$OUT"
 }
 
