@@ -3,9 +3,9 @@ the target's token falling among the drafter's top 2 / 3 (what a token tree of t
 
     .venv/bin/python scripts/draft_temperature.py [--limit 6] [--positions 4] [--threads 2]
 
-The target samples an answer (T=1) to each held-out prompt; then, teacher-forced on that text, at every anchor
-and block offset d: p = the target's distribution of the token at offset d, q_t = softmax(drafter scores / t)
-over the draft vocabulary. Prints E[sum_x min(p, q_t)] (a sampled draft's acceptance probability, any t is
+The target samples an answer (T=1; `--contexts greedy`: its greedy answer) to each held-out prompt; then,
+teacher-forced on that text, at every anchor and block offset d: p = the target's distribution of the token at
+offset d, q_t = softmax(drafter scores / t) over the draft vocabulary. Prints E[sum_x min(p, q_t)] (a sampled draft's acceptance probability, any t is
 exact: q is whatever the drafter proposes with), p(argmax q) (a deterministic draft's), p(top-2 / top-3 of q),
 and E[max p] (how peaked the target is), per offset 1..positions.
 """
@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--contexts", choices=("sampled", "greedy"), default="sampled",
+                    help="teacher-force on the target's T=1 answers (what T=1 decoding meets; default) or on its "
+                    "greedy ones")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,7 +63,9 @@ def main() -> None:
         counts = torch.zeros(args.positions)
         for i, prompt in enumerate(load_set(name, limit=args.limit, seed=0)):
             ids = gen.encode_prompt(prompt)
-            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=i, sampling=SamplingParams(temperature=1.0),
+            temperature = 1.0 if args.contexts == "sampled" else 0.0
+            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=i,
+                                    sampling=SamplingParams(temperature=temperature),
                                     stop_token_ids=frozenset(gen.eos_token_ids))
             out = [t for step in decode(gen.target, None, ids, options) for t in step.tokens]
             scores, p_all, anchors = scores_and_target(gen, ids + out, len(ids), args.positions)
