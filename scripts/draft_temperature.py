@@ -5,9 +5,10 @@ the target's token falling among the drafter's top 2 / 3 (what a token tree of t
 
 The target samples an answer (T=1; `--contexts greedy`: its greedy answer) to each held-out prompt; then,
 teacher-forced on that text, at every anchor and block offset d: p = the target's distribution of the token at
-offset d, q_t = softmax(drafter scores / t) over the draft vocabulary. Prints E[sum_x min(p, q_t)] (a sampled draft's acceptance probability, any t is
-exact: q is whatever the drafter proposes with), p(argmax q) (a deterministic draft's), p(top-2 / top-3 of q),
-and E[max p] (how peaked the target is), per offset 1..positions.
+offset d, q_t = softmax(drafter scores / t) over the draft vocabulary (`--full-vocab`: over the whole vocabulary).
+Prints E[sum_x min(p, q_t)] (a sampled draft's acceptance probability, any t is exact: q is whatever the drafter
+proposes with), p(argmax q) (a deterministic draft's), p(top-2 / top-3 of q), and E[max p] (how peaked the target
+is, within the vocabulary drafted from), per offset 1..positions.
 """
 
 from __future__ import annotations
@@ -26,17 +27,19 @@ TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
 
 
 @torch.inference_mode()
-def scores_and_target(gen: SpeculativeGenerator, ids: list[int], start: int, positions: int):
-    """Drafter scores [N, positions, V'] at every anchor start..L-2 and the target's probabilities [L, V']."""
+def scores_and_target(gen: SpeculativeGenerator, ids: list[int], start: int, positions: int, full_vocab: bool = False):
+    """Drafter scores [N, positions, V'] at every anchor start..L-2 and the target's probabilities [L, V'] (V' the
+    draft vocabulary; ``full_vocab``: the whole vocabulary, the drafter's hidden states through the target's head)."""
     d, target = gen.drafter, gen.target
     L = len(ids)
     seq = torch.tensor([ids])
     cache = target.new_cache(capacity=L + 4)
     logits, _ = target.forward(seq, 0, cache, logits_rows=L)  # [L, vocab]: row j predicts token j+1
-    vocab = d.draft_vocab
-    p = logits.float().softmax(-1)[:, vocab]  # mass outside the draft vocabulary is never proposed
+    p = logits.float().softmax(-1)
+    if not full_vocab:
+        p = p[:, d.draft_vocab]  # mass outside the draft vocabulary is never proposed
     context = d.context_key_values(target.features(seq), torch.arange(L))  # injected K/V of the whole text
-    head, _ = d._draft_head(target.lm_head)
+    head = target.lm_head if full_vocab else d._draft_head(target.lm_head)[0]
     anchors = torch.arange(start, L - 1)[None]  # [1, N]
     keep = torch.ones_like(anchors, dtype=torch.bool)
     hidden = block_hidden(d, seq, anchors, keep, target.embed_tokens, context=context)[0, :, :positions]  # [N, pos, H]
@@ -50,6 +53,8 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--full-vocab", action="store_true",
+                    help="q over the whole vocabulary (the drafter's hidden states through the target's head)")
     ap.add_argument("--contexts", choices=("sampled", "greedy"), default="sampled",
                     help="teacher-force on the target's T=1 answers (what T=1 decoding meets; default) or on its "
                     "greedy ones")
@@ -68,7 +73,7 @@ def main() -> None:
                                     sampling=SamplingParams(temperature=temperature),
                                     stop_token_ids=frozenset(gen.eos_token_ids))
             out = [t for step in decode(gen.target, None, ids, options) for t in step.tokens]
-            scores, p_all, anchors = scores_and_target(gen, ids + out, len(ids), args.positions)
+            scores, p_all, anchors = scores_and_target(gen, ids + out, len(ids), args.positions, args.full_vocab)
             length = len(ids) + len(out)
             for k in range(args.positions):
                 valid = anchors + k + 1 < length
