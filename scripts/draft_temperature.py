@@ -8,7 +8,7 @@ teacher-forced on that text, at every anchor and block offset d: p = the target'
 offset d, q_t = softmax(drafter scores / t) over the draft vocabulary (`--full-vocab`: over the whole vocabulary).
 Prints E[sum_x min(p, q_t)] (a sampled draft's acceptance probability, any t is exact: q is whatever the drafter
 proposes with), p(argmax q) (a deterministic draft's), p(top-2 / top-3 of q), and E[max p] (how peaked the target
-is, within the vocabulary drafted from), per offset 1..positions.
+is, within the vocabulary drafted from) and the mass of p in that vocabulary, per offset 1..positions.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load()
-    labels = [f"q at T={t:g}" for t in TEMPERATURES] + ["argmax q", "top-2 of q", "top-3 of q", "max p"]
+    labels = [f"q at T={t:g}" for t in TEMPERATURES] + ["argmax q", "top-2 of q", "top-3 of q", "max p", "mass of p"]
     for name in args.sets.split(","):
         sums = torch.zeros(len(labels), args.positions)
         counts = torch.zeros(args.positions)
@@ -81,7 +81,7 @@ def main() -> None:
                 s = scores[valid, k]
                 rows = [torch.minimum(p, (s / t).softmax(-1)).sum(-1) for t in TEMPERATURES]
                 top = p.gather(1, s.topk(3, -1).indices)  # [n, 3]
-                rows += [top[:, 0], top[:, :2].sum(-1), top.sum(-1), p.max(-1).values]
+                rows += [top[:, 0], top[:, :2].sum(-1), top.sum(-1), p.max(-1).values, p.sum(-1)]
                 sums[:, k] += torch.stack([r.sum() for r in rows])
                 counts[k] += valid.sum()
         print(f"{name}: {int(counts[0])} anchors; offsets 1..{args.positions}")
