@@ -58,7 +58,7 @@
 # (68K tok/s if every slot were busy: refills and the drain cost the rest). The greedy answers came back (bring, 4.6
 # MB as tar.xz; median prompt 104 tokens, answer 192: 10,001 of the 23,025 ended before the cap): kept here as
 # .devkit/gpudata/s30-data-gpu.tar.xz; to train on them again, `mkdir -p .devkit/cpudata && cp
-# .devkit/gpudata/s30-data-gpu.tar.xz .devkit/cpudata/data.tar.xz` and carry .devkit/cpudata in call 2 or 3
+# .devkit/gpudata/s30-data-gpu.tar.xz .devkit/cpudata/data.tar.xz` and carry .devkit/cpudata in any of calls 1-4
 # (receive unpacks it into $DK/data/cpu, which data_dirs adds).
 # The list `stage 60000` makes is the same each time (seeded; checked); session 29's GPU answered its first 28,672
 # prompts (7 shards of 4,096, the 7th in part), session 30's the next 16,384 (15,993 answered, 391 too long) and
