@@ -384,9 +384,9 @@ class FastTargetForward:
         b, n = input_ids.shape
         group = self.heads // self.kv_heads
         cos, sin = self.rotary_tables(n)  # [n, head_dim]
-        hidden = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1)  # key j > query i: not seen
+        future = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1)  # key j > query i: not seen
         x = self.embed(input_ids)  # [b, n, hidden]
-        mask = x.new_zeros(n, n).masked_fill_(hidden, float("-inf"))
+        mask = x.new_zeros(n, n).masked_fill_(future, float("-inf"))
         mask = mask[None].expand(group, n, n).reshape(1, 1, group * n, n)  # packed query rows repeat per group
         x, features = self.run_layers(x, cos[None, None], sin[None, None], functools.partial(masked_sdpa, mask=mask),
                                       lambda i, k, v: (k, v), feature_layers)

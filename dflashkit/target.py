@@ -293,13 +293,12 @@ class TargetAdapter:
         the kernels of transformers' forward)."""
         if self.fast_forward is not None:
             hidden, features = self.fast_forward.sequences(input_ids, self.feature_layer_ids)
-            return (features if features is not None else hidden.new_zeros(*hidden.shape[:2], 0)), hidden
-        out = self.model.get_decoder()(input_ids=input_ids, use_cache=False)
-        hidden = out.last_hidden_state
-        features = (torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1) if self.feature_layer_ids
-                    else hidden.new_zeros(*hidden.shape[:2], 0))
-        self._captured.clear()
-        return features, hidden
+        else:
+            hidden = self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+            features = (torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
+                        if self.feature_layer_ids else None)
+            self._captured.clear()
+        return (features if features is not None else hidden.new_zeros(*hidden.shape[:2], 0)), hidden
 
     @staticmethod
     def crop(cache: DynamicCache | StaticKVCache, length: int) -> None:
