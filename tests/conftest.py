@@ -16,6 +16,26 @@ VOCAB = 96
 torch.set_num_threads(1)
 
 
+def _absl_logging_on_the_real_stderr() -> None:
+    """absl (imported by mathematics-dataset, the `math` prompt source) builds its log handler on whatever
+    sys.stderr is when it is first imported: inside a test, pytest's capture buffer. uvicorn's logging setup
+    (`dflashkit serve` in test_cli) closes every logging handler, and absl's closes its stream when that is not the
+    current sys.stderr, so pytest's capture failed for the rest of the process whenever test_data's math test ran
+    before test_cli's serve test in one worker. Imported here once, on the real stderr, which absl never closes."""
+    import sys
+
+    saved, sys.stderr = sys.stderr, sys.__stderr__
+    try:
+        import absl.logging  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        sys.stderr = saved
+
+
+_absl_logging_on_the_real_stderr()
+
+
 def word_tokenizer():
     """A WordLevel tokenizer whose VOCAB ids match the tiny models: <pad> 0, <s> 1, <eos> 2, <unk> 3, w4...."""
     from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
