@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="sharegpt:0.8,math:0.2",
         help="comma-separated prompt sources with relative weights: sharegpt[:W] (first turns), "
         "sharegpt-turns[:W] (later turns with the exchange before them), math[:W], code[:W] (complete documented "
-        "functions and methods of the installed Python source), jsonl:PATH[:W], "
+        "functions and methods of the installed Python source), magpie[:W] (requests written by the target itself, "
+        "given its chat template up to a user's text), jsonl:PATH[:W], "
         "hf:NAME[:SPLIT[:FIELD]][:W] (default: %(default)s)",
     )
     d.add_argument("--num-prompts", type=int, default=1024)
@@ -992,7 +993,6 @@ def cmd_data(args: argparse.Namespace) -> int:
                        "min_chars": args.min_chars, "max_chars": args.max_chars,
                        "exclude_eval": not args.no_eval_exclusion}
     meta_file = out / "meta.json"
-    prompts = None
     report = None
     # the first process collects (or checks) the prompt list; the others' regenerate() reads it from the folder
     resuming = (out / "prompts.jsonl").is_file() and meta_file.is_file()
@@ -1006,31 +1006,17 @@ def cmd_data(args: argparse.Namespace) -> int:
                                for k, (old, new) in changed.items())
             raise data.DataError(f"cannot resume {out}: {detail}. Use another --out, or the same options.")
         print(f"Resuming {out} with its stored prompt list.", file=sys.stderr)
-    elif parallel.is_main:
-        with _status(f"Collecting {args.num_prompts} prompts from {args.sources}...", args.no_progress):
-            report = data.collect_prompts(args.sources, args.num_prompts, args.seed, min_chars=args.min_chars,
-                                          max_chars=args.max_chars, exclude_eval=not args.no_eval_exclusion)
-        prompts = report.prompts
-        _print_collection(report)
-        if not prompts:
-            raise data.DataError(f"no prompts collected from {args.sources!r}")
-
-    server = None
-    if args.server:
-        from .data_server import ServerTarget
-
-        with parallel.main_first():
-            config, tokenizer, eos_ids = models.load_target_config(args.target)
-        model = None
-        server = ServerTarget.connect(args.server, tokenizer, config, eos_ids, model=args.server_model,
-                                      api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-                                      concurrency=args.batch_size)
-        if parallel.is_main:
-            print(f"Answers from {server.model} at {args.server}.", file=sys.stderr)
-    else:
-        with _status("Loading target model...", args.no_progress) if parallel.is_main else nullcontext(), \
-                parallel.main_first():
-            model, tokenizer = models.load_target(args.target, dtype=DTYPES[args.dtype], device=device)
+    collect = parallel.is_main and not resuming
+    magpie = any(source.kind == "magpie" for source in data.parse_sources(args.sources))
+    if collect and not magpie:  # before loading the target: a bad source fails fast
+        report = _collect_data_prompts(args)
+    model, tokenizer, server = _data_target(args, parallel, device)
+    if collect and magpie:  # the target writes some of the prompts
+        answerer = data.Answerer.for_target(model, tokenizer, engine=args.engine, batch_size=args.batch_size,
+                                            server=server)
+        report = _collect_data_prompts(args, lambda seed, budget: data.magpie_prompts(
+            answerer, tokenizer, seed=seed, budget=budget, progress=not quiet))
+    prompts = report.prompts if report is not None else None
     extra = {"target_name": name, "collection": collection_args}
     if report is not None:
         extra["collection_report"] = report.as_dict()
@@ -1063,6 +1049,41 @@ def cmd_data(args: argparse.Namespace) -> int:
     )
     print(str(out))
     return 0
+
+
+def _collect_data_prompts(args: argparse.Namespace, magpie=None):
+    """`dflashkit data`'s prompt list, reported on stderr (``magpie``: the target's own requests, with a progress
+    bar of their own)."""
+    from . import data
+
+    with _status(f"Collecting {args.num_prompts} prompts from {args.sources}...", args.no_progress or bool(magpie)):
+        report = data.collect_prompts(args.sources, args.num_prompts, args.seed, min_chars=args.min_chars,
+                                      max_chars=args.max_chars, exclude_eval=not args.no_eval_exclusion, magpie=magpie)
+    _print_collection(report)
+    if not report.prompts:
+        raise data.DataError(f"no prompts collected from {args.sources!r}")
+    return report
+
+
+def _data_target(args: argparse.Namespace, parallel, device):
+    """(model, tokenizer, server) of `dflashkit data`: the local target, or a server that serves it."""
+    from . import models
+
+    if args.server:
+        from .data_server import ServerTarget
+
+        with parallel.main_first():
+            config, tokenizer, eos_ids = models.load_target_config(args.target)
+        server = ServerTarget.connect(args.server, tokenizer, config, eos_ids, model=args.server_model,
+                                      api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                                      concurrency=args.batch_size)
+        if parallel.is_main:
+            print(f"Answers from {server.model} at {args.server}.", file=sys.stderr)
+        return None, tokenizer, server
+    with _status("Loading target model...", args.no_progress) if parallel.is_main else nullcontext(), \
+            parallel.main_first():
+        model, tokenizer = models.load_target(args.target, dtype=DTYPES[args.dtype], device=device)
+    return model, tokenizer, None
 
 
 def _print_collection(report) -> None:

@@ -559,6 +559,84 @@ def test_regenerate_sampling_is_seeded_and_skips_long_prompts(tmp_path: Path, en
     assert greedy["written"] == 6 and data.load_shards(tmp_path / "c") != r1
 
 
+# ---- magpie: the target's own requests ---------------------------------------------------------------------
+
+
+def test_user_turn_prefix_is_the_template_before_a_users_text() -> None:
+    tok = make_tokenizer()
+    prefix = data.user_turn_prefix(tok)
+    assert prefix == tok.encode("user", add_special_tokens=False)
+    assert encode_chat(tok, "hello world")[: len(prefix)] == prefix  # what any user turn starts with
+    bare = make_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(InvalidInputError, match="chat template"):
+        data.user_turn_prefix(bare)
+    bare.chat_template = "{% for m in messages %}{{ m['role'] }} says something {% endfor %}"  # drops the text
+    with pytest.raises(InvalidInputError, match="as given"):
+        data.user_turn_prefix(bare)
+
+
+class RecordingAnswerer(data.Answerer):
+    """An Answerer that keeps every (label, prompt ids, response) it gave."""
+
+    given: list
+
+    def answers(self, encoded, **kwargs):
+        for group in super().answers(encoded, **kwargs):
+            self.given.extend(group)
+            yield group
+
+
+@pytest.mark.parametrize("engine", ["continuous", "static", "batches"])
+def test_magpie_prompts_are_the_targets_own_ended_requests_seeded_and_within_budget(engine: str) -> None:
+    model, tok = make_model(), make_tokenizer()
+
+    def run(seed: int, budget: int | None, max_tokens: int = 6):
+        answerer = RecordingAnswerer.for_target(model, tok, engine=engine, batch_size=4)
+        answerer.given = []
+        source = data.magpie_prompts(answerer, tok, seed=seed, budget=budget, max_tokens=max_tokens)
+        return (list(source) if budget is not None else [next(source) for _ in range(5)]), answerer.given
+
+    texts, given = run(0, 10)
+    prefix = data.user_turn_prefix(tok)
+    assert len(given) == 10 and all(ids == prefix for _, ids, _ in given)  # the budget: 10 requests written
+    ended = [r for _, _, r in sorted(given) if r and r[-1] == EOS]
+    assert 0 < len(ended) < 10  # the tiny model ends some turns within 6 tokens and not others
+    assert texts == [t for t in (tok.decode(r[:-1], skip_special_tokens=True).strip() for r in ended) if t]
+    assert all(len(r) <= 6 for _, _, r in given)
+    assert run(0, 10)[0] == texts  # seeded
+    assert run(1, 10)[0] != texts
+    assert run(0, 0) == ([], [])
+    endless, given = run(0, None, max_tokens=20)  # no budget: as many as asked for
+    assert len(endless) == 5 and len(given) % 4 == 0
+
+
+def test_collect_prompts_mixes_magpie_and_never_loops_on_a_repeating_target(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"alpha {i}"} for i in range(20)])
+    asked = []
+
+    def magpie(seed: int, budget: int):
+        asked.append((seed, budget))
+        return (f"request number {i}" for i in range(budget))
+
+    got = data.collect_prompts(f"jsonl:{src}:1,magpie:3", 8, seed=5, min_chars=5, magpie=magpie, eval_sets=EVAL)
+    assert got.per_source == {f"jsonl:{src}": 2, "magpie": 6}
+    assert sum(p.startswith("request number") for p in got) == 6
+    assert asked == [(6, data.MAGPIE_BUDGET * 8 + 64)]  # seed + the source's position, as the other sources
+
+    def repeating(seed: int, budget: int):
+        asked.append((seed, budget))
+        return ("the same request" for _ in range(budget))
+
+    got = data.collect_prompts("magpie", 50, seed=0, min_chars=5, magpie=repeating, eval_sets=EVAL)
+    assert got.prompts == ["the same request"] and got.duplicates == data.MAGPIE_BUDGET * 50 + 64 - 1
+    with pytest.raises(InvalidInputError, match="magpie"):
+        data.collect_prompts("magpie", 5, eval_sets=EVAL)
+    assert [(s.kind, s.weight) for s in data.parse_sources("magpie:0.3,code")] == [("magpie", 0.3), ("code", 1.0)]
+    with pytest.raises(InvalidInputError):
+        data.parse_sources("magpie:/a/path")
+
+
 # ---- CLI -------------------------------------------------------------------------------------------------------
 
 
@@ -599,6 +677,33 @@ def test_cli_data_and_resume(tmp_path: Path, fake_target: list, capsys: pytest.C
     assert main([*args, "--seed", "1"]) == 2
     _, err = capsys.readouterr()
     assert err.startswith("error:") and "--seed" in err
+
+
+def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: list, capsys, monkeypatch) -> None:
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(9, seed=4)])
+    written = []
+    inner = data.magpie_prompts
+
+    def counting(*args, **kwargs):
+        for text in inner(*args, **kwargs):
+            written.append(text)
+            yield text
+
+    monkeypatch.setattr(data, "magpie_prompts", counting)
+    out = tmp_path / "out"
+    args = ["data", "--out", str(out), "--sources", f"jsonl:{src},magpie", "--num-prompts", "8", "--max-new-tokens",
+            "4", "--batch-size", "4", "--shard-size", "4", "--dtype", "float32", "--no-progress", "--min-chars", "1"]
+    assert main(args) == 0
+    _, err = capsys.readouterr()
+    assert "magpie 4" in err and f"jsonl:{src} 4" in err
+    stored = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(stored) == 8 and len(set(stored) & set(written)) == 4  # four of the target's requests, answered
+    assert len(data.load_shards(out, require_complete=True)) == 8
+    data.shard_path(out, 1).unlink()
+    count = len(written)
+    assert main(args) == 0  # resumed with the stored list: no request written again
+    assert "Resuming" in capsys.readouterr().err and len(written) == count
+    assert len(data.load_shards(out, require_complete=True)) == 8
 
 
 def test_cli_default_out_dir(tmp_path: Path, fake_target: list, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
