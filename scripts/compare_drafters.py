@@ -16,6 +16,7 @@ import json
 
 import torch
 
+from dflashkit.bench.datasets import PACKAGED, load_questions
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.sampling import SamplingParams, warp
@@ -67,7 +68,8 @@ def greedy_tau(gen: SpeculativeGenerator, prompts: list, block: int, max_new: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafters", nargs="+")
-    ap.add_argument("--sets", default="mt-bench,humaneval,math500")
+    ap.add_argument("--sets", default="mt-bench,humaneval,math500",
+                    help="comma-separated: the packaged sets, or any bench data set (jsonl:PATH, hf:NAME...)")
     ap.add_argument("--limit", type=int, default=12, help="prompts per set (seeded subset, as the bench)")
     ap.add_argument("--seeds", type=int, default=3, help="sampling seeds per prompt at T=1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -76,7 +78,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    sets = {name: load_set(name, limit=args.limit, seed=0) for name in args.sets.split(",")}
+    sets = {}
+    for spec in args.sets.split(","):  # packaged sets as before; any bench data set (jsonl:PATH, hf:...) by its first turns
+        if spec in PACKAGED:
+            sets[spec] = load_set(spec, limit=args.limit, seed=0)
+        else:
+            name, questions = load_questions(spec, limit=args.limit, seed=0)
+            sets[name] = [q.turns[0] for q in questions]
     results: dict = {}
     for path in args.drafters:
         gen = SpeculativeGenerator.load(drafter=path)
