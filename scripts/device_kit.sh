@@ -76,6 +76,15 @@
 # before: ~150 launches fewer per step), the loss's row chunks are 16,384 rows off a CPU (256 before: ~40 operations each,
 # ~4,700 more per step at 64 sequences, growing with the batch), and the target's training pass runs on the fast forward
 # (~2,800 operations fewer). Judge the run by its steps/s (the "time budget" line: steps in all over the budget).
+# Session 31 (no GPU): v10 does 10-40% better on unseen prompts of the staged kinds than on the evaluation sets, and
+# about as well on requests the target writes itself (`magpie` source) as on MT-Bench (README, "What limits τ"), so
+# the next session should answer the 14,944 unseen staged prompts and as many of the target's own requests:
+#   ... END_S=555 CHECK_S=0 DATA_S=180 SOURCES="jsonl:/tmp/dk/prompts.jsonl:0.5,magpie:0.5" PROMPTS_N=29888 \
+#       bash scripts/device_kit.sh session
+# (collect_prompts takes a jsonl source's lines in file order, so its 14,944 are the unseen ones that `stage 60000
+# 45056` put first; the requests are written before any answer: ~15K kept of ~22K written, ~1.5M tokens, roughly
+# 30-40 s at the data path's rate), with session 30's answers carried as .devkit/cpudata (above) so that training
+# also sees the kinds v10 knows. Judge the result per set, MT-Bench first.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -202,12 +211,16 @@ data() {  # there: regenerate answers to the staged prompts on the GPU; stops it
   # whole batch's step): shards of 8 x BATCH keep that tail small; training reads a cut shard's finished answers
   # TEMP=0.8 DATA_NAME=gpu-sampled DSEED=4: sampled answers to the same prompts, in another folder (what `session` does
   # when the greedy pass has answered every prompt and data time is left: the staged list is finite)
+  # SOURCES: the prompt sources (default the staged list), e.g. SOURCES=jsonl:$DK/prompts.jsonl:0.5,magpie:0.5 with
+  # requests the target writes itself (checked against the evaluation sets here, which the staged list was already)
   env_setup
-  timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "jsonl:$DK/prompts.jsonl" --num-prompts "${1:-60000}" \
+  local sources=${SOURCES:-jsonl:$DK/prompts.jsonl} exclusion=(--no-eval-exclusion)
+  case "$sources" in *magpie*) exclusion=() ;; esac
+  timeout "${LIMIT:-540}" "$PY3" -m dflashkit data --sources "$sources" --num-prompts "${1:-60000}" \
     --seed "${DSEED:-3}" --temperature "${TEMP:-0}" --device "$DEVICE" --batch-size "${BATCH:-2048}" \
     --max-new-tokens 192 --max-prompt-tokens 512 --shard-size "${SHARD:-16384}" --out "$DK/data/${DATA_NAME:-gpu}" \
     --no-progress --engine "${ENGINE:-auto}" \
-    --no-eval-exclusion || true  # `stage` excluded the evaluation prompts already (checking 60K again: ~10 s)
+    ${exclusion[@]+"${exclusion[@]}"} || true  # `stage` excluded the evaluation prompts already (checking 60K again: ~10 s)
   ls "$DK/data/${DATA_NAME:-gpu}" | grep -c '^shard-.*[0-9].jsonl$' || true  # complete shards; the same command resumes
 }
 
