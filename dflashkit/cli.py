@@ -1011,6 +1011,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     if collect and not magpie:  # before loading the target: a bad source fails fast
         report = _collect_data_prompts(args)
     model, tokenizer, server = _data_target(args, parallel, device)
+    answerer = None
     if collect and magpie:  # the target writes some of the prompts
         answerer = data.Answerer.for_target(model, tokenizer, engine=args.engine, batch_size=args.batch_size,
                                             server=server)
@@ -1024,7 +1025,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         model, tokenizer, prompts, out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, shard_size=args.shard_size, seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens, progress=not quiet, extra_meta=extra, parallel=parallel,
-        server=server, engine=args.engine,
+        server=server, engine=args.engine, answerer=answerer,
     )  # fmt: skip
     parallel.close()
     if not parallel.is_main:

@@ -1024,7 +1024,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
                batch_size: int = 32, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                shard_size: int = 256, seed: int = 0, max_prompt_tokens: int = 512, progress: bool = True,
                extra_meta: dict[str, Any] | None = None, parallel: Parallel = SINGLE,
-               server: Any = None, engine: str = "auto") -> dict[str, Any]:
+               server: Any = None, engine: str = "auto", answerer: Answerer | None = None) -> dict[str, Any]:
     """Generate the target's responses to ``prompts`` into resumable shards in ``out_dir``; returns a summary.
 
     Prompts go through the chat template (as one user turn, or as given chat messages); prompts longer than
@@ -1050,13 +1050,21 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     tokens per second of batches for SmolLM2-135M on the 2-core AMX VM, ``scripts/data_speed.py``), static on a GPU
     where it covers it (transformers' decoder is bound there by its host time per step,
     ``scripts/batch_data_profile.py``), batches elsewhere.
+
+    ``answerer``: an :class:`Answerer` already made for this model (or server), engine and batch size, e.g. the one
+    that wrote the ``magpie`` source's requests, so the fast forward's fused weights are not built twice.
     """
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
         raise InvalidInputError("batch_size, shard_size, max_new_tokens and max_prompt_tokens must be >= 1")
     if not (temperature >= 0 and math.isfinite(temperature)) or not 0 < top_p <= 1:
         raise InvalidInputError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     out = pathlib.Path(out_dir).expanduser()
-    answerer = Answerer.for_target(model, tokenizer, engine=engine, batch_size=batch_size, server=server)
+    if answerer is None:
+        answerer = Answerer.for_target(model, tokenizer, engine=engine, batch_size=batch_size, server=server)
+    elif answerer.model is not model or answerer.server is not server or answerer.batch_size != batch_size or \
+            engine not in ("auto", answerer.engine):
+        raise InvalidInputError(f"the answerer was made for another model, server, batch size or engine "
+                                f"({answerer.engine}, {answerer.batch_size} at once)")
     engine = answerer.engine
     settings = {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": float(top_p),
                 "shard_size": shard_size, "seed": seed, "max_prompt_tokens": max_prompt_tokens}

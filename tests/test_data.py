@@ -611,6 +611,22 @@ def test_magpie_prompts_are_the_targets_own_ended_requests_seeded_and_within_bud
     assert len(endless) == 5 and len(given) % 4 == 0
 
 
+def test_regenerate_uses_the_answerer_it_is_given(tmp_path: Path, monkeypatch) -> None:
+    model, tok = make_model(), make_tokenizer()
+    answerer = data.Answerer.for_target(model, tok, engine="continuous", batch_size=3)
+    built = []
+    monkeypatch.setattr(data, "FastTargetForward", lambda m: built.append(m))  # a second fused copy: not wanted
+    summary = data.regenerate(model, tok, word_prompts(4), tmp_path / "a", batch_size=3, max_new_tokens=4,
+                              progress=False, answerer=answerer)
+    assert summary["written"] == 4 and built == []
+    for kwargs in ({"batch_size": 4}, {"engine": "batches"}):
+        with pytest.raises(InvalidInputError, match="answerer was made for another"):
+            data.regenerate(model, tok, ["hi"], tmp_path / "b", progress=False, answerer=answerer,
+                            **{"batch_size": 3, **kwargs})
+    with pytest.raises(InvalidInputError, match="answerer was made for another"):
+        data.regenerate(make_model(), tok, ["hi"], tmp_path / "b", batch_size=3, progress=False, answerer=answerer)
+
+
 def test_collect_prompts_mixes_magpie_and_never_loops_on_a_repeating_target(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"alpha {i}"} for i in range(20)])
     asked = []
@@ -690,6 +706,9 @@ def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: li
             yield text
 
     monkeypatch.setattr(data, "magpie_prompts", counting)
+    forwards = []
+    fast = data.FastTargetForward
+    monkeypatch.setattr(data, "FastTargetForward", lambda m: forwards.append(m) or fast(m))
     out = tmp_path / "out"
     args = ["data", "--out", str(out), "--sources", f"jsonl:{src},magpie", "--num-prompts", "8", "--max-new-tokens",
             "4", "--batch-size", "4", "--shard-size", "4", "--dtype", "float32", "--no-progress", "--min-chars", "1"]
@@ -699,6 +718,7 @@ def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: li
     stored = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(stored) == 8 and len(set(stored) & set(written)) == 4  # four of the target's requests, answered
     assert len(data.load_shards(out, require_complete=True)) == 8
+    assert len(forwards) == 1  # the requests' fast forward answered them too
     data.shard_path(out, 1).unlink()
     count = len(written)
     assert main(args) == 0  # resumed with the stored list: no request written again
