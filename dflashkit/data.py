@@ -474,8 +474,8 @@ def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget:
     from tqdm.auto import tqdm
 
     written, group = 0, 0
-    with tqdm(total=budget, unit="prompt", desc="writing prompts (magpie)", disable=not progress,
-              dynamic_ncols=True) as bar:
+    desc = "writing prompts (magpie)" if budget is None else f"writing prompts (magpie, at most {budget})"
+    with tqdm(unit="prompt", desc=desc, disable=not progress, dynamic_ncols=True) as bar:  # a count: sources stop early
         while budget is None or written < budget:
             count = MAGPIE_ROUND * answerer.batch_size
             count = count if budget is None else min(count, budget - written)
