@@ -463,8 +463,8 @@ def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget:
     and ends the turn with its end-of-turn token. No data set is needed, the supply is unlimited, and the requests
     follow the target's own idea of what users ask. Sampled (``temperature``, ``top_p``) through ``answerer``
     (``answerer.batch_size`` decoding at once, ``MAGPIE_ROUND`` times as many per round), seeded: deterministic for a
-    seed, engine and batch size. A request that does not end
-    within ``max_tokens`` is dropped; at most ``budget`` requests are written (None: no limit)."""
+    seed, engine and batch size. A request that does not end within ``max_tokens`` is dropped; at most ``budget``
+    requests are written (None: no limit)."""
     if budget is not None and budget < 0:
         raise InvalidInputError(f"budget must be >= 0, got {budget}")
     prefix = user_turn_prefix(tokenizer)
