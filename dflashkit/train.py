@@ -532,6 +532,7 @@ class Trainer:
         # the schedule's length: cfg.steps, or what a time budget measured fits (fixed once measured, checkpointed)
         self.total_steps, self.schedule_fixed = cfg.steps, cfg.time_budget_s is None
         self._rate_from: tuple[float, int] | None = None  # (time, step) where the step rate's measurement began
+        self._filling = [0.0, 0]  # this run's seconds spent computing features for the caches, and sequences done
         self.stop_requested = False  # set by a SIGINT/SIGTERM during run(): checkpoint, then stop
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -656,12 +657,15 @@ class Trainer:
         stores = [self.store] + ([self.soft_store] if K else [])
         missing = [row for row, i in enumerate(index) if not all(st.has(i) for st in stores)]
         if missing:
+            began = time.perf_counter()
             feats, soft = run_target(ids[missing])
             for k, row in enumerate(missing):
                 n = len(batch[row].input_ids)
                 self.store.put(index[row], feats[k, :n])
                 if K:
                     self.soft_store.put(index[row], soft[k, :n])
+            self._filling[0] += time.perf_counter() - began
+            self._filling[1] += len(missing)
         outs = []
         for st in stores:
             out = torch.zeros(ids.shape[0], ids.shape[1], st.width, dtype=st.dtype)
@@ -829,7 +833,10 @@ class Trainer:
         """With a time budget: once the steps after the first two (compiling) and after the feature caches are full
         (a CPU run's first epoch computes the features: slower steps) have run for a while, fix the schedule's length
         to the steps that fit the rest of the budget at their rate (at most cfg.steps; data parallel: the fewest any
-        process can do). At half the budget it is fixed whatever was measured. True once the budget is spent."""
+        process can do). At half the budget it is fixed whatever was measured: with the caches still filling, the
+        steps' rate without their feature work and the features still to compute at the cost per sequence so far (a
+        first epoch longer than half the budget: session 31's CPU run, sized at the filling rate, ended after 33 of its
+        45 min). True once the budget is spent."""
         budget, now = self.cfg.time_budget_s, time.perf_counter()
         if budget is None:
             return False
@@ -842,18 +849,26 @@ class Trainer:
             now - self._rate_from[0] >= min(30.0, 0.1 * budget))
         if not self.parallel.any(measured or now - t0 >= 0.5 * budget, self.cfg.device):
             return False
+        left = max(0.0, budget - (now - t0))
         if self._rate_from is not None and self.step > self._rate_from[1]:
             start_time, start_step = self._rate_from
-        else:  # half the budget gone before a measurement (caches still filling): the rate since the first step
-            start_time, start_step = t0, first_step
-        rate = (self.step - start_step) / max(1e-9, now - start_time)  # steps per second
-        fit = self.step + int(0.97 * rate * max(0.0, budget - (now - t0)))
+            rate = (self.step - start_step) / max(1e-9, now - start_time)  # steps per second
+            how = f"{rate:.2f} steps/s over steps {start_step}-{self.step}"
+        else:  # half the budget gone before a measurement (caches still filling): the steps' rate without the
+            # features, and the time the features still to compute take at their cost so far
+            seconds, sequences = self._filling
+            rate = (self.step - first_step) / max(1e-9, now - t0 - seconds)
+            unfilled = int((~self.store.filled).sum()) if self.store is not None else 0
+            to_fill = unfilled * seconds / max(sequences, 1)
+            left = max(0.0, left - to_fill)
+            how = (f"{rate:.2f} steps/s over steps {first_step}-{self.step} without their feature work, and "
+                   f"{to_fill:.0f} s of features still to compute")
+        fit = self.step + int(0.97 * rate * left)
         total = min([self.cfg.steps, *(int(f) for f in self.parallel.gather_objects(fit))])
         self.total_steps, self.schedule_fixed = max(total, self.step), True
         bar.total = self.total_steps
         bar.refresh()
-        self.log(f"time budget {budget:g} s: {self.total_steps} steps in all ({rate:.2f} steps/s over steps "
-                 f"{start_step}-{self.step})")
+        self.log(f"time budget {budget:g} s: {self.total_steps} steps in all ({how})")
         return False
 
     def _loop(self, batch_iter, bar, log_file, t0: float) -> None:

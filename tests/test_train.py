@@ -432,6 +432,33 @@ def test_a_time_budget_measures_the_rate_once_the_feature_cache_is_full(tmp_path
     assert trainer.total_steps == trainer.step == 2 + int(0.97 * (2 / 10) * 10)  # at step 2, t = 10 s
 
 
+def test_a_budget_half_spent_while_the_cache_fills_plans_the_rest_at_the_cached_rate(tmp_path, monkeypatch):
+    """Features that cost 1 s per sequence, steps 1 s without them: at half the budget (step 2, 8 of 11 sequences
+    cached) the plan counts the 3 features still to compute and the steps at 1 s each, not the 5 s filling steps."""
+    import dflashkit.train
+    from conftest import tiny_target
+
+    clock = FakeClock()
+    monkeypatch.setattr(dflashkit.train, "time", clock)
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 12, seed=5, new_tokens=16)
+    trainer = make_trainer(tmp_path / "run", model, seqs, steps=200, time_budget_s=20.0)
+    features = trainer.target.features
+
+    def slow_features(rows):
+        clock.now += rows.shape[0] * 1.0  # 1 s per sequence computed
+        return features(rows)
+
+    monkeypatch.setattr(trainer.target, "features", slow_features)
+    clocked_steps(trainer, clock, lambda step: 1.0)
+    trainer.run(resume=False, progress=False)
+    # at step 2, t = 10 s: 2 steps in 10 - 8 s of step work (1 step/s), 3 sequences' features (3 s) still to come:
+    # 2 + int(0.97 x (10 - 3)) = 8 steps (the filling steps' rate, 0.2 steps/s, would have planned 3), and they fit:
+    # step 3 takes 1 + 3 s, steps 4-8 1 s each, t = 19 s
+    assert trainer.total_steps == trainer.step == 8 and clock.now - 1000.0 == pytest.approx(19.0)
+    assert bool(trainer.store.filled.all())
+
+
 def test_cached_features_give_the_same_loss(tmp_path):
     from conftest import tiny_target
 
