@@ -974,7 +974,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1:
         raise data.InvalidInputError(f"--num-prompts must be at least 1, got {args.num_prompts}")
-    data.parse_sources(args.sources)  # fail early on a bad --sources
+    sources = data.parse_sources(args.sources)  # fail early on a bad --sources
     _apply_threads(args.threads)
     parallel, device = from_environment(args.device)  # under torchrun: each process generates its share of shards
     if args.server and args.engine != "auto":
@@ -1007,7 +1007,7 @@ def cmd_data(args: argparse.Namespace) -> int:
             raise data.DataError(f"cannot resume {out}: {detail}. Use another --out, or the same options.")
         print(f"Resuming {out} with its stored prompt list.", file=sys.stderr)
     collect = parallel.is_main and not resuming
-    magpie = any(source.kind == "magpie" for source in data.parse_sources(args.sources))
+    magpie = any(source.kind == "magpie" for source in sources)
     if collect and not magpie:  # before loading the target: a bad source fails fast
         report = _collect_data_prompts(args)
     model, tokenizer, server = _data_target(args, parallel, device)

@@ -532,7 +532,7 @@ class Trainer:
         # the schedule's length: cfg.steps, or what a time budget measured fits (fixed once measured, checkpointed)
         self.total_steps, self.schedule_fixed = cfg.steps, cfg.time_budget_s is None
         self._rate_from: tuple[float, int] | None = None  # (time, step) where the step rate's measurement began
-        self._filling = [0.0, 0]  # this run's seconds spent computing features for the caches, and sequences done
+        self._feature_seconds, self._features_computed = 0.0, 0  # this run's feature work for the caches so far
         self.stop_requested = False  # set by a SIGINT/SIGTERM during run(): checkpoint, then stop
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -664,8 +664,8 @@ class Trainer:
                 self.store.put(index[row], feats[k, :n])
                 if K:
                     self.soft_store.put(index[row], soft[k, :n])
-            self._filling[0] += time.perf_counter() - began
-            self._filling[1] += len(missing)
+            self._feature_seconds += time.perf_counter() - began
+            self._features_computed += len(missing)
         outs = []
         for st in stores:
             out = torch.zeros(ids.shape[0], ids.shape[1], st.width, dtype=st.dtype)
@@ -833,10 +833,9 @@ class Trainer:
         """With a time budget: once the steps after the first two (compiling) and after the feature caches are full
         (a CPU run's first epoch computes the features: slower steps) have run for a while, fix the schedule's length
         to the steps that fit the rest of the budget at their rate (at most cfg.steps; data parallel: the fewest any
-        process can do). At half the budget it is fixed whatever was measured: with the caches still filling, the
-        steps' rate without their feature work and the features still to compute at the cost per sequence so far (a
-        first epoch longer than half the budget: session 31's CPU run, sized at the filling rate, ended after 33 of its
-        45 min). True once the budget is spent."""
+        process can do). At half the budget it is fixed whatever was measured: with the caches still filling, from the
+        steps' rate without their feature work and the features still to compute at their cost so far (the filling
+        steps' own rate would plan too few steps). True once the budget is spent."""
         budget, now = self.cfg.time_budget_s, time.perf_counter()
         if budget is None:
             return False
@@ -856,10 +855,9 @@ class Trainer:
             how = f"{rate:.2f} steps/s over steps {start_step}-{self.step}"
         else:  # half the budget gone before a measurement (caches still filling): the steps' rate without the
             # features, and the time the features still to compute take at their cost so far
-            seconds, sequences = self._filling
-            rate = (self.step - first_step) / max(1e-9, now - t0 - seconds)
+            rate = (self.step - first_step) / max(1e-9, now - t0 - self._feature_seconds)
             unfilled = int((~self.store.filled).sum()) if self.store is not None else 0
-            to_fill = unfilled * seconds / max(sequences, 1)
+            to_fill = unfilled * self._feature_seconds / max(self._features_computed, 1)
             left = max(0.0, left - to_fill)
             how = (f"{rate:.2f} steps/s over steps {first_step}-{self.step} without their feature work, and "
                    f"{to_fill:.0f} s of features still to compute")
@@ -874,6 +872,7 @@ class Trainer:
     def _loop(self, batch_iter, bar, log_file, t0: float) -> None:
         cfg = self.cfg
         first_step, self._rate_from = self.step, None
+        self._feature_seconds, self._features_computed = 0.0, 0
         while self.step < self.total_steps:
             # Ctrl-C / SIGTERM: keep this step's work, then stop (data parallel: all at the same step)
             if self.parallel.any(self.stop_requested, cfg.device):

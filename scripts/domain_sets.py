@@ -51,7 +51,8 @@ def main() -> None:
     lines = pathlib.Path(args.prompts).read_text(encoding="utf-8").splitlines()[-3000:]
     single = [r["prompt"] for r in map(json.loads, lines) if "prompt" in r]  # one user turn, no chat before it
     code = [p for p in single if p.startswith("```") or "Finish this function" in p or "def " in p]
-    other = [p for p in single if p not in set(code)]
+    code_set = set(code)
+    other = [p for p in single if p not in code_set]
     write_questions(out / "staged_code.jsonl", code[: args.n], "staged_code")
     write_questions(out / "staged_other.jsonl", other[: args.n], "staged_other")
 
