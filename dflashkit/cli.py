@@ -537,8 +537,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     _apply_threads(args.threads)
     data_dir = args.data if args.data else str(cache_dir() / "data" / _target_slug(args.target))
     out = pathlib.Path(args.out).expanduser() if args.out else cache_dir() / "runs" / _target_slug(args.target)
-    for folder in data_folders(data_dir):
-        if not (folder / "prompts.jsonl").is_file():
+    for folder in data_folders(data_dir):  # training reads meta.json and the shards (a packed copy may lack prompts.jsonl)
+        if not (folder / "meta.json").is_file():
             raise InvalidInputError(f"{folder}: no training data; make it with `dflashkit data --out {folder}`")
     for name in ("layers", "steps", "anchors", "seqs_per_step", "grad_accum"):
         if getattr(args, name) < 1:

@@ -496,6 +496,7 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
     d, out = tmp_path / "data", tmp_path / "run"
     assert main(["data", "--out", str(d), "--sources", f"jsonl:{src}", "--num-prompts", "24", "--max-new-tokens",
                  "12", "--batch-size", "8", "--no-progress", "--min-chars", "1"]) == 0  # fmt: skip
+    (d / "prompts.jsonl").unlink()  # training reads meta.json and the shards: a folder packed without the list trains
     train_args = ["train", "--data", str(d), "--out", str(out), "--layers", "1", "--block-size", "4", "--steps", "4",
                   "--anchors", "4", "--seqs-per-step", "4", "--eval-every", "2", "--checkpoint-every", "2",
                   "--draft-vocab", "0"]  # fmt: skip
@@ -788,7 +789,10 @@ def test_train_cli_bad_flags_fail_before_loading(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(dflashkit.models, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
     data = tmp_path / "data"
     data.mkdir()
-    (data / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    (data / "prompts.jsonl").write_text('{"prompt": "hi"}\n')  # prompts but no answers: nothing to train on
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "run")]) == 2
+    assert "no training data" in capsys.readouterr().err
+    (data / "meta.json").write_text("{}")
     (tmp_path / "a-file").write_text("x")
     for flags, message in ((["--target-layers", "abc"], "--target-layers"), (["--gamma", "0"], "gamma"),
                            (["--lr", "-1"], "lr"), (["--out", str(tmp_path / "a-file")], "is a file"),
