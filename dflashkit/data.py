@@ -520,14 +520,17 @@ def _conversations_prompt(turns: Any) -> str:
 
 
 def prompt_from_record(record: Any) -> Prompt:
-    """The prompt of one record: "prompt" (text), "messages" (chat, up to the last user turn), "turns"
+    """The prompt of one record: "prompt" (text, or chat messages as a data folder's prompts.jsonl stores them, so
+    that a folder's prompt list answers again, e.g. sampled), "messages" (chat, up to the last user turn), "turns"
     (FastChat / Spec-Bench: the first turn) or "conversations" (ShareGPT: the first human turn)."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if "prompt" in record:
         prompt: Prompt = record["prompt"]
-        if not isinstance(prompt, str):
-            raise ValueError("'prompt' must be a string")
+        if isinstance(prompt, list):
+            prompt = _messages_prompt(prompt)
+        elif not isinstance(prompt, str):
+            raise ValueError("'prompt' must be a string or a list of chat messages")
     elif "messages" in record:
         prompt = _messages_prompt(record["messages"])
     elif "turns" in record:

@@ -274,6 +274,7 @@ def test_jsonl_formats(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "  plain text  "},
         {"messages": messages},
+        {"id": 7, "prompt": messages[:4]},  # as a data folder's prompts.jsonl stores a chat
         {"messages": [{"role": "user", "content": "lone user turn"}, {"role": "assistant", "content": "x"}]},
         {"question_id": 81, "category": "writing", "turns": ["turn one", "turn two"]},
         "",
@@ -281,7 +282,7 @@ def test_jsonl_formats(tmp_path: Path) -> None:
                            {"from": "gpt", "value": "a"}]},
     ])  # fmt: skip
     assert list(data.jsonl_prompts(path)) == [
-        "plain text", messages[:4], "lone user turn", "turn one", "human first",
+        "plain text", messages[:4], messages[:4], "lone user turn", "turn one", "human first",
     ]  # fmt: skip
 
 
@@ -290,6 +291,7 @@ def test_jsonl_formats(tmp_path: Path) -> None:
     ('["a list"]', "expected a JSON object"),
     ('{"text": "no known field"}', "no 'prompt'"),
     ('{"prompt": 3}', "'prompt' must be a string"),
+    ('{"prompt": [{"role": "user"}]}', "'messages' must be a list"),
     ('{"prompt": "   "}', "empty"),
     ('{"messages": [{"role": "assistant", "content": "x"}]}', "no user turn"),
     ('{"turns": []}', "'turns'"),
@@ -683,6 +685,14 @@ def test_cli_data_and_resume(tmp_path: Path, fake_target: list, capsys: pytest.C
     assert "only" in err  # fewer prompts than asked
     n = len({json.dumps(p) for p in word_prompts(9, seed=4)})
     assert len(data.load_shards(out, require_complete=True)) == n
+    again = tmp_path / "again"  # the folder's own prompt list is a jsonl source: the same prompts answered again
+    assert main([*args[:2], str(again), "--sources", f"jsonl:{out / 'prompts.jsonl'}", *args[5:],
+                 "--no-eval-exclusion"]) == 0  # fmt: skip
+    capsys.readouterr()
+    def stored(folder: Path) -> list[str]:
+        return sorted(json.dumps(json.loads(line)["prompt"]) for line in (folder / "prompts.jsonl").open())
+
+    assert stored(again) == stored(out)
 
     data.shard_path(out, 1).unlink()
     assert main(args) == 0
