@@ -299,7 +299,9 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   local left=$(( data_s - (SECONDS - d0) ))  # SAMPLED_S, or every prompt answered before the data time ran out
   if [ "$left" -gt 30 ]; then
     echo "greedy pass done with ${left} s of data time left: sampled answers (T=$stemp) to the same prompts"
-    LIMIT=$left TEMP=$stemp DSEED=4 DATA_NAME=gpu-sampled data "${PROMPTS_N:-60000}" | tail -n 5
+    # the greedy folder's own prompt list (whatever SOURCES wrote it from: a magpie source would write new requests)
+    LIMIT=$left TEMP=$stemp DSEED=4 DATA_NAME=gpu-sampled SOURCES="jsonl:$DK/data/gpu/prompts.jsonl" \
+      data "${PROMPTS_N:-60000}" | tail -n 5
     answers=$(count_answers)
   fi
   echo "data: ${answers% *} answers, ${answers#* } response tokens"
