@@ -94,8 +94,17 @@
 # Shipped as v11 (greedy τ b16 +1.6-2.7% on the evaluation sets). All 60,000 staged prompts are answered now (sessions
 # 29-32) and a new `stage` would draw ShareGPT's turns again (the list took all there were), so the next session's
 # new prompts are the target's own requests under another seed, with sessions 30 and 32's answers carried (call 2):
-#   ... END_S=555 CHECK_S=0 DATA_S=150 SOURCES=magpie PROMPTS_N=30000 DSEED=5 bash scripts/device_kit.sh session
-# (~20K answers in the data time; training then reads ~72K answers, ~2 epochs in its ~330 s.)
+#   ... END_S=585 CHECK_S=0 DATA_S=150 SOURCES=magpie PROMPTS_N=30000 DSEED=5 TRAIN_MORE_S=T \
+#       bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log          # timeout_s=595
+#   then at once: run(timeout_s=T + 90, command="END_S=T+80 bash scripts/device_kit.sh finish 2>&1 | tee $OUT/finish.log")
+# (~20K answers in the data time; training then reads ~72K answers.) Session 32 left 149 s of its 900 unused, too
+# little to start a machine: TRAIN_MORE_S spends what the session call cannot (one call runs at most 600 s) on
+# training: the session call trains to its end (the trainer checkpoints on the timeout's SIGTERM) with a schedule
+# sized for both calls, and `finish` resumes it (~35 s of loading) and brings the drafter (~45 s). Set T to about
+# budget_left_s - 690 as the session call starts (it holds the machine ~600 s, `finish` T + 80 s, and the lease
+# counts a few seconds more): 80 s after the transfer calls of session 32 (900 - 130), 150 s without gpu_check.py; the
+# session call also trains 35 s longer (no bring), so training gets T + 35 s more than without.
+# Dry-run here (DEVICE=cpu, END_S=240 + finish END_S=150): the second call resumed the checkpoint and ended the schedule.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -310,15 +319,39 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   # `train --time-budget` measures its step rate over its first steps and sizes the cosine schedule to end in time
   # (session 30 sized it by a 40 s probe run instead, whose rate, 3.62 steps/s, was below the run's own 4.5: the run
   # ended after 205 of its 324 s); at most 6 epochs of the answers (more passes over little data would overfit)
-  local train_s=$(( end - (SECONDS - t0) - 45 ))  # what is left, less the time bring takes
+  # TRAIN_MORE_S=N: a follow-up call (`finish`, within the 30 s the machine stays warm) trains N s more and brings
+  # the drafter: the schedule spans both calls, this one trains to its end (SIGTERM: the trainer checkpoints the step)
+  local more=${TRAIN_MORE_S:-0}
+  local train_s=$(( end - (SECONDS - t0) - (more > 0 ? 10 : 45) ))  # what is left, less the time bring takes
   local cap=$(( 6 * ${answers% *} / ${SEQS:-128} )); cap=$(( cap < 100 ? 100 : cap ))
-  local budget=$(( train_s - ${LOAD_S:-35} )); budget=$(( budget < 30 ? 30 : budget ))
+  local budget=$(( train_s - ${LOAD_S:-35} )); budget=$(( (budget < 30 ? 30 : budget) + more ))
+  echo "$cap $budget" > "$DK/train_plan"
   echo "== training from $((SECONDS - t0)) s: ${budget} s of steps, at most $cap steps (6 epochs), stopped after ${train_s} s"
-  timeout "$train_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
+  train_run "$cap" "$budget" "$train_s"
+  echo "== train done at $((SECONDS - t0)) s"
+  if [ "$more" -gt 0 ]; then
+    echo "== to be continued: the next call runs \`END_S=... bash scripts/device_kit.sh finish\` (within 30 s)"
+    return
+  fi
+  bring
+}
+
+train_run() {  # there: the session's training run (CAP steps at most, BUDGET s of steps, stopped after TIMEOUT s)
+  local cap=$1 budget=$2 timeout_s=$3 run=$DK/runs/gpu
+  timeout "$timeout_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps "$cap" \
     --time-budget "$budget" --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 \
     --checkpoint-every 500 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
   tail -n 2 "$run/train_log.jsonl"
+}
+
+finish() {  # there, the call after a session run with TRAIN_MORE_S: the same training resumed to its end, then bring
+  env_setup
+  set +e +o pipefail
+  export TQDM_DISABLE=1
+  local t0=$SECONDS cap budget
+  read -r cap budget < "$DK/train_plan"
+  train_run "$cap" "$budget" $(( ${END_S:-200} - 45 ))  # the schedule's length was fixed by the first call
   echo "== train done at $((SECONDS - t0)) s"
   bring
 }
@@ -375,5 +408,6 @@ case "${1:-}" in
   train) shift; train "$@" ;;
   bring) bring ;;
   session) session ;;
+  finish) finish ;;
   *) sed -n '2,30p' "${BASH_SOURCE[0]}" ;;
 esac
