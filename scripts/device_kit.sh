@@ -104,7 +104,13 @@
 # budget_left_s - 690 as the session call starts (it holds the machine ~600 s, `finish` T + 80 s, and the lease
 # counts a few seconds more): 80 s after the transfer calls of session 32 (900 - 130), 150 s without gpu_check.py; the
 # session call also trains 35 s longer (no bring), so training gets T + 35 s more than without.
-# Dry-run here (DEVICE=cpu, END_S=240 + finish END_S=150): the second call resumed the checkpoint and ended the schedule.
+# Dry-run here (DEVICE=cpu, END_S=200 + finish END_S=150): the second call resumed the checkpoint and ended the schedule.
+# COMPILE=1 (untried on a GPU): `train --compile` (inductor, eager where compiling fails). A GPU step of 128 sequences
+# took 278 ms on the H100, against roughly 60 ms of arithmetic (the target's pass over ~38K tokens, the drafter's
+# forward and backward over 65K block positions, the distillation's full-vocabulary head; ~1 PFLOP/s bf16 peak at
+# ~40%), so most of a step is launches and memory-bound elementwise work, which inductor fuses; its compile time
+# (~1.6 min on this CPU; the rate is measured after the first two steps, so the schedule stays sized right) pays
+# where training runs long, e.g. with TRAIN_MORE_S. Judge it by the "time budget" line's steps/s against 3.60.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -341,7 +347,7 @@ train_run() {  # there: the session's training run (CAP steps at most, BUDGET s 
   timeout "$timeout_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps "$cap" \
     --time-budget "$budget" --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 \
-    --checkpoint-every 500 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
+    --checkpoint-every 500 ${COMPILE:+--compile} 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
   tail -n 2 "$run/train_log.jsonl"
 }
 
