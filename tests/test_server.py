@@ -571,7 +571,9 @@ def test_null_fields_mean_defaults(server) -> None:
             "stream": None, "logprobs": None, "presence_penalty": None}  # fmt: skip
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["object"] == "chat.completion"
+    reply = r.json()  # temperature null = the default, 1: sampled, so the tiny target may end before its 3 tokens
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] <= 3
+    assert (reply["choices"][0]["finish_reason"] == "length") == (reply["usage"]["completion_tokens"] == 3)
 
 
 # ---- queue, cancellation, timeouts --------------------------------------------------------------------------
