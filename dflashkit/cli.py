@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated prompt sources with relative weights: sharegpt[:W] (first turns), "
         "sharegpt-turns[:W] (later turns with the exchange before them), math[:W], code[:W] (complete documented "
         "functions and methods of the installed Python source), magpie[:W] (requests written by the target itself, "
-        "given its chat template up to a user's text), jsonl:PATH[:W], "
+        "given its chat template up to a user's text), magpie-code[:W] (the same under a system prompt that says its "
+        "users ask for Python functions), jsonl:PATH[:W], "
         "hf:NAME[:SPLIT[:FIELD]][:W] (default: %(default)s)",
     )
     d.add_argument("--num-prompts", type=int, default=1024)
@@ -1007,7 +1008,7 @@ def cmd_data(args: argparse.Namespace) -> int:
             raise data.DataError(f"cannot resume {out}: {detail}. Use another --out, or the same options.")
         print(f"Resuming {out} with its stored prompt list.", file=sys.stderr)
     collect = parallel.is_main and not resuming
-    magpie = any(source.kind == "magpie" for source in sources)
+    magpie = any(source.kind in data.MAGPIE_SYSTEMS for source in sources)
     if collect and not magpie:  # before loading the target: a bad source fails fast
         report = _collect_data_prompts(args)
     model, tokenizer, server = _data_target(args, parallel, device)
@@ -1015,8 +1016,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     if collect and magpie:  # the target writes some of the prompts
         answerer = data.Answerer.for_target(model, tokenizer, engine=args.engine, batch_size=args.batch_size,
                                             server=server)
-        report = _collect_data_prompts(args, lambda seed, budget: data.magpie_prompts(
-            answerer, tokenizer, seed=seed, budget=budget, progress=not quiet))
+        report = _collect_data_prompts(args, lambda seed, budget, system: data.magpie_prompts(
+            answerer, tokenizer, seed=seed, budget=budget, system=system, progress=not quiet))
     prompts = report.prompts if report is not None else None
     extra = {"target_name": name, "collection": collection_args}
     if report is not None:

@@ -69,8 +69,8 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 DATA_FORMAT = "dflashkit-data/1"
 SYNC_SECONDS = 1.0  # continuous batching: answers reach the disk at least this often (a killed run loses no more)
 EVAL_MIN_CONTAINMENT_CHARS = 40  # below this, only exact matches against evaluation prompts count
-_SOURCE_KINDS = ("sharegpt", "sharegpt-turns", "math", "code", "magpie", "jsonl", "hf")
-_BUILTIN_SOURCES = ("sharegpt", "sharegpt-turns", "math", "code", "magpie")  # they take only a weight
+_SOURCE_KINDS = ("sharegpt", "sharegpt-turns", "math", "code", "magpie", "magpie-code", "jsonl", "hf")
+_BUILTIN_SOURCES = ("sharegpt", "sharegpt-turns", "math", "code", "magpie", "magpie-code")  # they take only a weight
 
 
 class DataError(DFlashError, RuntimeError):
@@ -440,34 +440,49 @@ MAGPIE_MAX_TOKENS = 128  # a request not ended by then is dropped (usually a let
 MAGPIE_ROUND = 4  # requests written per round, in answerer.batch_size's: slots freed by short ones take the next
 MAGPIE_BUDGET = 2  # collect_prompts asks for at most 2 n + 64 requests: a target that repeats itself or never
 #                    ends its turn runs the source dry instead of looping
+# the magpie sources and the system prompt each writes its requests under (None: the template's default). Only the
+# request is kept: it is answered like any prompt, under the default system prompt. Measured on SmolLM2-135M-Instruct
+# (32 requests each): the code prompt turns most requests into "write a function that..." ones (25 of 32 ended);
+# math prompts tried did not steer it (a few problems among advice and chat), so math stays with the `math` source.
+MAGPIE_SYSTEMS: dict[str, str | None] = {
+    "magpie": None,
+    "magpie-code": "You are an expert Python programmer. Users ask you to write or complete Python functions.",
+}
 
 
-def user_turn_prefix(tokenizer: Any) -> list[int]:
-    """Token ids of the chat template up to where a user's text begins (the template's default system prompt
-    included): what an instruction-tuned model continues with a request of the kind it was tuned on."""
+def user_turn_prefix(tokenizer: Any, system: str | None = None) -> list[int]:
+    """Token ids of the chat template up to where a user's text begins (with ``system`` as the system prompt, else
+    the template's default one): what an instruction-tuned model continues with a request of the kind it was tuned
+    on, or of the kind the system prompt says its users ask."""
     marker = "\u2063dflashkit-user-turn\u2063"
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidInputError("the magpie source needs the target's chat template, and its tokenizer has none")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    messages = [{"role": "system", "content": system}] if system else []
+    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": marker}], tokenize=False)
     if not isinstance(text, str) or text.count(marker) != 1:
         raise InvalidInputError("the magpie source needs a chat template that writes a user's text as given; this "
                                 "one does not")
+    if system and system not in text[: text.index(marker)]:
+        raise InvalidInputError("this chat template does not write a system prompt as given: a steered magpie source "
+                                "(magpie-code) cannot use it")
     return list(tokenizer.encode(text[: text.index(marker)], add_special_tokens=False))
 
 
 def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget: int | None = None,
                    temperature: float = MAGPIE_TEMPERATURE, top_p: float = MAGPIE_TOP_P,
-                   max_tokens: int = MAGPIE_MAX_TOKENS, progress: bool = False) -> Iterator[str]:
+                   max_tokens: int = MAGPIE_MAX_TOKENS, system: str | None = None,
+                   progress: bool = False) -> Iterator[str]:
     """Requests written by the target itself (Magpie, Xu et al. 2024): given only the chat template up to a user's
     text (:func:`user_turn_prefix`), an instruction-tuned model writes a user's request of the kind it was tuned on,
     and ends the turn with its end-of-turn token. No data set is needed, the supply is unlimited, and the requests
     follow the target's own idea of what users ask. Sampled (``temperature``, ``top_p``) through ``answerer``
     (``answerer.batch_size`` decoding at once, ``MAGPIE_ROUND`` times as many per round), seeded: deterministic for a
     seed, engine and batch size. A request that does not end within ``max_tokens`` is dropped; at most ``budget``
-    requests are written (None: no limit)."""
+    requests are written (None: no limit). ``system``: a system prompt that steers the kind of request
+    (:data:`MAGPIE_SYSTEMS`); the request alone is returned."""
     if budget is not None and budget < 0:
         raise InvalidInputError(f"budget must be >= 0, got {budget}")
-    prefix = user_turn_prefix(tokenizer)
+    prefix = user_turn_prefix(tokenizer, system)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     eos = set(answerer.eos_ids)
     device = answerer.device
@@ -687,7 +702,7 @@ class EvalFilter:
 
 @dataclass
 class SourceSpec:
-    kind: str  # sharegpt | sharegpt-turns | math | code | magpie | jsonl | hf
+    kind: str  # sharegpt | sharegpt-turns | math | code | magpie | magpie-code | jsonl | hf
     weight: float = 1.0
     arg: str | None = None  # jsonl: path; hf: "name[:split[:field]]"
 
@@ -710,7 +725,8 @@ def parse_sources(spec: str) -> list[SourceSpec]:
                 kind, rest = "jsonl", item
             else:
                 raise InvalidInputError(f"unknown prompt source {item!r} in {spec!r}: use sharegpt, sharegpt-turns, "
-                                        "math, code, magpie, jsonl:PATH or hf:NAME[:SPLIT[:FIELD]], each optionally ':WEIGHT'")
+                                        "math, code, magpie, magpie-code, jsonl:PATH or hf:NAME[:SPLIT[:FIELD]], each "
+                                        "optionally ':WEIGHT'")
         weight = 1.0
         head, sep, tail = rest.rpartition(":")
         if sep:
@@ -735,16 +751,16 @@ def parse_sources(spec: str) -> list[SourceSpec]:
     return out
 
 
-MagpieSource = Callable[[int, int], Iterator[Prompt]]  # (seed, budget) -> the target's own requests
+MagpieSource = Callable[[int, int, "str | None"], Iterator[Prompt]]  # (seed, budget, system) -> the target's requests
 
 
 def _open_source(source: SourceSpec, seed: int, min_chars: int, max_chars: int, magpie: MagpieSource | None,
                  budget: int) -> Iterator[Prompt]:
-    if source.kind == "magpie":
+    if source.kind in MAGPIE_SYSTEMS:
         if magpie is None:
-            raise InvalidInputError("the magpie source writes prompts with the target: pass collect_prompts a "
+            raise InvalidInputError(f"the {source.kind} source writes prompts with the target: pass collect_prompts a "
                                     "magpie= source (dflashkit data does)")
-        return magpie(seed, budget)
+        return magpie(seed, budget, MAGPIE_SYSTEMS[source.kind])
     if source.kind == "sharegpt":
         return sharegpt_prompts(min_chars, max_chars, seed=seed)
     if source.kind == "sharegpt-turns":
@@ -798,9 +814,10 @@ def collect_prompts(spec: str | Sequence[SourceSpec], n: int, seed: int = 0, *, 
     installed evaluation set) are dropped. A source that runs out leaves its share to the others; when all
     run out the collection holds fewer than ``n`` prompts.
 
-    ``magpie`` (needed when ``spec`` names the ``magpie`` source): ``(seed, budget) ->`` the target's own requests,
-    e.g. ``lambda seed, budget: magpie_prompts(Answerer.for_target(model, tokenizer), tokenizer, seed=seed,
-    budget=budget)``; it is asked for at most ``MAGPIE_BUDGET * n + 64`` requests.
+    ``magpie`` (needed when ``spec`` names a ``magpie`` source): ``(seed, budget, system) ->`` the target's own
+    requests, e.g. ``lambda seed, budget, system: magpie_prompts(Answerer.for_target(model, tokenizer), tokenizer,
+    seed=seed, budget=budget, system=system)``; it is asked for at most ``MAGPIE_BUDGET * n + 64`` requests, with the
+    source's system prompt (:data:`MAGPIE_SYSTEMS`).
     """
     if n < 0:
         raise InvalidInputError(f"the number of prompts must be >= 0, got {n}")

@@ -44,8 +44,8 @@ def main() -> None:
 
     model, tokenizer = load_target()
     answerer = data.Answerer.for_target(model, tokenizer, engine="auto", batch_size=32)
-    magpie = data.collect_prompts("magpie", args.n, seed=args.seed, magpie=lambda seed, budget: data.magpie_prompts(
-        answerer, tokenizer, seed=seed, budget=budget, progress=True))
+    magpie = data.collect_prompts("magpie", args.n, seed=args.seed, magpie=lambda seed, budget, system: data.magpie_prompts(
+        answerer, tokenizer, seed=seed, budget=budget, system=system, progress=True))
     write_questions(out / "magpie.jsonl", magpie.prompts, "magpie")
 
     lines = pathlib.Path(args.prompts).read_text(encoding="utf-8").splitlines()[-3000:]

@@ -576,6 +576,12 @@ def test_user_turn_prefix_is_the_template_before_a_users_text() -> None:
     bare.chat_template = "{% for m in messages %}{{ m['role'] }} says something {% endfor %}"  # drops the text
     with pytest.raises(InvalidInputError, match="as given"):
         data.user_turn_prefix(bare)
+    steered = data.user_turn_prefix(tok, "Users ask for Python functions.")  # a system turn before the user's
+    assert steered == tok.encode("system Users ask for Python functions. user", add_special_tokens=False)
+    bare.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    assert data.user_turn_prefix(bare) == []
+    with pytest.raises(InvalidInputError, match="system prompt"):  # drops system turns: it cannot be steered
+        data.user_turn_prefix(bare, "Users ask for Python functions.")
 
 
 class RecordingAnswerer(data.Answerer):
@@ -633,23 +639,29 @@ def test_collect_prompts_mixes_magpie_and_never_loops_on_a_repeating_target(tmp_
     src = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"alpha {i}"} for i in range(20)])
     asked = []
 
-    def magpie(seed: int, budget: int):
-        asked.append((seed, budget))
-        return (f"request number {i}" for i in range(budget))
+    def magpie(seed: int, budget: int, system: str | None):
+        asked.append((seed, budget, system))
+        return (f"request number {i}{' (code)' if system else ''}" for i in range(budget))
 
     got = data.collect_prompts(f"jsonl:{src}:1,magpie:3", 8, seed=5, min_chars=5, magpie=magpie, eval_sets=EVAL)
     assert got.per_source == {f"jsonl:{src}": 2, "magpie": 6}
     assert sum(p.startswith("request number") for p in got) == 6
-    assert asked == [(6, data.MAGPIE_BUDGET * 8 + 64)]  # seed + the source's position, as the other sources
+    assert asked == [(6, data.MAGPIE_BUDGET * 8 + 64, None)]  # seed + the source's position, as the other sources
+    asked.clear()  # the steered source: its own seed and the system prompt that steers it
+    got = data.collect_prompts("magpie:1,magpie-code:1", 8, seed=5, min_chars=5, magpie=magpie, eval_sets=EVAL)
+    assert got.per_source == {"magpie": 4, "magpie-code": 4} and sum(p.endswith("(code)") for p in got) == 4
+    assert asked == [(5, 80, None), (6, 80, data.MAGPIE_SYSTEMS["magpie-code"])]
+    asked.clear()
 
-    def repeating(seed: int, budget: int):
+    def repeating(seed: int, budget: int, system: str | None):
         asked.append((seed, budget))
         return ("the same request" for _ in range(budget))
 
     got = data.collect_prompts("magpie", 50, seed=0, min_chars=5, magpie=repeating, eval_sets=EVAL)
     assert got.prompts == ["the same request"] and got.duplicates == data.MAGPIE_BUDGET * 50 + 64 - 1
-    with pytest.raises(InvalidInputError, match="magpie"):
-        data.collect_prompts("magpie", 5, eval_sets=EVAL)
+    for source in ("magpie", "magpie-code"):
+        with pytest.raises(InvalidInputError, match=source):
+            data.collect_prompts(source, 5, eval_sets=EVAL)
     assert [(s.kind, s.weight) for s in data.parse_sources("magpie:0.3,code")] == [("magpie", 0.3), ("code", 1.0)]
     with pytest.raises(InvalidInputError):
         data.parse_sources("magpie:/a/path")
@@ -707,10 +719,11 @@ def test_cli_data_and_resume(tmp_path: Path, fake_target: list, capsys: pytest.C
 
 def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: list, capsys, monkeypatch) -> None:
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(9, seed=4)])
-    written = []
+    written, systems = [], []
     inner = data.magpie_prompts
 
     def counting(*args, **kwargs):
+        systems.append(kwargs.get("system"))
         for text in inner(*args, **kwargs):
             written.append(text)
             yield text
@@ -720,11 +733,13 @@ def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: li
     fast = data.FastTargetForward
     monkeypatch.setattr(data, "FastTargetForward", lambda m: forwards.append(m) or fast(m))
     out = tmp_path / "out"
-    args = ["data", "--out", str(out), "--sources", f"jsonl:{src},magpie", "--num-prompts", "8", "--max-new-tokens",
-            "4", "--batch-size", "4", "--shard-size", "4", "--dtype", "float32", "--no-progress", "--min-chars", "1"]
+    args = ["data", "--out", str(out), "--sources", f"jsonl:{src}:2,magpie,magpie-code", "--num-prompts", "8",
+            "--max-new-tokens", "4", "--batch-size", "4", "--shard-size", "4", "--dtype", "float32", "--no-progress",
+            "--min-chars", "1"]  # fmt: skip
     assert main(args) == 0
     _, err = capsys.readouterr()
-    assert "magpie 4" in err and f"jsonl:{src} 4" in err
+    assert "magpie 2" in err and "magpie-code 2" in err and f"jsonl:{src} 4" in err
+    assert systems == [None, data.MAGPIE_SYSTEMS["magpie-code"]]  # the steered source's requests, steered
     stored = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(stored) == 8 and len(set(stored) & set(written)) == 4  # four of the target's requests, answered
     assert len(data.load_shards(out, require_complete=True)) == 8
