@@ -112,6 +112,10 @@
 # ~40%), so most of a step is launches and memory-bound elementwise work, which inductor fuses; its compile time
 # (~1.6 min on this CPU; the rate is measured after the first two steps, so the schedule stays sized right) pays
 # where training runs long, e.g. with TRAIN_MORE_S. Judge it by the "time budget" line's steps/s against 3.60.
+# LAYERS=5: deepen the shipped drafter (`train --layers 5 --init`: the new layers start as copies with zeroed output
+# projections, so the run starts from its drafts). Tried once on this CPU with 4.9K answers (no gain, session 27);
+# untried at a GPU session's scale, where each session of data now adds only 2-3% to the 3-layer drafter. A deeper
+# drafter costs more per drafting step on a CPU: judge it by the bench's tok/s, not by τ alone.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -348,7 +352,7 @@ train_run() {  # there: the session's training run (CAP steps at most, BUDGET s 
   timeout "$timeout_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps "$cap" \
     --time-budget "$budget" --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 \
-    --checkpoint-every 500 ${COMPILE:+--compile} 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
+    --checkpoint-every 500 ${COMPILE:+--compile} ${LAYERS:+--layers "$LAYERS"} 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
   tail -n 2 "$run/train_log.jsonl"
 }
 
