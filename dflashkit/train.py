@@ -532,6 +532,7 @@ class Trainer:
         # the schedule's length: cfg.steps, or what a time budget measured fits (fixed once measured, checkpointed)
         self.total_steps, self.schedule_fixed = cfg.steps, cfg.time_budget_s is None
         self._rate_from: tuple[float, int] | None = None  # (time, step) where the step rate's measurement began
+        self._warm_from: tuple[float, int, float] | None = None  # (time, step, feature seconds) after the compiling
         self._feature_seconds, self._features_computed = 0.0, 0  # this run's feature work for the caches so far
         self.stop_requested = False  # set by a SIGINT/SIGTERM during run(): checkpoint, then stop
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -842,6 +843,8 @@ class Trainer:
         if self.schedule_fixed:
             return self.parallel.any(now - t0 >= budget, self.cfg.device)
         caches_full = all(store is None or bool(store.filled.all()) for store in (self.store, self.soft_store))
+        if self._warm_from is None and self.step >= first_step + 2:  # compiled by now: the fallback's rate from here
+            self._warm_from = (now, self.step, self._feature_seconds)
         if self._rate_from is None and self.step >= first_step + 2 and caches_full:
             self._rate_from = (now, self.step)
         measured = self._rate_from is not None and self.step - self._rate_from[1] >= 5 and (
@@ -854,12 +857,17 @@ class Trainer:
             rate = (self.step - start_step) / max(1e-9, now - start_time)  # steps per second
             how = f"{rate:.2f} steps/s over steps {start_step}-{self.step}"
         else:  # half the budget gone before a measurement (caches still filling): the steps' rate without the
-            # features, and the time the features still to compute take at their cost so far
-            rate = (self.step - first_step) / max(1e-9, now - t0 - self._feature_seconds)
+            # features (after the first two steps, which compile, where steps ran since), and the time the features
+            # still to compute take at their cost so far
+            start_time, start_step, start_features = t0, first_step, 0.0
+            if self._warm_from is not None and self.step > self._warm_from[1]:
+                start_time, start_step, start_features = self._warm_from
+            work = now - start_time - (self._feature_seconds - start_features)
+            rate = (self.step - start_step) / max(1e-9, work)
             unfilled = int((~self.store.filled).sum()) if self.store is not None else 0
             to_fill = unfilled * self._feature_seconds / max(self._features_computed, 1)
             left = max(0.0, left - to_fill)
-            how = (f"{rate:.2f} steps/s over steps {first_step}-{self.step} without their feature work, and "
+            how = (f"{rate:.2f} steps/s over steps {start_step}-{self.step} without their feature work, and "
                    f"{to_fill:.0f} s of features still to compute")
         fit = self.step + int(0.97 * rate * left)
         total = min([self.cfg.steps, *(int(f) for f in self.parallel.gather_objects(fit))])
@@ -871,7 +879,7 @@ class Trainer:
 
     def _loop(self, batch_iter, bar, log_file, t0: float) -> None:
         cfg = self.cfg
-        first_step, self._rate_from = self.step, None
+        first_step, self._rate_from, self._warm_from = self.step, None, None
         self._feature_seconds, self._features_computed = 0.0, 0
         while self.step < self.total_steps:
             # Ctrl-C / SIGTERM: keep this step's work, then stop (data parallel: all at the same step)

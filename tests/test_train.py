@@ -432,6 +432,33 @@ def test_a_time_budget_measures_the_rate_once_the_feature_cache_is_full(tmp_path
     assert trainer.total_steps == trainer.step == 2 + int(0.97 * (2 / 10) * 10)  # at step 2, t = 10 s
 
 
+def test_a_budget_half_spent_while_the_cache_fills_leaves_the_compiling_steps_out_of_its_rate(tmp_path, monkeypatch):
+    """--compile: the first two steps compile (20 s each here). With the cache still filling at half the budget, the
+    plan takes the step rate after them (1 s a step without its features), not one that counts the compiling."""
+    import dflashkit.train
+    from conftest import tiny_target
+
+    clock = FakeClock()
+    monkeypatch.setattr(dflashkit.train, "time", clock)
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 40, seed=6, new_tokens=16)
+    trainer = make_trainer(tmp_path / "run", model, seqs, steps=200, time_budget_s=100.0)
+    assert len(trainer.store) == 36  # 9 steps an epoch at 4 sequences
+    features = trainer.target.features
+
+    def slow_features(rows):
+        clock.now += rows.shape[0] * 1.0  # 1 s per sequence computed
+        return features(rows)
+
+    monkeypatch.setattr(trainer.target, "features", slow_features)
+    clocked_steps(trainer, clock, lambda step: 20.0 if step < 2 else 1.0)
+    trainer.run(resume=False, progress=False)
+    # half the budget is gone at step 3 (t = 2 x (20 + 4) + 1 + 4 = 53 s): 1 step/s since step 2 without the
+    # features, 24 sequences' features (24 s) to come: 3 + int(0.97 x (100 - 53 - 24)) = 25 steps (counting the
+    # compiling steps: 3 steps in 41 s of step work, 0.07 steps/s, would have planned 4), and they fit: t = 99 s
+    assert trainer.total_steps == trainer.step == 25 and clock.now - 1000.0 == pytest.approx(99.0)
+
+
 def test_a_budget_half_spent_while_the_cache_fills_plans_the_rest_at_the_cached_rate(tmp_path, monkeypatch):
     """Features that cost 1 s per sequence, steps 1 s without them: at half the budget (step 2, 8 of 11 sequences
     cached) the plan counts the 3 features still to compute and the steps at 1 s each, not the 5 s filling steps."""
