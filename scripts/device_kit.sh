@@ -94,11 +94,15 @@
 # Shipped as v11 (greedy τ b16 +1.6-2.7% on the evaluation sets). All 60,000 staged prompts are answered now (sessions
 # 29-32) and a new `stage` would draw ShareGPT's turns again (the list took all there were), so the next session's
 # new prompts are the target's own requests under another seed, with sessions 30 and 32's answers carried (call 2):
-#   ... END_S=585 CHECK_S=0 DATA_S=150 SOURCES=magpie:0.75,magpie-code:0.25 PROMPTS_N=30000 DSEED=5 TRAIN_MORE_S=T \
+#   ... END_S=585 CHECK_S=0 DATA_S=160 SOURCES=magpie:0.75,magpie-code:0.25 PROMPTS_N=16000 DSEED=5 TRAIN_MORE_S=T \
 #       bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log          # timeout_s=595
 #   then at once: run(timeout_s=T + 90, command="END_S=T+80 bash scripts/device_kit.sh finish 2>&1 | tee $OUT/finish.log")
-# (~20K answers in the data time; training then reads ~72K answers. magpie-code: the target's requests steered to
-# Python functions by a system prompt, about half of them coding requests on this target.) Session 32 left 149 s of its 900 unused, too
+# (magpie-code: the target's requests steered to Python functions by a system prompt, about half of them coding
+# requests on this target.) PROMPTS_N is sized so that the requests are all written well before DATA_S ends: the
+# list is stored only once complete, so a data phase stopped while the target writes requests keeps nothing. In
+# session 32 the H100 wrote ~370 requests/s (~22K written for 14,944 kept in ~60 s) and answered 50K tok/s: 16,000
+# prompts are ~24K requests (~65 s), ~2.5M answer tokens (~50 s) and ~30 s of loading; training then reads ~69K
+# answers (16K new, 52.6K carried). Session 32 left 149 s of its 900 unused, too
 # little to start a machine: TRAIN_MORE_S spends what the session call cannot (one call runs at most 600 s) on
 # training: the session call trains to its end (the trainer checkpoints on the timeout's SIGTERM) with a schedule
 # sized for both calls, and `finish` resumes it (~35 s of loading) and brings the drafter (~45 s). Set T to about
