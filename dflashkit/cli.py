@@ -1017,7 +1017,8 @@ def cmd_data(args: argparse.Namespace) -> int:
         answerer = data.Answerer.for_target(model, tokenizer, engine=args.engine, batch_size=args.batch_size,
                                             server=server)
         report = _collect_data_prompts(args, lambda seed, budget, system: data.magpie_prompts(
-            answerer, tokenizer, seed=seed, budget=budget, system=system, progress=not quiet))
+            answerer, tokenizer, seed=seed, budget=budget, system=system, progress=not quiet,
+            rounds_file=out / "magpie-requests" / f"seed-{seed}.jsonl"))  # a killed collection resumes
     prompts = report.prompts if report is not None else None
     extra = {"target_name": name, "collection": collection_args}
     if report is not None:

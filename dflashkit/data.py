@@ -471,7 +471,7 @@ def user_turn_prefix(tokenizer: Any, system: str | None = None) -> list[int]:
 def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget: int | None = None,
                    temperature: float = MAGPIE_TEMPERATURE, top_p: float = MAGPIE_TOP_P,
                    max_tokens: int = MAGPIE_MAX_TOKENS, system: str | None = None,
-                   progress: bool = False) -> Iterator[str]:
+                   rounds_file: str | os.PathLike | None = None, progress: bool = False) -> Iterator[str]:
     """Requests written by the target itself (Magpie, Xu et al. 2024): given only the chat template up to a user's
     text (:func:`user_turn_prefix`), an instruction-tuned model writes a user's request of the kind it was tuned on,
     and ends the turn with its end-of-turn token. No data set is needed, the supply is unlimited, and the requests
@@ -479,13 +479,20 @@ def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget:
     (``answerer.batch_size`` decoding at once, ``MAGPIE_ROUND`` times as many per round), seeded: deterministic for a
     seed, engine and batch size. A request that does not end within ``max_tokens`` is dropped; at most ``budget``
     requests are written (None: no limit). ``system``: a system prompt that steers the kind of request
-    (:data:`MAGPIE_SYSTEMS`); the request alone is returned."""
+    (:data:`MAGPIE_SYSTEMS`); the request alone is returned.
+
+    ``rounds_file``: each round's requests are appended to it (synced) as the round ends, and a later call with the
+    same file and settings replays the rounds stored there before writing new ones, so the same requests come out
+    and a killed collection loses at most the round in progress."""
     if budget is not None and budget < 0:
         raise InvalidInputError(f"budget must be >= 0, got {budget}")
     prefix = user_turn_prefix(tokenizer, system)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     eos = set(answerer.eos_ids)
     device = answerer.device
+    settings = {"seed": seed, "system": system, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
+                "engine": answerer.engine, "batch_size": answerer.batch_size, "prefix": prefix}
+    rounds = _MagpieRounds(rounds_file, settings) if rounds_file is not None else None
     from tqdm.auto import tqdm
 
     written, group = 0, 0
@@ -494,19 +501,62 @@ def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget:
         while budget is None or written < budget:
             count = MAGPIE_ROUND * answerer.batch_size
             count = count if budget is None else min(count, budget - written)
-            encoded = [(written + j, prefix) for j in range(count)]
-            with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []), \
-                    torch.inference_mode():
-                rows = sorted((label, response) for answered in answerer.answers(
-                    encoded, seed=seed, group=group, max_new_tokens=max_tokens, sampling=sampling)
-                    for label, _, response in answered)  # fmt: skip
+            texts = rounds.replay(group, count) if rounds is not None else None
+            if texts is None:
+                encoded = [(written + j, prefix) for j in range(count)]
+                with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []), \
+                        torch.inference_mode():
+                    rows = sorted((label, response) for answered in answerer.answers(
+                        encoded, seed=seed, group=group, max_new_tokens=max_tokens, sampling=sampling)
+                        for label, _, response in answered)  # fmt: skip
+                ended = (tokenizer.decode(r[:-1], skip_special_tokens=True).strip() for _, r in rows if r and r[-1] in eos)
+                texts = [text for text in ended if text]
+                if rounds is not None:
+                    rounds.store(group, count, texts)
             written, group = written + count, group + 1
             bar.update(count)
-            for _, response in rows:
-                if response and response[-1] in eos:
-                    text = tokenizer.decode(response[:-1], skip_special_tokens=True).strip()
-                    if text:
-                        yield text
+            yield from texts
+
+
+class _MagpieRounds:
+    """The rounds of requests a :func:`magpie_prompts` call has written, in a JSON-lines file: a header with the
+    settings, then one line per round (``count`` requests asked for, the ``requests`` kept). Rounds stored under other
+    settings are not replayed (the file starts over); a line torn by a kill is ignored."""
+
+    def __init__(self, path: str | os.PathLike, settings: dict[str, Any]) -> None:
+        self.path, self.settings = pathlib.Path(path), settings
+        self.rounds: list[tuple[int, list[str]]] = []
+        self.valid = False  # the file on disk holds this header and exactly self.rounds
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+            if lines and json.loads(lines[0]).get("settings") == settings:
+                for line in lines[1:]:
+                    record = json.loads(line)
+                    self.rounds.append((int(record["count"]), [str(t) for t in record["requests"]]))
+                self.valid = True
+        except FileNotFoundError:
+            pass
+        except (ValueError, KeyError, TypeError, AttributeError):  # a torn last line: the rounds before it stand
+            pass
+
+    def replay(self, index: int, count: int) -> list[str] | None:
+        """Round ``index``'s requests if it is stored with this ``count``, else None (it is to be written)."""
+        if index < len(self.rounds) and self.rounds[index][0] == count:
+            return self.rounds[index][1]
+        return None
+
+    def store(self, index: int, count: int, requests: list[str]) -> None:
+        if not self.valid or index != len(self.rounds):  # other settings, a torn line or later rounds: rewrite
+            self.rounds = self.rounds[:index]
+            atomic_write(self.path, lambda f: f.write("".join(
+                json.dumps(x, ensure_ascii=False) + "\n" for x in [{"settings": self.settings}] + [
+                    {"count": c, "requests": r} for c, r in self.rounds])))  # fmt: skip
+            self.valid = True
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"count": count, "requests": requests}, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.rounds.append((count, requests))
 
 
 # ---- JSONL and Hugging Face data sets ----------------------------------------------------------------------

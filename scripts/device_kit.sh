@@ -99,7 +99,9 @@
 #   then at once: run(timeout_s=T + 90, command="END_S=T+80 bash scripts/device_kit.sh finish 2>&1 | tee $OUT/finish.log")
 # (magpie-code: the target's requests steered to Python functions by a system prompt, about half of them coding
 # requests on this target.) PROMPTS_N is sized so that the requests are all written well before DATA_S ends: the
-# list is stored only once complete, so a data phase stopped while the target writes requests keeps nothing. In
+# list is stored only once complete, so a data phase stopped while the target writes requests answers nothing (its
+# finished rounds stay in $DK/data/gpu/magpie-requests for a `data` call that resumes, but a session has no time for
+# one). In
 # session 32 the H100 wrote ~370 requests/s (~22K written for 14,944 kept in ~60 s) and answered 50K tok/s: 16,000
 # prompts are ~24K requests (~65 s), ~2.5M answer tokens (~50 s) and ~30 s of loading; training then reads ~69K
 # answers (16K new, 52.6K carried). Session 32 left 149 s of its 900 unused, too

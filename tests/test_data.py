@@ -619,6 +619,37 @@ def test_magpie_prompts_are_the_targets_own_ended_requests_seeded_and_within_bud
     assert len(endless) == 5 and len(given) % 4 == 0
 
 
+def test_magpie_rounds_file_resumes_a_killed_collection_with_the_same_requests(tmp_path: Path) -> None:
+    model, tok = make_model(), make_tokenizer()
+    clean = list(data.magpie_prompts(data.Answerer.for_target(model, tok, engine="continuous", batch_size=4), tok,
+                                     seed=3, budget=40, max_tokens=6))  # rounds of 16, 16 and 8 requests
+    rounds_file = tmp_path / "requests.jsonl"
+
+    class Killed(RecordingAnswerer):
+        def answers(self, encoded, **kwargs):
+            if kwargs["group"] == 1:
+                raise KeyboardInterrupt  # killed while writing the second round
+            yield from super().answers(encoded, **kwargs)
+
+    killed = Killed.for_target(model, tok, engine="continuous", batch_size=4)
+    killed.given = []
+    with pytest.raises(KeyboardInterrupt):
+        list(data.magpie_prompts(killed, tok, seed=3, budget=40, max_tokens=6, rounds_file=rounds_file))
+    assert len(rounds_file.read_text().splitlines()) == 2  # the settings and the first round
+    with rounds_file.open("a") as f:
+        f.write('{"count": 16, "requests": ["torn')  # a line cut by the kill
+    again = RecordingAnswerer.for_target(model, tok, engine="continuous", batch_size=4)
+    again.given = []
+    resumed = list(data.magpie_prompts(again, tok, seed=3, budget=40, max_tokens=6, rounds_file=rounds_file))
+    assert resumed == clean and sorted(label for label, _, _ in again.given) == list(range(16, 40))  # round 1 on
+    again.given = []  # complete: replayed whole, nothing written again
+    assert list(data.magpie_prompts(again, tok, seed=3, budget=40, max_tokens=6, rounds_file=rounds_file)) == clean
+    assert again.given == [] and len(rounds_file.read_text().splitlines()) == 4
+    other = list(data.magpie_prompts(again, tok, seed=4, budget=40, max_tokens=6, rounds_file=rounds_file))
+    assert len(again.given) == 40 and other != clean  # another seed: not replayed, the file starts over
+    assert json.loads(rounds_file.read_text().splitlines()[0])["settings"]["seed"] == 4
+
+
 def test_regenerate_uses_the_answerer_it_is_given(tmp_path: Path, monkeypatch) -> None:
     model, tok = make_model(), make_tokenizer()
     answerer = data.Answerer.for_target(model, tok, engine="continuous", batch_size=3)
@@ -740,6 +771,8 @@ def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: li
     _, err = capsys.readouterr()
     assert "magpie 2" in err and "magpie-code 2" in err and f"jsonl:{src} 4" in err
     assert systems == [None, data.MAGPIE_SYSTEMS["magpie-code"]]  # the steered source's requests, steered
+    kept = sorted(p.name for p in (out / "magpie-requests").iterdir())  # each source's rounds, for a killed run
+    assert kept == ["seed-1.jsonl", "seed-2.jsonl"]  # --seed 0 + the sources' positions
     stored = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(stored) == 8 and len(set(stored) & set(written)) == 4  # four of the target's requests, answered
     assert len(data.load_shards(out, require_complete=True)) == 8
