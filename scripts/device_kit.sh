@@ -118,6 +118,10 @@
 # ~40%), so most of a step is launches and memory-bound elementwise work, which inductor fuses; its compile time
 # (~1.6 min on this CPU; the rate is measured after the first two steps, so the schedule stays sized right) pays
 # where training runs long, e.g. with TRAIN_MORE_S. Judge it by the "time budget" line's steps/s against 3.60.
+# PROFILE_TRAIN=1: before training, scripts/profile_train.py times a step by phase (the target's features, the
+# drafter's forward, the head and losses, backward and optimizer) and prints torch.profiler's operators by GPU time and
+# the operator calls per step: what to make faster before anything else (~40 s of the session; the 278 ms step of
+# session 32 is ~5x what its arithmetic needs, and where the rest goes was never measured on a GPU).
 # LAYERS=5: deepen the shipped drafter (`train --layers 5 --init`: the new layers start as copies with zeroed output
 # projections, so the run starts from its drafts). Tried once on this CPU with 4.9K answers (no gain, session 27);
 # untried at a GPU session's scale, where each session of data now adds only 2-3% to the 3-layer drafter. A deeper
@@ -336,6 +340,11 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   # `train --time-budget` measures its step rate over its first steps and sizes the cosine schedule to end in time
   # (session 30 sized it by a 40 s probe run instead, whose rate, 3.62 steps/s, was below the run's own 4.5: the run
   # ended after 205 of its 324 s); at most 6 epochs of the answers (more passes over little data would overfit)
+  if [ -n "${PROFILE_TRAIN:-}" ]; then  # where a training step's time goes (~40 s: loading, 12 steps, a profile)
+    timeout 120 "$PY3" scripts/profile_train.py --data "$(data_dirs)" --device "$DEVICE" --seqs-per-step "${SEQS:-128}" \
+      2>&1 | grep -v -i "warn" | tail -n 36
+    echo "== training profile done at $((SECONDS - t0)) s"
+  fi
   # TRAIN_MORE_S=N: a follow-up call (`finish`, within the 30 s the machine stays warm) trains N s more and brings
   # the drafter: the schedule spans both calls, this one trains to its end (SIGTERM: the trainer checkpoints the step)
   local more=${TRAIN_MORE_S:-0}

@@ -1,0 +1,102 @@
+"""Where a training step's time goes: `dflashkit train`'s settings, a few steps timed by phase and profiled.
+
+    python scripts/profile_train.py --data DATA[,DATA2] [--device cuda] [--seqs-per-step 128] [--steps 4]
+
+Builds the trainer as `dflashkit train --init DRAFTER --distill-topk 32 --distill-weight 0.5` does (the default
+target in bf16; features computed every step off a CPU, cached on one), runs --warmup steps, then times --steps
+steps by phase (each phase synchronised on a GPU, so the phases add up to a little more than an unsynchronised
+step), and profiles --profile-steps more with torch.profiler: the operators by self device time (CPU time on a
+CPU) and the operator calls per step. The question it answers for a lent GPU (scripts/device_kit.sh, PROFILE_TRAIN=1):
+is a step bound by the host launching its operations, by the drafter's attention and loss over the block
+positions, or by the target's pass over the sequences?
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dflashkit.models import load_target
+from dflashkit.train import TrainConfig, Trainer, batches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="data folder(s) of `dflashkit data`, comma-separated")
+    ap.add_argument("--init", default="dflashkit/drafters/smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seqs-per-step", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfg = TrainConfig(data_dir=args.data, out_dir="/tmp/dflashkit-profile-train", init_drafter=args.init,
+                      seqs_per_step=args.seqs_per_step, steps=10_000, lr=6e-4, eval_every=0, checkpoint_every=10**9,
+                      distill_topk=32, distill_weight=0.5, device=str(device), cache_features=device.type == "cpu")
+    model, tokenizer = load_target(dtype=torch.bfloat16, device=str(device))
+    trainer = Trainer(cfg, model, tokenizer, log=print)
+    step_batches = batches(trainer.train_seqs, cfg.seqs_per_step, cfg.seed)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name, fn):
+        def run(*a, **k):
+            sync()
+            began = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            spent[name] += time.perf_counter() - began
+            return out
+
+        return run
+
+    for _ in range(args.warmup):  # compiling, caches, allocator
+        trainer.train_step(step_batches)
+    sync()
+    began = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.train_step(step_batches)
+    sync()
+    plain = (time.perf_counter() - began) / args.steps
+    print(f"{args.steps} steps of {cfg.seqs_per_step} sequences: {plain * 1e3:.1f} ms a step, "
+          f"{cfg.seqs_per_step / plain:.0f} sequences/s ({device}, unsynchronised)")
+
+    trainer.batch_features = timed("target features (and soft labels)", trainer.batch_features)
+    trainer.forwards = {k: timed("drafter forward", f) for k, f in trainer.forwards.items()}
+    loss_on, train_step = timed("forward in all", trainer.loss_on), timed("step", trainer.train_step)
+    trainer.loss_on = loss_on
+    for _ in range(args.steps):
+        train_step(step_batches)
+    rest = spent["forward in all"] - spent["target features (and soft labels)"] - spent["drafter forward"]
+    phases = {"target features (and soft labels)": spent["target features (and soft labels)"],
+              "drafter forward": spent["drafter forward"], "LM head, losses, figures": rest,
+              "backward and optimizer": spent["step"] - spent["forward in all"]}  # fmt: skip
+    for name, seconds in phases.items():
+        print(f"  {name:36s} {seconds / args.steps * 1e3:8.1f} ms  ({seconds / spent['step']:.0%})")
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile_steps):
+            train_step(step_batches)
+        sync()
+    averages = prof.key_averages()
+    calls = sum(e.count for e in averages if e.key.startswith("aten::"))
+    print(f"aten operator calls per step (nested included): {calls / args.profile_steps:.0f}")
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(averages.table(sort_by=sort, row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
