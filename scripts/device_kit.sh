@@ -94,7 +94,7 @@
 # Shipped as v11 (greedy τ b16 +1.6-2.7% on the evaluation sets). All 60,000 staged prompts are answered now (sessions
 # 29-32) and a new `stage` would draw ShareGPT's turns again (the list took all there were), so the next session's
 # new prompts are the target's own requests under another seed, with sessions 30 and 32's answers carried (call 2):
-#   ... END_S=585 CHECK_S=0 DATA_S=160 SOURCES=magpie:0.75,magpie-code:0.25 PROMPTS_N=16000 DSEED=5 TRAIN_MORE_S=T \
+#   ... END_S=585 CHECK_S=0 DATA_S=160 SOURCES=magpie:0.75,magpie-code:0.25 PROMPTS_N=16000 DSEED=5 TRAIN_MORE_S=T PROFILE_TRAIN=1 \
 #       bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log          # timeout_s=595
 #   then at once: run(timeout_s=T + 90, command="END_S=T+80 bash scripts/device_kit.sh finish 2>&1 | tee $OUT/finish.log")
 # (magpie-code: the target's requests steered to Python functions by a system prompt, about half of them coding
