@@ -509,7 +509,8 @@ def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget:
                     rows = sorted((label, response) for answered in answerer.answers(
                         encoded, seed=seed, group=group, max_new_tokens=max_tokens, sampling=sampling)
                         for label, _, response in answered)  # fmt: skip
-                ended = (tokenizer.decode(r[:-1], skip_special_tokens=True).strip() for _, r in rows if r and r[-1] in eos)
+                ended = (tokenizer.decode(r[:-1], skip_special_tokens=True).strip()
+                         for _, r in rows if r and r[-1] in eos)  # fmt: skip
                 texts = [text for text in ended if text]
                 if rounds is not None:
                     rounds.store(group, count, texts)
