@@ -489,7 +489,6 @@ def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget:
     prefix = user_turn_prefix(tokenizer, system)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     eos = set(answerer.eos_ids)
-    device = answerer.device
     settings = {"seed": seed, "system": system, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
                 "engine": answerer.engine, "batch_size": answerer.batch_size, "prefix": prefix}
     rounds = _MagpieRounds(rounds_file, settings) if rounds_file is not None else None
@@ -504,8 +503,7 @@ def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget:
             texts = rounds.replay(group, count) if rounds is not None else None
             if texts is None:
                 encoded = [(written + j, prefix) for j in range(count)]
-                with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []), \
-                        torch.inference_mode():
+                with torch.random.fork_rng(devices=answerer.rng_devices), torch.inference_mode():
                     rows = sorted((label, response) for answered in answerer.answers(
                         encoded, seed=seed, group=group, max_new_tokens=max_tokens, sampling=sampling)
                         for label, _, response in answered)  # fmt: skip
@@ -1059,6 +1057,13 @@ class Answerer:
     def device(self) -> torch.device | None:
         return None if self.model is None else next(self.model.parameters()).device
 
+    @property
+    def rng_devices(self) -> list[torch.device]:
+        """The devices whose random state ``torch.random.fork_rng`` keeps around seeded answering: the GPU the
+        model is on, if any (the CPU's is always kept)."""
+        device = self.device
+        return [device] if device is not None and device.type == "cuda" else []
+
     def answers(self, encoded: Sequence[tuple[int, list[int]]], *, seed: int, group: int, max_new_tokens: int,
                 sampling: SamplingParams) -> Iterator[list[tuple[int, list[int], list[int]]]]:
         """(label, prompt ids, new ids) of the ``(label, prompt ids)`` in ``encoded``, in groups as they are answered.
@@ -1159,8 +1164,6 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
     mine = sum(min(shard_size, len(prompts) - k * shard_size) for k in todo)
     done_prompts = len(prompts) - sum(min(shard_size, len(prompts) - k * shard_size) for k in missing)
     sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p))
-    device = answerer.device
-    fork_devices = [device] if device is not None and device.type == "cuda" else []
 
     from tqdm.auto import tqdm
 
@@ -1192,7 +1195,7 @@ def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out
             bar.update(len(have))
             encoded = sorted(((i, ids) for i, ids in encoded if i not in have), key=lambda x: (len(x[1]), x[0]))
             t_shard = time.perf_counter()
-            with open(partial, "a", encoding="utf-8") as log, torch.random.fork_rng(devices=fork_devices), \
+            with open(partial, "a", encoding="utf-8") as log, torch.random.fork_rng(devices=answerer.rng_devices), \
                     torch.inference_mode():
                 synced = time.perf_counter()
                 for answered in answerer.answers(encoded, seed=seed, group=k, max_new_tokens=max_new_tokens,

@@ -75,10 +75,10 @@ def main() -> None:
 
     trainer.batch_features = timed("target features (and soft labels)", trainer.batch_features)
     trainer.forwards = {k: timed("drafter forward", f) for k, f in trainer.forwards.items()}
-    loss_on, train_step = timed("forward in all", trainer.loss_on), timed("step", trainer.train_step)
-    trainer.loss_on = loss_on
+    trainer.loss_on = timed("forward in all", trainer.loss_on)
+    trainer.train_step = timed("step", trainer.train_step)
     for _ in range(args.steps):
-        train_step(step_batches)
+        trainer.train_step(step_batches)
     rest = spent["forward in all"] - spent["target features (and soft labels)"] - spent["drafter forward"]
     phases = {"target features (and soft labels)": spent["target features (and soft labels)"],
               "drafter forward": spent["drafter forward"], "LM head, losses, figures": rest,
@@ -89,7 +89,7 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(args.profile_steps):
-            train_step(step_batches)
+            trainer.train_step(step_batches)
         sync()
     averages = prof.key_averages()
     calls = sum(e.count for e in averages if e.key.startswith("aten::"))

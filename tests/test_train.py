@@ -356,6 +356,17 @@ def clocked_steps(trainer, clock: FakeClock, seconds_per_step) -> None:
     trainer.train_step = step
 
 
+def costly_features(trainer, clock: FakeClock, monkeypatch, seconds_per_sequence: float) -> None:
+    """The target's features for `trainer` cost seconds_per_sequence per sequence computed, on `clock`."""
+    features = trainer.target.features
+
+    def slow_features(rows):
+        clock.now += rows.shape[0] * seconds_per_sequence
+        return features(rows)
+
+    monkeypatch.setattr(trainer.target, "features", slow_features)
+
+
 def test_a_time_budget_sizes_the_schedule_to_the_measured_step_rate(tmp_path, monkeypatch):
     """--time-budget: after the first steps the schedule's length is fixed to what fits the rest of the budget at the
     measured rate (here 1 s per step, 40 s: 39 steps), and the cosine decay ends on the last one."""
@@ -444,13 +455,7 @@ def test_a_budget_half_spent_while_the_cache_fills_leaves_the_compiling_steps_ou
     seqs = tiny_corpus(model, 40, seed=6, new_tokens=16)
     trainer = make_trainer(tmp_path / "run", model, seqs, steps=200, time_budget_s=100.0)
     assert len(trainer.store) == 36  # 9 steps an epoch at 4 sequences
-    features = trainer.target.features
-
-    def slow_features(rows):
-        clock.now += rows.shape[0] * 1.0  # 1 s per sequence computed
-        return features(rows)
-
-    monkeypatch.setattr(trainer.target, "features", slow_features)
+    costly_features(trainer, clock, monkeypatch, seconds_per_sequence=1.0)
     clocked_steps(trainer, clock, lambda step: 20.0 if step < 2 else 1.0)
     trainer.run(resume=False, progress=False)
     # half the budget is gone at step 3 (t = 2 x (20 + 4) + 1 + 4 = 53 s): 1 step/s since step 2 without the
@@ -470,13 +475,7 @@ def test_a_budget_half_spent_while_the_cache_fills_plans_the_rest_at_the_cached_
     model = tiny_target("llama")
     seqs = tiny_corpus(model, 12, seed=5, new_tokens=16)
     trainer = make_trainer(tmp_path / "run", model, seqs, steps=200, time_budget_s=20.0)
-    features = trainer.target.features
-
-    def slow_features(rows):
-        clock.now += rows.shape[0] * 1.0  # 1 s per sequence computed
-        return features(rows)
-
-    monkeypatch.setattr(trainer.target, "features", slow_features)
+    costly_features(trainer, clock, monkeypatch, seconds_per_sequence=1.0)
     clocked_steps(trainer, clock, lambda step: 1.0)
     trainer.run(resume=False, progress=False)
     # at step 2, t = 10 s: 2 steps in 10 - 8 s of step work (1 step/s), 3 sequences' features (3 s) still to come:
