@@ -571,9 +571,12 @@ def test_null_fields_mean_defaults(server) -> None:
             "stream": None, "logprobs": None, "presence_penalty": None}  # fmt: skip
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
-    reply = r.json()  # temperature null = the default, 1: sampled, so the tiny target may end before its 3 tokens
-    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] <= 3
-    assert (reply["choices"][0]["finish_reason"] == "length") == (reply["usage"]["completion_tokens"] == 3)
+    # temperature null = the default, 1: sampled, so the tiny target may end its turn within its 3 tokens (the end
+    # token counts as a completion token: 3 tokens may still finish with "stop")
+    reply = r.json()
+    tokens, reason = reply["usage"]["completion_tokens"], reply["choices"][0]["finish_reason"]
+    assert reply["object"] == "chat.completion" and 1 <= tokens <= 3 and reason in ("stop", "length")
+    assert tokens == 3 or reason == "stop"
 
 
 # ---- queue, cancellation, timeouts --------------------------------------------------------------------------
