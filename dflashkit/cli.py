@@ -337,8 +337,9 @@ def _add_tree_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tree", type=int, default=None, metavar="N",
         help="drafter steps verify a token tree of up to N nodes (the drafter's likeliest alternatives at each "
-        "position, chosen best-first) instead of a chain: more tokens per pass for a wider verify (lossless; "
-        "fast forward only; without --block-size, over the drafter's block size; default: chains)",
+        "position, chosen best-first; when sampling with the rejection sampler, candidates drawn from the drafter and "
+        "tried in turn) instead of a chain: more tokens per pass for a wider verify (lossless; fast forward only; "
+        "without --block-size, over the drafter's block size; default: chains)",
     )
 
 

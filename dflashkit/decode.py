@@ -47,11 +47,12 @@ from .sampling import (
     sample,
     verify_greedy,
     verify_sampled,
+    verify_tree_sampled,
     warp,
 )
 from .stats import DecodeStats
 from .target import TargetAdapter
-from .tree import build_tree, check_budget
+from .tree import build_tree, check_budget, sample_tree
 
 LOOKUP_ONLY_BLOCK = 8  # block size of prompt lookup without a drafter, unless given
 
@@ -268,7 +269,13 @@ def decode(
                         scores = coupled_scores(scores, params, row_noise[:, columns] if columns is not None
                                                 else row_noise)
                         draft_params, mode = SamplingParams(), "argmax"
-                    if use_trees:
+                    if use_trees and mode == "sample" and not draft_params.greedy:  # sampled candidates
+                        q = warp(scores, draft_params)  # [k, V']: what each depth's candidates are drawn from
+                        tree = sample_tree(q, columns, options.tree, gen)
+                        if columns is not None:
+                            q = q.new_zeros(k, target.vocab_size).index_copy_(1, columns, q)  # [k, vocab]
+                        drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+                    elif use_trees:
                         tree = build_tree(scores, columns, options.tree)
                         drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
                     elif constraint:  # each row masked by what the grammar allows after the drafts before it
@@ -289,13 +296,16 @@ def decode(
             if tree is not None:  # one pass over the tree, then walk down it with the target's own tokens
                 shape = (tree.position_offsets(device), tree.attention_mask(device))
                 logits, features = target.forward(block_ids, pos, cache, logits_rows=rows, tree=shape)  # [rows, vocab]
-                if params.greedy:  # the target's token after each row: its argmax, or a sample drawn when reached
-                    target_token = argmax(logits).tolist().__getitem__
-                else:  # row r decides output position produced + its depth
-                    positions = [produced + d for d in (0, *tree.depths)]
-                    target_token = functools.partial(
-                        lambda rows_logits, at, r: choose(rows_logits[r], None, at[r]), logits, positions)
-                path, token = tree.walk(target_token)
+                if q is not None:  # sampled candidates: recursive rejection sampling down the tree
+                    path, token = verify_tree_sampled(warp(logits, params), tree, q, gen)
+                else:
+                    if params.greedy:  # the target's token after each row: its argmax, or a sample drawn when reached
+                        target_token = argmax(logits).tolist().__getitem__
+                    else:  # row r decides output position produced + its depth
+                        positions = [produced + d for d in (0, *tree.depths)]
+                        target_token = functools.partial(
+                            lambda rows_logits, at, r: choose(rows_logits[r], None, at[r]), logits, positions)
+                    path, token = tree.walk(target_token)
                 kept = [0] + path  # rows of the anchor and the accepted nodes
                 accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
                 observed = scored(logits[kept], produced) if observer else None

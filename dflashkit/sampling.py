@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidInputError
+from .tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,46 @@ def verify_sampled(
     total = residual.sum()
     residual = residual / total if total > 0 else p
     return accepted, int(sample(residual, generator))
+
+
+def verify_tree_sampled(target_probs: Tensor, tree: DraftTree, draft_probs: Tensor,
+                        generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Exact speculative sampling over a token tree (recursive rejection sampling; SpecInfer, Miao et al. 2024;
+    without replacement as in Jeon et al. 2024).
+
+    target_probs [rows, vocab] (warped; row 0 the anchor, row i+1 node i); draft_probs [depth, vocab]: the
+    distribution the candidates at each depth were drawn from, without replacement and in the order the tree
+    lists a node's children (:func:`dflashkit.tree.sample_tree`). At a node with target distribution p, the
+    i-th child x_i is accepted with probability min(1, p(x_i) / q_i(x_i)), q_i the proposal with the earlier
+    children removed and renormalised; after a rejection p becomes norm(max(0, p - q_i)). An accepted child
+    continues the walk from its own row; where every child is rejected (or there are none) the token is drawn
+    from what p has become. Given the tokens before it each emitted token is distributed as the target's.
+    Returns the rows of the accepted nodes (a path from the anchor) and the token emitted after them.
+    """
+    uniforms = torch.rand(len(tree), generator=generator, dtype=torch.float64).tolist()  # one per node
+    row, path = 0, []
+    while True:
+        p, reached = target_probs[row], None
+        children = tree.children(row)
+        if children:
+            q = draft_probs[tree.row_depth(row)]
+            left = float(q.sum())  # q's mass not yet proposed: q_i = q / left, the tried children being 0 in p
+            for token, child in children:
+                q_x = float(q[token]) / left
+                if q_x <= 0:  # never for a drawn candidate
+                    break
+                if uniforms[child - 1] * q_x < float(p[token]):  # P(accept) = min(1, p / q_i)
+                    reached = child
+                    break
+                # p <- norm(max(0, p - q_i)): where a tried child's q_i is still counted, p is already 0 there
+                residual = (p - q * (1.0 / left)).clamp_min_(0)
+                total = float(residual.sum())
+                p = residual.div_(total) if total > 0 else p  # total 0 only if p == q_i, where nothing is rejected
+                left -= float(q[token])
+        if reached is None:
+            return path, int(sample(p, generator))
+        path.append(reached)
+        row = reached
 
 
 SAMPLERS = ("rejection", "coupled")

@@ -7,12 +7,18 @@ first (as EAGLE-2's dynamic trees): a node's value is the product of the drafter
 path, and the `budget` nodes of largest value are kept, so that a confident drafter gets a deep narrow tree
 and an unsure one a wide shallow one.
 
-Verification walks down the tree with the target's own tokens: at the anchor the target picks its token
+Greedy (and coupled sampling, whose decisions are argmaxes of noisy scores) verification walks down the tree with
+the target's own tokens: at the anchor the target picks its token
 (argmax, or a sample from its warped distribution); if a child of the current node carries that token the
 walk moves there and the target picks again from that node's logits row; otherwise the token is emitted and
 the step ends. Every emitted token is the target's own choice given exactly the tokens before it, so the
 output is the plain decoder's (greedy) or distributed as the plain decoder's (sampling): lossless by
 construction, without any acceptance ratio.
+
+When sampling with rejection (the default sampler without a seed), a node's children are instead drawn from
+the drafter without replacement (:func:`sample_tree`) and tried in turn by recursive rejection sampling
+(:func:`dflashkit.sampling.verify_tree_sampled`): the target's sample falls among the drafter's top choices far
+less often than one of several sampled candidates is accepted.
 
 Rows of the verify pass: row 0 is the anchor (the last emitted token), row i >= 1 is node i-1; each row
 attends to the cache, its ancestors and itself, at position start + depth.
@@ -76,6 +82,14 @@ class DraftTree:
             mask[i + 1] |= mask[parent]
         return mask.to(device)
 
+    def children(self, row: int) -> list[tuple[int, int]]:
+        """(token, row) of each child of `row`, in the order the children were chosen."""
+        return list(self._children[row].items())
+
+    def row_depth(self, row: int) -> int:
+        """Depth of a row: 0 for the anchor, a node's depth otherwise."""
+        return self.depths[row - 1] if row else 0
+
     def walk(self, choose: Callable[[int], int]) -> tuple[list[int], int]:
         """Follow the target's tokens down the tree: ``choose(row)`` is the target's token after `row`.
 
@@ -136,4 +150,47 @@ def build_tree(scores: Tensor, columns: Tensor | None, budget: int, top: int = T
     probs, index = scores.float().softmax(-1).topk(min(top, scores.shape[1]), dim=-1)  # [k, top] each
     tokens = (columns[index] if columns is not None else index).tolist()
     parents, depths, ranks = best_first(probs.tolist(), budget)
+    return DraftTree([tokens[d - 1][r] for d, r in zip(depths, ranks)], parents, depths)
+
+
+def sample_without_replacement(probs: Tensor, count: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Per row of probs [k, V], up to `count` distinct indices drawn one after another, each draw from what is
+    left renormalised (the order matters: the i-th index is what the i-th rejection-sampling stage proposes).
+    Gumbel-top-k (Vieira 2014; Kool et al. 2019): the largest log p + Gumbel noise, in order, are such draws, for
+    all rows in one pass. Returns indices [k, c] and a mask [k, c] of the real draws (a row with fewer than
+    `count` tokens of nonzero probability has fewer)."""
+    u = torch.rand(probs.shape, generator=generator, dtype=torch.float32, device=probs.device).clamp_min(1e-30)
+    keys = probs.float() / -u.log()  # p / Exp(1): ordered as log p + Gumbel(0, 1); 0 where p is 0
+    top = keys.topk(min(count, probs.shape[-1]), dim=-1)
+    return top.indices, top.values > 0
+
+
+def sample_tree(probs: Tensor, columns: Tensor | None, budget: int, generator: torch.Generator | None,
+                top: int = TOP_CANDIDATES) -> DraftTree:
+    """A token tree for sampling (temperature > 0), verified by recursive rejection sampling
+    (:func:`dflashkit.sampling.verify_tree_sampled`).
+
+    probs [k, V']: the drafter's proposal distribution at each block offset (warped as the request asks);
+    ``columns`` [V'] maps its columns to token ids (None: the vocabulary). At every offset up to `top`
+    candidates are drawn without replacement, in order; every node at depth d has as children a prefix of
+    depth d's candidates, which rejection sampling tries in that order. The shape is :func:`build_tree`'s, best
+    first over the drafter's sorted probabilities: a function of q alone, since whether a candidate is tried must
+    not depend on what was drawn (trying a second candidate only when it is likely would bias the draws that are
+    tried away from q, and the acceptance ratio with them).
+
+    Why not the greedy tree of the drafter's top choices, walked with the target's sample: at temperature 1 the
+    target's sample lands among them about as often as one sampled draft is accepted. Shipped SmolLM2 drafter, the
+    anchor's 4 children, no lookup (``scripts/tree_candidates.py``): the first position is accepted at 0.54 / 0.65 /
+    0.63 with sampled candidates against 0.41 / 0.58 / 0.44 with the top choices and 0.40 / 0.40 / 0.36 for a
+    chain's single draft (MT-Bench / HumanEval / MATH-500, 4 prompts each).
+    """
+    shape = probs.float().topk(min(top, probs.shape[-1]), dim=-1).values  # [k, top]: sorted, what sets the shape
+    counts = (shape > 0).sum(1).tolist()
+    values = [row[:n] for row, n in zip(shape.tolist(), counts)]
+    index, _ = sample_without_replacement(probs, top, generator)  # [k, top]: ranks < counts are real draws
+    tokens = (columns[index] if columns is not None else index).tolist()
+    usable = next((d for d, v in enumerate(values) if not v), len(values))  # a row with nothing to draw ends it
+    if usable == 0:
+        return DraftTree([], [], [])
+    parents, depths, ranks = best_first(values[:usable], budget)
     return DraftTree([tokens[d - 1][r] for d, r in zip(depths, ranks)], parents, depths)

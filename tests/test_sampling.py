@@ -37,10 +37,12 @@ from dflashkit.sampling import (
     coupled_scores,
     propose,
     verify_sampled,
+    verify_tree_sampled,
     warp,
 )
 from dflashkit.stats import DecodeStats
 from dflashkit.target import TargetAdapter
+from dflashkit.tree import sample_tree, sample_without_replacement
 
 BASE_SEED = 0  # every random draw in this file derives from it (all pass with 0, 1000, ..., 7000)
 P_MIN = 1e-3  # chi-square p-value threshold of the analytic tests
@@ -400,6 +402,91 @@ def test_chain_of_three_drafts_matches_markov_target(mode):
     assert_matches(second, t[top1], f"2nd token given 1st={top1} ({mode})")
     third = joint.sum((0, 1))
     assert_matches(third, exact.sum((0, 1)), f"3rd token ({mode})")
+
+
+def test_draws_without_replacement_follow_the_sequential_distribution():
+    """Gumbel-top-k: the ordered pair (first, second) has probability p_a * p_b / (1 - p_a); zero-probability
+    entries are never drawn, and a row with fewer such entries than asked yields fewer real draws."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0])
+    g = torch.Generator().manual_seed(BASE_SEED + 21)
+    index, real = sample_without_replacement(probs.expand(N_ANALYTIC, 5), 2, g)
+    assert real.all()
+    pairs = np.zeros((5, 5))
+    np.add.at(pairs, (index[:, 0].numpy(), index[:, 1].numpy()), 1)
+    p = probs.double().numpy()
+    exact = np.array([[p[a] * p[b] / (1 - p[a]) if a != b else 0.0 for b in range(5)] for a in range(5)])
+    assert_matches(pairs, exact, "ordered pairs drawn without replacement")
+    index, real = sample_without_replacement(probs[None], 6, g)
+    assert real[0].tolist() == [True] * 4 + [False] and sorted(index[0, :4].tolist()) == [0, 1, 2, 3]
+
+
+def rrs_acceptance(p: np.ndarray, q: np.ndarray, width: int) -> float:
+    """P(one of `width` candidates drawn without replacement from q is accepted) under recursive rejection
+    sampling, by enumerating every ordered draw (the algorithm written out independently of the library's)."""
+    if width == 0 or q.sum() <= 0:
+        return 0.0
+    qn, total = q / q.sum(), 0.0
+    for x in np.flatnonzero(qn > 0):
+        accept = min(1.0, p[x] / qn[x])
+        residual = np.clip(p - qn, 0, None)
+        residual = residual / residual.sum() if residual.sum() > 0 else p
+        rest = q.copy()
+        rest[x] = 0
+        total += qn[x] * (accept + (1 - accept) * rrs_acceptance(residual, rest, width - 1))
+    return total
+
+
+@pytest.mark.parametrize("case", ["full_support", "disjoint_zeros"])
+def test_tree_rejection_sampling_emits_target_distribution(case):
+    """A root with 3 sampled candidates tried in turn (dflashkit.tree.sample_tree + verify_tree_sampled): the first
+    emitted token is distributed as p, the bonus token after an accepted candidate as that candidate's row, and
+    the acceptance is what enumerating the algorithm gives, above a single draft's sum min(p, q)."""
+    p, p_next, q = pq_pair(case)
+    g = torch.Generator().manual_seed(BASE_SEED + 23)
+    first, bonus, accepted = np.zeros(V), np.zeros(V), 0
+    for _ in range(N_ANALYTIC):
+        tree = sample_tree(q[None], None, 3, g)
+        assert tree.depths == [1] * len(tree) and len(tree) == 3
+        rows = torch.stack([p] + [p_next] * len(tree))  # every candidate's row: the bonus distribution
+        path, token = verify_tree_sampled(rows, tree, q[None], g)
+        if path:
+            accepted += 1
+            first[tree.tokens[path[0] - 1]] += 1
+            bonus[token] += 1
+        else:
+            first[token] += 1
+    rate = rrs_acceptance(p.double().numpy(), q.double().numpy(), 3)
+    assert rate > float(torch.minimum(p, q).sum()) + 0.01  # more than one draft: 0.51 vs 0.48 even where p's mode is never proposed
+    sigma = math.sqrt(rate * (1 - rate) / N_ANALYTIC)
+    assert abs(accepted / N_ANALYTIC - rate) < 4.5 * sigma, (accepted / N_ANALYTIC, rate)
+    assert_matches(first, p.numpy(), f"first emitted token, tree ({case})", TV_ANALYTIC)
+    assert_matches(bonus, p_next.numpy(), f"bonus token after an accepted candidate ({case})",
+                   tv_tolerance(p_next.numpy(), accepted))  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", [3, 6])
+def test_sampled_trees_match_markov_target(budget):
+    """Sampled token trees over 3 block positions on the Markov target of the chain test: the joint of 3 emitted
+    tokens is exact, and paths through later candidates and deeper nodes are taken."""
+    trans, q = markov_chain(BASE_SEED + 3)
+    g = torch.Generator().manual_seed(BASE_SEED + 27)
+    joint = np.zeros((6, 6, 6))
+    through_later, deep = 0, 0
+    for _ in range(N_CHAIN):
+        tokens, last = [], 0
+        while len(tokens) < 3:
+            tree = sample_tree(q, None, budget, g)
+            rows = trans[[last] + tree.tokens]  # row of a node: P(. | its token), the Markov target's
+            path, token = verify_tree_sampled(rows, tree, q, g)
+            through_later += any(r != tree.children(tree.parents[r - 1])[0][1] for r in path)
+            deep += len(path) >= 2
+            tokens += [tree.tokens[r - 1] for r in path] + [token]
+            last = tokens[-1]
+        joint[tuple(tokens[:3])] += 1
+    assert through_later > 0 and (deep > 0 or budget < 6)
+    t = trans.double().numpy()
+    exact = t[0][:, None, None] * t[:, :, None] * t[None, :, :]
+    assert_matches(joint, exact, f"joint of 3 tokens (sampled trees of {budget} nodes)")
 
 
 # ---- c/d. the decode loop against the target's exact sequence distribution ------------------------------

@@ -15,7 +15,7 @@ from dflashkit.drafter import DFlashDrafter
 from dflashkit.errors import InvalidInputError
 from dflashkit.stats import DecodeStats
 from dflashkit.target import TargetAdapter
-from dflashkit.tree import DraftTree, build_tree
+from dflashkit.tree import DraftTree, build_tree, sample_tree
 
 # ---- construction -------------------------------------------------------------------------------------
 
@@ -58,6 +58,33 @@ def test_build_tree_maps_columns_to_token_ids_and_is_a_chain_for_a_confident_dra
     assert tree.tokens == [41, 43, 40, 42] and tree.parents == [0, 1, 2, 3] and tree.depths == [1, 2, 3, 4]
     unsure = build_tree(torch.zeros(4, 5), columns, budget=4)  # uniform: the anchor's 4 children first
     assert unsure.depths == [1, 1, 1, 1] and unsure.parents == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("budget", [1, 4, 9])
+def test_sample_tree_has_the_greedy_shape_and_draws_its_children(budget):
+    """A sampled tree has build_tree's shape for the same distributions (a function of q alone), every node's
+    children are distinct tokens the drafter gives probability > 0, and the anchor's children are draws in order
+    (the first is distributed as q: checked against its frequencies)."""
+    g = torch.Generator().manual_seed(budget)
+    scores = torch.randn(3, 6, generator=g) * 2
+    scores[1, :3] = float("-inf")  # position 2 has 3 possible tokens
+    columns = torch.tensor([50, 51, 52, 53, 54, 55])
+    probs = scores.softmax(-1)
+    greedy = build_tree(scores, columns, budget)
+    first = torch.zeros(6)
+    for _ in range(3000):
+        tree = sample_tree(probs, columns, budget, g)
+        assert tree.parents == greedy.parents and tree.depths == greedy.depths
+        for row in range(len(tree) + 1):
+            tokens = [token for token, _ in tree.children(row)]
+            depth = tree.row_depth(row)
+            assert len(set(tokens)) == len(tokens)
+            assert all(probs[depth, token - 50] > 0 for token in tokens)
+        first[tree.children(0)[0][0] - 50] += 1
+    torch.testing.assert_close(first / 3000, probs[0], atol=0.035, rtol=0)
+    chain = sample_tree(torch.eye(6)[:3], None, 3, g)  # certain of one token per position: a chain of them
+    assert chain.tokens == [0, 1, 2] and chain.parents == [0, 1, 2]
+    assert len(sample_tree(torch.zeros(2, 6), None, 3, g)) == 0  # nothing to draw: no nodes
 
 
 def test_ancestor_mask_offsets_and_walk():

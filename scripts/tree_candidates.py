@@ -1,0 +1,81 @@
+"""Token trees at temperature > 0, by how their candidates are chosen: drawn from the drafter without replacement and
+verified by recursive rejection sampling (the default of `--tree` when sampling), the drafter's top choices walked
+with the target's own sample (`proposal="argmax"`), and coupled sampling's top choices under the target's noise;
+a chain of sampled drafts beside them. One process, interleaved per prompt and seed, a fixed block size (no
+adaptive policy to share), no prompt lookup (copies are one-hot chains whatever the tree).
+
+    .venv/bin/python scripts/tree_candidates.py [--limit 4] [--seeds 1] [--block-size 2] [--tree 4] [--threads 2]
+
+Prints per evaluation set and variant the share of steps whose first drafted position was accepted, τ and the
+TPOT speedup over plain sampling (rejection sampler), pooled over the set.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dflashkit import SpeculativeGenerator
+from dflashkit.evalsets import load_set
+
+
+def variants(tree: int) -> dict[str, dict]:
+    return {
+        "plain": {"use_drafter": False, "sampler": "rejection"},
+        "chain, sampled": {"sampler": "rejection"},
+        "tree, sampled candidates": {"sampler": "rejection", "tree": tree},
+        "tree, top choices": {"sampler": "rejection", "tree": tree, "proposal": "argmax"},
+        "tree, coupled": {"sampler": "coupled", "tree": tree},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sets", default="mt-bench,humaneval,math500")
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=2, help="verify depth + 1 (2: the anchor's children only)")
+    ap.add_argument("--tree", type=int, default=4, help="nodes per tree")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = SpeculativeGenerator.load()
+    gen.warmup()
+    runs = variants(args.tree)
+    for name in args.sets.split(","):
+        prompts = load_set(name, limit=args.limit, seed=0)
+        first = {v: [0, 0] for v in runs}  # steps with the first position accepted, steps that drafted
+        tokens = {v: [0, 0, 0.0, 0.0, 0.0] for v in runs}  # new tokens, passes, decode, draft, verify seconds
+        for i, prompt in enumerate(prompts):
+            for seed in range(args.seeds):
+                order = list(runs)[(i + seed) % len(runs):] + list(runs)[: (i + seed) % len(runs)]
+                for variant in order:
+                    options = {"lookup": False, "block_size": args.block_size, **runs[variant]}
+                    s = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                     seed=1000 * i + seed, **options).stats
+                    drafted = [a for a, d in zip(s.accepted_lengths, s.drafted_lengths) if d > 0]
+                    first[variant][0] += sum(a > 0 for a in drafted)
+                    first[variant][1] += len(drafted)
+                    tokens[variant][0] += s.new_tokens - 1
+                    tokens[variant][1] += s.target_forwards - 1
+                    tokens[variant][2] += s.decode_s
+                    tokens[variant][3] += s.draft_s
+                    tokens[variant][4] += s.verify_s
+        plain_tpot = tokens["plain"][2] / max(1, tokens["plain"][0])
+        print(f"{name} (T={args.temperature}, {len(prompts)} prompts x {args.seeds} seeds, block {args.block_size}, "
+              f"trees of {args.tree} nodes, no lookup):")
+        for variant in runs:
+            n, passes, seconds, draft, verify = tokens[variant]
+            accepted, drafted = first[variant]
+            share = f"{accepted / drafted:.3f}" if drafted else "  -  "
+            print(f"  {variant:26s} first position accepted {share}  τ {n / max(1, passes):.2f}  "
+                  f"speedup (TPOT) {plain_tpot / (seconds / max(1, n)):.2f}x  step {1e3 * seconds / max(1, passes):.2f} ms "
+                  f"(draft {1e3 * draft / max(1, passes):.2f}, verify {1e3 * verify / max(1, passes):.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
