@@ -12,7 +12,7 @@ from dflashkit import row_kernels
 from dflashkit.bench.methods import EXACT, Autoregressive, DFlash, Method, Record, Request, TargetSession, Unavailable
 from dflashkit.bench.peers import LlamaCpp, TransformersGenerate
 from dflashkit.bench.plots import PLOTS
-from dflashkit.bench.report import as_json, summary_table, write_outputs
+from dflashkit.bench.report import as_json, retention_table, summary_table, write_outputs
 from dflashkit.bench.runner import BenchConfig, run_bench
 from dflashkit.errors import InvalidInputError
 
@@ -105,6 +105,11 @@ def test_smoke_run_writes_every_output(tmp_path, questions) -> None:
     assert "| data set | method | τ | tok/s | TPOT ms | TTFT ms | speedup (TPOT) | speedup (tok/s) | identical |" in md
     assert "| tiny | dflash-b8 |" in md and "## Temperature 1" in md and "α1" in md
     assert "skipped: no draft model" in md and "llama.cpp" in md
+    assert "Share of the greedy speedup kept at T=1" in md and retention_table(data, 0.0) is None
+    speedups = {(x["temperature"], x["method"]): x["speedup_tpot"] for x in data["summary"]}
+    kept = speedups[1.0, "dflash-b8"] / speedups[0.0, "dflash-b8"]
+    assert f"| tiny | dflash-b8 | {speedups[0.0, 'dflash-b8']:.2f}× | {speedups[1.0, 'dflash-b8']:.2f}× | {kept:.0%} |" in md
+    assert "| tiny | ar |" not in retention_table(data, 1.0)  # the baseline keeps 100% by definition: left out
 
 
 def test_interleaved_rotating_order_and_multi_turn_context(questions) -> None:

@@ -118,6 +118,25 @@ def acceptance_table(data: dict[str, Any], temperature: float) -> str | None:
     return "\n".join(lines)
 
 
+def retention_table(data: dict[str, Any], temperature: float) -> str | None:
+    """How much of its greedy speedup (TPOT) each method keeps at `temperature`, per data set: the fast-path
+    issue's bar for sampling (>= 80%). None unless the run has greedy rows and rows at that temperature."""
+    if temperature == 0:
+        return None
+    greedy = {(s["dataset"], s["method"]): s["speedup_tpot"] for s in data["summary"] if s["temperature"] == 0}
+    lines = []
+    for s in data["summary"]:
+        base = greedy.get((s["dataset"], s["method"]))
+        if s["temperature"] != temperature or s["method"] == data["baseline"] or not base or s["speedup_tpot"] is None:
+            continue
+        lines.append(f"| {s['dataset']} | {s['method']} | {_fmt(base, '.2f', '×')} | "
+                     f"{_fmt(s['speedup_tpot'], '.2f', '×')} | {s['speedup_tpot'] / base:.0%} |")
+    if not lines:
+        return None
+    return "\n".join([f"| data set | method | greedy speedup (TPOT) | T={temperature:g} speedup (TPOT) | kept |",
+                      "|---|---|---:|---:|---:|", *lines])
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The human summary of a results object (see :func:`as_json`)."""
     m, st, v = data["machine"], data["settings"], data["versions"]
@@ -148,6 +167,10 @@ def markdown(data: dict[str, Any]) -> str:
         acc = acceptance_table(data, t)
         if acc:
             out += ["Per-position acceptance α_k (P(draft k accepted | drafts before it accepted)):", "", acc, ""]
+        kept = retention_table(data, t)
+        if kept:
+            out += [f"Share of the greedy speedup kept at T={t:g} (each speedup over the baseline at its own "
+                    "temperature):", "", kept, ""]
     out += ["## Methods", "", "| method | what runs | tokens comparable with the baseline | status |", "|---|---|---|---|"]
     for meth in data["methods"]:
         status = "ran" if meth["status"] == "ran" else f"{meth['status']}: {meth['reason']}"
