@@ -5,6 +5,9 @@ a chain of sampled drafts beside them. One process, interleaved per prompt and s
 adaptive policy to share), no prompt lookup (copies are one-hot chains whatever the tree).
 
     .venv/bin/python scripts/tree_candidates.py [--limit 4] [--seeds 1] [--block-size 2] [--tree 4] [--threads 2]
+    .venv/bin/python scripts/tree_candidates.py --default --trees 4,6 --limit 10 --seeds 2
+        # what the default would gain: adaptive block size and prompt lookup, chains against sampled-candidate
+        # trees (rejection sampler), each variant with its own adaptive policy
 
 Prints per evaluation set and variant the share of steps whose first drafted position was accepted, τ and the
 TPOT speedup over plain sampling (rejection sampler), pooled over the set.
@@ -17,10 +20,15 @@ import argparse
 import torch
 
 from dflashkit import SpeculativeGenerator
+from dflashkit.adaptive import BlockPolicies
 from dflashkit.evalsets import load_set
 
 
-def variants(tree: int) -> dict[str, dict]:
+def variants(tree: int, default: bool = False, trees: str = "") -> dict[str, dict]:
+    if default:
+        return {"plain": {"use_drafter": False, "sampler": "rejection"},
+                "default (chains)": {"sampler": "rejection"},
+                **{f"default, trees of {n}": {"sampler": "rejection", "tree": int(n)} for n in trees.split(",") if n}}
     return {
         "plain": {"use_drafter": False, "sampler": "rejection"},
         "chain, sampled": {"sampler": "rejection"},
@@ -40,12 +48,16 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=2, help="verify depth + 1 (2: the anchor's children only)")
     ap.add_argument("--tree", type=int, default=4, help="nodes per tree")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--default", action="store_true",
+                    help="the adaptive block size and prompt lookup (as `generate`), chains against --trees")
+    ap.add_argument("--trees", default="4", help="with --default: node budgets of the tree variants")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load()
     gen.warmup()
-    runs = variants(args.tree)
+    runs = variants(args.tree, args.default, args.trees)
+    policies = {v: BlockPolicies(gen.drafter.block_size) for v in runs}  # --default: no variant judged by another's
     for name in args.sets.split(","):
         prompts = load_set(name, limit=args.limit, seed=0)
         first = {v: [0, 0] for v in runs}  # steps with the first position accepted, steps that drafted
@@ -54,7 +66,9 @@ def main() -> None:
             for seed in range(args.seeds):
                 order = list(runs)[(i + seed) % len(runs):] + list(runs)[: (i + seed) % len(runs)]
                 for variant in order:
-                    options = {"lookup": False, "block_size": args.block_size, **runs[variant]}
+                    gen.block_policies = policies[variant]
+                    options = ({"block_size": "auto"} if args.default
+                               else {"lookup": False, "block_size": args.block_size}) | runs[variant]
                     s = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                      seed=1000 * i + seed, **options).stats
                     drafted = [a for a, d in zip(s.accepted_lengths, s.drafted_lengths) if d > 0]
@@ -66,8 +80,9 @@ def main() -> None:
                     tokens[variant][3] += s.draft_s
                     tokens[variant][4] += s.verify_s
         plain_tpot = tokens["plain"][2] / max(1, tokens["plain"][0])
-        print(f"{name} (T={args.temperature}, {len(prompts)} prompts x {args.seeds} seeds, block {args.block_size}, "
-              f"trees of {args.tree} nodes, no lookup):")
+        setup = ("adaptive block size, prompt lookup" if args.default
+                 else f"block {args.block_size}, trees of {args.tree} nodes, no lookup")
+        print(f"{name} (T={args.temperature}, {len(prompts)} prompts x {args.seeds} seeds, {setup}):")
         for variant in runs:
             n, passes, seconds, draft, verify = tokens[variant]
             accepted, drafted = first[variant]
