@@ -362,11 +362,14 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
   bring
 }
 
+# DISTILL_W=w: the distillation's weight in the session's training (default 0.5). A T=1-minded run (issue 9's sampled
+# bar) can raise it with SAMPLED_S/STEMP=1 answers: at T=1 a draft is accepted with probability sum min(p, q), highest
+# where q matches the target's p rather than its argmax (untried above 0.5; judge T=1 τ and greedy τ both).
 train_run() {  # there: the session's training run (CAP steps at most, BUDGET s of steps, stopped after TIMEOUT s)
   local cap=$1 budget=$2 timeout_s=$3 run=$DK/runs/gpu
   timeout "$timeout_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps "$cap" \
-    --time-budget "$budget" --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight 0.5 --eval-every 0 \
+    --time-budget "$budget" --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight "${DISTILL_W:-0.5}" --eval-every 0 \
     --checkpoint-every 500 ${COMPILE:+--compile} ${LAYERS:+--layers "$LAYERS"} 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
   tail -n 2 "$run/train_log.jsonl"
 }
