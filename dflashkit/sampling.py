@@ -204,7 +204,8 @@ def verify_tree_sampled(target_probs: Tensor, tree: DraftTree, draft_probs: Tens
     from what p has become. Given the tokens before it each emitted token is distributed as the target's.
     Returns the rows of the accepted nodes (a path from the anchor) and the token emitted after them.
     """
-    uniforms = torch.rand(len(tree), generator=generator, dtype=torch.float64).tolist()  # one per node
+    uniforms = torch.rand(len(tree), generator=generator, dtype=torch.float64,
+                          device=target_probs.device).tolist()  # one per node
     row, path = 0, []
     while True:
         p, reached = target_probs[row], None
