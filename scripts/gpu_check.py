@@ -3,7 +3,8 @@
 Tiny random targets (llama, qwen2, qwen3 layouts) and drafters in fp32 on the GPU. For each prompt and block size:
 speculative greedy with the target's and the drafter's steps replayed from CUDA graphs == plain greedy on
 transformers' eager forward, token for token; the same with the adaptive block-size policy (several verify
-shapes); and T=1 sampling with graphs == the fast path without graphs for the same seed. Then the data path's
+shapes); and T=1 sampling, chains and sampled token trees, with graphs == the fast path without graphs for the same
+seed. Then the data path's
 fixed-shape batch (``batchgen.generate_static``: 8 slots refilled as answers end, its decode step a CUDA graph):
 greedy answers to 24 prompts of mixed lengths == transformers' decoder in static batches (``generate_batch``).
 Prints what it ran, how many graphs were captured and which shapes fell back to eager; exits 1 on any mismatch or
@@ -83,11 +84,15 @@ def main() -> int:
                 without = tokens(fast, plain_drafter, prompt, sampling=sampling, seed=7)
                 if with_graphs != without:
                     failures.append(f"{arch} b{block} prompt {i} T=1: graphs and no graphs sample differently")
+                # sampled token trees (candidates drawn on the device, recursive rejection sampling)
+                if tokens(graphed, drafter, prompt, sampling=sampling, seed=7, tree=5) != tokens(
+                        fast, plain_drafter, prompt, sampling=sampling, seed=7, tree=5):
+                    failures.append(f"{arch} b{block} prompt {i} T=1 trees: graphs and no graphs sample differently")
             if not cpu:
                 torch.cuda.synchronize()
             fell_back = {**graphed.graphs.failed, **drafter.graphs.failed}
             failures += [f"{arch} b{block} fell back to eager: {k} {v}" for k, v in fell_back.items()]
-            print(f"{arch:6s} block {block:2d}: {len(PROMPTS)} prompts x 4 checks in {time.perf_counter() - t0:5.1f} s; "
+            print(f"{arch:6s} block {block:2d}: {len(PROMPTS)} prompts x 5 checks in {time.perf_counter() - t0:5.1f} s; "
                   f"target graphs captured {graphed.graphs.captures}, drafter graphs {drafter.graphs.captures}, "
                   f"fallbacks {len(fell_back)}")
     for arch in ("llama", "qwen2", "qwen3"):  # the data path: one fixed-shape batch, its step a graph
