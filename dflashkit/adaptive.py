@@ -167,6 +167,9 @@ class BlockPolicies:
     E[4] = 1.47 tokens and E[8] = 1.47, and copied tokens were accepted at 0.37 at position 1; in three benches
     `dflash-lookup-b4` beat `dflash-lookup-auto` at T=1 (per-prompt speedup over `ar` 1.23 / 1.30 / 1.39 vs 1.00
     / 1.01 / 0.99 in bench-v9), the larger sizes' exploration and long copies costing more than they yield.
+    Rechecked in session 33 (row kernels on both cores, drafter v11, T=1, rejection sampler, 10 prompts x 2 seeds per
+    set, a policy per cap, interleaved): caps 4 / 6 / 8 gave 1.23 / 1.20 / 1.24x plain sampling on MT-Bench, 1.39 /
+    1.33 / 1.35x on HumanEval, 1.25 / 1.20 / 1.22x on MATH-500 (TPOT): 4 kept.
 
     Members of a batch whose passes run together have policies of their own (their steps' costs are their shares
     of the batch's passes and drafting rounds), one per block cap: their blocks, drafted or copied, are at most
