@@ -274,7 +274,8 @@ class SpeculativeGenerator:
         the drafter (:mod:`dflashkit.lookup`; ``lookup=True`` with no drafter: prompt lookup alone). With lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
         past answers drafts, if the drafter folder has one (:mod:`dflashkit.ngram_store`; ``ngram_store=False``
         turns it off). ``tree=N``: drafter steps verify a token tree of up to N nodes (the drafter's likeliest
-        alternatives, :mod:`dflashkit.tree`) instead of a chain; on the fast forward only (elsewhere: chains).
+        alternatives; with the rejection sampler, candidates drawn from the drafter: :mod:`dflashkit.tree`) instead of
+        a chain; on the fast forward only (elsewhere: chains).
         ``sampler`` (when sampling): "rejection" (speculative sampling, the most drafts accepted) or "coupled"
         (Gumbel-max with noise fixed by the seed and position: the output is the plain sampled output of the
         seed, whatever the drafter, block size, lookup or batch; see :mod:`dflashkit.sampling`); None (the
