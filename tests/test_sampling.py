@@ -456,7 +456,8 @@ def test_tree_rejection_sampling_emits_target_distribution(case):
         else:
             first[token] += 1
     rate = rrs_acceptance(p.double().numpy(), q.double().numpy(), 3)
-    assert rate > float(torch.minimum(p, q).sum()) + 0.01  # more than one draft: 0.51 vs 0.48 even where p's mode is never proposed
+    single = float(torch.minimum(p, q).sum())
+    assert rate >= single - 1e-6 and (case != "full_support" or rate > single + 0.05)  # more than one draft accepts more
     sigma = math.sqrt(rate * (1 - rate) / N_ANALYTIC)
     assert abs(accepted / N_ANALYTIC - rate) < 4.5 * sigma, (accepted / N_ANALYTIC, rate)
     assert_matches(first, p.numpy(), f"first emitted token, tree ({case})", TV_ANALYTIC)
@@ -483,7 +484,8 @@ def test_sampled_trees_match_markov_target(budget):
             tokens += [tree.tokens[r - 1] for r in path] + [token]
             last = tokens[-1]
         joint[tuple(tokens[:3])] += 1
-    assert through_later > 0 and (deep > 0 or budget < 6)
+    siblings = any(len(tree.children(r)) > 1 for r in range(len(tree) + 1))  # the shape depends on q only
+    assert (through_later > 0) == siblings and (deep > 0 or budget < 6)
     t = trans.double().numpy()
     exact = t[0][:, None, None] * t[:, :, None] * t[None, :, :]
     assert_matches(joint, exact, f"joint of 3 tokens (sampled trees of {budget} nodes)")
