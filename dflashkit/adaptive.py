@@ -197,14 +197,14 @@ class BlockPolicies:
             block *= 2
         return block
 
-    def get(self, greedy: bool, batched: bool = False, members: int = 1) -> AdaptiveBlockSize:
+    def get(self, greedy: bool, batched: bool = False, members: int = 1, tree: bool = False) -> AdaptiveBlockSize:
         """The policy of greedy or sampled requests, decoding alone or as members of a batch of ``members``
         sequences whose passes run together (whose steps wait for the others' and whose passes hold their rows
         too: other costs, so other estimates; their blocks capped by :meth:`batched_max_block`)."""
         largest = self.max_block if greedy else min(self.sampled_max_block, self.max_block)
         if batched and members > 1:
             largest = min(largest, self.batched_max_block(members))
-        key = (greedy, batched, largest)
+        key = (greedy, batched, largest, tree)  # token trees accept more per depth than chains: estimates apart
         with self._lock:
             if key not in self._policies:
                 policy = AdaptiveBlockSize(largest, **self.kwargs)

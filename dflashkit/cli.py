@@ -339,7 +339,8 @@ def _add_tree_option(parser: argparse.ArgumentParser) -> None:
         help="drafter steps verify a token tree of up to N nodes (the drafter's likeliest alternatives at each "
         "position, chosen best-first; when sampling with the rejection sampler, candidates drawn from the drafter and "
         "tried in turn) instead of a chain: more tokens per pass for a wider verify (lossless; fast forward only; "
-        "without --block-size, over the drafter's block size; default: chains)",
+        "without --block-size, over the drafter's block size; default: trees of 6 nodes for seeded sampling with the "
+        "adaptive block size (coupled sampler), chains otherwise)",
     )
 
 

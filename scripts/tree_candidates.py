@@ -24,11 +24,11 @@ from dflashkit.adaptive import BlockPolicies
 from dflashkit.evalsets import load_set
 
 
-def variants(tree: int, default: bool = False, trees: str = "") -> dict[str, dict]:
+def variants(tree: int, default: bool = False, trees: str = "", sampler: str = "rejection") -> dict[str, dict]:
     if default:
-        return {"plain": {"use_drafter": False, "sampler": "rejection"},
-                "default (chains)": {"sampler": "rejection"},
-                **{f"default, trees of {n}": {"sampler": "rejection", "tree": int(n)} for n in trees.split(",") if n}}
+        return {"plain": {"use_drafter": False, "sampler": sampler},
+                "default (chains)": {"sampler": sampler},
+                **{f"default, trees of {n}": {"sampler": sampler, "tree": int(n)} for n in trees.split(",") if n}}
     return {
         "plain": {"use_drafter": False, "sampler": "rejection"},
         "chain, sampled": {"sampler": "rejection"},
@@ -51,12 +51,14 @@ def main() -> None:
     ap.add_argument("--default", action="store_true",
                     help="the adaptive block size and prompt lookup (as `generate`), chains against --trees")
     ap.add_argument("--trees", default="4", help="with --default: node budgets of the tree variants")
+    ap.add_argument("--sampler", choices=("rejection", "coupled"), default="rejection",
+                    help="with --default: every variant's sampler (coupled: what a seeded request gets)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load()
     gen.warmup()
-    runs = variants(args.tree, args.default, args.trees)
+    runs = variants(args.tree, args.default, args.trees, args.sampler)
     policies = {v: BlockPolicies(gen.drafter.block_size) for v in runs}  # --default: no variant judged by another's
     for name in args.sets.split(","):
         prompts = load_set(name, limit=args.limit, seed=0)
@@ -80,7 +82,7 @@ def main() -> None:
                     tokens[variant][3] += s.draft_s
                     tokens[variant][4] += s.verify_s
         plain_tpot = tokens["plain"][2] / max(1, tokens["plain"][0])
-        setup = ("adaptive block size, prompt lookup" if args.default
+        setup = (f"adaptive block size, prompt lookup, {args.sampler} sampler" if args.default
                  else f"block {args.block_size}, trees of {args.tree} nodes, no lookup")
         print(f"{name} (T={args.temperature}, {len(prompts)} prompts x {args.seeds} seeds, {setup}):")
         for variant in runs:

@@ -148,7 +148,7 @@ def test_policy_larger_than_the_block_is_refused():
 def test_generator_auto_block_size():
     from conftest import word_tokenizer
 
-    from dflashkit.generator import SpeculativeGenerator
+    from dflashkit.generator import COUPLED_TREE, SpeculativeGenerator
 
     model = tiny_target("llama")
     gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=8))
@@ -156,9 +156,15 @@ def test_generator_auto_block_size():
     auto = gen.generate(ids, max_new_tokens=30, block_size="auto", lookup=False, compare_ar=True)
     assert auto.identical and auto.stats.adaptive and auto.stats.as_dict()["adaptive"] is True
     assert gen.block_policy.steps == auto.stats.steps
-    sampled = gen.generate(ids, max_new_tokens=30, block_size="auto", lookup=False, temperature=1.0, seed=3)
+    sampled = gen.generate(ids, max_new_tokens=30, block_size="auto", lookup=False, temperature=1.0, seed=3,
+                           sampler="rejection")
+    assert sampled.stats.tree is None  # the rejection sampler: chains
     assert gen.block_policies.get(False).steps == sampled.stats.steps  # sampled requests: a policy of their own
     assert gen.block_policies.get(False).candidates == [1, 2, 4] and gen.block_policy.max_block == 8
+    coupled = gen.generate(ids, max_new_tokens=30, lookup=False, temperature=1.0, seed=3)  # seeded: coupled, trees
+    assert coupled.stats.tree == COUPLED_TREE and coupled.stats.adaptive
+    assert gen.block_policies.get(False, tree=True).steps == coupled.stats.steps  # trees: estimates of their own
+    assert gen.block_policies.get(False).steps == sampled.stats.steps
     assert sampled.stats.block_size == 4 and auto.stats.block_size == 8  # the largest block each could use
     assert gen.block_policy.steps == auto.stats.steps  # ... leaving the greedy one as it was
     default = gen.generate(ids, max_new_tokens=5).stats  # the default: adaptive, with prompt lookup

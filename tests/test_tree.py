@@ -259,3 +259,25 @@ def test_tree_on_an_eager_target_falls_back_to_chains():
     plain = [t for s in decode(TargetAdapter(model), None, prompt, DecodeOptions(max_new_tokens=12)) for t in s.tokens]
     assert out == plain
     assert stats.tree is None and not any(stats.tree_nodes)
+
+
+def test_seeded_sampling_verifies_trees_by_default_and_keeps_the_seeds_output():
+    """A seeded sampled generation (coupled sampling) with the adaptive block size verifies token trees of
+    COUPLED_TREE nodes by default, and its output is still plain sampling's for that seed; chains elsewhere."""
+    from conftest import word_tokenizer
+
+    from dflashkit.generator import COUPLED_TREE, SpeculativeGenerator, default_tree
+
+    model = tiny_target("llama")
+    gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=8))
+    for seed in (1, 2, 3):
+        r = gen.generate([5, 9, 11, 3], max_new_tokens=24, temperature=1.0, seed=seed, compare_ar=True)
+        assert r.stats.tree == COUPLED_TREE and r.stats.sampler == "coupled" and r.identical
+    assert gen.generate([5, 9], max_new_tokens=8, temperature=1.0).stats.tree is None  # no seed: rejection, chains
+    assert gen.generate([5, 9], max_new_tokens=8, seed=1).stats.tree is None  # greedy
+    assert gen.generate([5, 9], max_new_tokens=8, temperature=1.0, seed=1, block_size=4).stats.tree is None
+    assert gen.generate([5, 9], max_new_tokens=8, temperature=1.0, seed=1, tree=3).stats.tree == 3  # as asked
+    common = {"has_drafter": True, "sampled": True, "sampler": "coupled", "block_size": "auto", "batched": False}
+    assert default_tree(None, **common, supports_trees=True) == COUPLED_TREE
+    assert default_tree(None, **common, supports_trees=False) is None  # eager forwards: chains
+    assert default_tree(None, **{**common, "batched": True}, supports_trees=True) is None  # batch members: chains
