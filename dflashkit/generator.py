@@ -67,13 +67,13 @@ COUPLED_TREE = 6
 
 
 def default_tree(tree: int | None, *, has_drafter: bool, sampled: bool, sampler: str, block_size: int | str | None,
-                 batched: bool, supports_trees: bool) -> int | None:
+                 batched: bool, supports_trees: bool, constrained: bool = False) -> int | None:
     """The token tree a generation's drafter steps verify: as given; None (the default): :data:`COUPLED_TREE` nodes
     for a sampled generation under coupled sampling with the adaptive block size, decoding alone on a forward that
-    runs trees, else chains (None)."""
+    runs trees and without a grammar or penalties (the decode loop keeps chains under those), else chains (None)."""
     if tree is not None or not (has_drafter and sampled and sampler == "coupled" and block_size == "auto"):
         return tree
-    return COUPLED_TREE if supports_trees and not batched else None
+    return COUPLED_TREE if supports_trees and not batched and not constrained else None
 
 
 def default_lookup(lookup: bool | None, has_drafter: bool) -> bool:
@@ -330,8 +330,10 @@ class SpeculativeGenerator:
         store = drafter.ngram_store if drafter is not None and lookup and ngram_store else None
         sampling = SamplingParams(temperature, top_k, top_p)
         sampler = default_sampler(sampler, seed)
+        penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias or {})
         tree = default_tree(tree, has_drafter=drafter is not None, sampled=not sampling.greedy, sampler=sampler,
-                            block_size=block_size, batched=batch is not None, supports_trees=self.target.supports_trees)
+                            block_size=block_size, batched=batch is not None, supports_trees=self.target.supports_trees,
+                            constrained=grammar is not None or penalties.active)
         options = DecodeOptions(
             max_new_tokens=max_new_tokens,
             sampling=sampling,
@@ -346,7 +348,7 @@ class SpeculativeGenerator:
             draft_window=draft_window,
             grammar=self.compile_grammar(grammar) if grammar is not None else None,
             logprobs=logprobs,
-            penalties=Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias or {}),
+            penalties=penalties,
         )
         # batched passes (CPU row kernels): a member's blocks are capped by the batch's size at each step
         # (adaptive.BATCH_ROWS); members join and leave while it decodes

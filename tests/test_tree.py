@@ -281,3 +281,6 @@ def test_seeded_sampling_verifies_trees_by_default_and_keeps_the_seeds_output():
     assert default_tree(None, **common, supports_trees=True) == COUPLED_TREE
     assert default_tree(None, **common, supports_trees=False) is None  # eager forwards: chains
     assert default_tree(None, **{**common, "batched": True}, supports_trees=True) is None  # batch members: chains
+    assert default_tree(None, **common, supports_trees=True, constrained=True) is None  # grammar, penalties: chains
+    penalised = gen.generate([5, 9], max_new_tokens=8, temperature=1.0, seed=1, presence_penalty=0.5)
+    assert penalised.stats.tree is None
