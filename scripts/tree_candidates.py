@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from dflashkit import SpeculativeGenerator
+from dflashkit import SpeculativeGenerator, generator
 from dflashkit.adaptive import BlockPolicies
 from dflashkit.evalsets import load_set
 
@@ -27,7 +27,7 @@ from dflashkit.evalsets import load_set
 def variants(tree: int, default: bool = False, trees: str = "", sampler: str = "rejection") -> dict[str, dict]:
     if default:
         return {"plain": {"use_drafter": False, "sampler": sampler},
-                "default (chains)": {"sampler": sampler},
+                "default (chains)": {"sampler": sampler, "chains": True},
                 **{f"default, trees of {n}": {"sampler": sampler, "tree": int(n)} for n in trees.split(",") if n}}
     return {
         "plain": {"use_drafter": False, "sampler": "rejection"},
@@ -71,8 +71,15 @@ def main() -> None:
                     gen.block_policies = policies[variant]
                     options = ({"block_size": "auto"} if args.default
                                else {"lookup": False, "block_size": args.block_size}) | runs[variant]
-                    s = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                     seed=1000 * i + seed, **options).stats
+                    # chains where a seeded (coupled) generation would verify trees by default: the generator has
+                    # no per-call opt-out with the adaptive block size, so its default is set aside for this call
+                    default_tree_nodes = generator.COUPLED_TREE
+                    generator.COUPLED_TREE = None if options.pop("chains", False) else default_tree_nodes
+                    try:
+                        s = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                         seed=1000 * i + seed, **options).stats
+                    finally:
+                        generator.COUPLED_TREE = default_tree_nodes
                     drafted = [a for a, d in zip(s.accepted_lengths, s.drafted_lengths) if d > 0]
                     first[variant][0] += sum(a > 0 for a in drafted)
                     first[variant][1] += len(drafted)
