@@ -9,12 +9,16 @@ import torch
 
 from conftest import tiny_drafter, tiny_target, word_tokenizer
 from dflashkit import row_kernels
-from dflashkit.bench.methods import EXACT, Autoregressive, DFlash, Method, Record, Request, TargetSession, Unavailable
+from dflashkit.bench import methods as bench_methods
+from dflashkit.bench.methods import (
+    EXACT, Autoregressive, DFlash, Method, Record, Request, TargetSession, Unavailable, run_decode_loop,
+)
 from dflashkit.bench.peers import LlamaCpp, TransformersGenerate
 from dflashkit.bench.plots import PLOTS
 from dflashkit.bench.report import as_json, retention_table, summary_table, write_outputs
 from dflashkit.bench.runner import BenchConfig, run_bench
 from dflashkit.errors import InvalidInputError
+from dflashkit.generator import COUPLED_TREE
 
 
 @pytest.fixture
@@ -144,12 +148,20 @@ def test_non_tie_divergence_of_a_dflashkit_method_fails_the_run(questions) -> No
     assert summary["non_tie_divergences"] == 1 and summary["identical"] == 0
 
 
-def test_coupled_sampling_compares_sampled_outputs_token_for_token(questions) -> None:
+def test_coupled_sampling_compares_sampled_outputs_token_for_token(questions, monkeypatch) -> None:
     """sampler="coupled": at temperature 1 dflashkit's speculative methods are checked against the baseline token
-    for token (all identical here, fp32); a bug there is caught as at temperature 0; rejection sampling compares
-    nothing at temperature 1."""
+    for token (all identical here, fp32), the adaptive one verifying token trees as the library does by default; a
+    bug there is caught as at temperature 0; rejection sampling compares nothing at temperature 1."""
     s = make_session()
     drafter = tiny_drafter(s.model, block_size=4)
+    trees: list = []  # the tree argument of every decode loop the auto method ran
+
+    def recording_loop(*args, **kwargs):
+        if kwargs.get("block_policy") is not None:
+            trees.append(kwargs.get("tree"))
+        return run_decode_loop(*args, **kwargs)
+
+    monkeypatch.setattr(bench_methods, "run_decode_loop", recording_loop)
     methods = [Autoregressive(s), DFlash(s, drafter, 4, "tiny"), DFlash(s, drafter, "auto", "tiny", lookup=True)]
     config = BenchConfig(datasets=[questions], limit=2, max_new_tokens=12, temperatures=(1.0,), max_turns=1,
                          progress=False, sampler="coupled")  # fmt: skip
@@ -157,6 +169,7 @@ def test_coupled_sampling_compares_sampled_outputs_token_for_token(questions) ->
     spec = [r for r in result.rows if r.method != "ar"]
     assert len(spec) == 4 and all(r.identical is True for r in spec) and not result.divergences
     assert sum(sum(r.accepted_lengths) for r in spec) > 0  # drafts were accepted
+    assert trees == [None, COUPLED_TREE, COUPLED_TREE]  # the greedy warm-up: chains; the 2 prompts at T=1: trees
     assert summary_table(as_json(result), 1.0).count("| 2/2 |") == 2  # the table shows the comparison
     buggy = run_bench(s, [Autoregressive(s), Corrupt(s)], config, log=lambda _: None)
     # (the corrupted method needs 4 tokens: a sampled answer that ends sooner drops it, as any failing method)
@@ -165,6 +178,7 @@ def test_coupled_sampling_compares_sampled_outputs_token_for_token(questions) ->
     rejection = run_bench(s, methods, BenchConfig(datasets=[questions], limit=1, max_new_tokens=8,
                                                   temperatures=(1.0,), max_turns=1, progress=False), log=lambda _: None)
     assert all(r.identical is None for r in rejection.rows) and not rejection.divergences
+    assert trees[-1] is None  # rejection sampling: chains, as by default
     assert "| sampled |" in summary_table(as_json(rejection), 1.0)
     with pytest.raises(InvalidInputError, match="sampler"):
         BenchConfig(datasets=[questions], sampler="gumbel")

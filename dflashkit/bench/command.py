@@ -50,7 +50,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--temperatures", default=None, help="comma-separated; 0 = greedy (default: 0,1)")
     b.add_argument("--sampler", choices=["rejection", "coupled"], default="rejection",
                    help="dflashkit's sampler at temperature > 0 (default: rejection); with 'coupled' its sampled "
-                   "outputs are checked token for token against the baseline's, as greedy ones are")
+                   "outputs are checked token for token against the baseline's, as greedy ones are, and the adaptive "
+                   "methods verify token trees as seeded generations do by default")
     b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}; the "
                    "baseline 'ar' always runs (default: all)")  # fmt: skip
     b.add_argument("--block-sizes", default=None, help="DFlash block sizes; 'auto' = chosen per step (default: 4,8,16,auto)")

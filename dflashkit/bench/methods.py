@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..adaptive import AdaptiveBlockSize, BlockPolicies
 from ..decode import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
 from ..drafter import DFlashDrafter
+from ..generator import COUPLED_TREE, default_tree
 from ..lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from ..ngram_store import NgramStore
 from ..sampling import SamplingParams
@@ -227,16 +228,20 @@ class DFlash(Method):
             self.policy = BlockPolicies(trained)
             self.name = f"{prefix}-auto"
             self.note = (f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, block size chosen per step "
-                         f"among {self.policy.get(True).candidates} (sampling: {self.policy.get(False).candidates})")
+                         f"among {self.policy.get(True).candidates} (sampling: {self.policy.get(False).candidates}; "
+                         f"under coupled sampling, token trees of {COUPLED_TREE} nodes as by default)")
             return
         self.name = f"{prefix}-b{block_size}"
         beyond = f", beyond its trained block size {trained}" if block_size > trained else ""
         self.note = f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, block size {block_size}{beyond}"
 
     def generate(self, request: Request) -> Record:
-        if self.policy is not None:
-            return run_decode_loop(self.session, self.drafter, request, block_policy=self.policy.get(request.greedy),
-                                   lookup=self.lookup)
+        if self.policy is not None:  # what the library does by default (e.g. token trees under coupled sampling)
+            tree = default_tree(None, has_drafter=True, sampled=not request.greedy, sampler=request.sampler,
+                                block_size="auto", batched=False, supports_trees=self.session.adapter.supports_trees)
+            policy = self.policy.get(request.greedy, tree=tree is not None)
+            return run_decode_loop(self.session, self.drafter, request, block_policy=policy, lookup=self.lookup,
+                                   tree=tree)
         return run_decode_loop(self.session, self.drafter, request, self.block_size, lookup=self.lookup,
                                tree=self.tree)
 
