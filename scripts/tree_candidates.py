@@ -8,6 +8,8 @@ adaptive policy to share), no prompt lookup (copies are one-hot chains whatever 
     .venv/bin/python scripts/tree_candidates.py --default --trees 4,6 --limit 10 --seeds 2
         # what the default would gain: adaptive block size and prompt lookup, chains against sampled-candidate
         # trees (rejection sampler), each variant with its own adaptive policy
+    .venv/bin/python scripts/tree_candidates.py --default --sampler both --limit 10 --seeds 2
+        # the two samplers' defaults against the same plain sampling: rejection chains, coupled trees
 
 Prints per evaluation set and variant the share of steps whose first drafted position was accepted, τ and the
 TPOT speedup over plain sampling (rejection sampler), pooled over the set.
@@ -25,6 +27,11 @@ from dflashkit.evalsets import load_set
 
 
 def variants(tree: int, default: bool = False, trees: str = "", sampler: str = "rejection") -> dict[str, dict]:
+    if default and sampler == "both":  # each sampler as generate uses it by default, against plain rejection sampling
+        return {"plain": {"use_drafter": False, "sampler": "rejection"},
+                "plain, coupled": {"use_drafter": False, "sampler": "coupled"},
+                "rejection (chains)": {"sampler": "rejection"},
+                f"coupled (trees of {generator.COUPLED_TREE})": {"sampler": "coupled"}}
     if default:
         return {"plain": {"use_drafter": False, "sampler": sampler},
                 "default (chains)": {"sampler": sampler, "chains": True},
@@ -51,8 +58,9 @@ def main() -> None:
     ap.add_argument("--default", action="store_true",
                     help="the adaptive block size and prompt lookup (as `generate`), chains against --trees")
     ap.add_argument("--trees", default="4", help="with --default: node budgets of the tree variants")
-    ap.add_argument("--sampler", choices=("rejection", "coupled"), default="rejection",
-                    help="with --default: every variant's sampler (coupled: what a seeded request gets)")
+    ap.add_argument("--sampler", choices=("rejection", "coupled", "both"), default="rejection",
+                    help="with --default: every variant's sampler (coupled: what a seeded request gets); both: the "
+                    "two samplers as generate runs them by default (rejection: chains, coupled: trees)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
