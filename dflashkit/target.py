@@ -252,20 +252,25 @@ class TargetAdapter:
         return self._decoder_pass(input_ids)[0]
 
     @torch.inference_mode()
-    def features_and_top_logprobs(self, input_ids: Tensor, k: int, chunk: int | None = None
-                                  ) -> tuple[Tensor, Tensor, Tensor]:
+    def features_and_top_logprobs(self, input_ids: Tensor, k: int, chunk: int | None = None,
+                                  positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Like :meth:`features`, plus the target's own next-token distribution at every position, kept as its
         k most likely tokens: ids [batch, n, k] (long) and their log-probabilities [batch, n, k] (fp32, over the
         whole vocabulary, so the mass outside the top k is 1 - sum(exp)). Soft labels for distillation.
 
-        The LM head runs over `chunk` rows at a time ([chunk, vocab] fp32 logits), never over the whole batch:
-        by default 512 on a CPU (the chunk stays in cache) and 8,192 elsewhere (a GPU's training step is bound by
-        the host launching its ~14K operations, 19K rows of 512 adding ~150 more).
+        ``positions`` [batch, n] (bool): the rows that need them (training: those whose next token carries loss;
+        prompts and padding are most of a padded batch's rows); the others get ids 0 and log-probabilities -inf
+        (no mass). The LM head runs over `chunk` rows at a time ([chunk, vocab] fp32 logits), never over the
+        whole batch: by default 512 on a CPU (the chunk stays in cache) and 8,192 elsewhere (a GPU's training
+        step is bound by the host launching its ~14K operations, 19K rows of 512 adding ~150 more).
         """
         if chunk is None:
             chunk = 512 if self.device.type == "cpu" else 8192
         features, hidden = self._decoder_pass(input_ids)  # hidden: [batch, n, hidden], after the final norm
-        rows = hidden.reshape(-1, hidden.shape[-1])
+        rows = hidden.reshape(-1, hidden.shape[-1])  # [batch * n, hidden]
+        picked = positions.reshape(-1).nonzero().squeeze(1) if positions is not None else None
+        if picked is not None:
+            rows = rows[picked]  # [rows needed, hidden]
         ids, logprobs = [], []
         for lo in range(0, rows.shape[0], chunk):
             lp = self.lm_head(rows[lo : lo + chunk]).float().log_softmax(-1)  # [chunk, vocab]
@@ -273,7 +278,14 @@ class TargetAdapter:
             ids.append(top.indices)
             logprobs.append(top.values)
         shape = (*hidden.shape[:2], k)
-        return features, torch.cat(ids).view(shape), torch.cat(logprobs).view(shape)
+        top_ids = torch.cat(ids) if ids else torch.zeros(0, k, dtype=torch.long, device=hidden.device)
+        top_lp = torch.cat(logprobs) if logprobs else torch.zeros(0, k, device=hidden.device)
+        if picked is None:
+            return features, top_ids.view(shape), top_lp.view(shape)
+        all_ids = torch.zeros(shape[0] * shape[1], k, dtype=torch.long, device=hidden.device)
+        all_lp = torch.full((shape[0] * shape[1], k), float("-inf"), device=hidden.device)
+        all_ids[picked], all_lp[picked] = top_ids, top_lp
+        return features, all_ids.view(shape), all_lp.view(shape)
 
     @torch.inference_mode()
     def prompt_logprobs(self, prompt_ids: list[int], top: int, chunk: int = 512) -> list[TokenLogprob]:

@@ -269,9 +269,17 @@ def batches(seqs: list[TrainingSequence], per_step: int, seed: int) -> Iterator[
             yield [seqs[i] for i in g]
 
 
-def collate(batch: list[TrainingSequence], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
-    """input_ids [S, L] (right-padded), loss_mask [S, L] (response tokens), lengths [S]."""
-    L = max(len(s.input_ids) for s in batch)
+GPU_PAD_MULTIPLE = 16  # see Trainer.pad_multiple
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """`length` rounded up to a multiple of `multiple`."""
+    return -(-length // multiple) * multiple
+
+
+def collate(batch: list[TrainingSequence], pad_id: int, multiple: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """input_ids [S, L] (right-padded to a multiple of `multiple`), loss_mask [S, L] (response tokens), lengths [S]."""
+    L = padded_length(max(len(s.input_ids) for s in batch), multiple)
     ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), L), dtype=torch.bool)
     for i, s in enumerate(batch):
@@ -537,6 +545,10 @@ class Trainer:
         self.stop_requested = False  # set by a SIGINT/SIGTERM during run(): checkpoint, then stop
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        # batches padded to a multiple of this many positions off a CPU: a GPU's attention builds a plan per new
+        # sequence length (cuDNN), and with every length up to 768 in play the first epoch kept building them
+        # (session 34, H100: 3.3-3.9 steps/s in the first epoch, 4.5 after it); a CPU pays for the padding instead
+        self.pad_multiple = 1 if torch.device(cfg.device).type == "cpu" else GPU_PAD_MULTIPLE
 
     def _record_data_used(self, seqs: list[TrainingSequence]) -> None:
         """OUT/data_used.json: what each data folder contributed when this process started (for model cards)."""
@@ -590,7 +602,7 @@ class Trainer:
         over the whole batch's loss weight: the parts add up to the batch's loss) and the figures are the whole
         batch's. Without ``spread`` (or one process): this process computes the whole batch."""
         cfg = self.cfg
-        ids, loss_mask, lengths = (t.to(cfg.device) for t in collate(batch, self.pad_id))  # [S, L] each
+        ids, loss_mask, lengths = (t.to(cfg.device) for t in collate(batch, self.pad_id, self.pad_multiple))  # [S, L]
         B = cfg.block_size
         anchors, keep = sample_anchors(loss_mask, cfg.anchors_per_seq, self.gen)  # the same on every process
         spread = spread and self.parallel.enabled
@@ -599,10 +611,12 @@ class Trainer:
             rows = list(self.parallel.share(len(batch)))
             idle = not rows
             rows = rows or [0]
-            batch, length = [batch[i] for i in rows], int(lengths[rows].max())
+            batch = [batch[i] for i in rows]
+            length = min(ids.shape[1], padded_length(int(lengths[rows].max()), self.pad_multiple))
             ids, loss_mask = ids[rows, :length], loss_mask[rows, :length]  # [S', L'] (right padding trimmed)
             lengths, anchors, keep = lengths[rows], anchors[rows], keep[rows]
-        features, soft = self.batch_features(batch, ids)  # [S, L, n_feat*H], the target's dtype; [S, L, 2K] or None
+        # [S, L, n_feat*H], the target's dtype; [S, L, 2K] or None
+        features, soft = self.batch_features(batch, ids, loss_mask)
         labels, weights = block_targets(ids, loss_mask, lengths, anchors, keep, B, cfg.gamma)
         if idle:
             weights = torch.zeros_like(weights)
@@ -640,26 +654,33 @@ class Trainer:
         acc = (hits / counts.clamp_min(1)).tolist()
         return loss, {"acc_per_position": acc, "supervised": int(counts.sum()), **info}
 
-    def batch_features(self, batch: list[TrainingSequence], ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    def batch_features(self, batch: list[TrainingSequence], ids: Tensor, loss_mask: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
         """Target features [S, L, n_feat*H] of a right-padded batch and, when distilling, its soft labels
-        [S, L, 2K] (top-K ids as floats, then their log-probabilities); cached, each sequence runs once per run."""
+        [S, L, 2K] (top-K ids as floats, then their log-probabilities); cached, each sequence runs once per run.
+        With ``loss_mask`` [S, L], soft labels only where the next token carries loss (the only rows a block's
+        loss reads with a weight: a padded batch's prompts and padding are most of its rows); elsewhere no mass."""
         K = self.cfg.distill_topk
+        needed = None
+        if K and loss_mask is not None:  # position p predicts token p+1
+            needed = torch.zeros_like(loss_mask, dtype=torch.bool)
+            needed[:, :-1] = loss_mask[:, 1:].bool()
 
-        def run_target(rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        def run_target(rows: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor | None]:
             # the adapter runs in inference mode; clones made outside it are normal tensors that autograd accepts
             if not K:
                 return self.target.features(rows).clone(), None
-            feats, top_ids, top_lp = self.target.features_and_top_logprobs(rows, K)
+            feats, top_ids, top_lp = self.target.features_and_top_logprobs(rows, K, positions=positions)
             return feats.clone(), torch.cat((top_ids.float(), top_lp), -1)
 
         if self.store is None or any(id(s) not in self.seq_index for s in batch):
-            return run_target(ids)
+            return run_target(ids, needed)
         index = [self.seq_index[id(s)] for s in batch]
         stores = [self.store] + ([self.soft_store] if K else [])
         missing = [row for row, i in enumerate(index) if not all(st.has(i) for st in stores)]
         if missing:
             began = time.perf_counter()
-            feats, soft = run_target(ids[missing])
+            feats, soft = run_target(ids[missing], needed[missing] if needed is not None else None)
             for k, row in enumerate(missing):
                 n = len(batch[row].input_ids)
                 self.store.put(index[row], feats[k, :n])

@@ -112,6 +112,24 @@
 # counts a few seconds more): 80 s after the transfer calls of session 32 (900 - 130), 150 s without gpu_check.py; the
 # session call also trains 35 s longer (no bring), so training gets T + 35 s more than without.
 # Dry-run here (DEVICE=cpu, END_S=200 + finish END_S=150): the second call resumed the checkpoint and ended the schedule.
+# Session 34 (H100, 900 s; 786 s used in six calls): call 1 carried the wheels, the evaluation sets and the earlier
+# answers together (no .devkit/prompts: SOURCES names no jsonl; 62 MiB with the repository) and ran gpu_check.py (93 s
+# with the start, all identical, 24 of 24 static slots per architecture); t1-t4 ~5 s each; then the session call above
+# with TRAIN_MORE_S=50 (556 s): 16,000 requests written and answered by 133 s (15 duplicates, no evaluation prompt;
+# 2.55M answer tokens in 41 s, 62K tok/s), the training profile (below), then 1,566 steps x 128 of 66,559 sequences
+# (~3 epochs) whose schedule ended after 372 s of steps, ~55 s before the call did: it was sized by steps 2-116 (3.77
+# steps/s), but steps after the first epoch (~520 steps) ran 4.5 steps/s (3.3-3.9 before: the first pass over the
+# sequences costs more on the host), so `finish` (56 s) only brought the drafter. Shipped as v12 (README).
+# The profile (PROFILE_TRAIN=1, 128 sequences, H100, unsynchronised): 295 ms a step = target features and soft
+# labels 174 ms (55%), drafter forward 36, LM head and losses 27, backward and optimizer 78; 9,838 aten calls; by GPU
+# time copy_ 85 ms, mul 69, mm 45, topk 38 (9 calls), log_softmax 25. The soft labels ran the LM head, an fp32 copy,
+# a log-softmax and a top-k over every row of the padded batch (128 x ~660), of which ~24% precede a token with loss
+# (answers; the rest are prompts and padding): they now run on those rows only. The decoder pass still runs over the
+# padding (~44% of a padded batch's positions hold tokens).
+# Next session: the same session command with DSEED=6 (requests not written before), carrying sessions 30, 32 and 34's
+# answers (.devkit/cpudata, 12.2 MB: with the wheels over the 64 MiB, so call 2 carries .devkit/cpudata alone), and
+# TRAIN_MORE_S=0 unless the session call cannot hold the whole training (the schedule errs short by ~10% over several
+# epochs, so the session call's own end is the better limit).
 # COMPILE=1 (untried on a GPU): `train --compile` (inductor, eager where compiling fails). A GPU step of 128 sequences
 # took 278 ms on the H100, against roughly 60 ms of arithmetic (the target's pass over ~38K tokens, the drafter's
 # forward and backward over 65K block positions, the distillation's full-vocabulary head; ~1 PFLOP/s bf16 peak at

@@ -737,6 +737,44 @@ def test_top_logprobs_are_the_target_distribution(tmp_path):
     expect = full.topk(5, -1)
     assert torch.equal(top_ids, expect.indices)
     torch.testing.assert_close(top_lp, expect.values, rtol=1e-5, atol=1e-5)
+    # only the rows asked for (a training batch's: those whose next token carries loss); the others carry no mass
+    positions = torch.rand(2, 7, generator=torch.Generator().manual_seed(1)) < 0.5
+    _, some_ids, some_lp = target.features_and_top_logprobs(ids, 5, chunk=4, positions=positions)
+    assert torch.equal(some_ids[positions], top_ids[positions])
+    torch.testing.assert_close(some_lp[positions], top_lp[positions], rtol=1e-5, atol=1e-5)
+    assert (some_ids[~positions] == 0).all() and torch.isneginf(some_lp[~positions]).all()
+    _, none_ids, none_lp = target.features_and_top_logprobs(ids, 5, positions=torch.zeros(2, 7, dtype=torch.bool))
+    assert none_ids.shape == (2, 7, 5) and torch.isneginf(none_lp).all()
+
+
+def test_soft_labels_only_where_loss_is_read_leave_the_loss_and_gradients_unchanged(tmp_path):
+    """The trainer computes soft labels only at rows whose next token carries loss: the loss and the gradients
+    equal those with soft labels at every row (fp32), with and without the feature cache."""
+    from conftest import tiny_target
+
+    torch.manual_seed(0)
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 12, seed=3)
+    for cached in (False, True):
+        results = []
+        for every_row in (True, False):
+            torch.manual_seed(1)  # the same drafter initialisation for both
+            trainer = make_trainer(tmp_path / f"{cached}-{every_row}", model, [*seqs], distill_topk=8,
+                                   cache_features=cached, precision="fp32")
+            if every_row:  # the old behaviour: no loss mask reaches the target, so every row gets soft labels
+                inner = trainer.batch_features
+                trainer.batch_features = lambda batch, ids, loss_mask=None, inner=inner: inner(batch, ids)
+            trainer.gen.manual_seed(5)
+            loss, info = trainer.loss_on(trainer.train_seqs[:4])
+            loss.backward()
+            grads = [p.grad.clone() for p in trainer.drafter.parameters() if p.grad is not None]
+            results.append((float(loss.detach()), info["soft_loss"], grads))
+        (loss_all, soft_all, grads_all), (loss_some, soft_some, grads_some) = results
+        assert soft_all > 0 and loss_some == pytest.approx(loss_all, rel=1e-6, abs=1e-6)
+        assert soft_some == pytest.approx(soft_all, rel=1e-6, abs=1e-6)
+        assert len(grads_all) == len(grads_some) > 0
+        for a, b in zip(grads_all, grads_some):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_distillation_trains_caches_its_soft_labels_and_raises_tau(tmp_path):
@@ -826,3 +864,39 @@ def test_train_cli_bad_flags_fail_before_loading(tmp_path, capsys, monkeypatch):
         out = [] if "--out" in flags else ["--out", str(tmp_path / "run")]
         assert main(["train", "--data", str(data), *out, *flags]) == 2
         assert message in capsys.readouterr().err, flags
+
+
+def test_batches_padded_to_a_multiple_train_the_same(tmp_path, monkeypatch):
+    """A GPU pads a batch to a multiple of 16 positions (fewer distinct shapes): with the same anchors the loss and
+    the gradients equal those of the unpadded batch (fp32, distilled, with data parallel's trimming too)."""
+    from conftest import tiny_target
+
+    from dflashkit import train as train_module
+    from dflashkit.train import collate, padded_length
+
+    torch.manual_seed(0)
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 12, seed=4)
+    ids, mask, lengths = collate(seqs[:3], 0, 16)
+    assert ids.shape[1] % 16 == 0 and 0 < ids.shape[1] - int(lengths.max()) < 16 and not mask[:, int(lengths.max()):].any()
+    assert padded_length(17, 16) == 32 and padded_length(32, 16) == 32 and padded_length(5, 1) == 5
+    real_sampler = train_module.sample_anchors
+
+    def same_anchors(loss_mask, num_anchors, generator=None):  # drawn over the unpadded width either way
+        width = int(loss_mask.any(0).nonzero().max()) + 1
+        return real_sampler(loss_mask[:, :width], num_anchors, generator)
+
+    monkeypatch.setattr(train_module, "sample_anchors", same_anchors)
+    results = []
+    for multiple in (1, 16):
+        torch.manual_seed(1)
+        trainer = make_trainer(tmp_path / str(multiple), model, [*seqs], distill_topk=8, precision="fp32")
+        trainer.pad_multiple = multiple
+        trainer.gen.manual_seed(5)
+        loss, info = trainer.loss_on(trainer.train_seqs[:4])
+        loss.backward()
+        results.append((float(loss.detach()), [p.grad.clone() for p in trainer.drafter.parameters() if p.grad is not None]))
+    (loss_1, grads_1), (loss_16, grads_16) = results
+    assert loss_16 == pytest.approx(loss_1, rel=1e-6, abs=1e-6) and len(grads_1) == len(grads_16) > 0
+    for a, b in zip(grads_1, grads_16):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
