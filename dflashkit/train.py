@@ -546,8 +546,9 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # batches padded to a multiple of this many positions off a CPU: a GPU's attention builds a plan per new
-        # sequence length (cuDNN), and with every length up to 768 in play the first epoch kept building them
-        # (session 34, H100: 3.3-3.9 steps/s in the first epoch, 4.5 after it); a CPU pays for the padding instead
+        # sequence length (cuDNN), and the length-bucketed batches of v12's data met 348 lengths in an epoch of 535
+        # steps (41 at a multiple of 16), so the first epoch kept building them (session 34, H100: 3.3-3.9 steps/s in
+        # the first epoch, 4.5 after it; the likely cause, not yet measured); a CPU would pay for the padding
         self.pad_multiple = 1 if torch.device(cfg.device).type == "cpu" else GPU_PAD_MULTIPLE
 
     def _record_data_used(self, seqs: list[TrainingSequence]) -> None:
@@ -659,7 +660,7 @@ class Trainer:
         """Target features [S, L, n_feat*H] of a right-padded batch and, when distilling, its soft labels
         [S, L, 2K] (top-K ids as floats, then their log-probabilities); cached, each sequence runs once per run.
         With ``loss_mask`` [S, L], soft labels only where the next token carries loss (the only rows a block's
-        loss reads with a weight: a padded batch's prompts and padding are most of its rows); elsewhere no mass."""
+        loss reads with a weight: prompts are ~45% of a batch's rows in the shipped drafter's data); elsewhere no mass."""
         K = self.cfg.distill_topk
         needed = None
         if K and loss_mask is not None:  # position p predicts token p+1

@@ -123,9 +123,10 @@
 # The profile (PROFILE_TRAIN=1, 128 sequences, H100, unsynchronised): 295 ms a step = target features and soft
 # labels 174 ms (55%), drafter forward 36, LM head and losses 27, backward and optimizer 78; 9,838 aten calls; by GPU
 # time copy_ 85 ms, mul 69, mm 45, topk 38 (9 calls), log_softmax 25. The soft labels ran the LM head, an fp32 copy,
-# a log-softmax and a top-k over every row of the padded batch (128 x ~660), of which ~24% precede a token with loss
-# (answers; the rest are prompts and padding): they now run on those rows only. The decoder pass still runs over the
-# padding (~44% of a padded batch's positions hold tokens).
+# a log-softmax and a top-k over every row of the batch, of which ~56% precede a token with loss (answers; the rest are
+# prompts; batches are length-bucketed, so padding is <1% of a batch): they now run on those rows only. The batches'
+# lengths: 348 distinct in an epoch of 535 steps, so in the first epoch nearly every step met a new shape (cuDNN's
+# attention builds a plan per shape: the likely cause of the slower first epoch); 41 once padded to a multiple of 16.
 # Next session: the same session command with DSEED=6 (requests not written before), carrying sessions 30, 32 and 34's
 # answers (.devkit/cpudata, 12.2 MB: with the wheels over the 64 MiB, so call 2 carries .devkit/cpudata alone), and
 # TRAIN_MORE_S=0 unless the session call cannot hold the whole training (the schedule errs short by ~10% over several
