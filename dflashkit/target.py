@@ -259,10 +259,11 @@ class TargetAdapter:
         whole vocabulary, so the mass outside the top k is 1 - sum(exp)). Soft labels for distillation.
 
         ``positions`` [batch, n] (bool): the rows that need them (training: those whose next token carries loss;
-        prompts are ~45% of a batch's rows in the shipped drafter's data); the others get ids 0 and log-probabilities -inf
-        (no mass). The LM head runs over `chunk` rows at a time ([chunk, vocab] fp32 logits), never over the
-        whole batch: by default 512 on a CPU (the chunk stays in cache) and 8,192 elsewhere (a GPU's training
-        step is bound by the host launching its ~14K operations, 19K rows of 512 adding ~150 more).
+        prompts are ~45% of a batch's rows in the shipped drafter's data); the others get ids 0 and
+        log-probabilities -inf (no mass). The LM head runs over `chunk` rows at a time ([chunk, vocab] fp32
+        logits), never over the whole batch: by default 512 on a CPU (the chunk stays in cache) and 8,192
+        elsewhere (a GPU's training step is bound by the host launching its ~14K operations, 19K rows of 512
+        adding ~150 more).
         """
         if chunk is None:
             chunk = 512 if self.device.type == "cpu" else 8192

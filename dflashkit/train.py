@@ -660,7 +660,8 @@ class Trainer:
         """Target features [S, L, n_feat*H] of a right-padded batch and, when distilling, its soft labels
         [S, L, 2K] (top-K ids as floats, then their log-probabilities); cached, each sequence runs once per run.
         With ``loss_mask`` [S, L], soft labels only where the next token carries loss (the only rows a block's
-        loss reads with a weight: prompts are ~45% of a batch's rows in the shipped drafter's data); elsewhere no mass."""
+        loss reads with a weight: prompts are ~45% of a batch's rows in the shipped drafter's data); elsewhere no
+        mass."""
         K = self.cfg.distill_topk
         needed = None
         if K and loss_mask is not None:  # position p predicts token p+1

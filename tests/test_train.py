@@ -878,7 +878,8 @@ def test_batches_padded_to_a_multiple_train_the_same(tmp_path, monkeypatch):
     model = tiny_target("llama")
     seqs = tiny_corpus(model, 12, seed=4)
     ids, mask, lengths = collate(seqs[:3], 0, 16)
-    assert ids.shape[1] % 16 == 0 and 0 < ids.shape[1] - int(lengths.max()) < 16 and not mask[:, int(lengths.max()):].any()
+    longest = int(lengths.max())
+    assert ids.shape[1] % 16 == 0 and 0 < ids.shape[1] - longest < 16 and not mask[:, longest:].any()
     assert padded_length(17, 16) == 32 and padded_length(32, 16) == 32 and padded_length(5, 1) == 5
     real_sampler = train_module.sample_anchors
 
@@ -895,7 +896,8 @@ def test_batches_padded_to_a_multiple_train_the_same(tmp_path, monkeypatch):
         trainer.gen.manual_seed(5)
         loss, info = trainer.loss_on(trainer.train_seqs[:4])
         loss.backward()
-        results.append((float(loss.detach()), [p.grad.clone() for p in trainer.drafter.parameters() if p.grad is not None]))
+        grads = [p.grad.clone() for p in trainer.drafter.parameters() if p.grad is not None]
+        results.append((float(loss.detach()), grads))
     (loss_1, grads_1), (loss_16, grads_16) = results
     assert loss_16 == pytest.approx(loss_1, rel=1e-6, abs=1e-6) and len(grads_1) == len(grads_16) > 0
     for a, b in zip(grads_1, grads_16):
