@@ -340,7 +340,7 @@ def _add_tree_option(parser: argparse.ArgumentParser) -> None:
         "position, chosen best-first; when sampling with the rejection sampler, candidates drawn from the drafter and "
         "tried in turn) instead of a chain: more tokens per pass for a wider verify (lossless; fast forward only; "
         "without --block-size, over the drafter's block size; default: trees of 6 nodes for seeded sampling with the "
-        "adaptive block size (coupled sampler), chains otherwise)",
+        "adaptive block size (coupled sampler), chains otherwise; 0: chains in any case)",
     )
 
 
@@ -829,13 +829,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _note_tree_without_drafter(args: argparse.Namespace, has_drafter: bool) -> None:
-    if args.tree is not None and not has_drafter:
+    if not args.tree:  # None (the default) or 0 (chains): no tree asked for
+        pass
+    elif not has_drafter:
         print("--tree has no effect without a drafter (token trees are made of the drafter's alternatives).",
               file=sys.stderr)
-    elif args.tree is not None and getattr(args, "eager", False):
+    elif getattr(args, "eager", False):
         print("--tree has no effect with --eager (token trees need the fast forward): chains are verified.",
               file=sys.stderr)
-    elif args.tree is not None and _chains_only(args):
+    elif _chains_only(args):
         print(f"--tree has no effect with {_chains_only(args)} (each verify row depends on the drafts before it): "
               "chains are verified.", file=sys.stderr)
     if getattr(args, "draft_window", None) is not None and not has_drafter:

@@ -35,6 +35,7 @@ from .stats import DecodeStats
 from .target import TargetAdapter
 from .text import IncrementalDetokenizer, StopStringMatcher, check_text, encode_chat, eos_token_ids
 from .tool_calls import ToolRequest, check_template, marker_terms, template_messages
+from .tree import check_tree_option
 
 Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
@@ -298,7 +299,9 @@ class SpeculativeGenerator:
         past answers drafts, if the drafter folder has one (:mod:`dflashkit.ngram_store`; ``ngram_store=False``
         turns it off). ``tree=N``: drafter steps verify a token tree of up to N nodes (the drafter's likeliest
         alternatives; with the rejection sampler, candidates drawn from the drafter: :mod:`dflashkit.tree`) instead of
-        a chain; on the fast forward only (elsewhere: chains).
+        a chain; on the fast forward only (elsewhere: chains). ``tree=None`` (the default): trees of
+        :data:`COUPLED_TREE` nodes for seeded sampling with the adaptive block size, chains otherwise
+        (:func:`default_tree`); ``tree=0``: chains in any case.
         ``sampler`` (when sampling): "rejection" (speculative sampling, the most drafts accepted) or "coupled"
         (Gumbel-max with noise fixed by the seed and position: the output is the plain sampled output of the
         seed, whatever the drafter, block size, lookup or batch; see :mod:`dflashkit.sampling`); None (the
@@ -328,7 +331,8 @@ class SpeculativeGenerator:
         if isinstance(stop, str):
             stop = [stop]
         drafter = self.drafter if use_drafter else None
-        block_size = default_block_size(block_size, drafter is not None, tree)
+        tree = check_tree_option(tree)  # 0: chains, whatever the default
+        block_size = default_block_size(block_size, drafter is not None, tree or None)
         adaptive = block_size == "auto"
         lookup = default_lookup(lookup, drafter is not None)
         store = drafter.ngram_store if drafter is not None and lookup and ngram_store else None
@@ -337,7 +341,7 @@ class SpeculativeGenerator:
         penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias or {})
         tree = default_tree(tree, has_drafter=drafter is not None, sampled=not sampling.greedy, sampler=sampler,
                             block_size=block_size, batched=batch is not None, supports_trees=self.target.supports_trees,
-                            constrained=grammar is not None or penalties.active)
+                            constrained=grammar is not None or penalties.active) or None
         options = DecodeOptions(
             max_new_tokens=max_new_tokens,
             sampling=sampling,

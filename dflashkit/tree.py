@@ -105,6 +105,18 @@ class DraftTree:
             row = nxt
 
 
+def check_tree_option(tree: object) -> int | None:
+    """A generation's ``tree`` option: None (the default: chains, or the trees that seeded sampling verifies by
+    default), 0 (chains whatever the default) or a node budget >= 1; raises InvalidInputError otherwise."""
+    if tree is None:
+        return None
+    if isinstance(tree, numbers.Integral) and not isinstance(tree, bool) and tree == 0:
+        return 0
+    if not isinstance(tree, numbers.Integral) or isinstance(tree, bool) or tree < 1:
+        raise InvalidInputError(f"tree must be 0 (chains) or a number of nodes >= 1 (None: the default), got {tree!r}")
+    return int(tree)
+
+
 def check_budget(budget: object) -> int:
     """A token tree's node budget: an int >= 1 (booleans refused); raises InvalidInputError otherwise."""
     if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:

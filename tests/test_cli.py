@@ -161,8 +161,14 @@ def test_token_tree_flag(loads, capsys) -> None:
     assert run["block_size"] == 16 and not run["stats"]["adaptive"]  # the untrained drafter's own block size
     rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "5", "--dtype", "float32")
     assert rc == 0 and "token trees of up to 5 nodes" in err
-    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "0", "--json")
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "-1", "--json")
     assert rc == 2 and "tree must be" in err
+    # 0: chains, even where a seeded sampled generation would verify trees by default
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "0", "--temperature", "1", "--seed", "3", "--json",
+                       "--dtype", "float32")
+    assert rc == 0, err
+    run = json.loads(out)
+    assert run["stats"]["tree"] is None and run["stats"]["adaptive"] and "--tree has no effect" not in err
     rc, out, err = cli(capsys, "--drafter", "none", "--tree", "5", "--dtype", "float32")
     assert rc == 0 and "--tree has no effect without a drafter" in err
 
@@ -340,7 +346,7 @@ def test_an_absent_device_fails_before_loading(loads, capsys, monkeypatch: pytes
 
 @pytest.mark.parametrize("args,message", [(["--max-queue", "-1"], "max_queue"), (["--timeout", "-5"], "timeout"),
                                           (["--port", "70000"], "--port"), (["--block-size", "1"], "block_size"),
-                                          (["--tree", "0"], "tree"), (["--draft-window", "-1"], "draft_window"),
+                                          (["--tree", "-1"], "tree"), (["--draft-window", "-1"], "draft_window"),
                                           (["--max-batch", "0"], "max_batch"), (["--max-batch", "17"], "max_batch"),
                                           (["--stored-responses", "-1"], "stored_responses"),
                                           (["--api-key", " "], "api_key")])

@@ -947,3 +947,13 @@ def test_api_key_guards_the_api_and_cors_answers_allowed_origins() -> None:
         assert "access-control-allow-origin" not in r.headers
     with pytest.raises(InvalidInputError, match="api_key"):
         create_app(tiny_generator(), api_key=" ")
+
+
+def test_tree_setting_takes_zero_for_chains() -> None:
+    """`tree`: None (the default), 0 (chains in any case) or a node budget; anything else is refused up front."""
+    from dflashkit.server import ServerSettings
+
+    assert ServerSettings(tree=0).tree == 0 and ServerSettings(tree=5).tree == 5 and ServerSettings().tree is None
+    for bad in (-1, True, 1.5):
+        with pytest.raises(InvalidInputError, match="tree must be"):
+            ServerSettings(tree=bad)

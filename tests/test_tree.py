@@ -277,6 +277,14 @@ def test_seeded_sampling_verifies_trees_by_default_and_keeps_the_seeds_output():
     assert gen.generate([5, 9], max_new_tokens=8, seed=1).stats.tree is None  # greedy
     assert gen.generate([5, 9], max_new_tokens=8, temperature=1.0, seed=1, block_size=4).stats.tree is None
     assert gen.generate([5, 9], max_new_tokens=8, temperature=1.0, seed=1, tree=3).stats.tree == 3  # as asked
+    # tree=0: chains whatever the default, with the adaptive block size and the same output for the seed
+    trees = gen.generate([5, 9, 11, 3], max_new_tokens=24, temperature=1.0, seed=2)
+    chains = gen.generate([5, 9, 11, 3], max_new_tokens=24, temperature=1.0, seed=2, tree=0)
+    assert chains.stats.tree is None and chains.stats.adaptive and chains.token_ids == trees.token_ids
+    assert trees.stats.tree == COUPLED_TREE
+    for bad in (-1, True, 2.5, "4"):
+        with pytest.raises(InvalidInputError, match="tree must be"):
+            gen.generate([5, 9], max_new_tokens=4, tree=bad)
     common = {"has_drafter": True, "sampled": True, "sampler": "coupled", "block_size": "auto", "batched": False}
     assert default_tree(None, **common, supports_trees=True) == COUPLED_TREE
     assert default_tree(None, **common, supports_trees=False) is None  # eager forwards: chains

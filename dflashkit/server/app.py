@@ -42,7 +42,7 @@ from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams, check_sampler
 from ..text import IncrementalDetokenizer, render_chat
 from ..tool_calls import ToolError, ToolRequest, template_messages
-from ..tree import check_budget
+from ..tree import check_tree_option
 from . import messages_api
 from .errors import APIError, bad_request, from_exception, install_error_handlers
 from .metrics import RequestCounter, ServerMetrics
@@ -86,7 +86,7 @@ class ServerSettings:
     proposal: str = "sample"  # how drafts are proposed when sampling ("sample" or "argmax"; both exact)
     sampler: str | None = None  # "rejection" / "coupled" (None: coupled for requests with a seed; dflashkit.sampling)
     lookup: bool | None = None  # prompt lookup: copy a repeated n-gram's continuation (None: on with a drafter)
-    tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: chains)
+    tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: the default; 0: chains)
     draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
     prefix_cache_mb: float = 256.0  # finished generations kept for prompts that begin the same way (0: none)
     stored_responses: int = 256  # /v1/responses kept in memory for previous_response_id (0: none)
@@ -106,8 +106,7 @@ class ServerSettings:
             raise InvalidInputError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
-        if self.tree is not None:
-            check_budget(self.tree)
+        check_tree_option(self.tree)
         if self.sampler is not None:
             check_sampler(self.sampler)
         check_draft_window(self.draft_window)
@@ -307,7 +306,7 @@ class Service:
 
     def health(self) -> dict[str, Any]:
         drafter = self.generator.drafter
-        block_size = default_block_size(self.settings.block_size, drafter is not None, self.settings.tree)
+        block_size = default_block_size(self.settings.block_size, drafter is not None, self.settings.tree or None)
         lookup = default_lookup(self.settings.lookup, drafter is not None)
         return {
             "status": "ok",
