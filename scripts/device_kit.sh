@@ -130,7 +130,12 @@
 # Next session: the same session command with DSEED=6 (requests not written before), carrying sessions 30, 32 and 34's
 # answers (.devkit/cpudata, 12.2 MB: with the wheels over the 64 MiB, so call 2 carries .devkit/cpudata alone), and
 # TRAIN_MORE_S=0 unless the session call cannot hold the whole training (the schedule errs short by ~10% over several
-# epochs, so the session call's own end is the better limit).
+# epochs, so the session call's own end is the better limit). gpu_check.py (~70 s of call 1) guards the CUDA decode
+# paths: since session 34 (56c1510, all identical) the decode path changed only by `tree=0` meaning chains (babed97
+# and after: `git diff 56c1510 -- dflashkit/decode.py dflashkit/target.py dflashkit/fast_target.py dflashkit/cuda_graphs.py
+# dflashkit/sampling.py dflashkit/tree.py` shows what changed), so a session whose diff there is small can skip it and
+# train ~70 s longer. Judge the soft-label change and GPU_PAD_MULTIPLE by PROFILE_TRAIN's step (295 ms in session 34;
+# it now also times the target's decoder pass apart from the soft labels) and the run's steps/s (3.77, then 4.5).
 # COMPILE=1 (untried on a GPU): `train --compile` (inductor, eager where compiling fails). A GPU step of 128 sequences
 # took 278 ms on the H100, against roughly 60 ms of arithmetic (the target's pass over ~38K tokens, the drafter's
 # forward and backward over 65K block positions, the distillation's full-vocabulary head; ~1 PFLOP/s bf16 peak at
