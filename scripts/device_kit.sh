@@ -129,8 +129,10 @@
 # attention builds a plan per shape: the likely cause of the slower first epoch); 41 once padded to a multiple of 16.
 # Next session: the same session command with DSEED=6 (requests not written before), carrying sessions 30, 32 and 34's
 # answers (.devkit/cpudata, 12.2 MB: with the wheels over the 64 MiB, so call 2 carries .devkit/cpudata alone), and
-# TRAIN_MORE_S=0 unless the session call cannot hold the whole training (the schedule errs short by ~10% over several
-# epochs, so the session call's own end is the better limit). gpu_check.py (~70 s of call 1) guards the CUDA decode
+# TRAIN_MORE_S as before (about budget_left_s - 690 as the session call starts): in session 34 the schedule, sized by
+# the slower first epoch, ended before the session call did and `finish` had nothing to train; with GPU_PAD_MULTIPLE
+# the first epoch should run at the later rate (if PROFILE_TRAIN or the log's steps/s say otherwise, size T smaller).
+# gpu_check.py (~70 s of call 1) guards the CUDA decode
 # paths: since session 34 (56c1510, all identical) the decode path changed only by `tree=0` meaning chains (babed97
 # and after: `git diff 56c1510 -- dflashkit/decode.py dflashkit/target.py dflashkit/fast_target.py dflashkit/cuda_graphs.py
 # dflashkit/sampling.py dflashkit/tree.py` shows what changed), so a session whose diff there is small can skip it and
