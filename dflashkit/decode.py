@@ -47,6 +47,7 @@ from .sampling import (
     sample,
     verify_greedy,
     verify_sampled,
+    over_vocabulary,
     verify_tree_sampled,
     warp,
 )
@@ -269,14 +270,14 @@ def decode(
                         scores = coupled_scores(scores, params, row_noise[:, columns] if columns is not None
                                                 else row_noise)
                         draft_params, mode = SamplingParams(), "argmax"
-                    if use_trees and mode == "sample" and not draft_params.greedy:  # sampled candidates
-                        q = warp(scores, draft_params)  # [k, V']: what each depth's candidates are drawn from
-                        tree = sample_tree(q, columns, options.tree, gen)
-                        if columns is not None:
-                            q = q.new_zeros(k, target.vocab_size).index_copy_(1, columns, q)  # [k, vocab]
-                        drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
-                    elif use_trees:
-                        tree = build_tree(scores, columns, options.tree)
+                    if use_trees:
+                        if mode == "sample" and not draft_params.greedy:  # sampled candidates
+                            q = warp(scores, draft_params)  # [k, V']: what each depth's candidates are drawn from
+                            tree = sample_tree(q, columns, options.tree, gen)
+                            if columns is not None:
+                                q = over_vocabulary(q, columns, target.vocab_size)  # [k, vocab]
+                        else:  # the drafter's top choices (greedy, or coupled: argmaxes of noisy scores)
+                            tree = build_tree(scores, columns, options.tree)
                         drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
                     elif constraint:  # each row masked by what the grammar allows after the drafts before it
                         propose_row = functools.partial(propose, params=draft_params, mode=mode, generator=gen,

@@ -46,7 +46,7 @@ def default_block_size(block_size: int | str | None, has_drafter: bool, tree: in
     token tree (which picks its own depth and width) or without a drafter. "auto" is the default because with
     today's drafters (the shipped one: τ ≈ 1.7) a full 16-token verify costs more on a CPU than it yields, and the
     adaptive policy falls back to the sizes, or plain steps, that pay (see :mod:`dflashkit.adaptive`)."""
-    if block_size is None and has_drafter and tree is None:
+    if block_size is None and has_drafter and not tree:  # tree None or 0: chains
         return "auto"
     return block_size
 
@@ -73,11 +73,12 @@ COUPLED_TREE = 6
 
 def default_tree(tree: int | None, *, has_drafter: bool, sampled: bool, sampler: str, block_size: int | str | None,
                  batched: bool, supports_trees: bool, constrained: bool = False) -> int | None:
-    """The token tree a generation's drafter steps verify: as given; None (the default): :data:`COUPLED_TREE` nodes
-    for a sampled generation under coupled sampling with the adaptive block size, decoding alone on a forward that
-    runs trees and without a grammar or penalties (the decode loop keeps chains under those), else chains (None)."""
+    """The token tree a generation's drafter steps verify: as given (0: chains, None); None (the default):
+    :data:`COUPLED_TREE` nodes for a sampled generation under coupled sampling with the adaptive block size, decoding
+    alone on a forward that runs trees and without a grammar or penalties (the decode loop keeps chains under
+    those), else chains (None)."""
     if tree is not None or not (has_drafter and sampled and sampler == "coupled" and block_size == "auto"):
-        return tree
+        return tree or None
     return COUPLED_TREE if supports_trees and not batched and not constrained else None
 
 
@@ -332,7 +333,7 @@ class SpeculativeGenerator:
             stop = [stop]
         drafter = self.drafter if use_drafter else None
         tree = check_tree_option(tree)  # 0: chains, whatever the default
-        block_size = default_block_size(block_size, drafter is not None, tree or None)
+        block_size = default_block_size(block_size, drafter is not None, tree)
         adaptive = block_size == "auto"
         lookup = default_lookup(lookup, drafter is not None)
         store = drafter.ngram_store if drafter is not None and lookup and ngram_store else None
@@ -341,7 +342,7 @@ class SpeculativeGenerator:
         penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias or {})
         tree = default_tree(tree, has_drafter=drafter is not None, sampled=not sampling.greedy, sampler=sampler,
                             block_size=block_size, batched=batch is not None, supports_trees=self.target.supports_trees,
-                            constrained=grammar is not None or penalties.active) or None
+                            constrained=grammar is not None or penalties.active)
         options = DecodeOptions(
             max_new_tokens=max_new_tokens,
             sampling=sampling,

@@ -113,6 +113,12 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     return index.view(probs.shape[:-1])
 
 
+def over_vocabulary(q: Tensor, token_ids: Tensor, vocab_size: int) -> Tensor:
+    """Distributions q [k, V'] over the tokens ``token_ids`` [V'] (a draft vocabulary) as rows over the whole
+    vocabulary [k, vocab_size], 0 elsewhere."""
+    return q.new_zeros(q.shape[0], vocab_size).index_copy_(1, token_ids.to(q.device), q)
+
+
 def propose(
     draft_logits: Tensor,
     params: SamplingParams,
@@ -144,7 +150,7 @@ def propose(
         return column, q
     if vocab_size is None:
         raise InvalidInputError("propose: vocab_size is needed with token_ids")
-    full = q.new_zeros(q.shape[0], vocab_size).index_copy_(1, token_ids.to(q.device), q)  # [k, vocab]
+    full = over_vocabulary(q, token_ids, vocab_size)  # [k, vocab]
     return token_ids[column], full
 
 

@@ -105,21 +105,21 @@ class DraftTree:
             row = nxt
 
 
+def _whole(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_tree_option(tree: object) -> int | None:
     """A generation's ``tree`` option: None (the default: chains, or the trees that seeded sampling verifies by
     default), 0 (chains whatever the default) or a node budget >= 1; raises InvalidInputError otherwise."""
-    if tree is None:
-        return None
-    if isinstance(tree, numbers.Integral) and not isinstance(tree, bool) and tree == 0:
-        return 0
-    if not isinstance(tree, numbers.Integral) or isinstance(tree, bool) or tree < 1:
+    if tree is not None and not (_whole(tree) and tree >= 0):
         raise InvalidInputError(f"tree must be 0 (chains) or a number of nodes >= 1 (None: the default), got {tree!r}")
-    return int(tree)
+    return None if tree is None else int(tree)
 
 
 def check_budget(budget: object) -> int:
     """A token tree's node budget: an int >= 1 (booleans refused); raises InvalidInputError otherwise."""
-    if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:
+    if not (_whole(budget) and budget >= 1):
         raise InvalidInputError(f"tree must be a number of nodes, at least one node (None: a chain), got {budget!r}")
     return int(budget)
 
@@ -160,8 +160,13 @@ def build_tree(scores: Tensor, columns: Tensor | None, budget: int, top: int = T
     its path (a path down the first choices is the chain); see :func:`best_first`.
     """
     probs, index = scores.float().softmax(-1).topk(min(top, scores.shape[1]), dim=-1)  # [k, top] each
-    tokens = (columns[index] if columns is not None else index).tolist()
-    parents, depths, ranks = best_first(probs.tolist(), budget)
+    return _best_tree(probs.tolist(), (columns[index] if columns is not None else index).tolist(), budget)
+
+
+def _best_tree(probs: list[list[float]], tokens: list[list[int]], budget: int) -> DraftTree:
+    """The tree of :func:`best_first`'s shape over sorted probabilities ``probs[d][r]``, node tokens
+    ``tokens[d][r]`` (the r-th candidate at depth d+1)."""
+    parents, depths, ranks = best_first(probs, budget)
     return DraftTree([tokens[d - 1][r] for d, r in zip(depths, ranks)], parents, depths)
 
 
@@ -202,7 +207,4 @@ def sample_tree(probs: Tensor, columns: Tensor | None, budget: int, generator: t
     index, _ = sample_without_replacement(probs, top, generator)  # [k, top]: ranks < counts are real draws
     tokens = (columns[index] if columns is not None else index).tolist()
     usable = next((d for d, v in enumerate(values) if not v), len(values))  # a row with nothing to draw ends it
-    if usable == 0:
-        return DraftTree([], [], [])
-    parents, depths, ranks = best_first(values[:usable], budget)
-    return DraftTree([tokens[d - 1][r] for d, r in zip(depths, ranks)], parents, depths)
+    return _best_tree(values[:usable], tokens, budget) if usable else DraftTree([], [], [])

@@ -306,7 +306,7 @@ class Service:
 
     def health(self) -> dict[str, Any]:
         drafter = self.generator.drafter
-        block_size = default_block_size(self.settings.block_size, drafter is not None, self.settings.tree or None)
+        block_size = default_block_size(self.settings.block_size, drafter is not None, self.settings.tree)
         lookup = default_lookup(self.settings.lookup, drafter is not None)
         return {
             "status": "ok",
