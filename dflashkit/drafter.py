@@ -428,7 +428,7 @@ class FastDrafterForward:
         # every layer's k_norm in one call: its weight per (layer, kv head) row of the context's keys
         self.context_k_norm = _per_head_norm([(a.k_norm, self.kv_heads) for a in attns])
         self.fused_weights = self._fused_weights(drafter)
-        self.row_limit = row_kernels.max_rows()  # blocks of more rows: the Python layers
+        self.row_limit = row_kernels.max_rows(self.fc.weight.device)  # blocks of more rows: the Python layers
         # the one-call step (row_kernels.drafter_step_batch): the context's products and norms, the final norm
         self.step_weights = None
         if self.fused_weights is not None and self.fc.small is not None and self.context_kv.small is not None:

@@ -211,8 +211,8 @@ class FastTargetForward:
         # products (kernels.Matmul), a verify pass's row i is then bitwise the one-token step at that position
         self.row_exact = row_kernels.attention_usable(self.dtype, self.device, self.head_dim) and all(
             getattr(layer.qkv, "small", None) is not None for layer in self.layers)
-        self.row_limit = row_kernels.max_rows()  # steps of more rows: oneDNN / SDPA
-        self.batch_row_limit = row_kernels.max_batch_rows()  # batched steps of more rows: one call after another
+        self.row_limit = row_kernels.max_rows(self.device)  # steps of more rows: oneDNN / SDPA
+        self.batch_row_limit = row_kernels.max_batch_rows(self.device)  # batched steps of more rows: one call after another
         self.fused_weights = self._fused_weights() if self.row_exact else None
 
     def _fused_weights(self) -> list[Tensor] | None:

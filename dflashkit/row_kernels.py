@@ -112,20 +112,32 @@ def label() -> str | None:
     return k.isa if k is not None else None
 
 
-def max_rows() -> int:
+def max_rows(device: torch.device | str | None = None) -> int:
     """The most rows a step runs on the kernels (more go to oneDNN / SDPA): :data:`MAX_ROWS` for AMX and
     AVX512-BF16; any number for AVX2, where torch has no fast bf16 product for them to go to (a prefill's rows run
-    the kernels in row blocks)."""
+    the kernels in row blocks). For tensors on another ``device`` (a GPU) :data:`MAX_ROWS`, without building the
+    kernels: they never run there, and building them took 30-60 s of a GPU session's data time."""
+    if _elsewhere(device):
+        return MAX_ROWS
     k = kernel()
     return MAX_ROWS if k is None or k.isa != "AVX2" else ANY_ROWS
 
 
-def max_batch_rows() -> int:
+def max_batch_rows(device: torch.device | str | None = None) -> int:
     """The most rows, over all its sequences, that a batched step runs as one pass on the kernels (each sequence's
     own rows within :func:`max_rows`): :data:`MAX_BATCH_ROWS` on AMX, whose product reads the weights once for up to
-    64 rows at well under twice the time of one; elsewhere :func:`max_rows`."""
+    64 rows at well under twice the time of one; elsewhere :func:`max_rows`. For tensors on another ``device`` (a
+    GPU: how many sequences a batched step of the batches engine takes at once) :data:`MAX_BATCH_ROWS`, without
+    building the kernels."""
+    if _elsewhere(device):
+        return MAX_BATCH_ROWS
     k = kernel()
     return MAX_BATCH_ROWS if k is not None and k.isa == "AMX-BF16" else max_rows()
+
+
+def _elsewhere(device: torch.device | str | None) -> bool:
+    """Whether ``device`` names a device other than the CPU (None: the CPU)."""
+    return device is not None and torch.device(device).type != "cpu"
 
 
 def _pick(setting: str) -> Isa | None:
@@ -214,8 +226,10 @@ def pack(weight: Tensor) -> Tensor:
 def int8_usable(qweight: Tensor) -> bool:
     """Whether products with this weight-only int8 weight [out, in] can run on the kernel here (AVX2 and AMX: on
     AVX512-BF16 CPUs without AMX int8 targets keep torch's int8 kernel)."""
+    if not (qweight.dtype == torch.int8 and qweight.device.type == "cpu" and qweight.dim() == 2):
+        return False
     k = kernel()
-    return qweight.dtype == torch.int8 and qweight.device.type == "cpu" and qweight.dim() == 2 and k is not None and k.int8
+    return k is not None and k.int8
 
 
 def pack_int8(qweight: Tensor, scale: Tensor) -> Tensor:

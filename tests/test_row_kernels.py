@@ -248,6 +248,22 @@ def test_one_call_layers_compute_what_the_python_layers_compute(isa, arch):
         assert torch.allclose(mine[:, :, :14].float(), theirs[:, :, :14].float(), atol=0.05)
 
 
+def test_row_limits_for_another_device_never_build_the_kernels(monkeypatch):
+    """A GPU's forward asks for its row limits too: answering must not compile the CPU kernels (30-60 s of a GPU
+    session's data time in session 35)."""
+
+    def no_build():
+        raise AssertionError("the CPU kernels were asked for")
+
+    monkeypatch.setattr(row_kernels, "kernel", no_build)
+    assert row_kernels.max_rows("cuda") == row_kernels.MAX_ROWS
+    assert row_kernels.max_batch_rows(torch.device("cuda", 0)) == row_kernels.MAX_BATCH_ROWS
+    with pytest.raises(AssertionError, match="asked for"):
+        row_kernels.max_rows(torch.device("cpu"))
+    with pytest.raises(AssertionError, match="asked for"):
+        row_kernels.max_batch_rows()
+
+
 def test_a_kernel_that_cannot_be_built_falls_back_to_onednn_with_a_warning(monkeypatch, tmp_path):
     import torch.utils.cpp_extension
 
