@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.data import load_shards
 from dflashkit.ngram_store import FILENAME as NGRAM_STORE
 from dflashkit.ngram_store import NgramStore
 
@@ -162,10 +163,11 @@ def main() -> None:
         gen_min = sum(s.get("seconds", 0) for s in shards) / 60
         if str(folder) in used:
             what = f"{used[str(folder)]['sequences']} answers, {used[str(folder)]['response_tokens']} response tokens used"
-        else:
-            what = f"(not recorded by this run; the folder now holds {sum(s['written'] for s in shards)} answers)"
-        lines += [f"- `{data_command(folder, meta)}`: {what}; the folder's generation time {gen_min:.0f} min "
-                  f"({len(shards)}/{meta['num_shards']} shards now)."]
+        else:  # a shard cut mid-way (a data phase's time limit) holds answers too, and training read them
+            what = f"(not recorded by this run; the folder now holds {len(load_shards(folder, include_partial=True))} answers)"
+        timing = (f"the folder's generation time {gen_min:.0f} min ({len(shards)}/{meta['num_shards']} shards "
+                  "complete)" if shards else f"no shard complete of {meta['num_shards']}, so no generation time recorded")
+        lines += [f"- `{data_command(folder, meta)}`: {what}; {timing}."]
     lines += [f"- {note}" for note in args.data_note]
     last = log[-1]
     evals = [r for r in log if "tau" in r]
