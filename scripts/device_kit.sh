@@ -138,6 +138,17 @@
 # dflashkit/sampling.py dflashkit/tree.py` shows what changed), so a session whose diff there is small can skip it and
 # train ~70 s longer. Judge the soft-label change and GPU_PAD_MULTIPLE by PROFILE_TRAIN's step (295 ms in session 34;
 # it now also times the target's decoder pass apart from the soft labels) and the run's steps/s (3.77, then 4.5).
+# Session 35 (H100, 900 s; 810 s used in seven calls): call 1 carried the wheels and evaluation sets and only received
+# them (no gpu_check.py: 50 s with the start), call 2 .devkit/cpudata (sessions 30, 32, 34), t1-t5 as before, then
+# the session call above with DSEED=6 TRAIN_MORE_S=120 (578 s) and `END_S=205 ... finish` (134 s). The data phase
+# answered only 10,138 of its 16,000 requests before DATA_S=160 cut it: with gpu_check.py skipped, the data command
+# compiled the CPU row kernels first (30-60 s: the GPU forward asked for its row limits; fixed in dc4d01a, which
+# answers them without the kernels off a CPU). Training: 1,872 steps x 128 of 76,676 sequences (~3.1 epochs) at 4.5-4.9
+# steps/s from the first step on (GPU_PAD_MULTIPLE ended the slow first epoch of session 34), 1,499 in the session
+# call and 373 in `finish` (resumed in ~25 s, 4.8 steps/s), so TRAIN_MORE_S sized the two calls right. PROFILE_TRAIN's
+# 4 steps (490 ms a step; the decoder pass 129 of its 149 ms of features and soft labels) ran shapes new to cuDNN and
+# say less than the run's rate. Answers kept as .devkit/cpudata/s35.tar.xz (and gpudata/s35-data-gpu.tar.xz).
+# Next session: DSEED=7 and the rest as in session 35 (cpudata 13.4 MiB, call 2 alone), T about budget_left_s - 690.
 # COMPILE=1 (untried on a GPU): `train --compile` (inductor, eager where compiling fails). A GPU step of 128 sequences
 # took 278 ms on the H100, against roughly 60 ms of arithmetic (the target's pass over ~38K tokens, the drafter's
 # forward and backward over 65K block positions, the distillation's full-vocabulary head; ~1 PFLOP/s bf16 peak at
