@@ -9,7 +9,8 @@ on the shipped drafter is measured by ``scripts/compare_ngram_store.py`` (README
 
 A draft that is a fixed function of the emitted text is an exact proposal (a one-hot q), so the output stays
 lossless at any temperature; the store changes speed only. It is saved next to a drafter as
-``ngram_store.safetensors`` (int32 tensors ``contexts`` [M, n] and ``next`` [M], plus ``counts`` [M]).
+``ngram_store.safetensors`` (tensors ``contexts`` [M, n] and ``next`` [M], plus ``counts`` [M]; each uint16 where its
+values fit, as token ids of vocabularies up to 65,536 do, else int32: 8 bytes an n-gram of 3 instead of 20).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from safetensors import safe_open
 from safetensors.torch import save
 
@@ -115,10 +117,11 @@ class NgramStore:
     def save(self, path: str | os.PathLike) -> None:
         """Write the store as safetensors (atomically)."""
         keys = sorted(self.table)
-        contexts = torch.tensor(keys, dtype=torch.int32).reshape(len(keys), self.n)
-        nxt = torch.tensor([self.table[k] for k in keys], dtype=torch.int32)
-        counts = torch.tensor([self.counts.get(k, 0) for k in keys], dtype=torch.int32)
-        blob = save({"contexts": contexts, "next": nxt, "counts": counts},
+        contexts = torch.tensor(keys, dtype=torch.int64).reshape(len(keys), self.n)
+        nxt = torch.tensor([self.table[k] for k in keys], dtype=torch.int64)
+        counts = torch.tensor([self.counts.get(k, 0) for k in keys], dtype=torch.int64)
+        tensors = {"contexts": _narrow(contexts), "next": _narrow(nxt), "counts": _narrow(counts)}
+        blob = save(tensors,
                     metadata={"format": "dflashkit-ngram-store", "n": str(self.n), "max_draft": str(self.max_draft),
                               **({"min_count": str(self.min_count)} if self.min_count is not None else {})})
         atomic_write(path, lambda f: f.write(blob), binary=True)  # a kill never leaves a torn store
@@ -134,12 +137,19 @@ class NgramStore:
             raise CheckpointError(f"{path} is not a readable n-gram store: {e}") from e
         if contexts.dim() != 2 or nxt.shape != contexts.shape[:1]:
             raise CheckpointError(f"{path}: contexts {tuple(contexts.shape)} and next {tuple(nxt.shape)} do not match")
-        keys = [tuple(row) for row in contexts.tolist()]
+        keys = [tuple(row) for row in contexts.long().tolist()]
         counts = tensors.get("counts")
-        return cls(dict(zip(keys, nxt.tolist())), contexts.shape[1],
-                   dict(zip(keys, counts.tolist())) if counts is not None else None,
+        return cls(dict(zip(keys, nxt.long().tolist())), contexts.shape[1],
+                   dict(zip(keys, counts.long().tolist())) if counts is not None else None,
                    int(meta.get("max_draft", DEFAULT_MAX_DRAFT)),
                    int(meta["min_count"]) if "min_count" in meta else None)  # fmt: skip
+
+
+def _narrow(values: Tensor) -> Tensor:
+    """``values`` (int64) as uint16 where they all fit (token ids of a vocabulary up to 65,536, counts up to 65,535:
+    the shipped store's largest count is ~34K), else as int32."""
+    fits = values.numel() == 0 or (int(values.min()) >= 0 and int(values.max()) <= 0xFFFF)
+    return values.to(torch.uint16 if fits else torch.int32)
 
 
 def find_store(folder: str | os.PathLike) -> Path | None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from conftest import VOCAB, tiny_drafter, tiny_target
 from dflashkit.checkpoint import load_drafter, save_drafter
@@ -78,6 +80,34 @@ def test_save_and_load_round_trip_and_bad_files(tmp_path: Path):
     (tmp_path / "bad.safetensors").write_bytes(b"not a store")
     with pytest.raises(CheckpointError, match="not a readable n-gram store"):
         NgramStore.load(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("top_token, top_count, token_width, count_width", [
+    (49150, 33571, torch.uint16, torch.uint16),  # the shipped store's largest token id and count
+    (65535, 65535, torch.uint16, torch.uint16),
+    (70000, 3, torch.int32, torch.uint16),  # a vocabulary over 65,536
+    (5, 70000, torch.uint16, torch.int32),
+])
+def test_saved_as_uint16_where_the_values_fit_and_read_back_the_same(tmp_path: Path, top_token, top_count,
+                                                                      token_width, count_width):
+    table = {(1, 2, top_token): 3, (top_token, 0, 4): top_token}
+    store = NgramStore(table, n=3, counts={(1, 2, top_token): top_count, (top_token, 0, 4): 2}, min_count=2)
+    store.save(tmp_path / FILENAME)
+    with safe_open(str(tmp_path / FILENAME), "pt") as f:
+        assert f.get_tensor("contexts").dtype == f.get_tensor("next").dtype == token_width
+        assert f.get_tensor("counts").dtype == count_width
+    loaded = NgramStore.load(tmp_path / FILENAME)
+    assert loaded.table == table and loaded.counts == store.counts and loaded.propose([1, 2, top_token], 1) == [3]
+
+
+def test_stores_saved_with_int32_tensors_still_load(tmp_path: Path):
+    """The format before session 35 (every tensor int32), as the shipped v7-v12 stores were written."""
+    save_file({"contexts": torch.tensor([[1, 2], [2, 3]], dtype=torch.int32),
+               "next": torch.tensor([3, 4], dtype=torch.int32), "counts": torch.tensor([5, 2], dtype=torch.int32)},
+              str(tmp_path / FILENAME), metadata={"format": "dflashkit-ngram-store", "n": "2", "max_draft": "7"})
+    loaded = NgramStore.load(tmp_path / FILENAME)
+    assert loaded.table == {(1, 2): 3, (2, 3): 4} and loaded.counts == {(1, 2): 5, (2, 3): 2}
+    assert loaded.propose([1, 2], 4) == [3, 4]
 
 
 def run(target, drafter, prompt, store, **kw):
