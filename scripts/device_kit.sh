@@ -162,7 +162,7 @@
 # and at once `LAYERS=4 END_S=T+80 bash scripts/device_kit.sh finish` (T about budget_left_s - 690 as the session call
 # starts; the finish call must name LAYERS too). LAYERS=4: a drafter layer costs ~0.6% of a decoding step on the Zen 4
 # VM (scripts/depth_cost.py, README "What depth costs when decoding"), each 3-layer session now adds only 1-3% τ, and a
-# 4-layer drafter's files (36.9 MiB with the store) stay under model_card.py's 40 MiB: judge it with compare_drafters.py
+# 4-layer drafter's files (38.8 MB with the store) stay under issue 3's 40 MB (model_card.py checks it): judge it with compare_drafters.py
 # against v13 (a 3-layer session's +1-3% is the bar) and ship it only above that. Dry-run here (DEVICE=cpu SEQS=4
 # LAYERS=4, 8 magpie prompts, END_S=300 then finish): deepened to 4, trained, resumed by `finish` at its step, a
 # 4-layer drafter written. A 4-layer v14 makes the repository ~37.6 MiB: call 1 then carries .devkit/cpudata apart.
