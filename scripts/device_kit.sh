@@ -152,7 +152,8 @@
 # say less than the run's rate. Answers kept as .devkit/cpudata/s35.tar.xz (and gpudata/s35-data-gpu.tar.xz).
 # PROFILE_TRAIN's 4 steps met batch lengths new to cuDNN (plans built per shape), so they timed plan building more than
 # steps (490 ms against the run's ~210): leave it off (it cost ~42 s of the session call); profile_train.py would need
-# warm-up steps on the same lengths to say where a warm step goes.
+# warm-up steps on the same lengths to say where a warm step goes: it has them since (the timed steps rerun batches the
+# warm-up ran), so PROFILE_TRAIN=1 now measures warm steps, at ~42 s of training time.
 # Next session (the n-gram store went to uint16 after this session: the repository is 32.3 MiB, so the GGUF travels in
 # four parts and call 1 carries the wheels, evaluation sets and the earlier answers, 59 MiB; five calls before the
 # session call): `run(carry=[.devkit/whl, .devkit/evalsets, .devkit/cpudata], command="bash scripts/device_kit.sh

@@ -5,15 +5,17 @@
 Builds the trainer as `dflashkit train --init DRAFTER --distill-topk 32 --distill-weight 0.5` does (the default
 target in bf16; features computed every step off a CPU, cached on one), runs --warmup steps, then times --steps
 steps by phase (each phase synchronised on a GPU, so the phases add up to a little more than an unsynchronised
-step), and profiles --profile-steps more with torch.profiler: the operators by self device time (CPU time on a
-CPU) and the operator calls per step. The question it answers for a lent GPU (scripts/device_kit.sh, PROFILE_TRAIN=1):
-is a step bound by the host launching its operations, by the drafter's attention and loss over the block
-positions, or by the target's pass over the sequences?
+step), and profiles --profile-steps more with torch.profiler (every timed step reruns one of --steps batches that
+the warm-up ran first): the operators by self device time (CPU time on a CPU) and the operator calls per step.
+The question it answers for a lent GPU (scripts/device_kit.sh, PROFILE_TRAIN=1): is a step bound by the host
+launching its operations, by the drafter's attention and loss over the block positions, or by the target's pass
+over the sequences?
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from collections import defaultdict
 
@@ -43,7 +45,11 @@ def main() -> None:
                       distill_topk=32, distill_weight=0.5, device=str(device), cache_features=device.type == "cpu")
     model, tokenizer = load_target(dtype=torch.bfloat16, device=str(device))
     trainer = Trainer(cfg, model, tokenizer, log=print)
-    step_batches = batches(trainer.train_seqs, cfg.seqs_per_step, cfg.seed)
+    # the timed and profiled steps cycle over --steps batches that the warm-up has run once each: a GPU builds
+    # cuDNN's attention plans per sequence length, so steps on lengths new to it time plan building (session 35:
+    # 490 ms a step against the run's ~210 ms)
+    fixed = list(itertools.islice(batches(trainer.train_seqs, cfg.seqs_per_step, cfg.seed), args.steps))
+    step_batches = itertools.cycle(fixed)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -62,7 +68,7 @@ def main() -> None:
 
         return run
 
-    for _ in range(args.warmup):  # compiling, caches, allocator
+    for _ in range(max(args.warmup, len(fixed))):  # compiling, caches, allocator, each batch's shapes
         trainer.train_step(step_batches)
     sync()
     began = time.perf_counter()
