@@ -264,6 +264,26 @@ def test_row_limits_for_another_device_never_build_the_kernels(monkeypatch):
         row_kernels.max_batch_rows()
 
 
+def test_fast_forwards_on_another_device_never_build_the_kernels(monkeypatch):
+    """The target's and the drafter's fast forwards built on a device other than the CPU (``meta`` stands in for a
+    GPU here) take their row limits without the CPU kernels."""
+    from conftest import tiny_drafter, tiny_target
+
+    from dflashkit.drafter import FastDrafterForward
+    from dflashkit.fast_target import FastTargetForward
+
+    def no_build():
+        raise AssertionError("the CPU kernels were asked for")
+
+    monkeypatch.setattr(row_kernels, "kernel", no_build)
+    target = tiny_target("llama", dtype=torch.bfloat16)
+    drafter = tiny_drafter(target).to(torch.bfloat16).to("meta")
+    forward = FastTargetForward(target.to("meta"))
+    assert (forward.row_limit, forward.batch_row_limit) == (row_kernels.MAX_ROWS, row_kernels.MAX_BATCH_ROWS)
+    assert not forward.row_exact and forward.fused_weights is None
+    assert FastDrafterForward(drafter).row_limit == row_kernels.MAX_ROWS
+
+
 def test_a_kernel_that_cannot_be_built_falls_back_to_onednn_with_a_warning(monkeypatch, tmp_path):
     import torch.utils.cpp_extension
 
