@@ -22,9 +22,9 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from torch import Tensor
 from safetensors import safe_open
 from safetensors.torch import save
+from torch import Tensor
 
 from .errors import CheckpointError
 from .fsutil import atomic_write

@@ -248,14 +248,19 @@ def test_one_call_layers_compute_what_the_python_layers_compute(isa, arch):
         assert torch.allclose(mine[:, :, :14].float(), theirs[:, :, :14].float(), atol=0.05)
 
 
-def test_row_limits_for_another_device_never_build_the_kernels(monkeypatch):
-    """A GPU's forward asks for its row limits too: answering must not compile the CPU kernels (30-60 s of a GPU
-    session's data time in session 35)."""
+@pytest.fixture
+def kernels_refused(monkeypatch):
+    """The kernel lookup made to fail: whatever asks for the CPU kernels fails the test."""
 
     def no_build():
         raise AssertionError("the CPU kernels were asked for")
 
     monkeypatch.setattr(row_kernels, "kernel", no_build)
+
+
+def test_row_limits_for_another_device_never_build_the_kernels(kernels_refused):
+    """A GPU's forward asks for its row limits too: answering must not compile the CPU kernels (30-60 s of a GPU
+    session's data time in session 35)."""
     assert row_kernels.max_rows("cuda") == row_kernels.MAX_ROWS
     assert row_kernels.max_batch_rows(torch.device("cuda", 0)) == row_kernels.MAX_BATCH_ROWS
     with pytest.raises(AssertionError, match="asked for"):
@@ -264,7 +269,7 @@ def test_row_limits_for_another_device_never_build_the_kernels(monkeypatch):
         row_kernels.max_batch_rows()
 
 
-def test_fast_forwards_on_another_device_never_build_the_kernels(monkeypatch):
+def test_fast_forwards_on_another_device_never_build_the_kernels(kernels_refused):
     """The target's and the drafter's fast forwards built on a device other than the CPU (``meta`` stands in for a
     GPU here) take their row limits without the CPU kernels."""
     from conftest import tiny_drafter, tiny_target
@@ -272,10 +277,6 @@ def test_fast_forwards_on_another_device_never_build_the_kernels(monkeypatch):
     from dflashkit.drafter import FastDrafterForward
     from dflashkit.fast_target import FastTargetForward
 
-    def no_build():
-        raise AssertionError("the CPU kernels were asked for")
-
-    monkeypatch.setattr(row_kernels, "kernel", no_build)
     target = tiny_target("llama", dtype=torch.bfloat16)
     drafter = tiny_drafter(target).to(torch.bfloat16).to("meta")
     forward = FastTargetForward(target.to("meta"))
