@@ -86,7 +86,7 @@ class Matmul(_RowKernelProduct):
 
 class Int8Matmul(_RowKernelProduct):
     """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it (which calls one):
-    on the AVX2 or AMX row kernel where it runs (its int8 product), else with ``aten._weight_int8pack_mm``."""
+    on the row kernel where it runs (its int8 product), else with ``aten._weight_int8pack_mm``."""
 
     __slots__ = ("qweight", "scale")
 
@@ -95,8 +95,8 @@ class Int8Matmul(_RowKernelProduct):
         self.bias = bias.detach() if bias is not None else None
         self.out_features = self.qweight.shape[0]
         usable = row_kernels.int8_usable(self.qweight)
-        # every row count where the kernel takes int8 (AVX2, AMX): torch's int8 kernel rounds otherwise, and on AMX
-        # it prefilled a prompt ~2x slower than the bf16 target's
+        # every row count on the kernel: torch's int8 kernel rounds otherwise, and on AMX it prefilled a prompt ~2x
+        # slower than the bf16 target's
         self._rows_kernel(row_kernels.pack_int8(self.qweight, self.scale) if usable else None, row_kernels.ANY_ROWS)
 
     def _fallback(self, x: Tensor) -> Tensor:

@@ -51,8 +51,12 @@ tokens (``python scripts/compare_int8.py --threads 2``): int8 plain 49.3 tok/s, 
 speculative int8 46.1, bf16 62.9 (medians; a second run with ``--limit 1``: plain 42.9 / 49.2, speculative 47.0 /
 61.5). So on Zen 1 int8 pays no speed: unpacking 16 int8 weights to fp32 costs
 more than streaming 16 more bytes (1 row: the LM head 2.95 ms int8 vs 2.81 bf16; 4 rows: 4.7 vs 4.3), it only
-halves the weights' memory. AVX512-BF16 CPUs without AMX keep torch's int8 kernel (measured above); on AMX CPUs the
-AMX row kernel takes the same int8 panels (1.4x the bf16 target's plain decoding on the Xeon VM of session 24).
+halves the weights' memory. On AMX CPUs the AMX row kernel takes the same int8 panels (1.4x the bf16 target's plain
+decoding on the Xeon VM of session 24), and since session 36 so does the AVX512-BF16 one (the table above is torch's
+int8 kernel, which AVX512-BF16 CPUs without AMX ran until then): a pair of int8 weight rows becomes bf16 pairs in
+registers for ``vdpbf16ps``. On the Zen 4 VM a whole SmolLM2 step at 1 / 4 / 8 / 16 rows takes 5.4 / 6.7 / 10.1 / 18.8
+ms against 9.8 / 10.1 / 12.5 / 17.7 in bf16 (``scripts/step_cost.py --quantize int8``), and ``scripts/compare_int8.py
+--limit 2 --threads 2`` gave medians of int8 plain 151.2 tok/s, speculative 241.9, against bf16 82.7 / 188.4.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ MAX_ROWS = 16
 # AMX: a batched step's rows, over all its sequences (each within MAX_ROWS, so attention stays short per sequence):
 # the AMX product stays ahead of oneDNN up to 64 rows (Xeon VM: 20.5 ms against 25.9 at 64 rows, 12.3 at one row)
 MAX_BATCH_ROWS = 64
-ANY_ROWS = 1 << 30  # no row limit (AVX2 steps; int8 products on AVX2 and AMX)
+ANY_ROWS = 1 << 30  # no row limit (AVX2 steps; int8 products on every kernel)
 CSRC = Path(__file__).with_name("csrc")
 HEADERS = (CSRC / "row_common.h", CSRC / "row_layers.h")  # included by both sources
 CHOICES = ("auto", "amx", "avx512", "avx2", "onednn")
@@ -224,8 +224,8 @@ def pack(weight: Tensor) -> Tensor:
 
 
 def int8_usable(qweight: Tensor) -> bool:
-    """Whether products with this weight-only int8 weight [out, in] can run on the kernel here (AVX2 and AMX: on
-    AVX512-BF16 CPUs without AMX int8 targets keep torch's int8 kernel)."""
+    """Whether products with this weight-only int8 weight [out, in] can run on the kernel here (every instruction
+    set's kernel takes them: AVX2, AVX512-BF16, AMX)."""
     if not (qweight.dtype == torch.int8 and qweight.device.type == "cpu" and qweight.dim() == 2):
         return False
     k = kernel()
@@ -233,7 +233,7 @@ def int8_usable(qweight: Tensor) -> bool:
 
 
 def pack_int8(qweight: Tensor, scale: Tensor) -> Tensor:
-    """The AVX2 and AMX kernels' layout of an int8 weight [N, K] with per-row scales [N]: [ceil(N/16), 16 K + 64] int8,
+    """The kernels' layout (every instruction set's) of an int8 weight [N, K] with per-row scales [N]: [ceil(N/16), 16 K + 64] int8,
     each group's K rows of its 16 columns' weights (``[g, 16 k + c] = qweight[16 g + c, k]``) followed by its 16
     scales as fp32 bytes; padded columns have weight 0."""
     n, k = qweight.shape

@@ -511,12 +511,12 @@ def test_the_engine_line_names_the_row_kernels(isa, monkeypatch):
     assert "row kernels" not in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
 
 
-# ---- weight-only int8 (AVX2 kernel) -----------------------------------------------------------------------
+# ---- weight-only int8 (every kernel) -----------------------------------------------------------------------
 
 
 @pytest.fixture
 def int8_isa(isa):
-    """An instruction set whose kernel takes int8-packed weights (AVX2; AVX512-BF16 keeps torch's int8 kernel)."""
+    """An instruction set whose kernel takes int8-packed weights (all of them since session 36)."""
     if not row_kernels.kernel().int8:
         pytest.skip(f"the {isa} kernel has no int8 product")
     return isa
@@ -528,7 +528,7 @@ def int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_weight(bf16(n, k, seed=seed).float(), torch.bfloat16)  # int8 [n, k], bf16 scales [n]
 
 
-@pytest.mark.parametrize("n,k", [(200, 96), (64, 64), (1, 8), (130, 34), (1000, 576)])
+@pytest.mark.parametrize("n,k", [(200, 96), (64, 64), (1, 8), (130, 34), (1000, 576), (70, 33)])
 @pytest.mark.parametrize("rows", [1, 5, 16, 70])
 def test_int8_product_matches_fp32_with_scales_bias_and_ragged_columns(int8_isa, n, k, rows):
     q, scale = int8_weight(n, k, seed=n)
@@ -541,10 +541,11 @@ def test_int8_product_matches_fp32_with_scales_bias_and_ragged_columns(int8_isa,
         close_to_fp32(row_kernels.linear(x, packed, n), x, dequantized, None)
 
 
-@pytest.mark.parametrize("rows", [16, 40])
-def test_int8_rows_are_bitwise_the_same_whatever_rows_run_with_them(int8_isa, rows):
-    """Also past 16 rows, where the AMX kernel converts a group's weights once for several row chunks."""
-    assert_rows_independent(row_kernels.pack_int8(*int8_weight(300, 128, seed=1)), bf16(rows, 128, seed=2), 300)
+@pytest.mark.parametrize("rows,k", [(16, 128), (40, 128), (9, 35)])
+def test_int8_rows_are_bitwise_the_same_whatever_rows_run_with_them(int8_isa, rows, k):
+    """Also past 6 and 16 rows, where the AVX512-BF16 and AMX kernels convert a group's weights once for several row
+    chunks, and with an odd K (the AVX512-BF16 kernel adds its last weight row apart)."""
+    assert_rows_independent(row_kernels.pack_int8(*int8_weight(300, k, seed=1)), bf16(rows, k, seed=2), 300)
 
 
 def test_int8_layers_run_on_the_kernel_and_repack_after_a_change(int8_isa):

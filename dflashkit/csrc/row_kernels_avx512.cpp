@@ -30,7 +30,7 @@ constexpr const char* kIsa = "AMX-BF16";
 constexpr bool kInt8 = true;  // linear also takes int8-packed weights (the AVX2 source's layout), see linear_int8
 #else
 constexpr const char* kIsa = "AVX512-BF16";
-constexpr bool kInt8 = false;  // bf16 weights only (int8 targets keep torch's int8 kernel here)
+constexpr bool kInt8 = true;  // linear also takes int8-packed weights (the AVX2 source's layout), see linear_int8
 #endif
 constexpr int kBlocks = 4;                 // 16-column blocks per group
 constexpr int kGroup = kBlocks * 16;       // output columns per group
@@ -242,6 +242,105 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, i
     });
   return y;
 }
+#else
+// Weight-only int8 without AMX, in the same layout (see above: per group of 16 columns, K rows of 16 int8 weights,
+// then their 16 fp32 scales). Each (2 k2, 2 k2 + 1) pair of rows becomes one vector of 16 (even, odd) bf16 pairs
+// (exact: fp32 of an int8 is exact and its top half is its bf16), the operand of vdpbf16ps as in the bf16 product.
+// Two accumulators per row (even and odd pair steps, added at the end) keep two vdpbf16ps chains in flight for a
+// single row; an odd K's last weight row is added in fp32, last. A chunk of up to kInt8Rows rows converts each pair
+// step once for all its rows; past kInt8Panel rows (prefills) a group's whole panel is converted once into a buffer
+// that every chunk reads. Either way a row's sums are the same values in the same order, whatever rows run beside
+// it. Zen 4 VM, a whole SmolLM2 step (scripts/step_cost.py --quantize int8): 5.4 / 6.7 / 10.1 / 18.8 ms at 1 / 4 / 8
+// / 16 rows against the bf16 weights' 9.8 / 10.1 / 12.5 / 17.7 (the conversion, not the bytes, bounds the larger
+// steps; a buffer from 8 rows on was no faster).
+constexpr int kInt8Group = 16;  // output columns per int8 group
+constexpr int kInt8Rows = 8;  // rows per int8 micro-kernel call (2 accumulators each: 16 registers)
+constexpr int64_t kInt8Panel = 16;  // more rows than this: a group's pairs converted once, into a buffer
+
+// Rows 2 k2 and 2 k2 + 1 of a group's int8 weights (16 each) as 16 (even, odd) bf16 pairs: the fp32 of an int8 has
+// zeros in its low half, so the odd row's fp32 lanes OR the even row's shifted down are the pairs.
+inline __m512i int8_pairs(const int8_t* w) {
+  const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w))));
+  const __m512i odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16)))));
+  return _mm512_or_si512(_mm512_srli_epi32(even, 16), odd);
+}
+
+// Rows 0..R-1 of x times one int8 group (16 columns): weight pairs converted on the way, or read from `panel`.
+template <int R>
+void micro_int8(const uint16_t* x, int64_t ldx, const int8_t* w, const __m512i* panel, int64_t k, uint16_t* y,
+                int64_t ldy, int64_t valid, const float* bias) {
+  __m512 acc[R][2];
+  _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const int32_t* pairs[R];
+  _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) pairs[i] = reinterpret_cast<const int32_t*>(x + i * ldx);
+  const int64_t k2_count = k / 2;
+  int64_t k2 = 0;
+  for (; k2 + 1 < k2_count; k2 += 2) {
+    const __m512bh w0 = (__m512bh)(panel ? _mm512_load_si512(panel + k2) : int8_pairs(w + 32 * k2));
+    const __m512bh w1 = (__m512bh)(panel ? _mm512_load_si512(panel + k2 + 1) : int8_pairs(w + 32 * k2 + 32));
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, (__m512bh)_mm512_set1_epi32(pairs[i][k2]));
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, (__m512bh)_mm512_set1_epi32(pairs[i][k2 + 1]));
+    }
+  }
+  if (k2 < k2_count) {
+    const __m512bh w0 = (__m512bh)(panel ? _mm512_load_si512(panel + k2) : int8_pairs(w + 32 * k2));
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i)
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, (__m512bh)_mm512_set1_epi32(pairs[i][k2]));
+  }
+  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + kInt8Group * k));  // the group's 16 scales
+  _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
+    __m512 sum = _mm512_add_ps(acc[i][0], acc[i][1]);
+    if (k & 1)  // the last weight row of an odd K
+      sum = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_float(x[i * ldx + k - 1])),
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + (k - 1) * kInt8Group)))), sum);
+    store_sums(_mm512_mul_ps(sum, scale), 0, valid, bias, y + i * ldy);
+  }
+}
+
+void rows_int8(int64_t r, const uint16_t* x, int64_t ldx, const int8_t* w, const __m512i* panel, int64_t k,
+               uint16_t* y, int64_t ldy, int64_t valid, const float* bias) {
+  switch (r) {
+    case 1: micro_int8<1>(x, ldx, w, panel, k, y, ldy, valid, bias); break;
+    case 2: micro_int8<2>(x, ldx, w, panel, k, y, ldy, valid, bias); break;
+    case 3: micro_int8<3>(x, ldx, w, panel, k, y, ldy, valid, bias); break;
+    case 4: micro_int8<4>(x, ldx, w, panel, k, y, ldy, valid, bias); break;
+    case 5: micro_int8<5>(x, ldx, w, panel, k, y, ldy, valid, bias); break;
+    case 6: micro_int8<6>(x, ldx, w, panel, k, y, ldy, valid, bias); break;
+    case 7: micro_int8<7>(x, ldx, w, panel, k, y, ldy, valid, bias); break;
+    default: micro_int8<8>(x, ldx, w, panel, k, y, ldy, valid, bias); break;
+  }
+}
+
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
+                          const c10::optional<torch::Tensor>& bias) {
+  const LinearShape shape = check_linear_int8(x, packed, n_out, bias);
+  const int64_t m = shape.m, k = shape.k, stride = packed.size(1), k2_count = k / 2;
+  const float* b = shape.bias;
+  auto y = torch::empty({m, n_out}, x.options());
+  const uint16_t* xp = u16(x);
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  uint16_t* yp = u16w(y);
+  const bool once = m > kInt8Panel;  // many row chunks: a group's pairs converted once, into the buffer
+  at::parallel_for(0, shape.groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<__m512i> buffer(once ? k2_count : 0);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int8_t* w = wp + g * stride;
+      if (once)
+        for (int64_t k2 = 0; k2 < k2_count; ++k2) buffer[k2] = int8_pairs(w + 32 * k2);
+      const int64_t valid = n_out - g * kInt8Group < kInt8Group ? n_out - g * kInt8Group : kInt8Group;
+      const float* bg = b ? b + g * kInt8Group : nullptr;
+      const int64_t chunks = (m + kInt8Rows - 1) / kInt8Rows;  // balanced, as the bf16 product
+      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+        const int64_t r = (m - m0 + (chunks - c) - 1) / (chunks - c);
+        rows_int8(r, xp + m0 * k, k, w, once ? buffer.data() : nullptr, k, yp + m0 * n_out + g * kInt8Group, n_out,
+                  valid, bg);
+        m0 += r;
+      }
+    }
+  });
+  return y;
+}
 #endif
 
 }  // namespace
@@ -255,13 +354,11 @@ bool ready() {
 #endif
 }
 
-// x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16 (AMX: or int8 [G, 16 K + 64], see linear_int8); bias [N]
+// x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16 (or int8 [G, 16 K + 64], see linear_int8); bias [N]
 // fp32 or None. Returns y [M, N] bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                      const c10::optional<torch::Tensor>& bias) {
-#ifdef DFLASHKIT_AMX
   if (packed.scalar_type() == at::kChar) return linear_int8(x, packed, n_out, bias);
-#endif
   const LinearShape shape = check_linear(x, packed, n_out, bias, kBlocks);
   const int64_t m = shape.m, k = shape.k, groups = shape.groups, k2_count = shape.k2_count;
   const float* b = shape.bias;
