@@ -27,11 +27,11 @@ namespace {
 
 #ifdef DFLASHKIT_AMX
 constexpr const char* kIsa = "AMX-BF16";
-constexpr bool kInt8 = true;  // linear also takes int8-packed weights (the AVX2 source's layout), see linear_int8
 #else
 constexpr const char* kIsa = "AVX512-BF16";
-constexpr bool kInt8 = true;  // linear also takes int8-packed weights (the AVX2 source's layout), see linear_int8
 #endif
+constexpr bool kInt8 = true;  // linear also takes int8-packed weights (the AVX2 source's layout), see linear_int8
+constexpr int kInt8Group = 16;  // output columns per int8 group
 constexpr int kBlocks = 4;                 // 16-column blocks per group
 constexpr int kGroup = kBlocks * 16;       // output columns per group
 constexpr int kMaxRows = 6;                // rows per micro-kernel call
@@ -176,7 +176,6 @@ void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 // columns, then their 16 scales as fp32 bytes. Each 32 of K, the group's 32 x 16 int8 weights become one bf16 B
 // tile in a buffer (int8 is exact in bf16), then the same tile product as above into one C tile; K past the last
 // whole 32 in fp32 FMAs, in order. Half the bytes of bf16 to stream, for a conversion shared by the rows.
-constexpr int kInt8Group = 16;  // output columns per int8 group
 
 // One step's B tile (32 of K: 16 k2 rows of 16 (even, odd) bf16 pairs) from a group's int8 weights ws [32][16].
 inline void int8_tile(const int8_t* ws, uint32_t* tile) {
@@ -220,28 +219,6 @@ void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, const
   }
 }
 
-torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
-                          const c10::optional<torch::Tensor>& bias) {
-  const LinearShape shape = check_linear_int8(x, packed, n_out, bias);
-  const int64_t m = shape.m, k = shape.k, stride = packed.size(1), whole = k / 32;
-  const float* b = shape.bias;
-  auto y = torch::empty({m, n_out}, x.options());
-  const uint16_t* xp = u16(x);
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  uint16_t* yp = u16w(y);
-  const bool once = m > kTileRows;  // several row chunks: a group's B tiles converted once, into the scratch
-  tile_groups(shape.groups, m, once ? whole * 256 : 0,
-    [&](int64_t g, uint32_t* panel) {
-      if (once)
-        for (int64_t s = 0; s < whole; ++s) int8_tile(wp + g * stride + s * 32 * kInt8Group, panel + s * 256);
-    },
-    [&](int64_t g, int64_t m0, int r, uint32_t* panel) {
-      const int64_t valid = n_out - g * kInt8Group < kInt8Group ? n_out - g * kInt8Group : kInt8Group;
-      amx_rows_int8(r, xp + m0 * k, k, wp + g * stride, once ? panel : nullptr, k, yp + m0 * n_out + g * kInt8Group,
-                    n_out, valid, b ? b + g * kInt8Group : nullptr);
-    });
-  return y;
-}
 #else
 // Weight-only int8 without AMX, in the same layout (see above: per group of 16 columns, K rows of 16 int8 weights,
 // then their 16 fp32 scales). Each (2 k2, 2 k2 + 1) pair of rows becomes one vector of 16 (even, odd) bf16 pairs
@@ -252,8 +229,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, i
 // that every chunk reads. Either way a row's sums are the same values in the same order, whatever rows run beside
 // it. Zen 4 VM, a whole SmolLM2 step (scripts/step_cost.py --quantize int8): 5.4 / 6.7 / 10.1 / 18.8 ms at 1 / 4 / 8
 // / 16 rows against the bf16 weights' 9.8 / 10.1 / 12.5 / 17.7 (the conversion, not the bytes, bounds the larger
-// steps; a buffer from 8 rows on was no faster).
-constexpr int kInt8Group = 16;  // output columns per int8 group
+// steps; a buffer from 8 rows on was no faster, and so were four groups per call with one accumulator each, 64
+// columns as the bf16 product: 7.0 / 12.7 ms at 1 / 8 rows, four weight streams at once).
 constexpr int kInt8Rows = 8;  // rows per int8 micro-kernel call (2 accumulators each: 16 registers)
 constexpr int64_t kInt8Panel = 16;  // more rows than this: a group's pairs converted once, into a buffer
 
@@ -312,15 +289,33 @@ void rows_int8(int64_t r, const uint16_t* x, int64_t ldx, const int8_t* w, const
   }
 }
 
+#endif
+
+// The int8 product (layout above): each group of 16 columns on the AMX tiles, or with vdpbf16ps.
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                           const c10::optional<torch::Tensor>& bias) {
   const LinearShape shape = check_linear_int8(x, packed, n_out, bias);
-  const int64_t m = shape.m, k = shape.k, stride = packed.size(1), k2_count = k / 2;
+  const int64_t m = shape.m, k = shape.k, stride = packed.size(1);
   const float* b = shape.bias;
   auto y = torch::empty({m, n_out}, x.options());
   const uint16_t* xp = u16(x);
   const int8_t* wp = packed.data_ptr<int8_t>();
   uint16_t* yp = u16w(y);
+  auto valid = [&](int64_t g) { return n_out - g * kInt8Group < kInt8Group ? n_out - g * kInt8Group : kInt8Group; };
+#ifdef DFLASHKIT_AMX
+  const int64_t whole = k / 32;
+  const bool once = m > kTileRows;  // several row chunks: a group's B tiles converted once, into the scratch
+  tile_groups(shape.groups, m, once ? whole * 256 : 0,
+    [&](int64_t g, uint32_t* panel) {
+      if (once)
+        for (int64_t s = 0; s < whole; ++s) int8_tile(wp + g * stride + s * 32 * kInt8Group, panel + s * 256);
+    },
+    [&](int64_t g, int64_t m0, int r, uint32_t* panel) {
+      amx_rows_int8(r, xp + m0 * k, k, wp + g * stride, once ? panel : nullptr, k, yp + m0 * n_out + g * kInt8Group,
+                    n_out, valid(g), b ? b + g * kInt8Group : nullptr);
+    });
+#else
+  const int64_t k2_count = k / 2;
   const bool once = m > kInt8Panel;  // many row chunks: a group's pairs converted once, into the buffer
   at::parallel_for(0, shape.groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<__m512i> buffer(once ? k2_count : 0);
@@ -328,20 +323,18 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, i
       const int8_t* w = wp + g * stride;
       if (once)
         for (int64_t k2 = 0; k2 < k2_count; ++k2) buffer[k2] = int8_pairs(w + 32 * k2);
-      const int64_t valid = n_out - g * kInt8Group < kInt8Group ? n_out - g * kInt8Group : kInt8Group;
-      const float* bg = b ? b + g * kInt8Group : nullptr;
       const int64_t chunks = (m + kInt8Rows - 1) / kInt8Rows;  // balanced, as the bf16 product
       for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
         const int64_t r = (m - m0 + (chunks - c) - 1) / (chunks - c);
         rows_int8(r, xp + m0 * k, k, w, once ? buffer.data() : nullptr, k, yp + m0 * n_out + g * kInt8Group, n_out,
-                  valid, bg);
+                  valid(g), b ? b + g * kInt8Group : nullptr);
         m0 += r;
       }
     }
   });
+#endif
   return y;
 }
-#endif
 
 }  // namespace
 
