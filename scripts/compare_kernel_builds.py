@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR [--rows 1,2,4,8] [--rounds 14]
         [--quantize int8] [--sequences S]
+    .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR --decode 3 [--quantize int8]
 
 A build directory is one of ``~/.cache/dflashkit/kernels/dflashkit_rows_<isa>_<hash>`` (the kernels build there
 once per source version: edit the C++, run anything that loads the kernels, and a new directory appears). Both
@@ -11,6 +12,12 @@ machine this is how a kernel change is judged (session 14: a tile store as a pla
 slower, which timings taken minutes apart would have hidden in the VM's ±25% swings). ``--sequences S``: each step
 runs ``rows`` rows for each of S sequences (S caches of ``--context`` positions) as one batched pass
 (``FastTargetForward.batch``, what batched serving and data regeneration run).
+
+``--decode N``: whole generations instead (N prompts per evaluation set, 128 tokens, the defaults of `dflashkit
+generate`, speculative then plain, the builds' order alternating per prompt): one generator per build, each packing
+its weights with its own build, so builds whose packed layouts differ compare too (session 36: the int8 product in
+16- against 64-column groups, 0.93-1.03x speculative over four runs: not kept). Prints each build's median tok/s and the median per-prompt ratio NEW/OLD; each build's speculative
+output must equal its own plain output (the two builds may round differently from each other).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from types import ModuleType
 import torch
 
 from dflashkit import row_kernels
+from dflashkit.evalsets import load_set
 from dflashkit.fast_target import ForwardCall
 from dflashkit.generator import SpeculativeGenerator
 
@@ -51,6 +59,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: the weight-only int8 target")
     ap.add_argument("--sequences", type=int, default=1, help="sequences per step, batched (default 1)")
+    ap.add_argument("--decode", type=int, default=0, metavar="N",
+                    help="compare whole generations on N prompts per evaluation set instead of single steps")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     builds = {"old": load_build(args.old), "new": load_build(args.new)}
@@ -58,6 +68,8 @@ def main() -> None:
         raise SystemExit("both builds must be of the instruction set that runs here")
     running = {"module": builds["old"]}
     row_kernels.kernel = lambda: running["module"]  # every kernel call of the target goes to the chosen build
+    if args.decode:
+        return compare_decoding(builds, running, args)
     target = SpeculativeGenerator.load(quantize=args.quantize).target
     forward = target.fast_forward
     caches = [target.new_cache(capacity=args.context + 64) for _ in range(args.sequences)]
@@ -88,6 +100,37 @@ def main() -> None:
     for n in rows:
         old, new = (statistics.median(times[(b, n)]) * 1e3 for b in ("old", "new"))
         print(f"  {n:2d} rows: old {old:7.2f} ms  new {new:7.2f} ms  new/old {new / old:.3f}")
+
+
+def compare_decoding(builds: dict[str, ModuleType], running: dict, args: argparse.Namespace) -> None:
+    """Speculative and plain generations with each build, interleaved per prompt (see the module docs)."""
+    gens = {}
+    for name, build in builds.items():  # each generator's weights packed by its own build
+        running["module"] = build
+        gens[name] = SpeculativeGenerator.load(quantize=args.quantize)
+    prompts = [p for s in ("mt-bench", "humaneval", "math500") for p in load_set(s, limit=args.decode, seed=1)]
+    for name, gen in gens.items():  # warm-up: one-time costs and the adaptive policies' first estimates
+        running["module"] = builds[name]
+        gen.generate(prompts[0], max_new_tokens=64)
+        gen.generate(prompts[0], max_new_tokens=64, use_drafter=False)
+    speeds: dict[tuple[str, str], list[float]] = {(b, mode): [] for b in builds for mode in ("speculative", "plain")}
+    for i, prompt in enumerate(prompts):
+        for name in ("old", "new") if i % 2 else ("new", "old"):
+            running["module"] = builds[name]
+            spec = gens[name].generate(prompt, max_new_tokens=128)
+            plain = gens[name].generate(prompt, max_new_tokens=128, use_drafter=False)
+            if spec.token_ids != plain.token_ids:
+                raise SystemExit(f"{name} build, prompt {i}: speculative output differs from plain decoding")
+            speeds[(name, "speculative")].append(spec.stats.tokens_per_s)
+            speeds[(name, "plain")].append(plain.stats.tokens_per_s)
+    weights = "int8" if args.quantize == "int8" else "bf16"
+    print(f"{len(prompts)} prompts, 128 tokens, {weights} target, {args.threads} threads; each build's speculative "
+          "output equal to its plain output")
+    for mode in ("speculative", "plain"):
+        old, new = speeds[("old", mode)], speeds[("new", mode)]
+        ratio = statistics.median(n / o for o, n in zip(old, new))
+        print(f"  {mode:11s}: old {statistics.median(old):6.1f} tok/s  new {statistics.median(new):6.1f} tok/s  "
+              f"new/old (median per prompt) {ratio:.3f}")
 
 
 if __name__ == "__main__":

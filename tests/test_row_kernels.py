@@ -541,6 +541,22 @@ def test_int8_product_matches_fp32_with_scales_bias_and_ragged_columns(int8_isa,
         close_to_fp32(row_kernels.linear(x, packed, n), x, dequantized, None)
 
 
+@pytest.mark.parametrize("n,k", [(70, 33), (130, 8)])
+def test_int8_packing_follows_the_documented_layout(n, k):
+    """Element by element (every kernel reads this layout, AMX's included, which this machine may not run): group g
+    holds [16 k + c] = Q[16 g + c][k], zero weights past N, then its 16 scales as fp32 (1 for padded columns)."""
+    q, scale = int8_weight(n, k, seed=3)
+    packed = row_kernels.pack_int8(q, scale)
+    assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), 16 * k + 64)
+    for g in range(packed.shape[0]):
+        for c in range(16):
+            column = 16 * g + c
+            for kk in range(k):
+                assert packed[g, 16 * kk + c] == (q[column, kk] if column < n else 0)
+        expected = [float(scale[col]) if col < n else 1.0 for col in range(16 * g, 16 * g + 16)]
+        assert packed[g, 16 * k:].view(torch.float32).tolist() == expected
+
+
 @pytest.mark.parametrize("rows,k", [(16, 128), (40, 128), (9, 35)])
 def test_int8_rows_are_bitwise_the_same_whatever_rows_run_with_them(int8_isa, rows, k):
     """Also past 6 and 16 rows, where the AVX512-BF16 and AMX kernels convert a group's weights once for several row
