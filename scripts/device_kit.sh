@@ -173,6 +173,16 @@
 # ~40%), so most of a step is launches and memory-bound elementwise work, which inductor fuses; its compile time
 # (~1.6 min on this CPU; the rate is measured after the first two steps, so the schedule stays sized right) pays
 # where training runs long, e.g. with TRAIN_MORE_S. Judge it by the "time budget" line's steps/s against 3.60.
+# Session 36 (no GPU): the CPU answered the target's own requests in the background, greedily, in resumable folders of
+# 4,000 prompts each (/work/jobs/s36/cpudata.sh: `dflashkit data --sources magpie:0.75,magpie-code:0.25 --num-prompts
+# 4000 --seed S --temperature 0 --max-new-tokens 192 --max-prompt-tokens 512 --batch-size 64 --shard-size 500 --threads
+# 2 --out /work/jobs/s36/data/cpu-s36-S`, S = 36..39; the same command resumes a folder; the requests are written
+# first, ~2.5 min per 256 on this CPU, then ~530 answer tokens/s). Before the next GPU session stage each folder with
+# answers: `bash scripts/device_kit.sh stage-data /work/jobs/s36/data/cpu-s36-36 s36a` (then s36b, ...), so that call 1
+# carries them in .devkit/cpudata (receive unpacks them into $DK/data/cpu-s36a, ..., which training reads). Their
+# seeds differ from the plan's DSEED=7, so no request repeats by construction (training drops duplicates anyway). They
+# are greedy answers the shipped n-gram store has not counted: merge them into it with the session's (`ngram-store
+# --data NEW,CPU_FOLDERS --merge SHIPPED`) and check with store_heldout_tau.py.
 # PROFILE_TRAIN=1: before training, scripts/profile_train.py times a step by phase (the target's features, the
 # drafter's forward, the head and losses, backward and optimizer) and prints torch.profiler's operators by GPU time and
 # the operator calls per step: what to make faster before anything else (~40 s of the session; the 278 ms step of
