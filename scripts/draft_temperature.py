@@ -9,6 +9,11 @@ offset d, q_t = softmax(drafter scores / t) over the draft vocabulary (`--full-v
 Prints E[sum_x min(p, q_t)] (a sampled draft's acceptance probability, any t is exact: q is whatever the drafter
 proposes with), p(argmax q) (a deterministic draft's), p(top-2 / top-3 of q), and E[max p] (how peaked the target
 is, within the vocabulary drafted from) and the mass of p in that vocabulary, per offset 1..positions.
+
+``--coupled M``: also the acceptance of coupled sampling's proposal at each drafter temperature t, P[argmax(log q_t + g)
+= argmax(log p + g)] over M Gumbel draws g per position (the noise both share: what a seeded request's chain accepts;
+the tokens outside the draft vocabulary enter the target's argmax as one bucket of their total mass, which is exact
+in distribution since the drafter never proposes them).
 """
 
 from __future__ import annotations
@@ -46,6 +51,24 @@ def scores_and_target(gen: SpeculativeGenerator, ids: list[int], start: int, pos
     return head(hidden).float(), p, anchors[0]
 
 
+def coupled_acceptance(p: torch.Tensor, scores: torch.Tensor, draws: int, generator: torch.Generator,
+                       chunk: int = 16) -> list[torch.Tensor]:
+    """Per row and drafter temperature, the share of `draws` Gumbel vectors under which the drafter's noisy argmax is
+    the target's: p [n, V'] (within the draft vocabulary), scores [n, V']; returns one [n] tensor per temperature."""
+    rest = (1 - p.sum(-1, keepdim=True)).clamp_min(0)  # the mass outside, one bucket
+    log_p = torch.cat((p, rest), -1).log()  # [n, V'+1]
+    out = [torch.zeros(p.shape[0]) for _ in TEMPERATURES]
+    for start in range(0, p.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        u = torch.rand(draws, *log_p[rows].shape, generator=generator).clamp_min(1e-20)
+        g = -(-u.log()).log()  # [draws, rows, V'+1]
+        target = (log_p[rows] + g).argmax(-1)  # [draws, rows]
+        for i, t in enumerate(TEMPERATURES):
+            draft = (scores[rows] / t + g[..., :-1]).argmax(-1)
+            out[i][rows] = (draft == target).float().mean(0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", default="mt-bench,humaneval,math500")
@@ -55,6 +78,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--full-vocab", action="store_true",
                     help="q over the whole vocabulary (the drafter's hidden states through the target's head)")
+    ap.add_argument("--coupled", type=int, default=0, metavar="M",
+                    help="also coupled sampling's acceptance per drafter temperature, over M Gumbel draws per position")
     ap.add_argument("--contexts", choices=("sampled", "greedy"), default="sampled",
                     help="teacher-force on the target's T=1 answers (what T=1 decoding meets; default) or on its "
                     "greedy ones")
@@ -62,7 +87,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load()
+    generator = torch.Generator().manual_seed(0)
     labels = [f"q at T={t:g}" for t in TEMPERATURES] + ["argmax q", "top-2 of q", "top-3 of q", "max p", "mass of p"]
+    if args.coupled:
+        labels += [f"coupled T={t:g}" for t in TEMPERATURES]
     for name in args.sets.split(","):
         sums = torch.zeros(len(labels), args.positions)
         counts = torch.zeros(args.positions)
@@ -82,6 +110,8 @@ def main() -> None:
                 rows = [torch.minimum(p, (s / t).softmax(-1)).sum(-1) for t in TEMPERATURES]
                 top = p.gather(1, s.topk(3, -1).indices)  # [n, 3]
                 rows += [top[:, 0], top[:, :2].sum(-1), top.sum(-1), p.max(-1).values, p.sum(-1)]
+                if args.coupled:
+                    rows += coupled_acceptance(p, s, args.coupled, generator)
                 sums[:, k] += torch.stack([r.sum() for r in rows])
                 counts[k] += valid.sum()
         print(f"{name}: {int(counts[0])} anchors; offsets 1..{args.positions}")
