@@ -233,9 +233,9 @@ def int8_usable(qweight: Tensor) -> bool:
 
 
 def pack_int8(qweight: Tensor, scale: Tensor) -> Tensor:
-    """The kernels' layout (every instruction set's) of an int8 weight [N, K] with per-row scales [N]: [ceil(N/16), 16 K + 64] int8,
-    each group's K rows of its 16 columns' weights (``[g, 16 k + c] = qweight[16 g + c, k]``) followed by its 16
-    scales as fp32 bytes; padded columns have weight 0."""
+    """Every kernel's layout of an int8 weight [N, K] with per-row scales [N]: [ceil(N/16), 16 K + 64] int8, each
+    group's K rows of its 16 columns' weights (``[g, 16 k + c] = qweight[16 g + c, k]``) followed by its 16 scales as
+    fp32 bytes; padded columns have weight 0."""
     n, k = qweight.shape
     groups = -(-n // 16)
     q = qweight.detach().new_zeros(groups * 16, k)

@@ -16,8 +16,9 @@ runs ``rows`` rows for each of S sequences (S caches of ``--context`` positions)
 ``--decode N``: whole generations instead (N prompts per evaluation set, 128 tokens, the defaults of `dflashkit
 generate`, speculative then plain, the builds' order alternating per prompt): one generator per build, each packing
 its weights with its own build, so builds whose packed layouts differ compare too (session 36: the int8 product in
-16- against 64-column groups, 0.93-1.03x speculative over four runs: not kept). Prints each build's median tok/s and the median per-prompt ratio NEW/OLD; each build's speculative
-output must equal its own plain output (the two builds may round differently from each other).
+16- against 64-column groups, 0.93-1.03x speculative over four runs: not kept). Prints each build's median tok/s and
+the median per-prompt ratio NEW/OLD; each build's speculative output must equal its own plain output (the two builds
+may round differently from each other).
 """
 
 from __future__ import annotations

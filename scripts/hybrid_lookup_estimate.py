@@ -4,10 +4,10 @@ against today's copy-only steps, from the target's greedy answers, without decod
     .venv/bin/python scripts/hybrid_lookup_estimate.py [--limit 12] [--threads 2]
 
 For each evaluation set the target answers greedily alone (its tokens y); the drafter's chain match at every anchor
-is computed teacher-forced as in tree_estimate.py (the rank-0 prefix of y's ranks); then each policy walks the answer
-as the decode loop would, with prompt lookup and the shipped n-gram store: where lookup proposes, a copy-only step
-accepts the copy's match and a hybrid step the longer of the copy's and the drafter's (at most --draft tokens); elsewhere
-a drafter step of block b. Time is modelled per step: a target pass of that many rows (--costs, interpolated; the
+is computed teacher-forced as in tree_estimate.py (the rank-0 prefix of y's ranks); then each policy walks the
+answer as the decode loop would, with prompt lookup and the shipped n-gram store: where lookup proposes, a copy-only
+step accepts the copy's match and a hybrid step the longer of the copy's and the drafter's (at most its draft
+length); elsewhere a drafter step of block b. Time is modelled per step: a target pass of that many rows (--costs, interpolated; the
 default: this VM's `scripts/step_cost.py` medians, session 36) plus the drafter's pass (--draft-ms) where it runs.
 Prints per set the best copy-only setting and the best settings overall by modelled ms per token.
 """
@@ -35,8 +35,10 @@ def match(proposal: list[int], tokens: list[int], at: int) -> int:
     return n
 
 
-def walk(answers: list, store, copy: int, draft: int, block: int, hybrid: bool, cost, draft_ms: float) -> tuple[float, float]:
-    """(tokens per step, modelled ms per token) over the answers [(prompt ids, answer ids, drafter chain per anchor)]."""
+def walk(answers: list, store, copy: int, draft: int, block: int, hybrid: bool, cost,
+         draft_ms: float) -> tuple[float, float]:
+    """(tokens per step, modelled ms per token) over the answers: [(prompt ids, answer ids, drafter chain match per
+    anchor)]."""
     steps = tokens = ms = 0.0
     for prompt, answer, chain in answers:
         full = prompt + answer
@@ -88,13 +90,15 @@ def main() -> None:
         rows = []
         for block in (4, 8, 12, 16):
             for copy in (3, 7, 11, 15):
-                rows.append((*walk(answers, store, copy, 0, block, False, cost, args.draft_ms), f"copy {copy} b{block}"))
+                rows.append((*walk(answers, store, copy, 0, block, False, cost, args.draft_ms),
+                             f"copy {copy} b{block}"))
                 for draft in (1, 2, 3, 4, 7, 15):
                     if 1 + copy + draft <= 16 or (copy, draft) == (15, 15):
                         rows.append((*walk(answers, store, copy, draft, block, True, cost, args.draft_ms),
                                      f"hybrid copy {copy} + draft {draft}, b{block}"))
         best_copy = min((r for r in rows if r[2].startswith("copy")), key=lambda r: r[1])
-        print(f"{name}: best copy-only {best_copy[2]}: τ {best_copy[0]:.3f}, {best_copy[1]:.2f} ms/token", flush=True)
+        print(f"{name}: best copy-only {best_copy[2]}: τ {best_copy[0]:.3f}, {best_copy[1]:.2f} ms/token",
+              flush=True)
         for tau, ms, label in sorted(rows, key=lambda r: r[1])[:4]:
             print(f"    {label:34s} τ {tau:.3f}  {ms:.2f} ms/token  ({best_copy[1] / ms:.3f}x)", flush=True)
         widest = next(r for r in rows if r[2] == "hybrid copy 15 + draft 15, b16")

@@ -228,9 +228,10 @@ void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, const
 // step once for all its rows; past kInt8Panel rows (prefills) a group's whole panel is converted once into a buffer
 // that every chunk reads. Either way a row's sums are the same values in the same order, whatever rows run beside
 // it. Zen 4 VM, a whole SmolLM2 step (scripts/step_cost.py --quantize int8): 5.4 / 6.7 / 10.1 / 18.8 ms at 1 / 4 / 8
-// / 16 rows against the bf16 weights' 9.8 / 10.1 / 12.5 / 17.7 (the conversion, not the bytes, bounds the larger
-// steps; a buffer from 8 rows on was no faster, and so were four groups per call with one accumulator each, 64
-// columns as the bf16 product: 7.0 / 12.7 ms at 1 / 8 rows, four weight streams at once).
+// / 16 rows against the bf16 weights' 9.8 / 10.1 / 12.5 / 17.7: the conversion, not the bytes, bounds the larger
+// steps. Other shapes measured (README, weight-only int8) decoded within ~3% of this or were slower: groups of 64
+// columns in one stream, several groups per call (several weight streams), pairs interleaved per column (one
+// sign-extension instead of two), the buffer from 7 rows on.
 constexpr int kInt8Rows = 8;  // rows per int8 micro-kernel call (2 accumulators each: 16 registers)
 constexpr int64_t kInt8Panel = 16;  // more rows than this: a group's pairs converted once, into a buffer
 
