@@ -7,8 +7,9 @@ For each evaluation set the target answers greedily alone (its tokens y); the dr
 is computed teacher-forced as in tree_estimate.py (the rank-0 prefix of y's ranks); then each policy walks the
 answer as the decode loop would, with prompt lookup and the shipped n-gram store: where lookup proposes, a copy-only
 step accepts the copy's match and a hybrid step the longer of the copy's and the drafter's (at most its draft
-length); elsewhere a drafter step of block b. Time is modelled per step: a target pass of that many rows (--costs, interpolated; the
-default: this VM's `scripts/step_cost.py` medians, session 36) plus the drafter's pass (--draft-ms) where it runs.
+length); elsewhere a drafter step of block b. Time is modelled per step: a target pass of that many rows (--costs,
+interpolated; the default: this VM's `scripts/step_cost.py` medians, session 36) plus the drafter's pass
+(--draft-ms) where it runs.
 Prints per set the best copy-only setting and the best settings overall by modelled ms per token.
 """
 
@@ -103,8 +104,8 @@ def main() -> None:
             print(f"    {label:34s} τ {tau:.3f}  {ms:.2f} ms/token  ({best_copy[1] / ms:.3f}x)", flush=True)
         widest = next(r for r in rows if r[2] == "hybrid copy 15 + draft 15, b16")
         plain16 = next(r for r in rows if r[2] == "copy 15 b16")
-        print(f"    at block 16: copy-only τ {plain16[0]:.3f}, hybrid 15 + 15 τ {widest[0]:.3f} (31-row passes: on this "
-              "CPU they leave the row kernels, ~55 ms)", flush=True)
+        print(f"    at block 16: copy-only τ {plain16[0]:.3f}, hybrid 15 + 15 τ {widest[0]:.3f} "
+              "(31-row passes: on this CPU they leave the row kernels, ~55 ms)", flush=True)
 
 
 if __name__ == "__main__":
