@@ -128,8 +128,9 @@ class Int8Linear(nn.Module):
         return self._product()(x)
 
     def _product(self):  # -> kernels.Int8Matmul (imported here: kernels imports this module)
-        """The product of these weights (:class:`dflashkit.kernels.Int8Matmul`: on the AVX2 or AMX row kernel where
-        it runs, else ``aten._weight_int8pack_mm``), built on first use and again only when a weight changes."""
+        """The product of these weights (:class:`dflashkit.kernels.Int8Matmul`: on the row kernel where it runs, AVX2,
+        AVX512-BF16 or AMX, else ``aten._weight_int8pack_mm``), built on first use and again only when a weight
+        changes."""
         key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version)  # inference tensors: no version
                     for t in (self.qweight, self.scale, *((self.bias,) if self.bias is not None else ())))
         cached = self.__dict__.get("_cached_product")
