@@ -179,7 +179,8 @@
 # 2 --out /work/jobs/s36/data/cpu-s36-S`, S = 36..39; the same command resumes a folder; the requests are written
 # first, ~2.5 min per 256 on this CPU, then ~530 answer tokens/s). Before the next GPU session stage each folder with
 # answers: `bash scripts/device_kit.sh stage-data /work/jobs/s36/data/cpu-s36-36 s36a` (then s36b, ...), so that call 1
-# carries them in .devkit/cpudata (receive unpacks them into $DK/data/cpu-s36a, ..., which training reads). Their
+# carries them in .devkit/cpudata (receive unpacks them into $DK/data/cpu-s36a, ..., which training reads; staged at
+# the session's end: s36a and s36b, seeds 36 and 37, 4,000 answers each, ~0.6 MB each; seed 38 was writing requests). Their
 # seeds differ from the plan's DSEED=7, so no request repeats by construction (training drops duplicates anyway). They
 # are greedy answers the shipped n-gram store has not counted: merge them into it with the session's (`ngram-store
 # --data NEW,CPU_FOLDERS --merge SHIPPED`) and check with store_heldout_tau.py.
