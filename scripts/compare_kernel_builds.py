@@ -70,7 +70,8 @@ def main() -> None:
     running = {"module": builds["old"]}
     row_kernels.kernel = lambda: running["module"]  # every kernel call of the target goes to the chosen build
     if args.decode:
-        return compare_decoding(builds, running, args)
+        compare_decoding(builds, running, args)
+        return
     target = SpeculativeGenerator.load(quantize=args.quantize).target
     forward = target.fast_forward
     caches = [target.new_cache(capacity=args.context + 64) for _ in range(args.sequences)]

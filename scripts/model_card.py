@@ -165,9 +165,11 @@ def main() -> None:
         if str(folder) in used:
             what = f"{used[str(folder)]['sequences']} answers, {used[str(folder)]['response_tokens']} response tokens used"
         else:  # a shard cut mid-way (a data phase's time limit) holds answers too, and training read them
-            what = f"(not recorded by this run; the folder now holds {len(load_shards(folder, include_partial=True))} answers)"
+            answers = len(load_shards(folder, include_partial=True))
+            what = f"(not recorded by this run; the folder now holds {answers} answers)"
         timing = (f"the folder's generation time {gen_min:.0f} min ({len(shards)}/{meta['num_shards']} shards "
-                  "complete)" if shards else f"no shard complete of {meta['num_shards']}, so no generation time recorded")
+                  "complete)" if shards
+                  else f"no shard complete of {meta['num_shards']}, so no generation time recorded")
         lines += [f"- `{data_command(folder, meta)}`: {what}; {timing}."]
     lines += [f"- {note}" for note in args.data_note]
     last = log[-1]

@@ -34,8 +34,9 @@ def test_batched_pass_is_bitwise_each_call_alone(arch, rows, monkeypatch):
     """FastTargetForward.batch over chains of 1-16 rows and a token tree equals each call run alone: logits,
     features, the cache rows written and the cache lengths (bf16, the row kernels' one-call path), also when the
     calls' rows add up to more than one call may have (44: on AMX CPUs batched steps take up to 64 rows)."""
-    monkeypatch.setattr(row_kernels, "max_batch_rows", lambda device=None: 64)  # AMX's, on any CPU with the kernels (whose
-    # products and attention all compute each row alone): the batch limit and the LM head's rows on the kernel
+    # AMX's batch limit, on any CPU with the kernels (whose products and attention all compute each row alone): the
+    # batch limit and the LM head's rows on the kernel
+    monkeypatch.setattr(row_kernels, "max_batch_rows", lambda device=None: 64)
     model = tiny_target(arch, dtype=torch.bfloat16)
     forward = FastTargetForward(model)
     assert forward.fused_weights is not None and forward.batch_row_limit == 64

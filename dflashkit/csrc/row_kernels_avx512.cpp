@@ -79,6 +79,19 @@ void rows(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
   }
 }
 
+// 16 int8 weights (one K row of a 16-column int8 group) as fp32, exactly.
+inline __m512 int8_fp32(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+// Rows 2 k2 and 2 k2 + 1 of a group's int8 weights (16 each) as 16 (even, odd) bf16 pairs, the operand of vdpbf16ps
+// (and of an AMX B tile's row): the fp32 of an int8 is exact with zeros in its low half, so its top half is its bf16
+// and the odd row's fp32 lanes OR the even row's shifted down are the pairs.
+inline __m512i int8_pairs(const int8_t* w) {
+  const __m512i even = _mm512_castps_si512(int8_fp32(w)), odd = _mm512_castps_si512(int8_fp32(w + kInt8Group));
+  return _mm512_or_si512(_mm512_srli_epi32(even, 16), odd);
+}
+
 #ifdef DFLASHKIT_AMX
 constexpr int kTileRows = 16;  // rows of x per A tile
 constexpr int64_t kPrefetchBytes = 8192;  // software prefetch distance in the weight stream
@@ -179,15 +192,9 @@ void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 
 // One step's B tile (32 of K: 16 k2 rows of 16 (even, odd) bf16 pairs) from a group's int8 weights ws [32][16].
 inline void int8_tile(const int8_t* ws, uint32_t* tile) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int line = 0; line < 32 * kInt8Group; line += 64)  // this step's 512 bytes, kPrefetchBytes ahead
     _mm_prefetch(reinterpret_cast<const char*>(ws) + kPrefetchBytes + line, _MM_HINT_T0);
-  for (int k2 = 0; k2 < 16; ++k2) {  // fp32 of an int8 is exact; its top 16 bits are its bf16
-    const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ws + 2 * k2 * kInt8Group))));
-    const __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ws + (2 * k2 + 1) * kInt8Group))));
-    _mm512_storeu_si512(tile + 16 * k2, _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                                                        _mm512_and_si512(_mm512_castps_si512(odd), high)));
-  }
+  for (int k2 = 0; k2 < 16; ++k2) _mm512_storeu_si512(tile + 16 * k2, int8_pairs(ws + 2 * k2 * kInt8Group));
 }
 
 // Tiles as configure_tiles(r) leaves them: 0 (C), 4 (A), 5 (B). One int8 group of 16 columns for rows 0..r-1. Its B
@@ -213,8 +220,7 @@ void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, const
   for (int i = 0; i < r; ++i) {
     __m512 acc = _mm512_load_ps(sums[i]);
     for (int64_t kk = whole * 32; kk < k; ++kk)  // K past the last whole 32, in order
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_float(x[i * ldx + kk])),
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + kk * kInt8Group)))), acc);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_float(x[i * ldx + kk])), int8_fp32(w + kk * kInt8Group), acc);
     store_sums(_mm512_mul_ps(acc, scale), 0, valid, bias, y + i * ldy);
   }
 }
@@ -234,14 +240,6 @@ void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, const
 // sign-extension instead of two), the buffer from 7 rows on.
 constexpr int kInt8Rows = 8;  // rows per int8 micro-kernel call (2 accumulators each: 16 registers)
 constexpr int64_t kInt8Panel = 16;  // more rows than this: a group's pairs converted once, into a buffer
-
-// Rows 2 k2 and 2 k2 + 1 of a group's int8 weights (16 each) as 16 (even, odd) bf16 pairs: the fp32 of an int8 has
-// zeros in its low half, so the odd row's fp32 lanes OR the even row's shifted down are the pairs.
-inline __m512i int8_pairs(const int8_t* w) {
-  const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w))));
-  const __m512i odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16)))));
-  return _mm512_or_si512(_mm512_srli_epi32(even, 16), odd);
-}
 
 // Rows 0..R-1 of x times one int8 group (16 columns): weight pairs converted on the way, or read from `panel`.
 template <int R>
@@ -270,8 +268,8 @@ void micro_int8(const uint16_t* x, int64_t ldx, const int8_t* w, const __m512i* 
   _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
     __m512 sum = _mm512_add_ps(acc[i][0], acc[i][1]);
     if (k & 1)  // the last weight row of an odd K
-      sum = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_float(x[i * ldx + k - 1])),
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + (k - 1) * kInt8Group)))), sum);
+      sum = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_float(x[i * ldx + k - 1])), int8_fp32(w + (k - 1) * kInt8Group),
+                            sum);
     store_sums(_mm512_mul_ps(sum, scale), 0, valid, bias, y + i * ldy);
   }
 }
