@@ -1,7 +1,7 @@
 """Acceptance at temperature 1 by proposal: the drafter's distribution at several temperatures, its argmax, and
 the target's token falling among the drafter's top 2 / 3 (what a token tree of that width accepts).
 
-    .venv/bin/python scripts/draft_temperature.py [--limit 6] [--positions 4] [--threads 2]
+    .venv/bin/python scripts/draft_temperature.py [--limit 6] [--positions 4] [--threads 2] [--drafters D1,D2]
 
 The target samples an answer (T=1; `--contexts greedy`: its greedy answer) to each held-out prompt; then,
 teacher-forced on that text, at every anchor and block offset d: p = the target's distribution of the token at
@@ -14,6 +14,9 @@ is, within the vocabulary drafted from) and the mass of p in that vocabulary, pe
 = argmax(log p + g)] over M Gumbel draws g per position (the noise both share: what a seeded request's chain accepts;
 the tokens outside the draft vocabulary enter the target's argmax as one bucket of their total mass, which is exact
 in distribution since the drafter never proposes them).
+
+``--drafters D1,D2,...``: score several drafters on the same contexts (default: the shipped one), e.g. to compare
+training recipes by their T=1 acceptance per offset with less noise than decoding runs give.
 """
 
 from __future__ import annotations
@@ -83,16 +86,19 @@ def main() -> None:
     ap.add_argument("--contexts", choices=("sampled", "greedy"), default="sampled",
                     help="teacher-force on the target's T=1 answers (what T=1 decoding meets; default) or on its "
                     "greedy ones")
+    ap.add_argument("--drafters", default="auto", help="comma-separated drafter folders, scored on the same contexts")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    gen = SpeculativeGenerator.load()
+    paths = args.drafters.split(",")
+    gens = [SpeculativeGenerator.load(drafter=path) for path in paths]
+    gen = gens[0]  # decodes the contexts (the target is the same for all)
     generator = torch.Generator().manual_seed(0)
     labels = [f"q at T={t:g}" for t in TEMPERATURES] + ["argmax q", "top-2 of q", "top-3 of q", "max p", "mass of p"]
     if args.coupled:
         labels += [f"coupled T={t:g}" for t in TEMPERATURES]
     for name in args.sets.split(","):
-        sums = torch.zeros(len(labels), args.positions)
+        sums = torch.zeros(len(gens), len(labels), args.positions)
         counts = torch.zeros(args.positions)
         for i, prompt in enumerate(load_set(name, limit=args.limit, seed=0)):
             ids = gen.encode_prompt(prompt)
@@ -101,23 +107,29 @@ def main() -> None:
                                     sampling=SamplingParams(temperature=temperature),
                                     stop_token_ids=frozenset(gen.eos_token_ids))
             out = [t for step in decode(gen.target, None, ids, options) for t in step.tokens]
-            scores, p_all, anchors = scores_and_target(gen, ids + out, len(ids), args.positions, args.full_vocab)
             length = len(ids) + len(out)
-            for k in range(args.positions):
-                valid = anchors + k + 1 < length
-                p = p_all[anchors[valid] + k]  # [n, V']: the token at offset k+1
-                s = scores[valid, k]
-                rows = [torch.minimum(p, (s / t).softmax(-1)).sum(-1) for t in TEMPERATURES]
-                top = p.gather(1, s.topk(3, -1).indices)  # [n, 3]
-                rows += [top[:, 0], top[:, :2].sum(-1), top.sum(-1), p.max(-1).values, p.sum(-1)]
-                if args.coupled:
-                    rows += coupled_acceptance(p, s, args.coupled, generator)
-                sums[:, k] += torch.stack([r.sum() for r in rows])
-                counts[k] += valid.sum()
+            for g, scored in enumerate(gens):
+                generator.manual_seed(i)  # every drafter meets the same Gumbel draws
+                scores, p_all, anchors = scores_and_target(scored, ids + out, len(ids), args.positions,
+                                                           args.full_vocab)
+                for k in range(args.positions):
+                    valid = anchors + k + 1 < length
+                    p = p_all[anchors[valid] + k]  # [n, V']: the token at offset k+1
+                    s = scores[valid, k]
+                    rows = [torch.minimum(p, (s / t).softmax(-1)).sum(-1) for t in TEMPERATURES]
+                    top = p.gather(1, s.topk(3, -1).indices)  # [n, 3]
+                    rows += [top[:, 0], top[:, :2].sum(-1), top.sum(-1), p.max(-1).values, p.sum(-1)]
+                    if args.coupled:
+                        rows += coupled_acceptance(p, s, args.coupled, generator)
+                    sums[g, :, k] += torch.stack([r.sum() for r in rows])
+                    if g == 0:
+                        counts[k] += valid.sum()
         print(f"{name}: {int(counts[0])} anchors; offsets 1..{args.positions}")
-        for label, row in zip(labels, sums / counts):
-            print(f"  {label:12s} " + " ".join(f"{v:.3f}" for v in row.tolist()), flush=True)
-
+        for path, drafter_sums in zip(paths, sums):
+            if len(paths) > 1:
+                print(f" drafter {path}")
+            for label, row in zip(labels, drafter_sums / counts):
+                print(f"  {label:12s} " + " ".join(f"{v:.3f}" for v in row.tolist()), flush=True)
 
 if __name__ == "__main__":
     main()
