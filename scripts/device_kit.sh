@@ -184,8 +184,9 @@
 # seeds differ from the plan's DSEED=7, so no request repeats by construction (training drops duplicates anyway). They
 # are greedy answers the shipped n-gram store has not counted: merge them into it with the session's (`ngram-store
 # --data NEW,CPU_FOLDERS --merge SHIPPED`) and check with store_heldout_tau.py.
-# Session 37 (no GPU): seed 38's folder followed (stage it as s37a when its answers are in: `stage-data
-# /work/jobs/s36/data/cpu-s36-38 s37a`, then seed 39 as s37b). A CPU fine-tune of v13 on seeds 36-37 (600 steps x 8,
+# Session 37 (no GPU): seed 38's 4,000 answers (637,775 tokens) are staged as s37a (`stage-data
+# /work/jobs/s36/data/cpu-s36-38 s37a`; .devkit/cpudata is 16 MB with it: check call 1's carry stays under 64 MiB with
+# the tree); seed 39 was writing its requests at the session's end (stage it as s37b when answered). A CPU fine-tune of v13 on seeds 36-37 (600 steps x 8,
 # lr 1e-4) with DISTILL_W 0.5 and 1.0 moved no acceptance by more than 0.007 at T=1 (README, "Why T=1 stays behind"):
 # too small to judge the weight, so DISTILL_W stays for a GPU run to decide. If one tries DISTILL_W=1, score its
 # drafter at drafter temperatures below 1 too (scripts/draft_temperature.py --drafters SHIPPED,NEW): pure distillation
