@@ -25,9 +25,11 @@ import argparse
 
 import torch
 
+from dflashkit.checkpoint import load_drafter
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
+from dflashkit.registry import shipped_drafter
 from dflashkit.sampling import SamplingParams
 from dflashkit.train import block_hidden
 
@@ -72,6 +74,11 @@ def coupled_acceptance(p: torch.Tensor, scores: torch.Tensor, draws: int, genera
     return out
 
 
+def resolved(path: str) -> str:
+    """A drafter folder; "auto" is the shipped one (the default target's)."""
+    return str(shipped_drafter(None)) if path == "auto" else path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", default="mt-bench,humaneval,math500")
@@ -91,8 +98,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = args.drafters.split(",")
-    gens = [SpeculativeGenerator.load(drafter=path) for path in paths]
-    gen = gens[0]  # decodes the contexts (the target is the same for all)
+    gen = SpeculativeGenerator.load(drafter=paths[0])  # also decodes the contexts
+    gens = [gen] + [SpeculativeGenerator(gen.model, gen.tokenizer, load_drafter(resolved(path))) for path in paths[1:]]
     generator = torch.Generator().manual_seed(0)
     labels = [f"q at T={t:g}" for t in TEMPERATURES] + ["argmax q", "top-2 of q", "top-3 of q", "max p", "mass of p"]
     if args.coupled:
@@ -130,6 +137,7 @@ def main() -> None:
                 print(f" drafter {path}")
             for label, row in zip(labels, drafter_sums / counts):
                 print(f"  {label:12s} " + " ".join(f"{v:.3f}" for v in row.tolist()), flush=True)
+
 
 if __name__ == "__main__":
     main()
