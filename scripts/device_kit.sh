@@ -180,17 +180,17 @@
 # first, ~2.5 min per 256 on this CPU, then ~530 answer tokens/s). Before the next GPU session stage each folder with
 # answers: `bash scripts/device_kit.sh stage-data /work/jobs/s36/data/cpu-s36-36 s36a` (then s36b, ...), so that call 1
 # carries them in .devkit/cpudata (receive unpacks them into $DK/data/cpu-s36a, ..., which training reads; staged at
-# the session's end: s36a and s36b, seeds 36 and 37, 4,000 answers each, ~0.6 MB each; seed 38 was writing requests). Their
-# seeds differ from the plan's DSEED=7, so no request repeats by construction (training drops duplicates anyway). They
+# the session's end: s36a and s36b, seeds 36 and 37, 4,000 answers each, ~0.6 MB each; seed 38 was writing requests).
+# Their seeds differ from the plan's DSEED=7, so no request repeats by construction (training drops duplicates anyway). They
 # are greedy answers the shipped n-gram store has not counted: merge them into it with the session's (`ngram-store
 # --data NEW,CPU_FOLDERS --merge SHIPPED`) and check with store_heldout_tau.py.
 # Session 37 (no GPU): seed 38's 4,000 answers (637,775 tokens) are staged as s37a (`stage-data
 # /work/jobs/s36/data/cpu-s36-38 s37a`; .devkit/cpudata is 16 MB with it: check call 1's carry stays under 64 MiB with
-# the tree); seed 39 was writing its requests at the session's end (stage it as s37b when answered). A CPU fine-tune of v13 on seeds 36-37 (600 steps x 8,
-# lr 1e-4) with DISTILL_W 0.5 and 1.0 moved no acceptance by more than 0.007 at T=1 (README, "Why T=1 stays behind"):
-# too small to judge the weight, so DISTILL_W stays for a GPU run to decide. If one tries DISTILL_W=1, score its
-# drafter at drafter temperatures below 1 too (scripts/draft_temperature.py --drafters SHIPPED,NEW): pure distillation
-# left q flatter, best at 0.8-0.9.
+# the tree); seed 39 was writing its requests at the session's end (stage it as s37b when answered). A CPU fine-tune
+# of v13 on seeds 36-37 (600 steps x 8, lr 1e-4) with DISTILL_W 0.5 and 1.0 moved no acceptance by more than 0.007 at
+# T=1 (README, "Why T=1 stays behind"): too small to judge the weight, so DISTILL_W stays for a GPU run to decide. If
+# one tries DISTILL_W=1, score its drafter at drafter temperatures below 1 too (scripts/draft_temperature.py
+# --drafters SHIPPED,NEW): pure distillation left q flatter, best at 0.8-0.9.
 # PROFILE_TRAIN=1: before training, scripts/profile_train.py times a step by phase (the target's features, the
 # drafter's forward, the head and losses, backward and optimizer) and prints torch.profiler's operators by GPU time and
 # the operator calls per step: what to make faster before anything else (~40 s of the session; the 278 ms step of
