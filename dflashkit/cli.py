@@ -290,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--merge", action="append", default=[], metavar="STORE",
                    help="merge an existing store into the new one (an ngram_store.safetensors or a drafter folder "
                         "holding one; repeatable): the store grows with each batch of answers without their data")
+    n.add_argument("--max-entries", type=int, default=None, metavar="N",
+                   help="keep the N n-grams counted most often (a size cap: ~10 bytes an n-gram of 3; default: all)")
     n.set_defaults(func=cmd_ngram_store)
 
     from .bench.command import add_bench_parser
@@ -453,8 +455,8 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
     from .ngram_store import FILENAME, NgramStore, find_store
     from .train import load_sequences
 
-    if args.n < 1 or args.min_count < 1 or args.max_draft < 1:
-        raise InvalidInputError("--n, --min-count and --max-draft must be at least 1")
+    if args.n < 1 or args.min_count < 1 or args.max_draft < 1 or (args.max_entries is not None and args.max_entries < 1):
+        raise InvalidInputError("--n, --min-count, --max-draft and --max-entries must be at least 1")
     out = pathlib.Path(args.out).expanduser()
     if not (out / "config.json").is_file():
         raise InvalidInputError(f"{out}: not a drafter folder (no config.json)")
@@ -473,12 +475,16 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
         store = NgramStore.build(sequences, n=args.n, min_count=args.min_count, max_draft=args.max_draft)
     for other in merges:
         store = store.merged(other)
+    counted = len(store)
+    if args.max_entries is not None:
+        store = store.pruned(args.max_entries)
     vocab = json.loads((out / "config.json").read_text()).get("vocab_size")
     if isinstance(vocab, int):
         store.check_vocab(vocab)  # answers of another target: refused here, not when generate loads the store
     store.save(out / FILENAME)
     merged = f", merged with {len(merges)} store(s)" if merges else ""
-    print(f"{len(store)} {args.n}-grams (seen >= {args.min_count} times) from {len(sequences)} answers{merged} -> "
+    capped = f", the {len(store)} counted most often kept of {counted}" if len(store) < counted else ""
+    print(f"{counted} {args.n}-grams (seen >= {args.min_count} times) from {len(sequences)} answers{merged}{capped} -> "
           f"{out / FILENAME}", file=sys.stderr)
     return 0
 

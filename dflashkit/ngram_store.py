@@ -93,6 +93,18 @@ class NgramStore:
         min_counts = [m for m in (self.min_count, other.min_count) if m is not None]
         return NgramStore(table, self.n, counts, self.max_draft, min(min_counts) if min_counts else None)
 
+    def pruned(self, max_entries: int) -> NgramStore:
+        """The ``max_entries`` n-grams counted most often (the smaller n-gram first on equal counts): a size cap
+        for a store that grows session by session, which drops the rarest continuations, the ones least often
+        proposed and accepted."""
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if len(self.table) <= max_entries:
+            return self
+        kept = sorted(self.table, key=lambda key: (-self.counts.get(key, 0), key))[:max_entries]
+        return NgramStore({key: self.table[key] for key in kept}, self.n,
+                          {key: self.counts[key] for key in kept if key in self.counts}, self.max_draft, self.min_count)
+
     def propose(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` (and ``max_draft``) tokens: the most frequent continuation of the last n tokens,
         then of the last n tokens with it appended, and so on ([] when the text's last n-gram is not stored)."""

@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n", type=int, default=3, help="context length of the training part's store (default 3)")
+    ap.add_argument("--max-entries", default="", help="also each merged store cut to these sizes, comma-separated "
+                    "(`dflashkit ngram-store --max-entries`: the n-grams counted most often kept)")
     args = ap.parse_args()
     records = load_shards(args.data, include_partial=True)
     random.Random(args.seed).shuffle(records)
@@ -57,7 +59,10 @@ def main() -> None:
     rows = [("training part's store", own)]
     for path in filter(None, args.stores.split(",")):
         store = NgramStore.load(find_store(path) or path)
-        rows += [(path, store), (f"training part's + {path}", own.merged(store))]
+        merged = own.merged(store)
+        rows += [(path, store), (f"training part's + {path}", merged)]
+        rows += [(f"training part's + {path}, cut to {int(size):,d}", merged.pruned(int(size)))
+                 for size in filter(None, args.max_entries.split(","))]
     for name, store in rows:
         print(f"{store_tau(store, held, args.block):.3f}  {len(store):8,d} {store.n}-grams  {name}")
 

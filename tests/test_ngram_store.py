@@ -70,6 +70,17 @@ def test_merged_is_the_union_and_the_counts_decide_where_the_followers_differ():
         a.merged(NgramStore({(1, 2, 3): 4}, n=3))
 
 
+def test_pruned_keeps_the_ngrams_counted_most_often():
+    store = NgramStore({(1, 2): 3, (2, 3): 4, (3, 4): 5, (4, 5): 6}, n=2,
+                       counts={(1, 2): 9, (2, 3): 2, (3, 4): 7, (4, 5): 2}, min_count=2)
+    kept = store.pruned(3)
+    assert kept.table == {(1, 2): 3, (3, 4): 5, (2, 3): 4}  # (4, 5) and (2, 3) tie at 2: the smaller n-gram stays
+    assert kept.counts == {(1, 2): 9, (3, 4): 7, (2, 3): 2} and kept.min_count == 2 and kept.n == 2
+    assert store.pruned(2).propose([1, 2], 3) == [3] and store.pruned(4) is store and len(store) == 4
+    with pytest.raises(ValueError, match="max_entries"):
+        store.pruned(0)
+
+
 def test_save_and_load_round_trip_and_bad_files(tmp_path: Path):
     store = NgramStore.build(corpus(3), n=3, min_count=1, max_draft=5)
     store.save(tmp_path / FILENAME)
@@ -192,6 +203,27 @@ def test_cli_merges_earlier_stores_into_the_new_one(tmp_path: Path, capsys):
     assert main([*args, "--n", "3", "--data", str(second), "--merge", str(folder / FILENAME)]) == 2
     assert "not 3-grams" in capsys.readouterr().err
     assert NgramStore.load(folder / FILENAME).propose([4, 5], 3) == [6, 7]  # a refused merge wrote nothing
+
+
+def test_cli_max_entries_caps_the_store_at_the_ngrams_counted_most_often(tmp_path: Path, capsys):
+    folder = tmp_path / "drafter"
+    save_drafter(tiny_drafter(tiny_target("llama"), block_size=4), folder)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"num_shards": 1}))
+    records = [{"id": 0, "prompt_ids": [1], "response_ids": [4, 5, 6, 4, 5, 6, 4, 5, 6, 9], "finished": True},
+               {"id": 1, "prompt_ids": [2], "response_ids": [7, 8, 10], "finished": True}]  # fmt: skip
+    (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = ["ngram-store", "--data", str(data), "--out", str(folder), "--n", "2", "--min-count", "1"]
+    assert main(args) == 0
+    full = NgramStore.load(folder / FILENAME)
+    assert main([*args, "--max-entries", "2"]) == 0
+    assert "the 2 counted most often kept of " + str(len(full)) in capsys.readouterr().err
+    capped = NgramStore.load(folder / FILENAME)
+    assert capped.table == {(4, 5): 6, (5, 6): 4}  # 3 and 2 times; (6, 4) -> 5 twice too, but after (5, 6)
+    assert capped.counts == {(4, 5): 3, (5, 6): 2}
+    assert main([*args, "--max-entries", "0"]) == 2 and "--max-entries" in capsys.readouterr().err
+    assert NgramStore.load(folder / FILENAME).table == capped.table  # a refused run wrote nothing
 
 
 def test_cli_refuses_answers_of_another_vocabulary(tmp_path: Path, capsys):
