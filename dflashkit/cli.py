@@ -455,7 +455,7 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
     from .ngram_store import FILENAME, NgramStore, find_store
     from .train import load_sequences
 
-    if args.n < 1 or args.min_count < 1 or args.max_draft < 1 or (args.max_entries is not None and args.max_entries < 1):
+    if min(args.n, args.min_count, args.max_draft, 1 if args.max_entries is None else args.max_entries) < 1:
         raise InvalidInputError("--n, --min-count, --max-draft and --max-entries must be at least 1")
     out = pathlib.Path(args.out).expanduser()
     if not (out / "config.json").is_file():
