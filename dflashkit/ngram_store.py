@@ -96,7 +96,8 @@ class NgramStore:
     def pruned(self, max_entries: int) -> NgramStore:
         """The ``max_entries`` n-grams counted most often (the smaller n-gram first on equal counts): a size cap
         for a store that grows session by session, which drops the rarest continuations, the ones least often
-        proposed and accepted."""
+        proposed and accepted (an n-gram without a recorded count, from a store file written before counts were kept,
+        counts 0)."""
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         if len(self.table) <= max_entries:
