@@ -199,14 +199,15 @@
 #   bash scripts/device_kit.sh receive && END_S=585 CHECK_S=0 DATA_S=230 \
 #     SOURCES="jsonl:/tmp/dk/prompts.jsonl:0.5,magpie:0.375,magpie-code:0.125" PROMPTS_N=40000 DSEED=7 \
 #     TRAIN_MORE_S=140 LAYERS=4 bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log
-# and at once `LAYERS=4 END_S=220 bash scripts/device_kit.sh finish` (170 s). Data: 40,000 prompts (24 duplicates,
-# no evaluation prompt), 36,075 answered (364 prompts over 512 tokens in the two whole shards; the third cut by DATA_S), 5.62M response tokens;
-# shards of 16,384 in 56.5 and 53.6 s (45-48K tok/s), data done at 245 s: dc4d01a held (no CPU kernels compiled).
-# Training: v13 deepened to 4 layers (LAYERS=4), 1,691 steps x 128 (the 6-epoch cap of 36,069 sequences; the schedule
-# sized at 4.03 steps/s), 1,316 in the session call and 375 in `finish` (4.0-4.2 steps/s); training top-1 at block
-# positions 1 / 2 / 3 0.760 / 0.613 / 0.489 over the first 20 steps, 0.781 / 0.644 / 0.527 over the last 92. bring:
-# drafter, merged store (1,007,403 3-grams, 10.1 MB: with the 4-layer weights over issue 3's 40 MB, so shipped cut to
-# the 950,000 counted most often, `ngram-store --max-entries`) and the answers (6.8 MB as tar.xz). Shipped as v14 (README).
+# and at once `LAYERS=4 END_S=220 bash scripts/device_kit.sh finish` (170 s). Data: 40,000 prompts (24 duplicates, no
+# evaluation prompt), 36,075 answered (364 prompts over 512 tokens in the two whole shards; the third cut by DATA_S),
+# 5.62M response tokens; shards of 16,384 in 56.5 and 53.6 s (45-48K tok/s), data done at 245 s: dc4d01a held (no CPU
+# kernels compiled). Training: v13 deepened to 4 layers (LAYERS=4), 1,691 steps x 128 (the 6-epoch cap of 36,069
+# sequences; the schedule sized at 4.03 steps/s), 1,316 in the session call and 375 in `finish` (4.0-4.2 steps/s);
+# training top-1 at block positions 1 / 2 / 3 0.760 / 0.613 / 0.489 over the first 20 steps, 0.781 / 0.644 / 0.527 over
+# the last 92. bring: drafter, merged store (1,007,403 3-grams, 10.1 MB: with the 4-layer weights over issue 3's 40 MB,
+# so shipped cut to the 950,000 counted most often, `ngram-store --max-entries`) and the answers (6.8 MB as tar.xz).
+# Shipped as v14 (README).
 # Next session: v14 makes the repository 40.2 MiB (4 layers, the larger store), so the GGUF travels in five parts of
 # 18.8 MiB again (`stage` and `split-gguf` now make five) and call 1 carries the wheels and evaluation sets only (54.5
 # MiB), call 2 .devkit/prompts and .devkit/cpudata (the answers above are s38.tar.xz there while this machine lasts),
