@@ -213,7 +213,14 @@
 # MiB), call 2 .devkit/prompts and .devkit/cpudata (the answers above are s38.tar.xz there while this machine lasts),
 # t1-t5, the session call with t5. If this machine is new again, `stage` and replay half the staged list as above (a
 # staged prompt costs no request writing: ~2.6 s per 1,000 answers against ~6.3 for the target's own requests).
-# New requests under DSEED=8; LAYERS=4 keeps v14's depth (a fifth layer would pass 40 MB with the store).
+# New requests under DSEED=8; LAYERS=4 keeps v14's depth (a fifth layer would pass 40 MB with the store). With s38's
+# answers carried (36,069 sequences) the session's own can all be new requests; T about budget_left_s - 690 as before:
+#   run(carry=[".devkit/t5"], timeout_s=595, command="bash scripts/device_kit.sh receive && END_S=585 CHECK_S=0 \
+#     DATA_S=200 SOURCES=magpie:0.75,magpie-code:0.25 PROMPTS_N=24000 DSEED=8 TRAIN_MORE_S=T LAYERS=4 \
+#     bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
+#   run(timeout_s=T + 90, command="LAYERS=4 END_S=T+80 bash scripts/device_kit.sh finish 2>&1 | tee $OUT/finish.log")
+# (24,000 requests: ~95 s of writing and ~60 s of answers at session 34's rates; without s38's answers, the mix of
+# this session instead. Then ngram-store --merge SHIPPED --max-entries 950000 here, as v14's card says.)
 # PROFILE_TRAIN=1: before training, scripts/profile_train.py times a step by phase (the target's features, the
 # drafter's forward, the head and losses, backward and optimizer) and prints torch.profiler's operators by GPU time and
 # the operator calls per step: what to make faster before anything else (~40 s of the session; the 278 ms step of
