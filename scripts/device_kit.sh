@@ -216,10 +216,10 @@
 # New requests under DSEED=8; LAYERS=4 keeps v14's depth (a fifth layer would pass 40 MB with the store). With s38's
 # answers carried (36,069 sequences) the session's own can all be new requests; T about budget_left_s - 690 as before:
 #   run(carry=[".devkit/t5"], timeout_s=595, command="bash scripts/device_kit.sh receive && END_S=585 CHECK_S=0 \
-#     DATA_S=200 SOURCES=magpie:0.75,magpie-code:0.25 PROMPTS_N=24000 DSEED=8 TRAIN_MORE_S=T LAYERS=4 \
+#     DATA_S=200 SOURCES=magpie:0.75,magpie-code:0.25 PROMPTS_N=20000 DSEED=8 TRAIN_MORE_S=T LAYERS=4 \
 #     bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log")
 #   run(timeout_s=T + 90, command="LAYERS=4 END_S=T+80 bash scripts/device_kit.sh finish 2>&1 | tee $OUT/finish.log")
-# (24,000 requests: ~95 s of writing and ~60 s of answers at session 34's rates; without s38's answers, the mix of
+# (20,000 requests: done by ~170 s at session 34's rate, 16,000 by 133 s with loading; without s38's answers, the mix of
 # this session instead. Then ngram-store --merge SHIPPED --max-entries 950000 here, as v14's card says.)
 # PROFILE_TRAIN=1: before training, scripts/profile_train.py times a step by phase (the target's features, the
 # drafter's forward, the head and losses, backward and optimizer) and prints torch.profiler's operators by GPU time and
