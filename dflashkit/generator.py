@@ -218,11 +218,9 @@ class SpeculativeGenerator:
         if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
             raise InvalidInputError(f"drafter must be a folder, 'auto' or None, got {type(drafter).__name__}")
         model, tokenizer = load_target(target, dtype=dtype, device=device, quantize=quantize)
-        if drafter == "auto":
-            from .registry import shipped_drafter
+        from .registry import drafter_folder
 
-            found = shipped_drafter(target)
-            drafter = str(found) if found is not None else None
+        drafter = drafter_folder(drafter, target)
         draft = load_drafter(drafter, dtype=dtype, device=device) if drafter else None
         return cls(model, tokenizer, draft, fast=fast, cuda_graphs=cuda_graphs)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .models import DEFAULT_TARGET
@@ -14,3 +15,12 @@ def shipped_drafter(target: str | None) -> Path | None:
     name = DEFAULT_TARGET if target in (None, DEFAULT_TARGET) else Path(str(target)).name.lower()
     folder = DRAFTERS_DIR / name
     return folder if (folder / "config.json").is_file() else None
+
+
+def drafter_folder(drafter: str | os.PathLike | None, target: str | None) -> str | None:
+    """A drafter argument as a folder: "auto" is the one shipped for `target` (None where none ships), anything else
+    as given (None: no drafter)."""
+    if drafter == "auto":
+        found = shipped_drafter(target)
+        return str(found) if found is not None else None
+    return None if drafter is None else str(drafter)

@@ -29,7 +29,7 @@ from dflashkit.checkpoint import load_drafter
 from dflashkit.decode import DecodeOptions, decode
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.registry import shipped_drafter
+from dflashkit.registry import drafter_folder
 from dflashkit.sampling import SamplingParams
 from dflashkit.train import block_hidden
 
@@ -74,11 +74,6 @@ def coupled_acceptance(p: torch.Tensor, scores: torch.Tensor, draws: int, genera
     return out
 
 
-def resolved(path: str) -> str:
-    """A drafter folder; "auto" is the shipped one (the default target's)."""
-    return str(shipped_drafter(None)) if path == "auto" else path
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", default="mt-bench,humaneval,math500")
@@ -99,7 +94,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     paths = args.drafters.split(",")
     gen = SpeculativeGenerator.load(drafter=paths[0])  # also decodes the contexts
-    gens = [gen] + [SpeculativeGenerator(gen.model, gen.tokenizer, load_drafter(resolved(path))) for path in paths[1:]]
+    gens = [gen] + [SpeculativeGenerator(gen.model, gen.tokenizer, load_drafter(
+        drafter_folder(path, None), dtype=gen.model.dtype, device=gen.model.device)) for path in paths[1:]]
     generator = torch.Generator().manual_seed(0)
     labels = [f"q at T={t:g}" for t in TEMPERATURES] + ["argmax q", "top-2 of q", "top-3 of q", "max p", "mass of p"]
     if args.coupled:
