@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--random-init", action="store_true", help="do not initialise from the target's last layers")
     t.add_argument("--init", default=None, metavar="DRAFTER",
                    help="start from this drafter's weights (e.g. to continue on more data; same shape, or fewer "
-                        "layers than --layers: new layers are appended as identities)")
+                        "layers than --layers: new layers are appended as identities; --target-layers may add "
+                        "feature layers to its own: their fusion columns start at zero)")
     t.add_argument("--eval-every", type=int, default=250, help="steps between τ estimates on held-out prompts (0 = never)")
     t.add_argument("--eval-sets", default=None, metavar="SETS",
                    help="at each evaluation also τ on these evaluation sets' prompts, e.g. mt-bench,humaneval,math500 "

@@ -636,6 +636,40 @@ def test_init_with_more_layers_deepens_the_drafter_without_changing_what_it_comp
         deepened(deeper.drafter, 2)
 
 
+def test_init_with_more_target_layers_widens_the_fusion_without_changing_what_it_computes(tmp_path):
+    from conftest import tiny_target
+
+    from dflashkit.checkpoint import load_drafter, save_drafter
+    from dflashkit.errors import InvalidInputError
+    from dflashkit.train import widened
+
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
+    first = make_trainer(tmp_path / "a", model, [*seqs], steps=3)
+    first.run(resume=False, progress=False)
+    save_drafter(first.drafter, tmp_path / "d")
+    assert first.drafter.config.target_layer_ids == [1, 3]
+    wider = make_trainer(tmp_path / "b", model, [*seqs], init_drafter=str(tmp_path / "d"), target_layer_ids=[1, 2, 3],
+                         steps=4)
+    assert wider.drafter.config.target_layer_ids == [1, 2, 3]
+    old, new = load_drafter(tmp_path / "d", dtype=torch.float32).eval(), wider.drafter.eval()
+    torch.manual_seed(0)
+    h = model.config.hidden_size
+    f1, f2, f3 = (torch.randn(1, 12, h) for _ in range(3))
+    block = torch.randn(1, 4, h)
+    with torch.no_grad():
+        want = old(block, torch.arange(12, 16), old.context_key_values(torch.cat((f1, f3), -1), torch.arange(12)))
+        got = new(block, torch.arange(12, 16), new.context_key_values(torch.cat((f1, f2, f3), -1), torch.arange(12)))
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the new layer's columns start at zero
+    wider.run(resume=False, progress=False)
+    assert wider.drafter.fc.weight[:, h : 2 * h].abs().max() > 0  # ... and learn
+    with pytest.raises(InvalidInputError, match="not the shape of this run"):  # dropping a layer: refused
+        make_trainer(tmp_path / "c", model, [*seqs], init_drafter=str(tmp_path / "d"), target_layer_ids=[1, 2])
+    with pytest.raises(InvalidInputError, match="cannot widen"):
+        widened(old, [1, 1, 3])
+
+
 def test_trainer_records_the_data_it_used(tmp_path):
     import json
 

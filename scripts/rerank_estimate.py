@@ -1,0 +1,170 @@
+"""Estimate what re-ranking the drafter's per-position choices with the text's own n-grams would accept.
+
+    .venv/bin/python scripts/rerank_estimate.py [--drafter DIR] [--limit 12] [--top-k 4] [--ratios 0,0.1,0.3]
+
+A DFlash drafter scores every block offset in one pass, each offset blind to the tokens drafted before it (only
+the anchor is known), so a chain of argmaxes can pair a word with the wrong continuation of another. Prompt
+lookup and the n-gram store know, for the text so far plus the drafts before an offset, which token usually
+comes next. Here the target decodes alone (greedy answers y), the drafter drafts from every response position a
+(teacher-forced, the training mask), and a chain is built offset by offset: the drafter's argmax, or the
+guide's token (prompt lookup's next token for the text y[:a+k], else the store's) when that token is among the
+drafter's top K with at least ``ratio`` times the argmax's probability. The accepted drafts per step are the
+leading offsets whose chosen token is y's (given all earlier drafts correct, the text the guide reads is y's).
+Reported over all anchors and over "drafter steps" (anchors where neither lookup nor the store proposes, the
+only steps where the decode loop runs the drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dflashkit.decode import DecodeOptions, decode
+from dflashkit.evalsets import load_set
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.lookup import NgramLookup
+from dflashkit.sampling import SamplingParams
+from dflashkit.train import block_hidden
+
+
+@torch.inference_mode()
+def top_choices(gen: SpeculativeGenerator, ids: list[int], start: int, k: int, chunk: int = 64):
+    """Per anchor a in [start, len-2]: the drafter's top-k token ids and probabilities at offsets 1..B-1."""
+    d, target = gen.drafter, gen.target
+    L = len(ids)
+    seq = torch.tensor([ids])
+    context = d.context_key_values(target.features(seq), torch.arange(L))
+    head, _ = d._draft_head(target.lm_head)
+    vocab = d.draft_vocab
+    out = []
+    for first in range(start, L - 1, chunk):
+        anchors = torch.arange(first, min(first + chunk, L - 1))[None]  # [1, N]
+        hidden = block_hidden(d, seq, anchors, torch.ones_like(anchors, dtype=torch.bool), target.embed_tokens,
+                              context=context)[0]  # [N, B-1, H]
+        probs, cols = head(hidden).float().softmax(-1).topk(k, -1)  # [N, B-1, k]
+        tokens = vocab[cols] if vocab is not None else cols
+        out += [(int(a), tokens[n].tolist(), probs[n].tolist()) for n, a in enumerate(anchors[0])]
+    return out
+
+
+def proposals(gen: SpeculativeGenerator, ids: list[int], max_tokens: int) -> list[list[int]]:
+    """props[p] for p = 0..len(ids): what prompt lookup (else the drafter's n-gram store) proposes for the text
+    ids[:p], up to ``max_tokens`` tokens, as the decode loop's lookup would."""
+    look = NgramLookup(store=gen.drafter.ngram_store)
+    out: list[list[int]] = []
+    for p in range(len(ids) + 1):
+        out.append(look.propose(max_tokens))
+        if p < len(ids):
+            look.extend([ids[p]])
+    return out
+
+
+def chain(tokens: list[list[int]], probs: list[list[float]], guide: list[int | None], rule: str,
+          ratio: float) -> list[int]:
+    """The drafts of one step from the drafter's top choices per offset and the guide's token per offset:
+    ``drafter``: the argmaxes; ``copy``: the guide's tokens up to the first offset where it has none;
+    ``copyfirst``: the guide's token where it has one, else the argmax; ``rerank``: the guide's token where it is
+    among the drafter's top K with at least ``ratio`` times the argmax's probability, else the argmax."""
+    out: list[int] = []
+    for k, (top, p) in enumerate(zip(tokens, probs)):
+        g = guide[k] if k < len(guide) else None
+        if rule == "copy":
+            if g is None:
+                break
+            out.append(g)
+        elif rule == "copyfirst" and g is not None:
+            out.append(g)
+        elif rule == "rerank" and g is not None and g in top and p[top.index(g)] >= ratio * p[0]:
+            out.append(g)
+        else:
+            out.append(top[0])
+    return out
+
+
+def walk(y: list[int], start: int, choices: dict, props: list[list[int]], rule: str, ratio: float,
+         per_offset: bool) -> tuple[int, int, int]:
+    """Greedy decoding of y replayed from ``start``: (tokens emitted, steps, drafter steps). A step whose text has
+    a lookup or store proposal drafts by ``rule`` (the loop today: ``copy``), any other the drafter's argmaxes.
+    The guide at offset k is, with ``per_offset``, the proposal for the text up to that offset (a probe per offset;
+    the earlier drafts are y's whenever offset k counts), else the chained proposal made at the anchor."""
+    a, steps, drafter_steps = start - 1, 0, 0
+    while a < len(y) - 1:
+        tokens, probs = choices[a]
+        room = len(y) - 1 - a
+        has_copy = bool(props[a + 1])
+        if per_offset and not (rule == "drafter-rerank" and has_copy):
+            guide = [props[a + k][0] if props[a + k] else None for k in range(1, min(len(tokens), room) + 1)]
+        else:
+            guide = list(props[a + 1])
+
+        def run(step_rule: str) -> int:
+            drafts = chain(tokens, probs, guide, step_rule, ratio)[:room]
+            n = 0
+            while n < len(drafts) and drafts[n] == y[a + 1 + n]:
+                n += 1
+            return n
+
+        if not has_copy:  # the loop's drafter step; "drafter-rerank" re-ranks it with the guide's later offsets
+            n = run("rerank" if rule == "drafter-rerank" else "drafter")
+            drafter_steps += 1
+        elif rule in ("copy", "drafter-rerank"):
+            n = run("copy")
+        elif rule == "oracle":  # the better of the copy and the drafter's chain, known in advance: a bound
+            n = max(run("copy"), run("drafter"))
+            drafter_steps += 1
+        elif rule == "choose":  # the copy where the drafter gives its first token >= ratio x its argmax's probability
+            first = guide[0]
+            ok = first in tokens[0] and probs[0][tokens[0].index(first)] >= ratio * probs[0][0]
+            n = run("copyfirst" if ok else "drafter")
+            drafter_steps += 1
+        else:
+            n = run(rule)
+            drafter_steps += 1
+        steps += 1
+        a += n + 1
+    return len(y) - start, steps, drafter_steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafter", default="auto")
+    ap.add_argument("--sets", default="mt-bench,humaneval,math500")
+    ap.add_argument("--limit", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--ratios", default="0,0.1,0.3")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = SpeculativeGenerator.load(drafter=args.drafter)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    variants = ([("copy", 0.0), ("copyfirst", 0.0), ("oracle", 0.0)] + [("choose", r) for r in ratios]
+                + [("drafter-rerank", r) for r in ratios])
+    B = gen.drafter.block_size
+    for name in args.sets.split(","):
+        totals: dict[str, list[int]] = {}
+        for i, prompt in enumerate(load_set(name, limit=args.limit, seed=0)):
+            ids = gen.encode_prompt(prompt)
+            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=i, sampling=SamplingParams(temperature=0),
+                                    stop_token_ids=frozenset(gen.eos_token_ids))
+            y = ids + [t for step in decode(gen.target, None, ids, options) for t in step.tokens]
+            choices = {a: (t, p) for a, t, p in top_choices(gen, y, len(ids) - 1, args.top_k)}
+            props = proposals(gen, y, B - 1)
+            for rule, ratio in variants:
+                for per_offset in (False, True):
+                    if rule in ("copy", "oracle", "choose") and per_offset or rule == "drafter-rerank" and not per_offset:
+                        continue
+                    key = f"{rule}{'' if rule not in ('rerank', 'choose', 'drafter-rerank') else f' r{ratio:g}'}{' per-offset' if per_offset else ''}"
+                    got = walk(y, len(ids), choices, props, rule, ratio, per_offset)
+                    acc = totals.setdefault(key, [0, 0, 0])
+                    for j in range(3):
+                        acc[j] += got[j]
+        for key, (tokens, steps, drafter_steps) in totals.items():
+            print(f"{name:10s} {key:26s} tau {tokens / steps:.3f}  steps {steps:5d}  drafter passes "
+                  f"{drafter_steps / steps:.2f} of steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()
