@@ -20,11 +20,9 @@ import argparse
 
 import torch
 
-from dflashkit.decode import DecodeOptions, decode
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.lookup import NgramLookup
-from dflashkit.sampling import SamplingParams
 from dflashkit.train import block_hidden
 
 
@@ -147,9 +145,7 @@ def main() -> None:
         totals: dict[str, list[int]] = {}
         for i, prompt in enumerate(load_set(name, limit=args.limit, seed=0)):
             ids = gen.encode_prompt(prompt)
-            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=i, sampling=SamplingParams(temperature=0),
-                                    stop_token_ids=frozenset(gen.eos_token_ids))
-            y = ids + [t for step in decode(gen.target, None, ids, options) for t in step.tokens]
+            y = ids + gen.generate(ids, max_new_tokens=args.max_new_tokens, use_drafter=False).token_ids  # greedy
             choices = {a: (t, p) for a, t, p in top_choices(gen, y, len(ids) - 1, args.top_k)}
             props = proposals(gen, y, B - 1)
             for rule, ratio in variants:

@@ -601,18 +601,26 @@ def test_init_from_a_trained_drafter_keeps_weights_and_draft_vocabulary(tmp_path
         make_trainer(tmp_path / "e", tiny_target("llama", seed=7), [*more], init_drafter=str(tmp_path / "d"))
 
 
+def trained_and_saved(tmp_path, model, seqs):
+    """A 2-layer drafter trained for 3 steps and saved to tmp_path / "d" (what --init continues from)."""
+    from dflashkit.checkpoint import save_drafter
+
+    first = make_trainer(tmp_path / "a", model, [*seqs], steps=3)
+    first.run(resume=False, progress=False)
+    save_drafter(first.drafter, tmp_path / "d")
+    return first
+
+
 def test_init_with_more_layers_deepens_the_drafter_without_changing_what_it_computes(tmp_path):
     from conftest import tiny_target
 
-    from dflashkit.checkpoint import load_drafter, save_drafter
+    from dflashkit.checkpoint import load_drafter
     from dflashkit.errors import InvalidInputError
     from dflashkit.train import deepened
 
     model = tiny_target("llama")
     seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
-    first = make_trainer(tmp_path / "a", model, [*seqs], steps=3)
-    first.run(resume=False, progress=False)
-    save_drafter(first.drafter, tmp_path / "d")
+    first = trained_and_saved(tmp_path, model, seqs)
     deeper = make_trainer(tmp_path / "b", model, [*seqs], init_drafter=str(tmp_path / "d"), num_layers=4, steps=4)
     assert deeper.drafter.config.num_hidden_layers == 4
     fresh = make_trainer(tmp_path / "f", model, [*seqs], num_layers=4)  # a new 4-layer drafter reads other layers
@@ -639,15 +647,13 @@ def test_init_with_more_layers_deepens_the_drafter_without_changing_what_it_comp
 def test_init_with_more_target_layers_widens_the_fusion_without_changing_what_it_computes(tmp_path):
     from conftest import tiny_target
 
-    from dflashkit.checkpoint import load_drafter, save_drafter
+    from dflashkit.checkpoint import load_drafter
     from dflashkit.errors import InvalidInputError
     from dflashkit.train import widened
 
     model = tiny_target("llama")
     seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
-    first = make_trainer(tmp_path / "a", model, [*seqs], steps=3)
-    first.run(resume=False, progress=False)
-    save_drafter(first.drafter, tmp_path / "d")
+    first = trained_and_saved(tmp_path, model, seqs)
     assert first.drafter.config.target_layer_ids == [1, 3]
     wider = make_trainer(tmp_path / "b", model, [*seqs], init_drafter=str(tmp_path / "d"), target_layer_ids=[1, 2, 3],
                          steps=4)
