@@ -229,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=3, help="drafter depth")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--gamma", type=float, default=7.0, help="loss decay: weight exp(-(k-1)/gamma) at block offset k")
+    t.add_argument("--loss-weighting", choices=("decay", "dpace"), default="decay",
+                   help="per-offset loss weights: the paper's decay (--gamma), or D-PACE's, from the drafter's own "
+                        "chance of being accepted through each offset (--dpace-alpha)")
+    t.add_argument("--dpace-alpha", type=float, default=0.5, help="with --loss-weighting dpace: s_k = (1-a) q_k + a")
     t.add_argument("--target-layers", default=None, help="comma-separated target layer ids (default: the reference rule)")
     t.add_argument("--mask-token-id", type=int, default=None, help="mask id (default: a learned mask embedding)")
     t.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
@@ -561,7 +565,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     parallel, device = from_environment(args.device)  # under torchrun: this process's rank and device
     cfg = TrainConfig(
         data_dir=str(data_dir), out_dir=str(out), target=args.target, num_layers=args.layers,
-        block_size=args.block_size, gamma=args.gamma, target_layer_ids=layer_ids, mask_token_id=args.mask_token_id,
+        block_size=args.block_size, gamma=args.gamma, loss_weighting=args.loss_weighting,
+        dpace_alpha=args.dpace_alpha, target_layer_ids=layer_ids, mask_token_id=args.mask_token_id,
         init_from_target=not args.random_init, init_drafter=args.init, anchors_per_seq=args.anchors, seqs_per_step=args.seqs_per_step,
         grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup,
         max_seq_len=args.max_seq_len, draft_vocab_size=args.draft_vocab or None, eval_every=args.eval_every,

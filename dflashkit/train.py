@@ -152,6 +152,26 @@ def block_targets(
     return labels, weights
 
 
+def acceptance_weights(label_prob: Tensor, valid: Tensor, alpha: float = 0.5) -> Tensor:
+    """D-PACE's loss weights [..., B-1] (arXiv 2605.18810; ModelOpt's default DFlash objective): the drafter's own
+    (detached) probability q_k of each label gives s_k = (1-α)·q_k + α, a smoothed chance that offset k is accepted;
+    prefix_k = Π_{j<=k} s_j is the chance that the block is accepted through k, and w_k = Σ_{j>=k} prefix_j the
+    accepted length that depends on offset k (every later offset needs it). So the loss spends itself where the
+    drafter already reaches, instead of a fixed decay. An offset without a label (past the sequence end, a token
+    outside the draft vocabulary, not supervised) can never be accepted: s = 0 there, which ends the prefix."""
+    s = torch.where(valid, (1 - alpha) * label_prob.detach().float() + alpha, 0.0)  # [..., B-1]
+    prefix = torch.cumprod(s, -1)
+    return prefix.flip(-1).cumsum(-1).flip(-1) * valid
+
+
+@torch.no_grad()
+def label_probabilities(logits: Tensor, labels: Tensor) -> Tensor:
+    """softmax(logits)[label] per row (fp32, no gradient), logits [..., V] and labels [...], in row chunks."""
+    rows, chunk = logits.flatten(0, -2), loss_chunk_rows(logits)
+    return torch.cat([part.float().log_softmax(-1).gather(-1, part_labels[:, None])[:, 0].exp()
+                      for part, part_labels in zip(rows.split(chunk), labels.flatten().split(chunk))]).view_as(labels)
+
+
 def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor, total_weight: Tensor | None = None) -> Tensor:
     """Σ CE·w / Σ w over all block positions; logits [..., V], labels/weights [...].
 
@@ -307,6 +327,9 @@ class TrainConfig:
     num_layers: int = 3
     block_size: int = 16
     gamma: float = 7.0
+    # per-offset loss weights: "decay" (exp(-(k-1)/gamma), the paper's), "dpace" (acceptance_weights, dpace_alpha)
+    loss_weighting: str = "decay"
+    dpace_alpha: float = 0.5
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None  # None: learned mask vector
     init_from_target: bool = True
@@ -356,6 +379,10 @@ class TrainConfig:
         for name in ("gamma", "lr"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise bad(name, "must be a finite number > 0")
+        if self.loss_weighting not in ("decay", "dpace"):
+            raise bad("loss_weighting", "must be 'decay' or 'dpace'")
+        if not (0 <= self.dpace_alpha <= 1):
+            raise bad("dpace_alpha", "must be in [0, 1]")
         if not (0 <= self.warmup_ratio < 1):
             raise bad("warmup_ratio", "must be a fraction of the steps in [0, 1)")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0) or not (math.isfinite(self.clip) and self.clip > 0):
@@ -666,6 +693,8 @@ class Trainer:
                 weights = weights * (labels >= 0)
                 labels = labels.clamp_min(0)
             logits = hidden @ head.T  # [S, N, B-1, V']
+        if cfg.loss_weighting == "dpace":  # weights from the drafter's own chances of reaching each offset
+            weights = acceptance_weights(label_probabilities(logits, labels), weights > 0, cfg.dpace_alpha)
         total = self.parallel.all_sum(weights.sum()) if spread else None  # the whole batch's loss weight
         hard = weighted_block_loss(logits, labels, weights, total)
         terms = {}

@@ -233,6 +233,8 @@
 # `train --target-layers ... --init`: the new layers' fusion columns start at zero, so the run starts from v14's drafts;
 # the paper's ablation, Table 7: +3-5% τ for 5 features over 3). The fusion grows by 2 x 576 x 576 bf16 (1.3 MB): cut
 # the store to ~820,000 3-grams (`ngram-store --max-entries`) to stay under 40 MB. The finish call must name it too.
+# LOSS=dpace: D-PACE's loss weights (`train --loss-weighting dpace`: each offset weighted by the accepted length that
+# depends on it, from the drafter's own probabilities) instead of the fixed decay; warm-starts from v14 like any run.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
@@ -477,7 +479,8 @@ train_run() {  # there: the session's training run (CAP steps at most, BUDGET s 
   timeout "$timeout_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps "$cap" \
     --time-budget "$budget" --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight "${DISTILL_W:-0.5}" --eval-every 0 \
-    --checkpoint-every 500 ${COMPILE:+--compile} ${LAYERS:+--layers "$LAYERS"} ${FEATURES:+--target-layers "$FEATURES"} 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
+    --checkpoint-every 500 ${COMPILE:+--compile} ${LAYERS:+--layers "$LAYERS"} ${FEATURES:+--target-layers "$FEATURES"} \
+    ${LOSS:+--loss-weighting "$LOSS"} 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
   tail -n 2 "$run/train_log.jsonl"
 }
 

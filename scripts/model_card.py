@@ -26,7 +26,8 @@ MAX_BYTES = 40_000_000  # issue 3: the shipped drafter, n-gram store included, a
 DRAFTER_FILES = ("config.json", "model.safetensors", "mask_embedding.pt")
 TRAIN_FLAGS = {  # TrainConfig field -> `dflashkit train` flag (fields at their CLI default are still shown)
     "data_dir": "--data", "out_dir": "--out", "num_layers": "--layers", "block_size": "--block-size",
-    "gamma": "--gamma", "target_layer_ids": "--target-layers", "mask_token_id": "--mask-token-id",
+    "gamma": "--gamma", "loss_weighting": "--loss-weighting", "dpace_alpha": "--dpace-alpha",
+    "target_layer_ids": "--target-layers", "mask_token_id": "--mask-token-id",
     "init_drafter": "--init", "anchors_per_seq": "--anchors", "seqs_per_step": "--seqs-per-step",
     "grad_accum": "--grad-accum", "steps": "--steps", "lr": "--lr", "warmup_ratio": "--warmup",
     "max_seq_len": "--max-seq-len", "draft_vocab_size": "--draft-vocab", "eval_every": "--eval-every",
@@ -52,6 +53,8 @@ def train_command(config: dict) -> str:
         if value is None or (field == "init_drafter" and not value):
             continue
         if field.startswith("distill") and not config.get("distill_topk"):  # no distillation: the flags are moot
+            continue
+        if field == "dpace_alpha" and config.get("loss_weighting", "decay") != "dpace":  # moot
             continue
         if field == "device" and value == "cpu":  # the default
             continue

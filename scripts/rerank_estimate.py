@@ -138,25 +138,23 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load(drafter=args.drafter)
     ratios = [float(r) for r in args.ratios.split(",")]
-    variants = ([("copy", 0.0), ("copyfirst", 0.0), ("oracle", 0.0)] + [("choose", r) for r in ratios]
-                + [("drafter-rerank", r) for r in ratios])
+    variants = ([("copy", 0.0, False), ("copyfirst", 0.0, False), ("copyfirst", 0.0, True), ("oracle", 0.0, False)]
+                + [("choose", r, False) for r in ratios] + [("drafter-rerank", r, True) for r in ratios])
     B = gen.drafter.block_size
     for name in args.sets.split(","):
         totals: dict[str, list[int]] = {}
-        for i, prompt in enumerate(load_set(name, limit=args.limit, seed=0)):
+        for prompt in load_set(name, limit=args.limit, seed=0):
             ids = gen.encode_prompt(prompt)
             y = ids + gen.generate(ids, max_new_tokens=args.max_new_tokens, use_drafter=False).token_ids  # greedy
             choices = {a: (t, p) for a, t, p in top_choices(gen, y, len(ids) - 1, args.top_k)}
             props = proposals(gen, y, B - 1)
-            for rule, ratio in variants:
-                for per_offset in (False, True):
-                    if rule in ("copy", "oracle", "choose") and per_offset or rule == "drafter-rerank" and not per_offset:
-                        continue
-                    key = f"{rule}{'' if rule not in ('rerank', 'choose', 'drafter-rerank') else f' r{ratio:g}'}{' per-offset' if per_offset else ''}"
-                    got = walk(y, len(ids), choices, props, rule, ratio, per_offset)
-                    acc = totals.setdefault(key, [0, 0, 0])
-                    for j in range(3):
-                        acc[j] += got[j]
+            for rule, ratio, per_offset in variants:
+                key = rule + (f" r{ratio:g}" if rule in ("choose", "drafter-rerank") else "") + (
+                    " per-offset" if per_offset else "")
+                got = walk(y, len(ids), choices, props, rule, ratio, per_offset)
+                acc = totals.setdefault(key, [0, 0, 0])
+                for j in range(3):
+                    acc[j] += got[j]
         for key, (tokens, steps, drafter_steps) in totals.items():
             print(f"{name:10s} {key:26s} tau {tokens / steps:.3f}  steps {steps:5d}  drafter passes "
                   f"{drafter_steps / steps:.2f} of steps", flush=True)

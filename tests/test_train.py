@@ -110,6 +110,59 @@ def test_loss_equals_naive_weighted_mean_including_cut_blocks():
     assert abs(float(weighted_block_loss(logits, labels, weights)) - num / den) < 1e-5
 
 
+def test_dpace_weights_equal_a_naive_computation(monkeypatch):
+    """D-PACE: w_k = Σ_{j>=k} Π_{i<=j} s_i with s_i = (1-α) q_i + α, and s = 0 where an offset has no label (it can
+    never be accepted, so nothing after it in the block counts); the label probabilities in row chunks."""
+    import dflashkit.train as train
+    from dflashkit.train import acceptance_weights, label_probabilities
+
+    torch.manual_seed(0)
+    S, N, K, V, alpha = 2, 3, 5, 9, 0.3
+    logits = torch.randn(S, N, K, V)
+    labels = torch.randint(0, V, (S, N, K))
+    valid = torch.rand(S, N, K) > 0.25
+    monkeypatch.setattr(train, "LOSS_CHUNK_ROWS", 4)  # 30 rows in chunks of 4
+    q = label_probabilities(logits, labels)
+    assert torch.allclose(q, logits.softmax(-1).gather(-1, labels[..., None])[..., 0], atol=1e-6)
+    w = acceptance_weights(q, valid, alpha)
+    for s in range(S):
+        for n in range(N):
+            for k in range(K):
+                want = 0.0
+                if valid[s, n, k]:
+                    for j in range(k, K):
+                        prefix = 1.0
+                        for i in range(j + 1):
+                            prefix *= (1 - alpha) * float(q[s, n, i]) + alpha if valid[s, n, i] else 0.0
+                        want += prefix
+                assert abs(float(w[s, n, k]) - want) < 1e-5, (s, n, k)
+    assert (w[~valid] == 0).all() and (w[valid] > 0).any()
+    x = logits.clone().requires_grad_()
+    weighted_block_loss(x, labels, acceptance_weights(label_probabilities(x, labels), valid, alpha)).backward()
+    y = logits.clone().requires_grad_()
+    weighted_block_loss(y, labels, w).backward()
+    assert torch.equal(x.grad, y.grad)  # the weights carry no gradient: the loss is CE under fixed weights
+
+
+def test_training_with_dpace_weights_learns(tmp_path):
+    from conftest import tiny_target
+
+    from dflashkit.train import TrainConfig
+
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
+    with pytest.raises(InvalidInputError, match="loss_weighting"):
+        TrainConfig(data_dir="", out_dir="", loss_weighting="cumulative")
+    with pytest.raises(InvalidInputError, match="dpace_alpha"):
+        TrainConfig(data_dir="", out_dir="", loss_weighting="dpace", dpace_alpha=1.5)
+    trainer = make_trainer(tmp_path / "a", model, [*seqs], loss_weighting="dpace", steps=40)
+    first, _ = trainer.loss_on(trainer.train_seqs[:4], spread=False)
+    trainer.run(resume=False, progress=False)
+    last, _ = trainer.loss_on(trainer.train_seqs[:4], spread=False)
+    first, last = float(first.detach()), float(last.detach())
+    assert math.isfinite(first) and last < 0.8 * first
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_loss_and_the_accuracy_in_row_chunks_equal_them_in_one_piece(dtype, monkeypatch):
     """The loss runs over the logits in chunks of rows (and the accuracy's argmax too): the same loss, gradient
@@ -539,9 +592,11 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
     distilled = tmp_path / "run-distilled"  # the same with the target's distribution as soft labels
     eval_sets = ["--eval-sets", "mt-bench", "--eval-set-prompts", "2"] if "mt-bench" in available_sets() else []
     assert main([*train_args[:4], str(distilled), *train_args[5:], "--distill-topk", "6", "--distill-weight", "0.7",
-                 *eval_sets]) == 0
+                 "--loss-weighting", "dpace", "--dpace-alpha", "0.4", *eval_sets]) == 0
     log = [json.loads(x) for x in (distilled / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["soft_loss"] > 0 and (distilled / "soft-labels" / "meta.json").is_file()
+    config = json.loads((distilled / "run_config.json").read_text())["config"]
+    assert (config["loss_weighting"], config["dpace_alpha"]) == ("dpace", 0.4)
     if eval_sets:  # τ on MT-Bench prompts at each evaluation, beside the held-out training prompts' τ
         assert [set(r.get("tau_sets", {})) for r in log] == [set(), {"mt-bench"}, set(), {"mt-bench"}]
         assert all(r["tau_sets"]["mt-bench"] >= 1.0 for r in log if "tau_sets" in r)
