@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default=None, help="data folder, or several separated by commas (default: <cache>/data/<target name>)")
     t.add_argument("--out", default=None, help="run folder (default: <cache>/runs/<target name>); drafter in OUT/drafter")
     t.add_argument("--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)")
-    t.add_argument("--layers", type=int, default=3, help="drafter depth")
+    t.add_argument("--layers", type=int, default=None, help="drafter depth (default: the --init drafter's, else 3)")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--gamma", type=float, default=7.0, help="loss decay: weight exp(-(k-1)/gamma) at block offset k")
     t.add_argument("--loss-weighting", choices=("decay", "dpace"), default="decay",
@@ -555,7 +555,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not (folder / "meta.json").is_file():
             raise InvalidInputError(f"{folder}: no training data; make it with `dflashkit data --out {folder}`")
     for name in ("layers", "steps", "anchors", "seqs_per_step", "grad_accum"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidInputError(f"--{name.replace('_', '-')} must be at least 1")
     try:
         layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
@@ -587,7 +587,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if parallel.is_main:
         each = f" ({parallel.world_size} processes, each its share of a step's sequences)" if parallel.enabled else ""
         print(
-            f"Training a {args.layers}-layer drafter (block {args.block_size}) on {len(trainer.train_seqs)} sequences "
+            f"Training a {trainer.drafter.config.num_hidden_layers}-layer drafter (block {args.block_size}) on {len(trainer.train_seqs)} sequences "
             f"from {data_dir}{each}; held-out τ prompts: {len(trainer.eval_seqs)}; run folder {out}",
             file=sys.stderr,
         )

@@ -324,7 +324,7 @@ class TrainConfig:
     data_dir: str
     out_dir: str
     target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    num_layers: int = 3
+    num_layers: int | None = 3  # None: the --init drafter's depth (3 without one)
     block_size: int = 16
     gamma: float = 7.0
     # per-offset loss weights: "decay" (exp(-(k-1)/gamma), the paper's), "dpace" (acceptance_weights, dpace_alpha)
@@ -371,6 +371,8 @@ class TrainConfig:
         for name in ("num_layers", "anchors_per_seq", "seqs_per_step", "grad_accum", "steps", "max_seq_len",
                      "eval_every", "eval_prompts", "checkpoint_every", "eval_set_prompts"):
             value = getattr(self, name)
+            if name == "num_layers" and value is None:  # the --init drafter's depth (3 without one)
+                continue
             least = 0 if name in ("eval_every", "eval_prompts", "checkpoint_every") else 1  # 0: never
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise bad(name, f"must be an integer >= {least}")
@@ -523,6 +525,8 @@ class Trainer:
         self.train_seqs = [s for s in seqs[n_eval:] if tuple(s.input_ids[: s.num_prompt]) not in held_out]
         torch.manual_seed(cfg.seed)
         start = self._initial_drafter(model) if cfg.init_drafter else None
+        if cfg.num_layers is None:  # continuing: its depth unless told otherwise
+            cfg.num_layers = start.config.num_hidden_layers if start is not None else 3
         layer_ids = cfg.target_layer_ids
         if layer_ids is None and start is not None:  # continuing: its feature layers unless told otherwise
             layer_ids = list(start.config.target_layer_ids)

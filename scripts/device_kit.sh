@@ -233,6 +233,12 @@
 # `train --target-layers ... --init`: the new layers' fusion columns start at zero, so the run starts from v14's drafts;
 # the paper's ablation, Table 7: +3-5% τ for 5 features over 3). The fusion grows by 2 x 576 x 576 bf16 (1.3 MB): cut
 # the store to ~820,000 3-grams (`ngram-store --max-entries`) to stay under 40 MB. The finish call must name it too.
+# Session 39 (no GPU) left two recipe changes untried at scale, FEATURES and LOSS below, and `train_run`'s VARIANT2 to
+# try one beside the usual run: add VARIANT2="FEATURES=1,8,14,20,27" (or "LOSS=dpace") to the session call and to the
+# finish call, then `run(command="bash scripts/device_kit.sh bring2")` after finish's bring (a few seconds warm; its
+# drafter2-extra.tar and model2.safetensors parts: here cat them into a folder, copy the first run's store beside it).
+# Rehearsed on this CPU (DEVICE=cpu PY3=.venv/bin/python SEQS=4, 60 answers, 3 steps each: both runs train, bring and
+# bring2 pack them). Whether two runs on one GPU slow each other was never measured: watch both runs' steps/s.
 # LOSS=dpace: D-PACE's loss weights (`train --loss-weighting dpace`: each offset weighted by the accepted length that
 # depends on it, from the drafter's own probabilities) instead of the fixed decay; warm-starts from v14 like any run.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
@@ -475,12 +481,32 @@ session() {  # there, in one call: graphs check, data, a timed training run, bri
 # bar) can raise it with SAMPLED_S/STEMP=1 answers: at T=1 a draft is accepted with probability sum min(p, q), highest
 # where q matches the target's p rather than its argmax (untried above 0.5; judge T=1 τ and greedy τ both).
 train_run() {  # there: the session's training run (CAP steps at most, BUDGET s of steps, stopped after TIMEOUT s)
-  local cap=$1 budget=$2 timeout_s=$3 run=$DK/runs/gpu
+  # VARIANT2="FEATURES=1,8,14,20,27" (or "LOSS=dpace", "LAYERS=5", several separated by spaces): a second run beside
+  # the first, the same in all but those settings, into $DK/runs/gpu2 (a GPU step of ~250 ms is several times what its
+  # arithmetic needs, so two runs share the GPU at little cost each; each sizes its schedule by its own step rate).
+  # `bring` brings the first; `bring2`, a call of its own, the second; judge them here with compare_drafters.py.
+  local cap=$1 budget=$2 timeout_s=$3 second=""
+  if [ -n "${VARIANT2:-}" ]; then
+    env $VARIANT2 bash -c 'source scripts/device_kit.sh env; train_one "$@"' _ "$DK/runs/gpu2" "$cap" "$budget" \
+      "$timeout_s" > "$DK/train2.log" 2>&1 &
+    second=$!
+  fi
+  train_one "$DK/runs/gpu" "$cap" "$budget" "$timeout_s"
+  if [ -n "$second" ]; then
+    wait "$second"
+    echo "== the second run ($VARIANT2):"
+    cat "$DK/train2.log"
+  fi
+}
+
+train_one() {  # there: one training run into RUN (CAP steps at most, BUDGET s of steps, stopped after TIMEOUT s)
+  local run=$1 cap=$2 budget=$3 timeout_s=$4
   timeout "$timeout_s" "$PY3" -m dflashkit train --data "$(data_dirs)" --out "$run" \
     --init dflashkit/drafters/smollm2-135m-instruct --device "$DEVICE" --seqs-per-step "${SEQS:-128}" --steps "$cap" \
-    --time-budget "$budget" --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight "${DISTILL_W:-0.5}" --eval-every 0 \
-    --checkpoint-every 500 ${COMPILE:+--compile} ${LAYERS:+--layers "$LAYERS"} ${FEATURES:+--target-layers "$FEATURES"} \
-    ${LOSS:+--loss-weighting "$LOSS"} 2>&1 | tr "\r" "\n" | grep -v -i -e "warn" -e "it/s" | tail -n 8
+    --time-budget "$budget" --lr "${LR:-6e-4}" --warmup 0.03 --distill-topk 32 --distill-weight "${DISTILL_W:-0.5}" \
+    --eval-every 0 --checkpoint-every 500 ${COMPILE:+--compile} ${LAYERS:+--layers "$LAYERS"} \
+    ${FEATURES:+--target-layers "$FEATURES"} ${LOSS:+--loss-weighting "$LOSS"} 2>&1 | tr "\r" "\n" \
+    | grep -v -i -e "warn" -e "it/s" | tail -n 8
   tail -n 2 "$run/train_log.jsonl"
 }
 
@@ -498,13 +524,30 @@ finish() {  # there, the call after a session run with TRAIN_MORE_S: the same tr
   bring
 }
 
-bring() {  # there: the trained drafter, its log and settings into $OUT (files of at most 16 MiB come back)
-  local run=$DK/runs/gpu OUT=${OUT:?set OUT, the folder that comes back}
-  env_setup
-  if [ ! -f "$run/drafter/config.json" ] && [ -f "$run/checkpoint/config.json" ]; then  # stopped before its end
+final_drafter() {  # there: RUN/drafter, from its last checkpoint where the run stopped before its end
+  local run=$1
+  if [ ! -f "$run/drafter/config.json" ] && [ -f "$run/checkpoint/config.json" ]; then
     "$PY3" -c "import sys, torch; from dflashkit.checkpoint import load_drafter, save_drafter; \
 save_drafter(load_drafter(sys.argv[1], dtype=torch.bfloat16), sys.argv[2])" "$run/checkpoint" "$run/drafter"
   fi
+}
+
+bring2() {  # there, a call after bring: the second run's drafter (VARIANT2); here its store is the first's
+  local run=$DK/runs/gpu2 OUT=${OUT:?set OUT, the folder that comes back}
+  env_setup
+  final_drafter "$run"
+  [ -f "$run/drafter/config.json" ] || { echo "no second run in $run"; return 1; }
+  tar -cf "$DK/drafter2-extra.tar" -C "$run"/drafter config.json mask_embedding.pt -C "$run" train_log.jsonl \
+    run_config.json
+  split -b 15M -d "$DK/drafter2-extra.tar" "$OUT"/drafter2-extra.tar.part-
+  split -b 15M -d "$run"/drafter/model.safetensors "$OUT"/model2.safetensors.part-
+  ls -la "$OUT"
+}
+
+bring() {  # there: the trained drafter, its log and settings into $OUT (files of at most 16 MiB come back)
+  local run=$DK/runs/gpu OUT=${OUT:?set OUT, the folder that comes back}
+  env_setup
+  final_drafter "$run"
   # lookup's store: this session's greedy answers', merged with the shipped drafter's (the store grows session by
   # session); with no new answers (a training-only session) the shipped store as it is
   if [ -n "$(data_dirs new)" ]; then
@@ -549,6 +592,7 @@ case "${1:-}" in
   data) shift; data "$@" ;;
   train) shift; train "$@" ;;
   bring) bring ;;
+  bring2) bring2 ;;
   session) session ;;
   finish) finish ;;
   *) sed -n '2,30p' "${BASH_SOURCE[0]}" ;;

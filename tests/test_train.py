@@ -678,6 +678,9 @@ def test_init_with_more_layers_deepens_the_drafter_without_changing_what_it_comp
     first = trained_and_saved(tmp_path, model, seqs)
     deeper = make_trainer(tmp_path / "b", model, [*seqs], init_drafter=str(tmp_path / "d"), num_layers=4, steps=4)
     assert deeper.drafter.config.num_hidden_layers == 4
+    same = make_trainer(tmp_path / "s", model, [*seqs], init_drafter=str(tmp_path / "d"), num_layers=None)
+    assert same.drafter.config.num_hidden_layers == same.cfg.num_layers == 2  # no --layers: the init's depth
+    assert make_trainer(tmp_path / "n", model, [*seqs], num_layers=None).drafter.config.num_hidden_layers == 3
     fresh = make_trainer(tmp_path / "f", model, [*seqs], num_layers=4)  # a new 4-layer drafter reads other layers
     assert fresh.drafter.config.target_layer_ids != first.drafter.config.target_layer_ids
     assert deeper.drafter.config.target_layer_ids == first.drafter.config.target_layer_ids  # the init's are kept
