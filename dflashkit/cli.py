@@ -586,8 +586,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, model, tokenizer, log=lambda msg: tqdm.write(msg, file=sys.stderr), parallel=parallel)
     if parallel.is_main:
         each = f" ({parallel.world_size} processes, each its share of a step's sequences)" if parallel.enabled else ""
+        depth = trainer.drafter.config.num_hidden_layers
         print(
-            f"Training a {trainer.drafter.config.num_hidden_layers}-layer drafter (block {args.block_size}) on {len(trainer.train_seqs)} sequences "
+            f"Training a {depth}-layer drafter (block {args.block_size}) on {len(trainer.train_seqs)} sequences "
             f"from {data_dir}{each}; held-out τ prompts: {len(trainer.eval_seqs)}; run folder {out}",
             file=sys.stderr,
         )
