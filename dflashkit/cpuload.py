@@ -1,0 +1,58 @@
+"""How busy the CPU is before a run starts, for the ``--threads`` hint on busy machines.
+
+torch's OpenMP threads wait for each other at the end of every parallel region, spinning a while before they sleep.
+When another process holds a core, a decoding step's many short regions stall on the thread that lost its core:
+on the 2-core Zen 4 VM with one core kept busy by another process (a Python busy loop), speculative decoding ran at
+63-66 tok/s with 2 threads against 164-172 with ``--threads 1`` and ~200 on an idle machine (README: "Busy
+machines"). The CLI therefore samples the CPU's load for a moment before loading the model and, where other processes
+hold cores and no ``--threads`` was given, says how many threads to use instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+BUSY_CORES_HINT = 0.5  # other processes holding at least this many cores' worth of time: suggest fewer threads
+
+
+def _cpu_times(stat: Path) -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs together from /proc/stat's first line, or None where it cannot be read."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 5:
+        return None
+    values = [int(v) for v in fields[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values[:8]) - idle, sum(values[:8])  # user..steal (guest time is already counted in user)
+
+
+def busy_cores(interval: float = 0.15, stat: Path = PROC_STAT) -> float | None:
+    """Cores' worth of CPU time the whole machine spent busy over ``interval`` seconds (this process is asleep
+    meanwhile, so it is other processes' load); None where /proc/stat is not available (not Linux)."""
+    first = _cpu_times(stat)
+    if first is None:
+        return None
+    time.sleep(interval)
+    second = _cpu_times(stat)
+    if second is None or second[1] <= first[1]:
+        return None
+    cores = os.cpu_count() or 1
+    return cores * (second[0] - first[0]) / (second[1] - first[1])
+
+
+def threads_hint(threads: int, busy: float | None) -> str | None:
+    """A one-line suggestion when other processes hold cores that ``threads`` torch threads would contend for."""
+    if busy is None or busy < BUSY_CORES_HINT:
+        return None
+    cores = os.cpu_count() or 1
+    free = max(1, round(cores - busy))
+    if free >= threads:
+        return None
+    return (f"note: other processes are keeping ~{busy:.1f} of this machine's {cores} cores busy; with {threads} "
+            f"threads, decoding steps stall on the shared cores (often several times slower): --threads {free} "
+            "is likely faster here (README: \"Busy machines\")")

@@ -1,0 +1,58 @@
+"""The busy-machine hint: CPU load from /proc/stat, and when it suggests fewer threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from dflashkit import cpuload
+from dflashkit.cpuload import busy_cores, threads_hint
+
+
+def write_stat(path, busy: int, idle: int) -> None:
+    # cpu user nice system idle iowait irq softirq steal guest guest_nice
+    path.write_text(f"cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+
+
+def test_busy_cores_is_the_busy_share_of_the_interval_times_the_cores(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    write_stat(stat, busy=1000, idle=5000)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+
+    def later(_):  # between the two reads: 300 busy and 100 idle jiffies more (3 of 4 cores busy)
+        write_stat(stat, busy=1300, idle=5100)
+
+    monkeypatch.setattr(cpuload.time, "sleep", later)
+    assert abs(busy_cores(0.1, stat) - 3.0) < 1e-9
+    assert busy_cores(0.1, tmp_path / "absent") is None  # not Linux: no figure, no hint
+    stat.write_text("intr 1 2 3\n")
+    assert busy_cores(0.1, stat) is None
+
+
+def test_busy_cores_sees_a_busy_thread_of_this_machine():
+    if not cpuload.PROC_STAT.exists():
+        pytest.skip("no /proc/stat here")
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        assert busy_cores(0.3) >= 0.5  # the spinning thread holds a core while the caller sleeps
+    finally:
+        stop.set()
+        worker.join()
+
+
+def test_threads_hint_only_where_other_load_leaves_fewer_cores_than_threads(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert threads_hint(2, None) is None and threads_hint(2, 0.2) is None  # idle enough
+    hint = threads_hint(2, 1.0)
+    assert hint is not None and "--threads 1" in hint and "~1.0 of this machine's 2 cores" in hint
+    assert threads_hint(1, 1.0) is None  # already within the free core
+    assert "--threads 1" in threads_hint(2, 1.9)  # never fewer than one
