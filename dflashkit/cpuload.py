@@ -56,3 +56,21 @@ def threads_hint(threads: int, busy: float | None) -> str | None:
     return (f"note: other processes are keeping ~{busy:.1f} of this machine's {cores} cores busy; with {threads} "
             f"threads, decoding steps stall on the shared cores (often several times slower): --threads {free} "
             "is likely faster here (README: \"Busy machines\")")
+
+
+def apply_threads(threads: int | None, device: str | None = None) -> None:
+    """``--threads`` for torch; without it, on a CPU run, the note of :func:`threads_hint` on standard error."""
+    import sys
+
+    import torch
+
+    from .errors import InvalidInputError
+
+    if threads is not None:
+        if threads < 1:
+            raise InvalidInputError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    elif device is None or str(device).startswith("cpu"):
+        hint = threads_hint(torch.get_num_threads(), busy_cores(0.1))
+        if hint:
+            print(hint, file=sys.stderr)

@@ -56,3 +56,27 @@ def test_threads_hint_only_where_other_load_leaves_fewer_cores_than_threads(monk
     assert hint is not None and "--threads 1" in hint and "~1.0 of this machine's 2 cores" in hint
     assert threads_hint(1, 1.0) is None  # already within the free core
     assert "--threads 1" in threads_hint(2, 1.9)  # never fewer than one
+
+
+def test_apply_threads_sets_torch_threads_or_notes_a_busy_cpu(monkeypatch, capsys):
+    import torch
+
+    from dflashkit.cpuload import apply_threads
+    from dflashkit.errors import InvalidInputError
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(cpuload, "busy_cores", lambda interval=0.1: 1.2)
+    apply_threads(None)  # a CPU run without --threads on a busy machine: the note
+    assert "--threads 1" in capsys.readouterr().err
+    apply_threads(None, "cuda")  # a GPU run: no note
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(cpuload, "busy_cores", lambda interval=0.1: 0.1)
+    apply_threads(None)  # idle: no note
+    assert capsys.readouterr().err == ""
+    with pytest.raises(InvalidInputError, match="at least 1"):
+        apply_threads(0)
+    monkeypatch.undo()
+    apply_threads(before)
+    assert torch.get_num_threads() == before

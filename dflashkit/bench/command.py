@@ -264,16 +264,14 @@ def llama_server_methods(args: argparse.Namespace, drafter: str | None, no_draft
 def cmd_bench(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
+    from ..cpuload import apply_threads
     from ..models import load_target
     from .methods import TargetSession
     from .report import as_json, summary_table, write_outputs
     from .runner import BenchConfig, run_bench
 
     settings = settings_from(args)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise InvalidInputError(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads, getattr(args, "device", None))  # without --threads: a note on a busy machine
     threads = torch.get_num_threads()
     config = BenchConfig(
         datasets=settings["datasets"], limit=settings["limit"], seed=args.seed,
