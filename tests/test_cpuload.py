@@ -78,5 +78,8 @@ def test_apply_threads_sets_torch_threads_or_notes_a_busy_cpu(monkeypatch, capsy
     with pytest.raises(InvalidInputError, match="at least 1"):
         apply_threads(0)
     monkeypatch.undo()
-    apply_threads(before)
-    assert torch.get_num_threads() == before
+    try:
+        apply_threads(1)  # --threads: set, no note
+        assert torch.get_num_threads() == 1 and capsys.readouterr().err == ""
+    finally:
+        torch.set_num_threads(before)
