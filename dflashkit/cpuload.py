@@ -58,8 +58,9 @@ def threads_hint(threads: int, busy: float | None) -> str | None:
             "is likely faster here (README: \"Busy machines\")")
 
 
-def apply_threads(threads: int | None, device: str | None = None) -> None:
-    """``--threads`` for torch; without it, on a CPU run, the note of :func:`threads_hint` on standard error."""
+def apply_threads(threads: int | None, device: str | None = None, busy: float | None = None) -> None:
+    """``--threads`` for torch; without it, on a CPU run, the note of :func:`threads_hint` on standard error
+    (``busy``: a load already measured, else it is measured here)."""
     import sys
 
     import torch
@@ -71,6 +72,6 @@ def apply_threads(threads: int | None, device: str | None = None) -> None:
             raise InvalidInputError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
     elif device is None or str(device).startswith("cpu"):
-        hint = threads_hint(torch.get_num_threads(), busy_cores(0.1))
+        hint = threads_hint(torch.get_num_threads(), busy if busy is not None else busy_cores(0.1))
         if hint:
             print(hint, file=sys.stderr)

@@ -53,6 +53,10 @@ def test_bench_command_writes_outputs_and_skips_missing_peers(tiny_load, questio
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["settings"]["drafter"].startswith("untrained") and data["settings"]["threads"] == 1
     assert data["command"].startswith("dflashkit bench --datasets")
+    load = data["settings"]["other_load_cores"]  # other processes' load as the run started and ended (Linux)
+    if load["start"] is not None:
+        assert load["start"] >= 0 and load["end"] >= 0
+        assert "other processes kept" in (out / "summary.md").read_text()
     status = {m["name"]: m["status"] for m in data["methods"]}
     assert status["dflash-b2"] == "ran" and status["dflash-auto"] == "ran"
     assert {p.name for p in out.iterdir()} >= {"summary.md", "speedup.png", "accepted_lengths.png", "acceptance.png"}

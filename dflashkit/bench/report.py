@@ -137,6 +137,15 @@ def retention_table(data: dict[str, Any], temperature: float) -> str | None:
                       "|---|---|---:|---:|---:|", *lines])
 
 
+def _other_load(load: dict[str, float | None] | None) -> str:
+    """"; other processes' load ..." for the machine line, where the run measured it (CPU runs on Linux)."""
+    if not load or load.get("start") is None:
+        return ""
+    end = load.get("end")
+    return (f"; other processes kept {load['start']:.1f} cores busy as the run started"
+            + (f", {end:.1f} as it ended" if end is not None else ""))
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The human summary of a results object (see :func:`as_json`)."""
     m, st, v = data["machine"], data["settings"], data["versions"]
@@ -150,7 +159,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"- **command**: `{data['command'] or '(Python API)'}`",
         (f"- **machine**: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}"
          + (f", {m['memory_gib']} GiB" if "memory_gib" in m else "") + (f", GPU {m['gpu']}" if "gpu" in m else "")
-         + (f"; dflashkit's CPU kernels: {m['cpu_kernels']}" if "cpu_kernels" in m else "")),
+         + (f"; dflashkit's CPU kernels: {m['cpu_kernels']}" if "cpu_kernels" in m else "")
+         + _other_load(st.get("other_load_cores"))),
         (f"- **software**: dflashkit {v.get('dflashkit')} @ {sha}, torch {v.get('torch')}, transformers "
          f"{v.get('transformers')}" + (f", llama-cpp-python {v['llama-cpp-python']}" if v.get("llama-cpp-python") else "")),
         (f"- **target**: {st.get('target', '?')} ({st.get('dtype', '?')}"
