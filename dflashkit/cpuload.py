@@ -32,17 +32,19 @@ def _cpu_times(stat: Path) -> tuple[int, int] | None:
 
 
 def busy_cores(interval: float = 0.15, stat: Path = PROC_STAT) -> float | None:
-    """Cores' worth of CPU time the whole machine spent busy over ``interval`` seconds (this process is asleep
-    meanwhile, so it is other processes' load); None where /proc/stat is not available (not Linux)."""
-    first = _cpu_times(stat)
+    """Cores' worth of CPU time other processes spent over the next ``interval`` seconds: the whole machine's busy
+    time (/proc/stat) less this process's own (all its threads, e.g. a server's); None where /proc/stat is not
+    available (not Linux)."""
+    first, own, t0 = _cpu_times(stat), time.process_time(), time.monotonic()
     if first is None:
         return None
     time.sleep(interval)
     second = _cpu_times(stat)
-    if second is None or second[1] <= first[1]:
+    own, wall = time.process_time() - own, time.monotonic() - t0
+    if second is None or second[1] <= first[1] or wall <= 0:
         return None
     cores = os.cpu_count() or 1
-    return cores * (second[0] - first[0]) / (second[1] - first[1])
+    return max(0.0, cores * (second[0] - first[0]) / (second[1] - first[1]) - own / wall)
 
 
 def threads_hint(threads: int, busy: float | None) -> str | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,17 +23,25 @@ def test_busy_cores_is_the_busy_share_of_the_interval_times_the_cores(tmp_path, 
     write_stat(stat, busy=1000, idle=5000)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
 
-    def later(_):  # between the two reads: 300 busy and 100 idle jiffies more (3 of 4 cores busy)
-        write_stat(stat, busy=1300, idle=5100)
+    clock = {"wall": 0.0, "own": 0.0}
 
-    monkeypatch.setattr(cpuload.time, "sleep", later)
-    assert abs(busy_cores(0.1, stat) - 3.0) < 1e-9
+    def later(seconds):  # between the two reads: 300 busy and 100 idle jiffies more (3 of 4 cores busy), a quarter
+        write_stat(stat, busy=1300, idle=5100)  # of a core of it this process's own
+        clock["wall"] += seconds
+        clock["own"] += 0.25 * seconds
+
+    monkeypatch.setattr(cpuload, "time", SimpleNamespace(sleep=later, monotonic=lambda: clock["wall"],
+                                                         process_time=lambda: clock["own"]))
+    assert abs(busy_cores(0.1, stat) - 2.75) < 1e-9  # other processes' share only
     assert busy_cores(0.1, tmp_path / "absent") is None  # not Linux: no figure, no hint
     stat.write_text("intr 1 2 3\n")
     assert busy_cores(0.1, stat) is None
 
 
-def test_busy_cores_sees_a_busy_thread_of_this_machine():
+def test_busy_cores_sees_other_processes_and_not_this_one():
+    import subprocess
+    import sys
+
     if not cpuload.PROC_STAT.exists():
         pytest.skip("no /proc/stat here")
     stop = threading.Event()
@@ -40,13 +50,22 @@ def test_busy_cores_sees_a_busy_thread_of_this_machine():
         while not stop.is_set():
             pass
 
-    worker = threading.Thread(target=spin)
+    worker = threading.Thread(target=spin)  # this process's own work (a server's threads): not another's load
     worker.start()
     try:
-        assert busy_cores(0.3) >= 0.5  # the spinning thread holds a core while the caller sleeps
+        mine = busy_cores(0.3)
     finally:
         stop.set()
         worker.join()
+    other = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        theirs = busy_cores(0.3)
+    finally:
+        other.kill()
+        other.wait()
+    assert theirs >= 0.5  # the other process holds a core
+    assert mine < theirs - 0.4  # the spinning thread here counts as this process's time, not as load
 
 
 def test_threads_hint_only_where_other_load_leaves_fewer_cores_than_threads(monkeypatch):
