@@ -11,7 +11,9 @@ hold cores and no ``--threads`` was given, says how many threads to use instead.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
@@ -77,3 +79,29 @@ def apply_threads(threads: int | None, device: str | None = None, busy: float | 
         hint = threads_hint(torch.get_num_threads(), busy if busy is not None else busy_cores(0.1))
         if hint:
             print(hint, file=sys.stderr)
+
+
+class LoadWatcher:
+    """Other processes' CPU load sampled every ``period`` seconds in a daemon thread, for a long-running process whose
+    machine may get busy after it started (``dflashkit serve``): ``on_sample(busy)`` gets each figure (cores, or
+    None off Linux). Sampling sleeps, it costs no CPU."""
+
+    def __init__(self, on_sample: Callable[[float | None], None], period: float = 30.0, interval: float = 0.5,
+                 sample: Callable[[float], float | None] | None = None) -> None:
+        self.on_sample, self.period, self.interval = on_sample, period, interval
+        self.sample = sample if sample is not None else busy_cores
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dflashkit-load-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the thread after its sample in progress (not waited for: a server's shutdown does not wait on it)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.on_sample(self.sample(self.interval))
+            self._stop.wait(self.period)

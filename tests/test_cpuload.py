@@ -102,3 +102,43 @@ def test_apply_threads_sets_torch_threads_or_notes_a_busy_cpu(monkeypatch, capsy
         assert torch.get_num_threads() == 1 and capsys.readouterr().err == ""
     finally:
         torch.set_num_threads(before)
+
+
+def test_load_watcher_samples_until_stopped():
+    from dflashkit.cpuload import LoadWatcher
+
+    seen = []
+    done = threading.Event()
+
+    def on_sample(busy):
+        seen.append(busy)
+        if len(seen) == 3:
+            done.set()
+
+    watcher = LoadWatcher(on_sample, period=0.01, interval=0.0, sample=lambda interval: 1.5)
+    watcher.start()
+    assert done.wait(5)
+    watcher.stop()
+    watcher._thread.join(5)
+    assert not watcher._thread.is_alive() and seen[:3] == [1.5, 1.5, 1.5]
+
+
+def test_server_reports_other_load_as_a_gauge_and_warns_once_per_busy_spell(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from dflashkit.server.app import busy_load_reporter
+    from dflashkit.server.metrics import ServerMetrics
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    metrics = ServerMetrics()
+    report = busy_load_reporter(metrics)
+    with caplog.at_level(logging.INFO, logger="dflashkit.server"):
+        for busy in (0.1, None, 1.1, 1.2, 0.2, 1.0):
+            report(busy)
+    assert metrics.registry.get_sample_value("dflashkit_other_cpu_load_cores") == 1.0
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("--threads 1" in r.getMessage() for r in warnings)  # busy, quiet, busy again
+    assert any("dropped to ~0.2 cores" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)

@@ -690,7 +690,7 @@ def test_metrics_are_prometheus_text_and_add_up() -> None:
             "dflashkit_accepted_tokens", "dflashkit_draft_tokens", "dflashkit_drafting_steps",
             "dflashkit_accepted_tokens_by_position", "dflashkit_draft_tokens_by_position",
             "dflashkit_request_latency_seconds", "dflashkit_time_to_first_token_seconds",
-            "dflashkit_queue_wait_seconds", "dflashkit_queue_depth"} <= set(families)
+            "dflashkit_queue_wait_seconds", "dflashkit_queue_depth", "dflashkit_other_cpu_load_cores"} <= set(families)
 
     def total(name: str, **labels: str) -> float:
         return sum(s.value for s in families[name].samples if s.name == name + "_total"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from ..batching import BatchMember, ComputeThread, ForwardBatcher
 from ..chat import completed_turn, continued_prompt
+from ..cpuload import LoadWatcher, threads_hint
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
 from ..generator import (
@@ -60,6 +62,8 @@ from .responses_api import (
 )
 from .scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+log = logging.getLogger("dflashkit.server")
 
 ENDPOINTS = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses",
              "/v1/messages", "/v1/messages/count_tokens"}
@@ -140,6 +144,29 @@ class Plan:
         return len(self.prompts) * self.body.candidates
 
 
+def busy_load_reporter(metrics: ServerMetrics) -> Callable[[float | None], None]:
+    """What a :class:`~dflashkit.cpuload.LoadWatcher` does with each sample: the ``dflashkit_other_cpu_load_cores``
+    gauge, and a warning in the log when other processes start holding the cores the decoding threads need (again
+    when they stop)."""
+    import torch
+
+    warned = False
+
+    def report(busy: float | None) -> None:
+        nonlocal warned
+        if busy is None:
+            return
+        metrics.other_cpu_load.set(busy)
+        hint = threads_hint(torch.get_num_threads(), busy)
+        if hint and not warned:
+            log.warning(hint.replace("note: ", "", 1) + " (restart the server with it)")
+        elif warned and not hint:
+            log.info("other processes' CPU load has dropped to ~%.1f cores", busy)
+        warned = hint is not None
+
+    return report
+
+
 def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None = None, *,
                compute: ComputeThread | None = None, **kwargs: Any) -> FastAPI:
     """An app serving `generator`; `settings`, or ServerSettings fields as keyword arguments.
@@ -158,14 +185,21 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
     metrics.watch_scheduler(lambda: scheduler.queued, lambda: scheduler.running)
     service = Service(generator, settings, scheduler)
 
+    # a CPU server's machine may get busy after it started: other processes' load as a metric, and a warning
+    watcher = LoadWatcher(busy_load_reporter(metrics)) if generator.target.device.type == "cpu" else None
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if owned:
             compute.start()
         scheduler.start()
+        if watcher is not None:
+            watcher.start()
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.stop()
             scheduler.stop()
             if owned:
                 compute.stop()

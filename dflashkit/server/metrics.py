@@ -51,6 +51,8 @@ class ServerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.queued = Gauge("dflashkit_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("dflashkit_requests_running", "Requests being generated (0 or 1)", registry=r)
+        self.other_cpu_load = Gauge("dflashkit_other_cpu_load_cores", "Cores other processes kept busy, sampled "
+                                    "every 30 s (CPU servers on Linux; README: Busy machines)", registry=r)
 
     def watch_scheduler(self, queued: Callable[[], float], running: Callable[[], float]) -> None:
         self.queued.set_function(queued)
