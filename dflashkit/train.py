@@ -164,26 +164,26 @@ def acceptance_weights(label_prob: Tensor, valid: Tensor, alpha: float = 0.5) ->
     return prefix.flip(-1).cumsum(-1).flip(-1) * valid
 
 
-@torch.no_grad()
-def label_probabilities(logits: Tensor, labels: Tensor) -> Tensor:
-    """softmax(logits)[label] per row (fp32, no gradient), logits [..., V] and labels [...], in row chunks."""
-    rows, chunk = logits.flatten(0, -2), loss_chunk_rows(logits)
-    return torch.cat([part.float().log_softmax(-1).gather(-1, part_labels[:, None])[:, 0].exp()
-                      for part, part_labels in zip(rows.split(chunk), labels.flatten().split(chunk))]).view_as(labels)
-
-
-def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor, total_weight: Tensor | None = None) -> Tensor:
-    """Σ CE·w / Σ w over all block positions; logits [..., V], labels/weights [...].
-
-    ``total_weight``: the denominator when these positions are one process's part of a batch spread over
-    several (Σ w over the whole batch), so that the parts add up to the whole batch's loss."""
+def block_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Cross-entropy of every block position [...] (fp32), logits [..., V] and labels [...]: what the losses weight,
+    and exp(-CE) the drafter's own probability of each label (D-PACE's weights)."""
     # in chunks of rows: each chunk's fp32 copy, log-softmax and their gradients stay in the CPU's caches instead
     # of making several passes through memory over [rows, V] (the same values: every row's CE is its own)
     rows, chunk = logits.flatten(0, -2), loss_chunk_rows(logits)
-    ce = torch.cat([F.cross_entropy(part.float(), part_labels, reduction="none")
-                    for part, part_labels in zip(rows.split(chunk), labels.flatten().split(chunk))])
+    return torch.cat([F.cross_entropy(part.float(), part_labels, reduction="none")
+                      for part, part_labels in zip(rows.split(chunk), labels.flatten().split(chunk))]).view_as(labels)
+
+
+def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor, total_weight: Tensor | None = None, *,
+                        ce: Tensor | None = None) -> Tensor:
+    """Σ CE·w / Σ w over all block positions; logits [..., V], labels/weights [...] (``ce``: their
+    :func:`block_cross_entropy`, where already computed).
+
+    ``total_weight``: the denominator when these positions are one process's part of a batch spread over
+    several (Σ w over the whole batch), so that the parts add up to the whole batch's loss."""
+    ce = block_cross_entropy(logits, labels) if ce is None else ce
     total = weights.sum() if total_weight is None else total_weight
-    return (ce * weights.flatten()).sum() / total.clamp_min(1e-9)
+    return (ce * weights).sum() / total.clamp_min(1e-9)
 
 
 def row_argmax(logits: Tensor) -> Tensor:
@@ -697,10 +697,11 @@ class Trainer:
                 weights = weights * (labels >= 0)
                 labels = labels.clamp_min(0)
             logits = hidden @ head.T  # [S, N, B-1, V']
+        ce = block_cross_entropy(logits, labels)  # [S, N, B-1]
         if cfg.loss_weighting == "dpace":  # weights from the drafter's own chances of reaching each offset
-            weights = acceptance_weights(label_probabilities(logits, labels), weights > 0, cfg.dpace_alpha)
+            weights = acceptance_weights(torch.exp(-ce.detach()), weights > 0, cfg.dpace_alpha)
         total = self.parallel.all_sum(weights.sum()) if spread else None  # the whole batch's loss weight
-        hard = weighted_block_loss(logits, labels, weights, total)
+        hard = weighted_block_loss(logits, labels, weights, total, ce=ce)
         terms = {}
         loss = hard
         if soft is not None:

@@ -114,7 +114,10 @@ def test_dpace_weights_equal_a_naive_computation(monkeypatch):
     """D-PACE: w_k = Σ_{j>=k} Π_{i<=j} s_i with s_i = (1-α) q_i + α, and s = 0 where an offset has no label (it can
     never be accepted, so nothing after it in the block counts); the label probabilities in row chunks."""
     import dflashkit.train as train
-    from dflashkit.train import acceptance_weights, label_probabilities
+    from dflashkit.train import acceptance_weights, block_cross_entropy
+
+    def label_probabilities(logits, labels):  # the drafter's probability of each label, as loss_on derives it
+        return torch.exp(-block_cross_entropy(logits, labels).detach())
 
     torch.manual_seed(0)
     S, N, K, V, alpha = 2, 3, 5, 9, 0.3
