@@ -540,7 +540,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .models import cache_dir, load_target
     from .train import TrainConfig, Trainer, data_folders
 
-    apply_threads(args.threads, getattr(args, "device", None))
+    apply_threads(args.threads, args.device)
     data_dir = args.data if args.data else str(cache_dir() / "data" / _target_slug(args.target))
     out = pathlib.Path(args.out).expanduser() if args.out else cache_dir() / "runs" / _target_slug(args.target)
     for folder in data_folders(data_dir):  # training reads meta.json and the shards (a packed copy may lack prompts.jsonl)
@@ -658,7 +658,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     grammar = _grammar_from_args(args)
     prompt = _prompt_from_args(args)
     tools = _tools_from_args(args, grammar is not None)
-    apply_threads(args.threads, getattr(args, "device", None))
+    apply_threads(args.threads, args.device)
     gen = _load_generator(args, args.json)
     drafter = gen.drafter
     if tools is not None and tools.active:  # the template shows the tools; a forced call is a grammar
@@ -714,7 +714,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     check_draft_window(args.draft_window)  # bad values fail before the (slow) model load
     SamplingParams(args.temperature, args.top_k, args.top_p)
     cache = PrefixCache.of_mib(args.prefix_cache_mb)
-    apply_threads(args.threads, getattr(args, "device", None))
+    apply_threads(args.threads, args.device)
     gen = _load_generator(args, False)
     session = ChatSession(
         gen, args.system, cache if cache is not None else False, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -803,7 +803,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stored_responses=args.stored_responses, api_key=args.api_key, clamp_max_tokens=args.clamp_max_tokens,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
     )  # fmt: skip
-    apply_threads(args.threads, getattr(args, "device", None))
+    apply_threads(args.threads, args.device)
     gen = _load_generator(args, False)
     _note_tree_without_drafter(args, gen.drafter is not None)
     compute = ComputeThread()  # this thread, which loaded the model: every pass runs here (dflashkit.batching)
@@ -985,7 +985,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise data.InvalidInputError(f"--num-prompts must be at least 1, got {args.num_prompts}")
     sources = data.parse_sources(args.sources)  # fail early on a bad --sources
-    apply_threads(args.threads, getattr(args, "device", None))
+    apply_threads(args.threads, args.device)
     parallel, device = from_environment(args.device)  # under torchrun: each process generates its share of shards
     if args.server and args.engine != "auto":
         raise data.InvalidInputError("--engine chooses how a local target answers: drop it with --server")

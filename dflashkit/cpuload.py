@@ -57,9 +57,14 @@ def threads_hint(threads: int, busy: float | None) -> str | None:
     free = max(1, round(cores - busy))
     if free >= threads:
         return None
-    return (f"note: other processes are keeping ~{busy:.1f} of this machine's {cores} cores busy; with {threads} "
+    return (f"other processes are keeping ~{busy:.1f} of this machine's {cores} cores busy; with {threads} "
             f"threads, decoding steps stall on the shared cores (often several times slower): --threads {free} "
             "is likely faster here (README: \"Busy machines\")")
+
+
+def on_cpu(device: object) -> bool:
+    """Whether a ``--device`` value (None: the default, the CPU) or a torch.device runs on the CPU."""
+    return device is None or str(device).startswith("cpu")
 
 
 def apply_threads(threads: int | None, device: str | None = None, busy: float | None = None) -> None:
@@ -75,10 +80,10 @@ def apply_threads(threads: int | None, device: str | None = None, busy: float | 
         if threads < 1:
             raise InvalidInputError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
-    elif device is None or str(device).startswith("cpu"):
+    elif on_cpu(device):
         hint = threads_hint(torch.get_num_threads(), busy if busy is not None else busy_cores(0.1))
         if hint:
-            print(hint, file=sys.stderr)
+            print(f"note: {hint}", file=sys.stderr)
 
 
 class LoadWatcher:

@@ -264,16 +264,16 @@ def llama_server_methods(args: argparse.Namespace, drafter: str | None, no_draft
 def cmd_bench(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from ..cpuload import apply_threads, busy_cores
+    from ..cpuload import apply_threads, busy_cores, on_cpu
     from ..models import load_target
     from .methods import TargetSession
     from .report import as_json, summary_table, write_outputs
     from .runner import BenchConfig, run_bench
 
     settings = settings_from(args)
-    on_cpu = str(getattr(args, "device", None) or "cpu").startswith("cpu")
-    load_at_start = busy_cores(0.2) if on_cpu else None  # other processes' load: timings on a shared machine
-    apply_threads(args.threads, getattr(args, "device", None), load_at_start)  # without --threads: a busy-CPU note
+    cpu = on_cpu(args.device)
+    load_at_start = busy_cores(0.2) if cpu else None  # other processes' load: timings on a shared machine
+    apply_threads(args.threads, args.device, load_at_start)  # without --threads: a busy-CPU note
     threads = torch.get_num_threads()
     config = BenchConfig(
         datasets=settings["datasets"], limit=settings["limit"], seed=args.seed,
@@ -304,7 +304,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                 "methods": settings["methods"], "block_sizes": settings["block_sizes"],
                                 "trees": settings["trees"],
                                 "other_load_cores": {"start": load_at_start,
-                                                     "end": busy_cores(0.2) if on_cpu else None}}  # fmt: skip
+                                                     "end": busy_cores(0.2) if cpu else None}}  # fmt: skip
     argv = getattr(args, "argv", None)
     result.extra["command"] = "dflashkit " + " ".join(shlex.quote(a) for a in argv) if argv else None
     data = as_json(result)

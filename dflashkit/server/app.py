@@ -27,7 +27,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from ..batching import BatchMember, ComputeThread, ForwardBatcher
 from ..chat import completed_turn, continued_prompt
-from ..cpuload import LoadWatcher, threads_hint
+from ..cpuload import LoadWatcher, on_cpu, threads_hint
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
 from ..generator import (
@@ -159,7 +159,7 @@ def busy_load_reporter(metrics: ServerMetrics) -> Callable[[float | None], None]
         metrics.other_cpu_load.set(busy)
         hint = threads_hint(torch.get_num_threads(), busy)
         if hint and not warned:
-            log.warning(hint.replace("note: ", "", 1) + " (restart the server with it)")
+            log.warning(hint + " (restart the server with it)")
         elif warned and not hint:
             log.info("other processes' CPU load has dropped to ~%.1f cores", busy)
         warned = hint is not None
@@ -186,7 +186,7 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
     service = Service(generator, settings, scheduler)
 
     # a CPU server's machine may get busy after it started: other processes' load as a metric, and a warning
-    watcher = LoadWatcher(busy_load_reporter(metrics)) if generator.target.device.type == "cpu" else None
+    watcher = LoadWatcher(busy_load_reporter(metrics)) if on_cpu(generator.target.device) else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
