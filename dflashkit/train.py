@@ -468,6 +468,11 @@ def deepened(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
     return grown
 
 
+def adds_layers_only(have: list[int], want: list[int]) -> bool:
+    """Whether feature layers ``want`` hold each of ``have`` and others, each once (what :func:`widened` can do)."""
+    return set(have) <= set(want) and len(set(want)) == len(want)
+
+
 def widened(drafter: DFlashDrafter, target_layer_ids: list[int]) -> DFlashDrafter:
     """`drafter` fed by more target layers (a superset of its own, in any order), computing exactly what it computed.
 
@@ -477,8 +482,7 @@ def widened(drafter: DFlashDrafter, target_layer_ids: list[int]) -> DFlashDrafte
     feature layers over 3, +3-5% τ).
     """
     have = list(drafter.config.target_layer_ids)
-    missing = [i for i in have if i not in target_layer_ids]
-    if missing or len(set(target_layer_ids)) != len(target_layer_ids):
+    if not adds_layers_only(have, target_layer_ids):
         raise InvalidInputError(f"cannot widen a drafter fed by target layers {have} to {target_layer_ids}: the new "
                                 "list must hold each of its layers (once) and may only add others")
     grown = DFlashDrafter(drafter.config.replace(target_layer_ids=list(target_layer_ids))).to(drafter.fc.weight.device)
@@ -641,8 +645,7 @@ class Trainer:
                     for name in ("block_size", "mask_token_id", "learned_mask_embedding")
                     if getattr(got, name) != getattr(want, name)]
         widen = got.target_layer_ids != want.target_layer_ids
-        if widen and (set(got.target_layer_ids) - set(want.target_layer_ids)
-                      or len(set(want.target_layer_ids)) != len(want.target_layer_ids)):  # more layers only
+        if widen and not adds_layers_only(got.target_layer_ids, want.target_layer_ids):
             problems.append(f"target_layer_ids {got.target_layer_ids!r} (this run: {want.target_layer_ids!r}; a run "
                             "may add feature layers, not drop them)")
         if got.num_hidden_layers > want.num_hidden_layers:  # deeper runs may grow it (below), never shrink it
