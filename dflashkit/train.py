@@ -103,6 +103,24 @@ def block_hidden(drafter: DFlashDrafter, ids: Tensor, anchors: Tensor, keep: Ten
     return drafter(emb, positions, context, mask).view(S, N, B, -1)[:, :, 1:]
 
 
+@torch.inference_mode()
+def teacher_forced_scores(drafter: DFlashDrafter, target, ids: list[int], start: int,
+                          chunk: int = 64) -> Iterator[tuple[Tensor, Tensor]]:
+    """The drafter's scores at every anchor a in [start, len(ids)-2] of one sequence, teacher-forced as training
+    sees it (the target's features of the text before a): (anchors [N], fp32 scores [N, B-1, V']) per chunk of
+    anchors, over the draft vocabulary (``drafter.draft_vocab``; the whole vocabulary without one). ``target``: a
+    :class:`~dflashkit.target.TargetAdapter`. What the offline estimates of scripts/ read."""
+    L = len(ids)
+    seq = torch.tensor([ids])
+    context = drafter.context_key_values(target.features(seq), torch.arange(L))  # [1, L, F] -> per-layer K/V
+    head, _ = drafter._draft_head(target.lm_head)
+    for first in range(start, L - 1, chunk):
+        anchors = torch.arange(first, min(first + chunk, L - 1))[None]  # [1, N]
+        hidden = block_hidden(drafter, seq, anchors, torch.ones_like(anchors, dtype=torch.bool), target.embed_tokens,
+                              context=context)[0]  # [N, B-1, H]
+        yield anchors[0], head(hidden).float()  # [N], [N, B-1, V']
+
+
 class BlockStates(torch.nn.Module):
     """:func:`block_hidden` as one module call: what DistributedDataParallel wraps (it syncs the gradients of
     what its forward runs). Only the drafter is a submodule; the target's frozen embedding table is held

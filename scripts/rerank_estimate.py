@@ -1,17 +1,16 @@
-"""Estimate what re-ranking the drafter's per-position choices with the text's own n-grams would accept.
+"""Greedy τ of ways to combine copies (prompt lookup, the n-gram store) and the drafter's drafts in one chain.
 
     .venv/bin/python scripts/rerank_estimate.py [--drafter DIR] [--limit 12] [--top-k 4] [--ratios 0,0.1,0.3]
 
-A DFlash drafter scores every block offset in one pass, each offset blind to the tokens drafted before it (only
-the anchor is known), so a chain of argmaxes can pair a word with the wrong continuation of another. Prompt
-lookup and the n-gram store know, for the text so far plus the drafts before an offset, which token usually
-comes next. Here the target decodes alone (greedy answers y), the drafter drafts from every response position a
-(teacher-forced, the training mask), and a chain is built offset by offset: the drafter's argmax, or the
-guide's token (prompt lookup's next token for the text y[:a+k], else the store's) when that token is among the
-drafter's top K with at least ``ratio`` times the argmax's probability. The accepted drafts per step are the
-leading offsets whose chosen token is y's (given all earlier drafts correct, the text the guide reads is y's).
-Reported over all anchors and over "drafter steps" (anchors where neither lookup nor the store proposes, the
-only steps where the decode loop runs the drafter).
+The target decodes alone (greedy answers y); the drafter's top K per block offset is taken teacher-forced at every
+response position (the training mask), and lookup's proposal (else the store's) for every prefix of y. Then y is
+replayed as the decode loop would walk it (at block B, the drafter's), one rule at a time, each step accepting the
+leading drafts equal to y's: ``copy`` (today's loop: copy wherever lookup or the store proposes, else draft),
+``copyfirst`` (copy, the drafter's argmaxes where the copy ends), ``choose`` (run the drafter on copy steps too;
+copy only where its top K hold the copy's first token with at least ``ratio`` x its argmax's probability),
+``drafter-rerank`` (drafter steps take lookup's token for the text up to each offset where it is in the top K:
+each offset of a DFlash block is blind to the drafts before it), and ``oracle`` (the better of copy and drafter
+chain, known in advance: a bound). Prints τ and the share of steps that run the drafter; no timing.
 """
 
 from __future__ import annotations
@@ -23,26 +22,16 @@ import torch
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.lookup import NgramLookup
-from dflashkit.train import block_hidden
+from dflashkit.train import teacher_forced_scores
 
 
-@torch.inference_mode()
-def top_choices(gen: SpeculativeGenerator, ids: list[int], start: int, k: int, chunk: int = 64):
+def top_choices(gen: SpeculativeGenerator, ids: list[int], start: int, k: int):
     """Per anchor a in [start, len-2]: the drafter's top-k token ids and probabilities at offsets 1..B-1."""
-    d, target = gen.drafter, gen.target
-    L = len(ids)
-    seq = torch.tensor([ids])
-    context = d.context_key_values(target.features(seq), torch.arange(L))
-    head, _ = d._draft_head(target.lm_head)
-    vocab = d.draft_vocab
-    out = []
-    for first in range(start, L - 1, chunk):
-        anchors = torch.arange(first, min(first + chunk, L - 1))[None]  # [1, N]
-        hidden = block_hidden(d, seq, anchors, torch.ones_like(anchors, dtype=torch.bool), target.embed_tokens,
-                              context=context)[0]  # [N, B-1, H]
-        probs, cols = head(hidden).float().softmax(-1).topk(k, -1)  # [N, B-1, k]
+    vocab, out = gen.drafter.draft_vocab, []
+    for anchors, scores in teacher_forced_scores(gen.drafter, gen.target, ids, start):
+        probs, cols = scores.softmax(-1).topk(k, -1)  # [N, B-1, k]
         tokens = vocab[cols] if vocab is not None else cols
-        out += [(int(a), tokens[n].tolist(), probs[n].tolist()) for n, a in enumerate(anchors[0])]
+        out += [(int(a), tokens[n].tolist(), probs[n].tolist()) for n, a in enumerate(anchors)]
     return out
 
 

@@ -21,35 +21,25 @@ from dflashkit.decode import DecodeOptions, decode
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.sampling import SamplingParams
-from dflashkit.train import block_hidden
+from dflashkit.train import teacher_forced_scores
 from dflashkit.tree import best_first
 
 MAX_RANK = 8
 
 
-@torch.inference_mode()
-def rank_paths(gen: SpeculativeGenerator, ids: list[int], start: int, chunk: int = 64) -> tuple[list, list]:
+def rank_paths(gen: SpeculativeGenerator, ids: list[int], start: int) -> tuple[list, list]:
     """Per anchor a in [start, len-2]: ranks (capped at MAX_RANK) of ids[a+1..a+B-1] in the drafter's scores,
     and the drafter's top-MAX_RANK probabilities at every offset [B-1, MAX_RANK]."""
     d, target = gen.drafter, gen.target
     B, L = d.block_size, len(ids)
-    seq = torch.tensor([ids])
-    features = target.features(seq)  # [1, L, F]
-    context = d.context_key_values(features, torch.arange(L))
-    head, _ = d._draft_head(target.lm_head)
     vocab = d.draft_vocab
     column = torch.full((target.vocab_size,), -1, dtype=torch.long)
     column[vocab] = torch.arange(len(vocab))
     out, tops = [], []
-    for first in range(start, L - 1, chunk):
-        anchors = torch.arange(first, min(first + chunk, L - 1))[None]  # [1, N]
-        keep = torch.ones_like(anchors, dtype=torch.bool)
-        N = anchors.shape[1]
-        hidden = block_hidden(d, seq, anchors, keep, target.embed_tokens, context=context)[0]  # [N, B-1, H]
-        scores = head(hidden).float()  # [N, B-1, V']
+    for anchors, scores in teacher_forced_scores(d, target, ids, start):  # [N], [N, B-1, V']
         top = scores.softmax(-1).topk(MAX_RANK, -1).values  # [N, B-1, MAX_RANK]
-        for n in range(N):
-            a = int(anchors[0, n])
+        for n in range(len(anchors)):
+            a = int(anchors[n])
             ranks = []
             for k in range(1, B):
                 if a + k >= L:
