@@ -17,8 +17,9 @@ can pass vacuously.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
@@ -33,6 +34,8 @@ from dflashkit.sampling import (
     PositionNoise,
     SamplingParams,
     argmax,
+    block_residual,
+    block_verification,
     check_sampler,
     coupled_scores,
     propose,
@@ -402,6 +405,104 @@ def test_chain_of_three_drafts_matches_markov_target(mode):
     assert_matches(second, t[top1], f"2nd token given 1st={top1} ({mode})")
     third = joint.sum((0, 1))
     assert_matches(third, exact.sum((0, 1)), f"3rd token ({mode})")
+
+
+def prefix_rows(kind: str, vocab: int, seed: int):
+    """row(prefix, who): a fixed random float64 distribution per (prefix, "p" target | "q" drafter); rows may
+    depend on the whole prefix (block verification allows any q). "sparse": some zeros in both (as top-k / a
+    draft vocabulary give); "shared": q equals p at about half of the prefixes (ratios of exactly 1)."""
+    g = torch.Generator().manual_seed(seed)
+    rows: dict = {}
+
+    def row(prefix: tuple, who: str) -> torch.Tensor:
+        if (prefix, who) not in rows:
+            logits = torch.randn(vocab, generator=g, dtype=torch.float64) * 2
+            if kind == "sparse":
+                zero = torch.rand(vocab, generator=g) < 0.4
+                zero[int(torch.randint(vocab, (1,), generator=g))] = False
+                logits = logits.masked_fill(zero, float("-inf"))
+            probs = logits.softmax(-1)
+            if kind == "shared" and who == "q" and float(torch.rand(1, generator=g)) < 0.5:
+                probs = row(prefix, "p")
+            rows[prefix, who] = probs
+        return rows[prefix, who]
+
+    return row
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "shared"])
+def test_block_verification_law_is_the_target_joint(kind):
+    """Exact, no sampling: over every chain of 3 drafts (vocab 4), the stop probabilities and residuals of
+    block verification, followed by the target's own sampling, give the target's joint of 4 tokens; and the
+    drafts kept in expectation are at least token-by-token acceptance's."""
+    vocab, k = 4, 3
+    row = prefix_rows(kind, vocab, BASE_SEED + 17)
+
+    def target_prob(seq: tuple, start: int) -> float:  # P(seq[start:] | seq[:start]) under the target
+        return math.prod(float(row(seq[:j], "p")[seq[j]]) for j in range(start, len(seq)))
+
+    law: dict = defaultdict(float)
+    kept_block = kept_token = 0.0
+    for chain in itertools.product(range(vocab), repeat=k):
+        q_rows = torch.stack([row(chain[:i], "q") for i in range(k)])  # [k, vocab]
+        p_rows = torch.stack([row(chain[:i], "p") for i in range(k + 1)])  # [k+1, vocab]
+        q_chain = math.prod(float(q_rows[i, chain[i]]) for i in range(k))
+        if q_chain == 0:
+            continue
+        weights, stops = block_verification(p_rows, torch.tensor(chain), q_rows)
+        assert all(h <= w + 1e-12 for h, w in zip(stops, weights[1:]))  # the bound verify_sampled skips rows by
+        later = 1.0  # P(the kept prefix does not end after i)
+        for i in range(k, -1, -1):
+            ends = later * (stops[i - 1] if i else 1.0)
+            later *= (1 - stops[i - 1]) if i else 0.0
+            kept_block += q_chain * ends * i
+            if ends == 0:
+                continue
+            after = p_rows[k] if i == k else block_residual(p_rows, q_rows, weights, i)
+            for y in range(vocab):
+                for tail in itertools.product(range(vocab), repeat=k - i):
+                    full = chain[:i] + (y,) + tail
+                    law[full] += q_chain * ends * float(after[y]) * target_prob(full, i + 1)
+        ratios = [min(1.0, float(p_rows[i, chain[i]] / q_rows[i, chain[i]])) for i in range(k)]
+        kept_token += q_chain * sum(math.prod(ratios[:n]) for n in range(1, k + 1))
+    for full in itertools.product(range(vocab), repeat=k + 1):
+        assert abs(law[full] - target_prob(full, 0)) < 1e-12, full
+    assert kept_block >= kept_token - 1e-12
+    if kind == "dense":
+        assert kept_block > kept_token + 0.01, (kept_block, kept_token)
+
+
+def test_block_verification_with_one_draft_is_the_rejection_step():
+    p, p_next, q = pq_pair("full_support")
+    x = int(q.argmin())
+    weights, stops = block_verification(torch.stack((p, p_next)), torch.tensor([x]), q[None])
+    assert stops == pytest.approx([min(1.0, float(p[x] / q[x]))])
+    residual = block_residual(torch.stack((p, p_next)), q[None], weights, 0)
+    expected = (p - q).clamp_min(0)
+    torch.testing.assert_close(residual, expected / expected.sum())
+
+
+def test_sampled_chain_keeps_the_drafts_block_verification_promises():
+    """verify_sampled walks the stop probabilities the right way: its mean number of kept drafts matches the
+    expectation from block_verification (within 4.5 sigma), above token-by-token acceptance's."""
+    trans, q = markov_chain(BASE_SEED + 3)
+    g = torch.Generator().manual_seed(BASE_SEED + 19)
+    kept, promised, token_wise = [], [], []
+    for _ in range(4000):
+        drafts = torch.multinomial(q, 1, generator=g)[:, 0]
+        target = trans[[0] + drafts.tolist()]
+        _, stops = block_verification(target, drafts, q)
+        later, expected = 1.0, 0.0
+        for i in range(3, 0, -1):
+            expected += later * stops[i - 1] * i
+            later *= 1 - stops[i - 1]
+        promised.append(expected)
+        ratios = (target[torch.arange(3), drafts] / q[torch.arange(3), drafts]).clamp(max=1)
+        token_wise.append(float(torch.cumprod(ratios, 0).sum()))
+        kept.append(verify_sampled(target, drafts, q, g)[0])
+    sigma = np.std(kept) / math.sqrt(len(kept))
+    assert abs(np.mean(kept) - np.mean(promised)) < 4.5 * sigma, (np.mean(kept), np.mean(promised))
+    assert np.mean(promised) > np.mean(token_wise), (np.mean(promised), np.mean(token_wise))
 
 
 def test_draws_without_replacement_follow_the_sequential_distribution():
