@@ -250,12 +250,14 @@ def decode(
             if copied and constraint:  # one-hot proposals: cut at the first token the grammar refuses
                 n, masks = constraint.cut(copied)
                 copied = copied[:n]
-            if copied:  # a fixed function of the text: a one-hot proposal
+            # a tree walked with the target's own tokens (greedy, coupled) holds the copy and the drafter's candidates
+            hybrid = bool(copied) and use_trees and (params.greedy or noise is not None)
+            if copied and not hybrid:  # a fixed function of the text: a one-hot proposal
                 size, k = copy_block, len(copied)
                 drafts = torch.tensor(copied, dtype=torch.long, device=device)
             else:
-                size = policy.choose() if policy else block
-                k = min(size - 1, room) if drafter else 0
+                size = copy_block if copied else (policy.choose() if policy else block)
+                k = min((largest if copied else size) - 1, room) if drafter else 0
                 if use_trees:  # a tree of N nodes is at most N deep: draft no further
                     k = min(k, options.tree)
                 if k > 0:
@@ -276,8 +278,8 @@ def decode(
                             tree = sample_tree(q, columns, options.tree, gen)
                             if columns is not None:
                                 q = over_vocabulary(q, columns, target.vocab_size)  # [k, vocab]
-                        else:  # the drafter's top choices (greedy, or coupled: argmaxes of noisy scores)
-                            tree = build_tree(scores, columns, options.tree)
+                        else:  # the drafter's top choices (greedy, or coupled: argmaxes of noisy scores) [+ the copy]
+                            tree = build_tree(scores, columns, options.tree, copy=copied)
                         drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
                     elif constraint:  # each row masked by what the grammar allows after the drafts before it
                         propose_row = functools.partial(propose, params=draft_params, mode=mode, generator=gen,
@@ -354,7 +356,7 @@ def decode(
             if policy and not copied:  # the policy models the drafter's acceptance and cost
                 policy.observe(size, k, accepted, time.perf_counter() - t_step)
             elif copy_policy is not None and copied:  # ... and its copy policy those of copied drafts
-                copy_policy.observe(size, k, accepted, time.perf_counter() - t_step)
+                copy_policy.observe(size, len(copied), accepted, time.perf_counter() - t_step)
             stop_at = next((i for i, t in enumerate(emitted) if t in stop_ids), None)
             if stop_at is not None:
                 emitted = emitted[: stop_at + 1]

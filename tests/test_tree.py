@@ -60,6 +60,54 @@ def test_build_tree_maps_columns_to_token_ids_and_is_a_chain_for_a_confident_dra
     assert unsure.depths == [1, 1, 1, 1] and unsure.parents == [0, 0, 0, 0]
 
 
+def hybrid_worths(probs: torch.Tensor, top: int, copy: list[int], worth: float) -> dict[tuple[int, ...], float]:
+    """Every node a hybrid tree may hold (token paths) and its worth: the copy's prefix of depth d is worth
+    worth^d, a drafter candidate (one of a position's `top` tokens) its parent's worth times its probability;
+    the larger where a path is both."""
+    top_tokens = probs.topk(top, -1).indices.tolist()
+    out: dict[tuple[int, ...], float] = {(): 1.0}
+    frontier = [()]
+    for depth in range(1, max(probs.shape[0], len(copy)) + 1):
+        nxt = []
+        for path in frontier:
+            options = {}
+            if path == tuple(copy[: depth - 1]) and depth <= len(copy):
+                options[copy[depth - 1]] = worth**depth
+            if depth <= probs.shape[0]:
+                for t in top_tokens[depth - 1]:
+                    options[t] = max(options.get(t, 0.0), out[path] * float(probs[depth - 1, t]))
+            for t, w in options.items():
+                out[path + (t,)] = w
+                nxt.append(path + (t,))
+        frontier = nxt
+    del out[()]
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7, 15])
+@pytest.mark.parametrize("copy_len", [1, 4, 9])
+def test_hybrid_tree_keeps_the_nodes_of_largest_worth(budget, copy_len):
+    """build_tree with a copy: the `budget` nodes of largest worth (brute force over every node of the copy and
+    the drafter's top 3 per position), the copy's tokens reachable from the anchor along its own path."""
+    g = torch.Generator().manual_seed(100 * budget + copy_len)
+    scores = torch.randn(5, 10, generator=g) * 2
+    copy = torch.randint(10, (copy_len,), generator=g).tolist()
+    copy[0] = int(scores[0].argmin())  # the copy's first token is the drafter's least likely one
+    tree = build_tree(scores, None, budget, top=3, copy=copy, copy_worth=0.9)
+    paths: list[tuple[int, ...]] = []
+    for token, parent, depth in zip(tree.tokens, tree.parents, tree.depths):
+        prefix = paths[parent - 1] if parent else ()
+        assert len(prefix) == depth - 1
+        paths.append(prefix + (token,))
+    worths = hybrid_worths(scores.softmax(-1), 3, copy, 0.9)
+    assert len(set(paths)) == len(paths) == min(budget, len(worths))
+    best = sorted(worths.values(), reverse=True)[: len(paths)]
+    assert sorted((worths[p] for p in paths), reverse=True) == pytest.approx(best)
+    kept_copy = [p for p in paths if p == tuple(copy[: len(p)])]
+    assert kept_copy and max(map(len, kept_copy)) == len(kept_copy)  # the copy's prefix, from the anchor
+    assert build_tree(scores, None, budget, top=3, copy=[]).tokens == build_tree(scores, None, budget, top=3).tokens
+
+
 @pytest.mark.parametrize("budget", [1, 4, 9])
 def test_sample_tree_has_the_greedy_shape_and_draws_its_children(budget):
     """A sampled tree has build_tree's shape for the same distributions (a function of q alone), every node's
@@ -212,6 +260,65 @@ def test_tree_decoding_equals_plain_greedy_and_accepts_more_than_a_chain(arch):
             if tree:
                 assert stats.tree == 10 and all(n <= 10 for n in stats.tree_nodes) and sum(map(bool, stats.tree_nodes)) > 5
     assert sum(taus["tree"]) > sum(taus["chain"]) * 1.2, taus
+
+
+class WrongCopies:
+    """A lookup stand-in that copies the target's continuation where ``right(pos)`` says so, else a wrong one
+    (made from the text so far, as lookup's are): both kinds of copied steps occur."""
+
+    def __init__(self, continuation: list[int], start: int, right: list[int]) -> None:
+        self.continuation, self.pos, self.from_store, self.right = continuation, start, False, right
+
+    def propose(self, max_tokens: int) -> list[int]:
+        true = self.continuation[self.pos + 1 : self.pos + 1 + max_tokens]
+        if not true:
+            return []
+        good = 0 if self.pos % 3 == 0 else 2  # wrong from the first token on, or right for two tokens
+        self.right.append(min(good, len(true)))  # what a chain of this copy accepts
+        return true[:good] + [(t + 1) % VOCAB for t in true[good:]]
+
+    def extend(self, tokens: list[int]) -> None:
+        self.pos += len(tokens)
+
+
+def test_hybrid_trees_hold_copy_and_drafter_and_equal_plain_greedy(arch, monkeypatch):
+    """With lookup and --tree, a copied step verifies one tree of the copy and the drafter's candidates: output ==
+    plain greedy (fp32); copies verified as chains accept exactly their right tokens, while in trees the drafter's
+    branches carry steps past where the copy goes wrong."""
+    import sys
+
+    decode_module = sys.modules["dflashkit.decode"]
+    model = tiny_target(arch)
+    base = tiny_drafter(model, block_size=8)
+    target = TargetAdapter(model, base.config.target_layer_ids)
+    for tree in (12, None):
+        copied_steps, tree_steps, accepted, right = 0, 0, 0, 0
+        for seed in range(4):
+            prompt = torch.randint(3, VOCAB, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+            plain = [t for s in decode(TargetAdapter(model), None, prompt, DecodeOptions(max_new_tokens=30))
+                     for t in s.tokens]
+            full = prompt + plain
+            proposals: list[int] = []
+            monkeypatch.setattr(decode_module, "NgramLookup",
+                                lambda ids, store=None: WrongCopies(full, len(ids) - 1, proposals))
+            oracle = RankedOracle(base.config, full)
+            oracle.load_state_dict(base.state_dict())
+            stats = DecodeStats(8)
+            out = [t for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=30, tree=tree, lookup=True),
+                                     stats) for t in s.tokens]
+            assert out == plain, (tree, seed)
+            copied = [a for a, c in zip(stats.accepted_lengths, stats.copied_steps) if c]
+            assert len(copied) == len(proposals) >= stats.steps - 1  # a copy at every step with room for one
+            copied_steps += len(copied)
+            tree_steps += sum(1 for c, n in zip(stats.copied_steps, stats.tree_nodes) if c and n)
+            accepted += sum(copied)
+            right += sum(proposals)
+            if not tree:
+                assert copied == proposals  # a chain of the copy: its right tokens, no more
+        assert copied_steps > 10
+        if tree:
+            assert tree_steps == copied_steps  # every copied step was a tree
+            assert accepted > right * 1.3, (accepted, right)  # the drafter's branches carried past wrong copies
 
 
 def test_tree_decoding_keeps_the_caches_equal_to_a_fresh_prefill():
