@@ -346,7 +346,8 @@ def _add_tree_option(parser: argparse.ArgumentParser) -> None:
         "--tree", type=int, default=None, metavar="N",
         help="drafter steps verify a token tree of up to N nodes (the drafter's likeliest alternatives at each "
         "position, chosen best-first; when sampling with the rejection sampler, candidates drawn from the drafter and "
-        "tried in turn) instead of a chain: more tokens per pass for a wider verify (lossless; fast forward only; "
+        "tried in turn) instead of a chain; greedy or seeded, a prompt-lookup copy and the drafter's candidates share "
+        "one tree: more tokens per pass for a wider verify (lossless; fast forward only; "
         "without --block-size, over the drafter's block size; default: trees of 6 nodes for seeded sampling with the "
         "adaptive block size (coupled sampler), chains otherwise; 0: chains in any case)",
     )
