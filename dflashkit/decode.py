@@ -73,6 +73,7 @@ class DecodeOptions:
     lookup: bool = False  # draft by copying after a repeated n-gram where one exists (prompt lookup)
     lookup_store: NgramStore | None = None  # with lookup: the target's past answers, where the text has no repeat
     tree: int | None = None  # drafter steps verify a token tree of this many nodes instead of a chain (dflashkit.tree)
+    tree_copies: bool = True  # with a tree, greedy or coupled: a copied step's tree also holds the copy (else a chain)
     draft_window: int | None = None  # drafting attends to the last N context tokens; None: the drafter's own, 0: all
     grammar: CompiledGrammar | None = None  # structured output: every token is one the grammar allows (chains only)
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (dflashkit.logprobs)
@@ -251,7 +252,7 @@ def decode(
                 n, masks = constraint.cut(copied)
                 copied = copied[:n]
             # a tree walked with the target's own tokens (greedy, coupled) holds the copy and the drafter's candidates
-            hybrid = bool(copied) and use_trees and (params.greedy or noise is not None)
+            hybrid = bool(copied) and use_trees and options.tree_copies and (params.greedy or noise is not None)
             if copied and not hybrid:  # a fixed function of the text: a one-hot proposal
                 size, k = copy_block, len(copied)
                 drafts = torch.tensor(copied, dtype=torch.long, device=device)

@@ -67,7 +67,10 @@ def default_sampler(sampler: str | None, seed: int | None) -> str:
 # are accepted: session 33, `python scripts/tree_candidates.py --default --sampler coupled --trees 4,6 --limit 10
 # --seeds 2` (T=1, the adaptive policy and lookup, a policy per variant): chains 1.24 / 1.39 / 1.30x plain coupled
 # sampling (MT-Bench / HumanEval / MATH-500), trees of 4 nodes 1.28 / 1.43 / 1.38x, of 6 1.30 / 1.45 / 1.37x. With
-# the rejection sampler (no seed) trees gained less (+0-3%) and chains stay.
+# the rejection sampler (no seed) trees gained less (+0-3%) and chains stay. Copied steps stay chains in these default
+# trees (tree_copies): one tree of the copy and the drafter's candidates raised τ (1.70 / 1.83 / 1.60 against 1.48 /
+# 1.53 / 1.46) but ran the drafter on every copied step, 1.17 / 1.19 / 1.07x against 1.24 / 1.30 / 1.14x (session 40,
+# `python scripts/tree_candidates.py --default --sampler coupled --trees 6 --limit 10 --seeds 2`, this CPU).
 COUPLED_TREE = 6
 
 
@@ -275,6 +278,7 @@ class SpeculativeGenerator:
         lookup: bool | None = None,
         ngram_store: bool = True,
         tree: int | None = None,
+        tree_copies: bool | None = None,
         draft_window: int | None = None,
         grammar: Grammar | CompiledGrammar | None = None,
         logprobs: int | None = None,
@@ -300,7 +304,11 @@ class SpeculativeGenerator:
         alternatives; with the rejection sampler, candidates drawn from the drafter: :mod:`dflashkit.tree`) instead of
         a chain; on the fast forward only (elsewhere: chains). ``tree=None`` (the default): trees of
         :data:`COUPLED_TREE` nodes for seeded sampling with the adaptive block size, chains otherwise
-        (:func:`default_tree`); ``tree=0``: chains in any case.
+        (:func:`default_tree`); ``tree=0``: chains in any case. ``tree_copies``: whether a greedy or seeded step
+        that copies (lookup, the n-gram store) verifies one tree of the copy and the drafter's candidates instead of
+        the copy as a chain; None (the default): yes for a tree asked for, no for the default seeded trees (on
+        this CPU the drafter's pass on every copied step cost more than the trees' extra tokens brought: session 40,
+        `python scripts/tree_candidates.py --default --sampler coupled --trees 6 --limit 10 --seeds 2`).
         ``sampler`` (when sampling): "rejection" (speculative sampling, the most drafts accepted) or "coupled"
         (Gumbel-max with noise fixed by the seed and position: the output is the plain sampled output of the
         seed, whatever the drafter, block size, lookup or batch; see :mod:`dflashkit.sampling`); None (the
@@ -331,6 +339,7 @@ class SpeculativeGenerator:
             stop = [stop]
         drafter = self.drafter if use_drafter else None
         tree = check_tree_option(tree)  # 0: chains, whatever the default
+        tree_copies = bool(tree) if tree_copies is None else bool(tree_copies)  # the default trees: copies as chains
         block_size = default_block_size(block_size, drafter is not None, tree)
         adaptive = block_size == "auto"
         lookup = default_lookup(lookup, drafter is not None)
@@ -352,6 +361,7 @@ class SpeculativeGenerator:
             lookup=lookup,
             lookup_store=store,
             tree=tree,
+            tree_copies=tree_copies,
             draft_window=draft_window,
             grammar=self.compile_grammar(grammar) if grammar is not None else None,
             logprobs=logprobs,

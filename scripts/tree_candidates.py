@@ -10,6 +10,8 @@ adaptive policy to share), no prompt lookup (copies are one-hot chains whatever 
         # trees (rejection sampler), each variant with its own adaptive policy
     .venv/bin/python scripts/tree_candidates.py --default --sampler both --limit 10 --seeds 2
         # the two samplers' defaults against the same plain sampling: rejection chains, coupled trees
+    .venv/bin/python scripts/tree_candidates.py --default --sampler coupled --trees 6 --limit 10 --seeds 2
+        # seeded (coupled): chains, trees of 6 whose copied steps stay chains (the default), trees holding the copies
 
 Prints per evaluation set and variant the share of steps whose first drafted position was accepted, τ and the
 TPOT speedup over plain sampling (rejection sampler), pooled over the set.
@@ -35,6 +37,8 @@ def variants(tree: int, default: bool = False, trees: str = "", sampler: str = "
     if default:
         return {"plain": {"use_drafter": False, "sampler": sampler},
                 "default (chains)": {"sampler": sampler, "chains": True},
+                **{f"trees of {n}, copies as chains": {"sampler": sampler, "tree": int(n), "tree_copies": False}
+                   for n in trees.split(",") if n and sampler == "coupled"},
                 **{f"default, trees of {n}": {"sampler": sampler, "tree": int(n)} for n in trees.split(",") if n}}
     return {
         "plain": {"use_drafter": False, "sampler": "rejection"},

@@ -283,15 +283,15 @@ class WrongCopies:
 
 def test_hybrid_trees_hold_copy_and_drafter_and_equal_plain_greedy(arch, monkeypatch):
     """With lookup and --tree, a copied step verifies one tree of the copy and the drafter's candidates: output ==
-    plain greedy (fp32); copies verified as chains accept exactly their right tokens, while in trees the drafter's
-    branches carry steps past where the copy goes wrong."""
+    plain greedy (fp32); copies verified as chains (no tree, or tree_copies=False) accept exactly their right
+    tokens, while in trees the drafter's branches carry steps past where the copy goes wrong."""
     import sys
 
     decode_module = sys.modules["dflashkit.decode"]
     model = tiny_target(arch)
     base = tiny_drafter(model, block_size=8)
     target = TargetAdapter(model, base.config.target_layer_ids)
-    for tree in (12, None):
+    for tree, tree_copies in ((12, True), (12, False), (None, True)):
         copied_steps, tree_steps, accepted, right = 0, 0, 0, 0
         for seed in range(4):
             prompt = torch.randint(3, VOCAB, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -304,21 +304,23 @@ def test_hybrid_trees_hold_copy_and_drafter_and_equal_plain_greedy(arch, monkeyp
             oracle = RankedOracle(base.config, full)
             oracle.load_state_dict(base.state_dict())
             stats = DecodeStats(8)
-            out = [t for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=30, tree=tree, lookup=True),
-                                     stats) for t in s.tokens]
-            assert out == plain, (tree, seed)
+            options = DecodeOptions(max_new_tokens=30, tree=tree, lookup=True, tree_copies=tree_copies)
+            out = [t for s in decode(target, oracle, prompt, options, stats) for t in s.tokens]
+            assert out == plain, (tree, tree_copies, seed)
             copied = [a for a, c in zip(stats.accepted_lengths, stats.copied_steps) if c]
             assert len(copied) == len(proposals) >= stats.steps - 1  # a copy at every step with room for one
             copied_steps += len(copied)
             tree_steps += sum(1 for c, n in zip(stats.copied_steps, stats.tree_nodes) if c and n)
             accepted += sum(copied)
             right += sum(proposals)
-            if not tree:
+            if not (tree and tree_copies):
                 assert copied == proposals  # a chain of the copy: its right tokens, no more
         assert copied_steps > 10
-        if tree:
+        if tree and tree_copies:
             assert tree_steps == copied_steps  # every copied step was a tree
             assert accepted > right * 1.3, (accepted, right)  # the drafter's branches carried past wrong copies
+        else:
+            assert tree_steps == 0
 
 
 def test_tree_decoding_keeps_the_caches_equal_to_a_fresh_prefill():
@@ -366,6 +368,33 @@ def test_tree_on_an_eager_target_falls_back_to_chains():
     plain = [t for s in decode(TargetAdapter(model), None, prompt, DecodeOptions(max_new_tokens=12)) for t in s.tokens]
     assert out == plain
     assert stats.tree is None and not any(stats.tree_nodes)
+
+
+def test_copies_join_the_trees_asked_for_not_the_default_seeded_ones(monkeypatch):
+    """generate's tree_copies: None means copies join a tree asked for (tree=N) and stay chains in the default trees
+    of seeded sampling (measured slower on a CPU); an explicit value wins either way."""
+    import sys
+
+    from conftest import word_tokenizer
+
+    from dflashkit.generator import COUPLED_TREE, SpeculativeGenerator
+
+    generator_module = sys.modules["dflashkit.generator"]
+    seen = []
+    real_decode = generator_module.decode
+
+    def spy(target, drafter, ids, options, *args):
+        seen.append((options.tree, options.tree_copies))
+        return real_decode(target, drafter, ids, options, *args)
+
+    monkeypatch.setattr(generator_module, "decode", spy)
+    model = tiny_target("llama")
+    gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=8))
+    gen.generate([5, 9, 5, 9], max_new_tokens=6, temperature=1.0, seed=1)  # the default seeded trees
+    gen.generate([5, 9, 5, 9], max_new_tokens=6, tree=4)  # greedy, a tree asked for
+    gen.generate([5, 9, 5, 9], max_new_tokens=6, temperature=1.0, seed=1, tree_copies=True)
+    gen.generate([5, 9, 5, 9], max_new_tokens=6, tree=4, tree_copies=False)
+    assert seen == [(COUPLED_TREE, False), (4, True), (COUPLED_TREE, True), (4, False)]
 
 
 def test_seeded_sampling_verifies_trees_by_default_and_keeps_the_seeds_output():
