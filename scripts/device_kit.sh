@@ -242,6 +242,12 @@
 # LOSS=dpace: D-PACE's loss weights (`train --loss-weighting dpace`: each offset weighted by the accepted length that
 # depends on it, from the drafter's own probabilities) instead of the fixed decay; warm-starts from v14 like any run.
 # A CPU data run beside it adds ~250 answer tokens/s (<1% of a GPU session's answers): not worth a core.
+# Session 40 (no GPU): token trees that hold both a copy and the drafter's candidates (`--tree N` with lookup) reach
+# issue 3's τ at block 16 here (3.95) but cost speed on this CPU (16 rows at 1.7x a 1-row step, the drafter every
+# step). They were never timed on a GPU, where rows and the drafter are cheap: with a minute left after finish, time
+# them (`python3 -m dflashkit bench --device cuda --methods ar,dflash-lookup --temperatures 0 --limit 4
+# --max-new-tokens 128 --max-turns 1 --block-sizes 16,auto --trees 15,7` with the drafter just trained)
+# and write the result into the README's "Token trees".
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
 # before its data phase (the static and batches engines timed and compared, a torch.profiler table of each), or

@@ -3,7 +3,8 @@
 Tiny random targets (llama, qwen2, qwen3 layouts) and drafters in fp32 on the GPU. For each prompt and block size:
 speculative greedy with the target's and the drafter's steps replayed from CUDA graphs == plain greedy on
 transformers' eager forward, token for token; the same with the adaptive block-size policy (several verify
-shapes); and T=1 sampling, chains and sampled token trees, with graphs == the fast path without graphs for the same
+shapes) and with greedy token trees and prompt lookup (copied steps verify trees of the copy and the drafter's
+candidates); and T=1 sampling, chains and sampled token trees, with graphs == the fast path without graphs for the same
 seed. Then the data path's
 fixed-shape batch (``batchgen.generate_static``: 8 slots refilled as answers end, its decode step a CUDA graph):
 greedy answers to 24 prompts of mixed lengths == transformers' decoder in static batches (``generate_batch``).
@@ -74,10 +75,14 @@ def main() -> int:
                     "graphs, plain": tokens(graphed, None, prompt),
                     "graphs, speculative": tokens(graphed, drafter, prompt),
                     "graphs, adaptive": tokens(graphed, drafter, prompt, AdaptiveBlockSize(block, explore_every=3)),
+                    # greedy token trees, copied steps' trees holding the copy and the drafter's candidates
+                    "graphs, trees with copies": tokens(graphed, drafter, prompt + prompt, tree=5, lookup=True),
                 }
+                plain_twice = tokens(eager, None, prompt + prompt)
                 for name, got in checks.items():
-                    if got != plain:
-                        at = next((j for j, (a, b) in enumerate(zip(got, plain)) if a != b), min(len(got), len(plain)))
+                    want = plain_twice if "copies" in name else plain
+                    if got != want:
+                        at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
                         failures.append(f"{arch} b{block} prompt {i} {name}: parts from plain greedy at token {at}")
                 sampling = SamplingParams(temperature=1.0)
                 with_graphs = tokens(graphed, drafter, prompt, sampling=sampling, seed=7)
@@ -92,7 +97,7 @@ def main() -> int:
                 torch.cuda.synchronize()
             fell_back = {**graphed.graphs.failed, **drafter.graphs.failed}
             failures += [f"{arch} b{block} fell back to eager: {k} {v}" for k, v in fell_back.items()]
-            print(f"{arch:6s} block {block:2d}: {len(PROMPTS)} prompts x 5 checks in {time.perf_counter() - t0:5.1f} s; "
+            print(f"{arch:6s} block {block:2d}: {len(PROMPTS)} prompts x 6 checks in {time.perf_counter() - t0:5.1f} s; "
                   f"target graphs captured {graphed.graphs.captures}, drafter graphs {drafter.graphs.captures}, "
                   f"fallbacks {len(fell_back)}")
     for arch in ("llama", "qwen2", "qwen3"):  # the data path: one fixed-shape batch, its step a graph
