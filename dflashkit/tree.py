@@ -41,7 +41,8 @@ TOP_CANDIDATES = 4  # candidates per block position a tree may use (the drafter'
 # What a copied token (prompt lookup, the n-gram store) is worth per depth in a tree that also holds the drafter's
 # candidates (:func:`build_tree` with ``copy``). Replayed greedy answers, shipped drafter, 15 nodes (session 40,
 # `python scripts/hybrid_tree_estimate.py --limit 12 --copy-values 0.5,0.8,0.95`; MT-Bench / HumanEval / MATH-500):
-# τ 2.75 / 3.81 / 3.28 at 0.5, 2.78 / 4.39 / 3.59 at 0.8, 2.75 / 4.59 / 3.48 at 0.95.
+# τ 2.75 / 3.81 / 3.28 at 0.5, 2.78 / 4.39 / 3.59 at 0.8, 2.75 / 4.59 / 3.48 at 0.95; 0.9, between the two best, gave
+# 3.09 / 4.51 / 4.26 in the bench (block 16, 256 tokens; README "Token trees").
 COPY_WORTH = 0.9
 
 
