@@ -13,7 +13,9 @@ verify rows; N = 15 is a block-16 verify):
   c^d, a drafter candidate its parent's worth times the drafter's probability; the drafter's candidates also
   hang under copied nodes; equal tokens under one parent are one node.
 
-No timing: a hybrid step runs the drafter on every step (~2 ms of a ~10-12 ms step here).
+``--min-worths``: hybrid trees stop adding nodes worth less than this (fewer verify rows). Prints τ and the mean
+verify rows a step (anchor included). No timing: a hybrid step runs the drafter on every step (~2-3.5 ms of a
+~10-20 ms step here).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dflashkit.generator import SpeculativeGenerator
 
 
 def build(tokens: list[list[int]], probs: list[list[float]], copy: list[int], budget: int,
-          copy_value: float) -> dict[tuple[int, ...], float]:
+          copy_value: float, min_worth: float = 0.0) -> dict[tuple[int, ...], float]:
     """Best-first tree over the copy and the drafter's top choices: {path: worth} of the chosen nodes."""
     depth_max = len(tokens)
     chosen: dict[tuple[int, ...], float] = {}
@@ -55,6 +57,8 @@ def build(tokens: list[list[int]], probs: list[list[float]], copy: list[int], bu
     children((), 1.0)
     while heap and len(chosen) < budget:
         neg, _, path = heapq.heappop(heap)
+        if -neg < min_worth:  # the rest are worth less still
+            break
         if path in chosen:
             continue
         chosen[path] = -neg
@@ -70,26 +74,26 @@ def accepted(tree: dict, y: list[int], a: int) -> int:
 
 
 def walk(y: list[int], start: int, choices: dict, props: list[list[int]], rule: str, budget: int,
-         copy_value: float) -> tuple[int, int, int]:
-    a, steps, drafter_steps = start - 1, 0, 0
+          copy_value: float, min_worth: float = 0.0) -> tuple[int, int, int, int]:
+    a, steps, drafter_steps, rows = start - 1, 0, 0, 0
     while a < len(y) - 1:
         tokens, probs = choices[a]
         room = len(y) - 1 - a
         tokens, probs = tokens[: min(budget, room)], probs[: min(budget, room)]
         copy = list(props[a + 1])[: min(budget, room)]
         if copy and rule != "hybrid":
-            n = 0
+            n, rows = 0, rows + len(copy) + 1
             while n < len(copy) and copy[n] == y[a + 1 + n]:
                 n += 1
         elif rule == "copy-chain":
             chain = {tuple(t[0] for t in tokens[:d]): 1.0 for d in range(1, len(tokens) + 1)}
-            n, drafter_steps = accepted(chain, y, a), drafter_steps + 1
+            n, drafter_steps, rows = accepted(chain, y, a), drafter_steps + 1, rows + len(chain) + 1
         else:
-            tree = build(tokens, probs, copy if rule == "hybrid" else [], budget, copy_value)
-            n, drafter_steps = accepted(tree, y, a), drafter_steps + 1
+            tree = build(tokens, probs, copy if rule == "hybrid" else [], budget, copy_value, min_worth)
+            n, drafter_steps, rows = accepted(tree, y, a), drafter_steps + 1, rows + len(tree) + 1
         steps += 1
         a += n + 1
-    return len(y) - start, steps, drafter_steps
+    return len(y) - start, steps, drafter_steps, rows
 
 
 def main() -> None:
@@ -100,6 +104,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budgets", default="15", help="comma-separated node budgets (N + 1 verify rows)")
     ap.add_argument("--copy-values", default="0.7,0.9,0.97", help="comma-separated worth c of a copied token")
+    ap.add_argument("--min-worths", default="0", help="comma-separated: hybrid trees drop nodes worth less")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -107,8 +112,9 @@ def main() -> None:
     gen = SpeculativeGenerator.load(drafter=args.drafter)
     B = gen.drafter.block_size
     budgets = [int(b) for b in args.budgets.split(",")]
-    variants = [(rule, b, 0.0) for b in budgets for rule in ("copy-chain", "copy-or-tree")] + [
-        ("hybrid", b, float(c)) for b in budgets for c in args.copy_values.split(",")]
+    variants = [(rule, b, 0.0, 0.0) for b in budgets for rule in ("copy-chain", "copy-or-tree")] + [
+        ("hybrid", b, float(c), float(m)) for b in budgets for c in args.copy_values.split(",")
+        for m in args.min_worths.split(",")]
     means = {}
     for name in args.sets.split(","):
         totals: dict[str, list[int]] = {}
@@ -117,18 +123,19 @@ def main() -> None:
             y = ids + gen.generate(ids, max_new_tokens=args.max_new_tokens, use_drafter=False).token_ids  # greedy
             choices = {a: (t, p) for a, t, p in top_choices(gen, y, len(ids) - 1, 4)}
             props = proposals(gen, y, B - 1)
-            for rule, budget, c in variants:
-                key = f"{rule} N={budget}" + (f" c={c:g}" if rule == "hybrid" else "")
-                got = walk(y, len(ids), choices, props, rule, budget, c)
-                acc = totals.setdefault(key, [0, 0, 0])
-                for j in range(3):
+            for rule, budget, c, m in variants:
+                key = f"{rule} N={budget}" + (f" c={c:g}" + (f" min={m:g}" if m else "") if rule == "hybrid" else "")
+                got = walk(y, len(ids), choices, props, rule, budget, c, m)
+                acc = totals.setdefault(key, [0, 0, 0, 0])
+                for j in range(4):
                     acc[j] += got[j]
-        for key, (tokens, steps, drafter_steps) in totals.items():
-            means.setdefault(key, []).append(tokens / steps)
-            print(f"{name:10s} {key:24s} tau {tokens / steps:.3f}  steps {steps:5d}  drafter passes "
-                  f"{drafter_steps / steps:.2f} of steps", flush=True)
-    for key, taus in means.items():
-        print(f"mean       {key:24s} tau {sum(taus) / len(taus):.3f}")
+        for key, (tokens, steps, drafter_steps, rows) in totals.items():
+            means.setdefault(key, []).append((tokens / steps, rows / steps))
+            print(f"{name:10s} {key:30s} tau {tokens / steps:.3f}  steps {steps:5d}  drafter passes "
+                  f"{drafter_steps / steps:.2f} of steps  verify rows {rows / steps:.1f} a step", flush=True)
+    for key, pairs in means.items():
+        print(f"mean       {key:30s} tau {sum(t for t, _ in pairs) / len(pairs):.3f}  verify rows "
+              f"{sum(r for _, r in pairs) / len(pairs):.1f}")
 
 
 if __name__ == "__main__":
