@@ -15,6 +15,9 @@ the step ends. Every emitted token is the target's own choice given exactly the 
 output is the plain decoder's (greedy) or distributed as the plain decoder's (sampling): lossless by
 construction, without any acceptance ratio.
 
+With prompt lookup, a greedy or coupled step whose text has a copy verifies one tree of the copy and the
+drafter's candidates (:func:`build_tree` with ``copy``): where the copy goes wrong, the drafter's branches carry on.
+
 When sampling with rejection (the default sampler without a seed), a node's children are instead drawn from
 the drafter without replacement (:func:`sample_tree`) and tried in turn by recursive rejection sampling
 (:func:`dflashkit.sampling.verify_tree_sampled`): the target's sample falls among the drafter's top choices far

@@ -2,7 +2,7 @@
 verified by recursive rejection sampling (the default of `--tree` when sampling), the drafter's top choices walked
 with the target's own sample (`proposal="argmax"`), and coupled sampling's top choices under the target's noise;
 a chain of sampled drafts beside them. One process, interleaved per prompt and seed, a fixed block size (no
-adaptive policy to share), no prompt lookup (copies are one-hot chains whatever the tree).
+adaptive policy to share), no prompt lookup.
 
     .venv/bin/python scripts/tree_candidates.py [--limit 4] [--seeds 1] [--block-size 2] [--tree 4] [--threads 2]
     .venv/bin/python scripts/tree_candidates.py --default --trees 4,6 --limit 10 --seeds 2
