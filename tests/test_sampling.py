@@ -434,7 +434,7 @@ def prefix_rows(kind: str, vocab: int, seed: int):
 def test_block_verification_law_is_the_target_joint(kind):
     """Exact, no sampling: over every chain of 3 drafts (vocab 4), the stop probabilities and residuals of
     block verification, followed by the target's own sampling, give the target's joint of 4 tokens; and the
-    drafts kept in expectation are at least token-by-token acceptance's."""
+    drafts kept in expectation are at least token-by-token acceptance's (on dense rows by 1% or more)."""
     vocab, k = 4, 3
     row = prefix_rows(kind, vocab, BASE_SEED + 17)
 
@@ -469,7 +469,7 @@ def test_block_verification_law_is_the_target_joint(kind):
         assert abs(law[full] - target_prob(full, 0)) < 1e-12, full
     assert kept_block >= kept_token - 1e-12
     if kind == "dense":
-        assert kept_block > kept_token + 0.01, (kept_block, kept_token)
+        assert kept_block > kept_token * 1.01, (kept_block, kept_token)
 
 
 def test_block_verification_with_one_draft_is_the_rejection_step():
