@@ -85,6 +85,13 @@ def default_tree(tree: int | None, *, has_drafter: bool, sampled: bool, sampler:
     return COUPLED_TREE if supports_trees and not batched and not constrained else None
 
 
+def default_tree_copies(tree_copies: bool | None, asked_tree: int | None) -> bool:
+    """Whether a greedy or seeded step that copies verifies one tree of the copy and the drafter's candidates: as
+    given; None (the default): for a tree asked for (``asked_tree`` > 0), not in the default seeded trees (see
+    :data:`COUPLED_TREE`)."""
+    return bool(asked_tree) if tree_copies is None else bool(tree_copies)
+
+
 def default_lookup(lookup: bool | None, has_drafter: bool) -> bool:
     """Prompt lookup as asked; None (the default): on when a drafter drafts (copies cost nothing to propose and
     are accepted more often than drafts on repetitive text), off without one (plain decoding stays plain)."""
@@ -339,7 +346,7 @@ class SpeculativeGenerator:
             stop = [stop]
         drafter = self.drafter if use_drafter else None
         tree = check_tree_option(tree)  # 0: chains, whatever the default
-        tree_copies = bool(tree) if tree_copies is None else bool(tree_copies)  # the default trees: copies as chains
+        tree_copies = default_tree_copies(tree_copies, tree)  # before tree takes its default
         block_size = default_block_size(block_size, drafter is not None, tree)
         adaptive = block_size == "auto"
         lookup = default_lookup(lookup, drafter is not None)

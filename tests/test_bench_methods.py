@@ -62,6 +62,31 @@ def test_dflash_matches_the_baseline_in_fp32_and_logs_steps() -> None:
     assert rec.tokens == base.tokens and rec.block_size == 8
 
 
+def test_default_method_keeps_copies_as_chains_in_the_default_trees(monkeypatch) -> None:
+    """The bench's default method runs what the library does by default: under coupled sampling, trees of
+    COUPLED_TREE nodes whose copied steps stay chains; a tree method asked for puts the copies in its trees."""
+    import dataclasses
+    import sys
+
+    from dflashkit.generator import COUPLED_TREE
+
+    methods = sys.modules["dflashkit.bench.methods"]
+    seen = []
+    real_decode = methods.decode
+
+    def spy(adapter, drafter, ids, options, *args):
+        seen.append((options.tree, options.tree_copies))
+        return real_decode(adapter, drafter, ids, options, *args)
+
+    monkeypatch.setattr(methods, "decode", spy)
+    s = session()
+    drafter = tiny_drafter(s.model, block_size=8)
+    coupled = dataclasses.replace(request(temperature=1.0), sampler="coupled")
+    DFlash(s, drafter, "auto", "tiny", lookup=True).generate(coupled)
+    DFlash(s, drafter, 8, "tiny", lookup=True, tree=6).generate(coupled)
+    assert seen == [(COUPLED_TREE, False), (6, True)]
+
+
 def test_sampling_is_seeded() -> None:
     s = session()
     a, b = (Autoregressive(s).generate(request(temperature=1.0)) for _ in range(2))

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..adaptive import AdaptiveBlockSize, BlockPolicies
 from ..decode import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
 from ..drafter import DFlashDrafter
-from ..generator import COUPLED_TREE, default_tree
+from ..generator import COUPLED_TREE, default_tree, default_tree_copies
 from ..lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from ..ngram_store import NgramStore
 from ..sampling import SamplingParams
@@ -139,7 +139,8 @@ class TargetSession:
 
 
 def options_for(request: Request, block_size: int | None = None, lookup: bool = False,
-                lookup_store: NgramStore | None = None, tree: int | None = None) -> DecodeOptions:
+                lookup_store: NgramStore | None = None, tree: int | None = None,
+                tree_copies: bool = True) -> DecodeOptions:
     return DecodeOptions(
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingParams(temperature=request.temperature),
@@ -150,6 +151,7 @@ def options_for(request: Request, block_size: int | None = None, lookup: bool = 
         lookup=lookup,
         lookup_store=lookup_store,
         tree=tree,
+        tree_copies=tree_copies,
     )
 
 
@@ -162,6 +164,7 @@ def run_decode_loop(
     block_policy: AdaptiveBlockSize | None = None,
     lookup: bool = False,
     tree: int | None = None,
+    tree_copies: bool = True,
 ) -> Record:
     """dflashkit's decode loop on one request (drafter None: autoregressive, or prompt lookup alone), timed
     from outside."""
@@ -171,7 +174,7 @@ def run_decode_loop(
     t0 = time.perf_counter()
     ttft = None
     store = drafter.ngram_store if lookup and drafter is not None else None  # the drafter's store of past answers
-    options = options_for(request, block_size, lookup, store, tree)
+    options = options_for(request, block_size, lookup, store, tree, tree_copies)
     for step in decode(session.adapter, drafter, request.prompt_ids, options, stats, observer, block_policy):
         if ttft is None:
             ttft = time.perf_counter() - t0
@@ -241,7 +244,7 @@ class DFlash(Method):
                                 block_size="auto", batched=False, supports_trees=self.session.adapter.supports_trees)
             policy = self.policy.get(request.greedy, tree=tree is not None)
             return run_decode_loop(self.session, self.drafter, request, block_policy=policy, lookup=self.lookup,
-                                   tree=tree)
+                                   tree=tree, tree_copies=default_tree_copies(None, None))
         return run_decode_loop(self.session, self.drafter, request, self.block_size, lookup=self.lookup,
                                tree=self.tree)
 
