@@ -172,22 +172,23 @@ def build_tree(scores: Tensor, columns: Tensor | None, budget: int, top: int = T
 
     ``copy``: a copied continuation (prompt lookup, the n-gram store) that competes for the same budget: its
     token at depth d is worth ``copy_worth ** d``, and the drafter's candidates hang under copied nodes too,
-    worth the copied node's value times their probability (:func:`_hybrid_tree`). One verify then holds the
+    worth the copied node's value times their probability (:func:`hybrid_tree`). One verify then holds the
     copy and the drafter's alternatives where the copy may go wrong: the greedy walk takes whichever the
     target follows.
     """
     probs, index = scores.float().softmax(-1).topk(min(top, scores.shape[1]), dim=-1)  # [k, top] each
     tokens = (columns[index] if columns is not None else index).tolist()
     if copy:
-        return _hybrid_tree(probs.tolist(), tokens, list(copy), budget, copy_worth)
+        return hybrid_tree(probs.tolist(), tokens, list(copy), budget, copy_worth)
     return _best_tree(probs.tolist(), tokens, budget)
 
 
-def _hybrid_tree(probs: list[list[float]], tokens: list[list[int]], copy: list[int], budget: int,
-                 copy_worth: float) -> DraftTree:
+def hybrid_tree(probs: list[list[float]], tokens: list[list[int]], copy: list[int], budget: int,
+                copy_worth: float = COPY_WORTH, min_worth: float = 0.0) -> DraftTree:
     """Best first over two sources: the copy (its d-th token worth copy_worth^d, offered under the copy's own
     prefix) and the drafter (``tokens[d][r]`` with probability ``probs[d][r]`` at depth d+1, under any node,
-    worth the node's value times that probability). A token offered twice under one node is one node."""
+    worth the node's value times that probability). A token offered twice under one node is one node. Nodes
+    worth less than ``min_worth`` are left out (scripts/hybrid_tree_estimate.py weighs that; decoding uses 0)."""
     check_budget(budget)
     chosen: list[int] = []
     parents: list[int] = []
@@ -209,6 +210,8 @@ def _hybrid_tree(probs: list[list[float]], tokens: list[list[int]], copy: list[i
     offer(0)
     while heap and len(chosen) < budget:
         neg, _, parent, depth, token = heapq.heappop(heap)
+        if -neg < min_worth:  # the rest are worth less still
+            break
         if token in children[parent]:
             continue
         children[parent].add(token)

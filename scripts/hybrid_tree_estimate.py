@@ -21,7 +21,6 @@ verify rows a step (anchor included). No timing: a hybrid step runs the drafter 
 from __future__ import annotations
 
 import argparse
-import heapq
 
 import torch
 
@@ -29,47 +28,14 @@ from rerank_estimate import proposals, top_choices  # noqa: E402 (scripts/ is on
 
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
+from dflashkit.tree import DraftTree, hybrid_tree
 
 
-def build(tokens: list[list[int]], probs: list[list[float]], copy: list[int], budget: int,
-          copy_value: float, min_worth: float = 0.0) -> dict[tuple[int, ...], float]:
-    """Best-first tree over the copy and the drafter's top choices: {path: worth} of the chosen nodes."""
-    depth_max = len(tokens)
-    chosen: dict[tuple[int, ...], float] = {}
-    heap: list[tuple[float, int, tuple[int, ...]]] = []
-    order = 0
-
-    def push(path: tuple[int, ...], worth: float) -> None:
-        nonlocal order
-        if worth > 0 and path not in chosen:
-            heapq.heappush(heap, (-worth, order, path))
-            order += 1
-
-    def children(path: tuple[int, ...], worth: float) -> None:
-        d = len(path)
-        if d >= depth_max:
-            return
-        if path == tuple(copy[:d]) and d < len(copy):  # on the copy path: its next token
-            push(path + (copy[d],), copy_value ** (d + 1))
-        for t, p in zip(tokens[d], probs[d]):
-            push(path + (t,), worth * p)
-
-    children((), 1.0)
-    while heap and len(chosen) < budget:
-        neg, _, path = heapq.heappop(heap)
-        if -neg < min_worth:  # the rest are worth less still
-            break
-        if path in chosen:
-            continue
-        chosen[path] = -neg
-        children(path, -neg)
-    return chosen
-
-
-def accepted(tree: dict, y: list[int], a: int) -> int:
-    n = 0
-    while a + 1 + n < len(y) and tuple(y[a + 1 : a + 2 + n]) in tree:
-        n += 1
+def accepted(tree: DraftTree, y: list[int], a: int) -> int:
+    """Drafts kept at anchor a: the walk down the tree with the answer's own tokens (greedy verification)."""
+    row, n = 0, 0
+    while a + 1 + n < len(y) and (child := tree.child(row, y[a + 1 + n])) is not None:
+        row, n = child, n + 1
     return n
 
 
@@ -86,10 +52,10 @@ def walk(y: list[int], start: int, choices: dict, props: list[list[int]], rule: 
             while n < len(copy) and copy[n] == y[a + 1 + n]:
                 n += 1
         elif rule == "copy-chain":
-            chain = {tuple(t[0] for t in tokens[:d]): 1.0 for d in range(1, len(tokens) + 1)}
+            chain = DraftTree([t[0] for t in tokens], list(range(len(tokens))), list(range(1, len(tokens) + 1)))
             n, drafter_steps, rows = accepted(chain, y, a), drafter_steps + 1, rows + len(chain) + 1
-        else:
-            tree = build(tokens, probs, copy if rule == "hybrid" else [], budget, copy_value, min_worth)
+        else:  # the decode loop's own construction (dflashkit.tree.hybrid_tree; no copy: the drafter's tree)
+            tree = hybrid_tree(probs, tokens, copy if rule == "hybrid" else [], budget, copy_value, min_worth)
             n, drafter_steps, rows = accepted(tree, y, a), drafter_steps + 1, rows + len(tree) + 1
         steps += 1
         a += n + 1
