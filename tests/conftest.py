@@ -140,3 +140,17 @@ def frozen(step, pool):
     replay gives the capture step's outputs again, whatever the inputs are now."""
     step()  # recorded at the capture's inputs
     return lambda: None
+
+
+def record_decode_options(monkeypatch, module, *fields: str) -> list[tuple]:
+    """Make ``module``'s ``decode`` record the named DecodeOptions fields of every call (then decode as usual);
+    returns the list the records go to."""
+    seen: list[tuple] = []
+    real_decode = module.decode
+
+    def spy(target, drafter, ids, options, *args):
+        seen.append(tuple(getattr(options, f) for f in fields))
+        return real_decode(target, drafter, ids, options, *args)
+
+    monkeypatch.setattr(module, "decode", spy)
+    return seen

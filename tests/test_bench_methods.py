@@ -68,17 +68,10 @@ def test_default_method_keeps_copies_as_chains_in_the_default_trees(monkeypatch)
     import dataclasses
     import sys
 
+    from conftest import record_decode_options
     from dflashkit.generator import COUPLED_TREE
 
-    methods = sys.modules["dflashkit.bench.methods"]
-    seen = []
-    real_decode = methods.decode
-
-    def spy(adapter, drafter, ids, options, *args):
-        seen.append((options.tree, options.tree_copies))
-        return real_decode(adapter, drafter, ids, options, *args)
-
-    monkeypatch.setattr(methods, "decode", spy)
+    seen = record_decode_options(monkeypatch, sys.modules["dflashkit.bench.methods"], "tree", "tree_copies")
     s = session()
     drafter = tiny_drafter(s.model, block_size=8)
     coupled = dataclasses.replace(request(temperature=1.0), sampler="coupled")

@@ -15,7 +15,7 @@ from dflashkit.drafter import DFlashDrafter
 from dflashkit.errors import InvalidInputError
 from dflashkit.stats import DecodeStats
 from dflashkit.target import TargetAdapter
-from dflashkit.tree import DraftTree, build_tree, sample_tree
+from dflashkit.tree import DraftTree, build_tree, hybrid_tree, sample_tree
 
 # ---- construction -------------------------------------------------------------------------------------
 
@@ -106,6 +106,14 @@ def test_hybrid_tree_keeps_the_nodes_of_largest_worth(budget, copy_len):
     kept_copy = [p for p in paths if p == tuple(copy[: len(p)])]
     assert kept_copy and max(map(len, kept_copy)) == len(kept_copy)  # the copy's prefix, from the anchor
     assert build_tree(scores, None, budget, top=3, copy=[]).tokens == build_tree(scores, None, budget, top=3).tokens
+    # a worth threshold keeps exactly the nodes at or above it among those (the estimate script's variant)
+    probs, index = scores.softmax(-1).topk(3, -1)
+    for threshold in (0.03, 0.07, 0.15, 0.4):
+        trimmed = hybrid_tree(probs.tolist(), index.tolist(), copy, budget, 0.9, min_worth=threshold)
+        kept: list[tuple[int, ...]] = []
+        for token, parent in zip(trimmed.tokens, trimmed.parents):
+            kept.append((kept[parent - 1] if parent else ()) + (token,))
+        assert set(kept) == {p for p in paths if worths[p] >= threshold}, threshold
 
 
 @pytest.mark.parametrize("budget", [1, 4, 9])
@@ -375,19 +383,11 @@ def test_copies_join_the_trees_asked_for_not_the_default_seeded_ones(monkeypatch
     of seeded sampling (measured slower on a CPU); an explicit value wins either way."""
     import sys
 
-    from conftest import word_tokenizer
+    from conftest import record_decode_options, word_tokenizer
 
     from dflashkit.generator import COUPLED_TREE, SpeculativeGenerator
 
-    generator_module = sys.modules["dflashkit.generator"]
-    seen = []
-    real_decode = generator_module.decode
-
-    def spy(target, drafter, ids, options, *args):
-        seen.append((options.tree, options.tree_copies))
-        return real_decode(target, drafter, ids, options, *args)
-
-    monkeypatch.setattr(generator_module, "decode", spy)
+    seen = record_decode_options(monkeypatch, sys.modules["dflashkit.generator"], "tree", "tree_copies")
     model = tiny_target("llama")
     gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=8))
     gen.generate([5, 9, 5, 9], max_new_tokens=6, temperature=1.0, seed=1)  # the default seeded trees
