@@ -35,6 +35,8 @@ constexpr int kInt8Group = 16;  // output columns per int8 group
 constexpr int kBlocks = 4;                 // 16-column blocks per group
 constexpr int kGroup = kBlocks * 16;       // output columns per group
 constexpr int kMaxRows = 6;                // rows per micro-kernel call
+constexpr int64_t kChunkK2 = 64;           // K pairs per pass when several row chunks share a panel (16 KB of it)
+constexpr int64_t kMaxRowChunks = 11;      // row chunks that share a K chunk: up to 66 rows
 
 // One row's fp32 sums of the 16 columns n0.. to bf16 (nearest even) after the fp32 bias; only columns below `valid`
 // are stored. Always inlined (as a call, a tile store kept the AVX2 micro-kernel's accumulators in memory).
@@ -46,16 +48,27 @@ __attribute__((always_inline)) inline void store_sums(__m512 sums, int64_t n0, i
   _mm256_mask_storeu_epi16(y + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums, b)));
 }
 
+// R rows of x times one group's panel over the K pairs [k0, k1), summed in fp32 into 4 registers (64 columns) per
+// row. A product of up to kMaxRows rows is one call over the whole K (`first` and `last`). More rows run K chunk by
+// K chunk, every row chunk over one chunk before the next (it stays in L1 for them): the sums carry over between
+// chunks in `state` (R x 4 x 16 floats, stored and reloaded exactly), so every output element is the same fp32 sum
+// in the same order in either case, and the first row chunks prefetch the next K chunk into L2 (`ahead`, two cache
+// lines per K pair), so that the weights stream from memory while the row chunks compute instead of before them.
 template <int R>
-void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y, int64_t ldy,
-           int64_t valid, const float* bias) {
+void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k0, int64_t k1, float* state, bool first,
+           bool last, const char* ahead, uint16_t* y, int64_t ldy, int64_t valid, const float* bias) {
   __m512 acc[R][kBlocks];
   _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i)
-    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) acc[i][j] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j)
+      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(state + (i * kBlocks + j) * 16);
   const int32_t* pairs[R];  // x's rows read as (2 k2, 2 k2 + 1) pairs
   _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) pairs[i] = reinterpret_cast<const int32_t*>(x + i * ldx);
-  for (int64_t k2 = 0; k2 < k2_count; ++k2) {
+  for (int64_t k2 = k0; k2 < k1; ++k2) {
     const uint16_t* wk = w + k2 * (kBlocks * 32);
+    if (ahead) {
+      _mm_prefetch(ahead + (k2 - k0) * 128, _MM_HINT_T1);
+      _mm_prefetch(ahead + (k2 - k0) * 128 + 64, _MM_HINT_T1);
+    }
     __m512bh wv[kBlocks];
     _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + j * 32);
     _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
@@ -63,19 +76,25 @@ void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, 
       _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xb);
     }
   }
-  for (int j = 0; j < kBlocks && j * 16 < valid; ++j)
-    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) store_sums(acc[i][j], j * 16, valid, bias, y + i * ldy);
+  if (last) {
+    for (int j = 0; j < kBlocks && j * 16 < valid; ++j)
+      _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) store_sums(acc[i][j], j * 16, valid, bias, y + i * ldy);
+  } else {
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i)
+      _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j)
+        _mm512_storeu_ps(state + (i * kBlocks + j) * 16, acc[i][j]);
+  }
 }
 
-void rows(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2_count, uint16_t* y,
-          int64_t ldy, int64_t valid, const float* bias) {
+void rows(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k0, int64_t k1, float* state,
+          bool first, bool last, const char* ahead, uint16_t* y, int64_t ldy, int64_t valid, const float* bias) {
   switch (r) {
-    case 1: micro<1>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
-    case 2: micro<2>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
-    case 3: micro<3>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
-    case 4: micro<4>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
-    case 5: micro<5>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
-    default: micro<6>(x, ldx, w, k2_count, y, ldy, valid, bias); break;
+    case 1: micro<1>(x, ldx, w, k0, k1, state, first, last, ahead, y, ldy, valid, bias); break;
+    case 2: micro<2>(x, ldx, w, k0, k1, state, first, last, ahead, y, ldy, valid, bias); break;
+    case 3: micro<3>(x, ldx, w, k0, k1, state, first, last, ahead, y, ldy, valid, bias); break;
+    case 4: micro<4>(x, ldx, w, k0, k1, state, first, last, ahead, y, ldy, valid, bias); break;
+    case 5: micro<5>(x, ldx, w, k0, k1, state, first, last, ahead, y, ldy, valid, bias); break;
+    default: micro<6>(x, ldx, w, k0, k1, state, first, last, ahead, y, ldy, valid, bias); break;
   }
 }
 
@@ -365,16 +384,26 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
              valid, b ? b + g * kGroup : nullptr);
   });
 #else
+  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;  // balanced: 8 rows run as 4 + 4, not 6 + 2
+  const bool chunked = chunks > 1 && chunks <= kMaxRowChunks;  // longer products (a prefill): each row chunk whole
+  const int64_t step = chunked ? kChunkK2 : k2_count;  // K pairs per pass
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float state[kMaxRowChunks * kMaxRows * kBlocks * 16];  // the row chunks' sums between K chunks
+    const char* end = reinterpret_cast<const char*>(wp + g1 * k2_count * (kBlocks * 32));  // this thread's panels
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * k2_count * (kBlocks * 32);
       const int64_t valid = n_out - g * kGroup < kGroup ? n_out - g * kGroup : kGroup;
       const float* bg = b ? b + g * kGroup : nullptr;
-      const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;  // balanced: 8 rows run as 4 + 4, not 6 + 2
-      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
-        const int64_t r = (m - m0 + (chunks - c) - 1) / (chunks - c);
-        rows(r, xp + m0 * k, k, w, k2_count, yp + m0 * n_out + g * kGroup, n_out, valid, bg);
-        m0 += r;
+      for (int64_t k0 = 0; k0 < k2_count; k0 += step) {
+        const int64_t k1 = std::min(k0 + step, k2_count);
+        const char* next = reinterpret_cast<const char*>(w + k1 * (kBlocks * 32));  // groups' panels are contiguous
+        for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+          const int64_t r = (m - m0 + (chunks - c) - 1) / (chunks - c);
+          const char* ahead = chunked && c < 2 && next + c * kChunkK2 * 128 < end ? next + c * kChunkK2 * 128 : nullptr;
+          rows(r, xp + m0 * k, k, w, k0, k1, state + c * (kMaxRows * kBlocks * 16), k0 == 0, k1 == k2_count, ahead,
+               yp + m0 * n_out + g * kGroup, n_out, valid, bg);
+          m0 += r;
+        }
       }
     }
   });
