@@ -465,6 +465,13 @@ struct Attn {
   float scale;
 };
 
+// CH / 2 vectors of 16 bf16 pairs (d = 16: one, its upper half zero): a query or key row as vdpbf16ps takes it.
+template <int CH>
+inline __m512bh load_pairs(const uint16_t* p) {
+  if constexpr (CH == 1) return (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else return (__m512bh)_mm512_loadu_si512(p);
+}
+
 // Rows r0..r0+T-1 of head h (T query rows share each key and value row loaded); CH = head_dim / 16.
 template <int T, int CH>
 void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* probs, int64_t* seen) {
@@ -472,13 +479,14 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* pro
   const bool* sees_not[T];  // null where the row sees a prefix of the keys
   int64_t limit[T];  // keys past it are hidden from the row
   int64_t keys_seen = 0;  // keys past it are hidden from every row of the tile
-  __m512 qv[T][CH];
+  constexpr int PV = CH == 1 ? 1 : CH / 2;  // vectors of bf16 pairs per query or key row
+  __m512bh qv[T][PV];
   _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
     const int64_t i = (r0 + t) % a.n, prefix = a.prefix[i];
     sees_not[t] = prefix < 0 ? a.hidden + i * m : nullptr;
     limit[t] = prefix < 0 ? m : prefix;
     keys_seen = limit[t] > keys_seen ? limit[t] : keys_seen;
-    _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) qv[t][c] = load_bf16(a.q + (h * a.rows + r0 + t) * d + c * 16);
+    _Pragma("GCC unroll 4") for (int c = 0; c < PV; ++c) qv[t][c] = load_pairs<CH>(a.q + (h * a.rows + r0 + t) * d + c * 32);
   }
   const uint16_t* kh = a.k + h * a.k_head;
   alignas(64) float part[T][16][16];  // per row, 16 keys' fp32 partial sums (16 lanes each)
@@ -486,19 +494,19 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* pro
     const int64_t keys = keys_seen - j0 < 16 ? keys_seen - j0 : 16;
     for (int64_t jj = 0; jj < 16; ++jj) {
       if (jj >= keys) {  // past the last key: zeros, whose sums are ignored
-        _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) _mm512_store_ps(part[t][jj], _mm512_setzero_ps());
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) _mm512_store_ps(part[t][jj], _mm512_setzero_ps());
         continue;
       }
-      __m512 kv[CH];
-      _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) kv[c] = load_bf16(kh + (j0 + jj) * d + c * 16);
-      _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) {
-        __m512 acc = _mm512_mul_ps(qv[t][0], kv[0]);
-        _Pragma("GCC unroll 8") for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(qv[t][c], kv[c], acc);
+      __m512bh kv[PV];
+      _Pragma("GCC unroll 4") for (int c = 0; c < PV; ++c) kv[c] = load_pairs<CH>(kh + (j0 + jj) * d + c * 32);
+      _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[t][0], kv[0]);
+        _Pragma("GCC unroll 4") for (int c = 1; c < PV; ++c) acc = _mm512_dpbf16_ps(acc, qv[t][c], kv[c]);
         _mm512_store_ps(part[t][jj], acc);
       }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << keys) - 1u);
-    _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t)
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t)
       _mm512_mask_storeu_ps(scores + t * m + j0, valid, _mm512_mul_ps(sum_lanes16(part[t]), _mm512_set1_ps(a.scale)));
   }
   for (int t = 0; t < T; ++t) {  // softmax over each row's visible keys, in key order
@@ -549,19 +557,19 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* pro
     for (int64_t i = 0; i < count; ++i) w[idx[i]] = p[i] * inv;
   }
   __m512 acc[T][CH];
-  _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t)
+  _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t)
     _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) acc[t][c] = _mm512_setzero_ps();
   const uint16_t* vh = a.v + h * a.v_head;
   for (int64_t j = 0; j < keys_seen; ++j) {  // out = sum of the visible keys' weights times their values, in key order
     __m512 vv[CH];
     _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) vv[c] = load_bf16(vh + j * d + c * 16);
-    _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) {
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
       if (j >= limit[t] || (sees_not[t] && sees_not[t][j])) continue;
       const __m512 wj = _mm512_set1_ps(scores[t * m + j]);
       _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) acc[t][c] = _mm512_fmadd_ps(wj, vv[c], acc[t][c]);
     }
   }
-  _Pragma("GCC unroll 4") for (int t = 0; t < T; ++t) {
+  _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
     uint16_t* o = a.out + (h * a.rows + r0 + t) * d;
     _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c)
       _mm256_storeu_si256((__m256i*)(o + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[t][c]));
@@ -578,7 +586,7 @@ void attend_rows(const Attn& a, int64_t h, int64_t r0, int64_t left, float* scor
 
 template <int CH>
 void attend_calls(const std::vector<AttnCall>& calls, int64_t heads, float scale) {
-  constexpr int kTile = CH >= 8 ? 2 : 4;  // registers: kTile * CH query vectors, then as many accumulators
+  constexpr int kTile = CH >= 8 ? 3 : CH == 4 ? 6 : 8;  // registers: kTile * CH accumulators (and CH / 2 query vectors) per row
   const int64_t count = static_cast<int64_t>(calls.size());
   std::vector<Attn> jobs;
   std::vector<std::vector<int64_t>> prefixes(count);  // per call and mask row: the prefix it sees, or -1
@@ -617,8 +625,8 @@ void attend_calls(const std::vector<AttnCall>& calls, int64_t heads, float scale
 }  // namespace
 
 // Grouped-query attention of several independent calls (AttnCall, row_common.h), fp32 inside, one query row at a
-// time, in one parallel region over (call, kv head, tile of query rows). Per row: s_j = scale * q.k_j (fp32, fixed
-// order), softmax over the visible keys (max, then exp and a sum in key order), out = sum_j p_j v_j / sum, rounded
+// time, in one parallel region over (call, kv head, tile of query rows). Per row: s_j = scale * q.k_j (the bf16
+// pairs' products by vdpbf16ps, exact, summed in fp32 in a fixed order), softmax over the visible keys (max, then exp and a sum in key order), out = sum_j p_j v_j / sum, rounded
 // once. Hidden keys are skipped before anything is summed, so a row's result is bitwise the one computed over only
 // the keys it sees (a chain's row i = a one-token step), whatever rows or calls run beside it.
 void attention_calls(const std::vector<AttnCall>& calls, int64_t heads, int64_t d, double scale) {
