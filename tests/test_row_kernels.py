@@ -71,7 +71,7 @@ def assert_rows_independent(packed: torch.Tensor, x: torch.Tensor, n: int) -> No
 @pytest.mark.parametrize("k,rows", [(128, 16), (266, 16), (1536, 16), (266, 70)])
 def test_each_row_is_bitwise_the_same_whatever_rows_run_with_it(isa, k, rows):
     """A verify pass of 16 rows and 16 one-row steps compute the same products, bit for bit: also when a product of
-    several row chunks walks K in chunks (K of 133 and 768 pairs: chunks of 64 pairs and a ragged last one), and for
+    several row chunks walks K in chunks (K of 133 and 768 pairs: chunks of 32 pairs and a ragged last one), and for
     70 rows, which run each row chunk over the whole K as a long prefill does."""
     assert_rows_independent(row_kernels.pack(bf16(300, k, seed=1)), bf16(rows, k, seed=2), 300)
 

@@ -35,7 +35,7 @@ constexpr int kInt8Group = 16;  // output columns per int8 group
 constexpr int kBlocks = 4;                 // 16-column blocks per group
 constexpr int kGroup = kBlocks * 16;       // output columns per group
 constexpr int kMaxRows = 6;                // rows per micro-kernel call
-constexpr int64_t kChunkK2 = 64;           // K pairs per pass when several row chunks share a panel (16 KB of it)
+constexpr int64_t kChunkK2 = 32;           // K pairs per pass when several row chunks share a panel (8 KB of it)
 constexpr int64_t kMaxRowChunks = 11;      // row chunks that share a K chunk: up to 66 rows
 
 // One row's fp32 sums of the 16 columns n0.. to bf16 (nearest even) after the fp32 bias; only columns below `valid`
