@@ -9,14 +9,16 @@ all for them and runs ~9 GFLOP/s. ``csrc/`` holds one source per instruction set
 * :func:`linear`: a bf16 product over a weight packed once (:func:`pack`), fp32 sums. AVX512-BF16 (``csrc/
   row_kernels_avx512.cpp``): ``vdpbf16ps`` in groups of 64 columns; on the Zen 4 VM, all 211 products of one
   SmolLM2 step, 2 threads (``scripts/bench_row_kernels.py``): 1 row 24.0 ms with oneDNN, 12.7 ms here; 8 rows
-  19.7 / 12.4; 16 rows 24.4 / 17.5. AVX2 (``csrc/row_kernels_avx2.cpp``): the weight pairs unpacked to fp32 with
+  19.7 / 12.4; 16 rows 24.4 / 17.5 (session 12). Since session 41 more than 6 rows walk K together in chunks of 32
+  pairs, prefetching the next chunk while they compute: 1 / 8 / 12 / 16 rows 7.7 / 8.9 / 11.1 / 14.2 ms. AVX2 (``csrc/row_kernels_avx2.cpp``): the weight pairs unpacked to fp32 with
   a shift and an AND, FMA, in groups of 16 columns. AMX-BF16 (the AVX512-BF16 source built with
   ``-DDFLASHKIT_AMX``): the same packed layout read as AMX tiles, up to 16 rows per tile, the whole K summed in tiles;
   on the Xeon VM (session 24, 2 threads) 12.3 ms for 1, 4, 8 or 16 rows where oneDNN takes 15.8-16.3 ms and the
   AVX512-BF16 kernel 13.3 / 18.0 / 23.4 / 31.3 ms (compute-bound there beyond one row). Attention and the
   rest are the AVX512-BF16 code.
-* :func:`attention`: grouped-query attention one query row at a time, fp32 inside (Zen 4, 30 layers at 400
-  positions: 1 row 1.63 ms with SDPA, 0.48 ms here; 16 rows 8.11 / 4.69).
+* :func:`attention`: grouped-query attention one query row at a time, fp32 sums (scores from bf16 pairs by
+  ``vdpbf16ps`` since session 41; Zen 4, 30 layers at 400 positions: 1 row 1.63 ms with SDPA, 0.48 ms here; 16 rows
+  8.11 / 4.69, session 12; at 300 positions after session 41: 1 / 16 rows 0.37 / 2.57 ms).
 * :func:`decoder_layers`: every decoder layer of a Llama / Qwen2 / Qwen3 target in one call (norms, products,
   rotary, cache write, attention, SiLU, residuals; ``csrc/row_layers.h``, shared by both, as are the argument
   checks in ``csrc/row_common.h``): no Python or dispatcher time per op (Zen 4: a SmolLM2 one-token step 15.0 ->
