@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import row_kernels
 from .errors import InvalidInputError
 from .tree import DraftTree
 
@@ -82,14 +83,17 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
 def argmax(logits: Tensor, allowed: Tensor | None = None) -> Tensor:
     """Index of the largest logit per row [..., vocab] -> [...]; the first one on ties, as ``Tensor.argmax``.
 
-    Computed in fp32: the conversion is exact and keeps the order, and torch's CPU argmax is 4-5x faster on
-    fp32 than on bf16 (16 x 49152 logits: 1.6 ms in bf16, 0.33 ms with the conversion).
+    bf16 logits on a CPU with dflashkit's row kernels: :func:`dflashkit.row_kernels.argmax` (16 x 49152 logits:
+    0.06 ms). Otherwise in fp32: the conversion is exact and keeps the order, and torch's CPU argmax is 4-5x faster
+    on fp32 than on bf16 (16 x 49152 logits: 1.6 ms in bf16, 0.33 ms with the conversion).
 
     With ``allowed`` [..., vocab] (bool; a grammar's masks): the largest allowed logit, i.e. the argmax of the
     logits set to -inf elsewhere. Where the plain argmax is allowed it is that one (masking only removes
     entries, and no earlier entry ties with the first maximum), so only the other rows are masked.
     """
-    best = logits.float().argmax(-1)
+    best = row_kernels.argmax(logits)
+    if best is None:
+        best = logits.float().argmax(-1)
     if allowed is None:
         return best
     flat_best, flat_allowed = best.reshape(-1), allowed.to(best.device).reshape(-1, allowed.shape[-1])

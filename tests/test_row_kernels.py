@@ -59,6 +59,30 @@ def test_product_matches_fp32_with_bias_and_ragged_columns(isa, n, k, rows):
     close_to_fp32(plain, x, w, None)
 
 
+@pytest.mark.parametrize("vocab", [16, 17, 31, 300, 49152])
+def test_argmax_is_torchs_argmax_with_ties_infinities_and_nans(isa, vocab):
+    """Logits rounded to whole numbers tie often: the first largest wins, as torch's; +inf beats everything, a row of
+    -inf gives 0, a NaN anywhere (in the 16-wide body or the tail) gives the first NaN's index."""
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(40):
+        x = (torch.randn(5, vocab, generator=g) * 2).round().to(torch.bfloat16)
+        x[1] = float("-inf")
+        x[2, vocab // 3] = x[2, vocab - 1] = float("inf")
+        if trial % 2:
+            x[3, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
+            x[3, vocab - 1] = float("nan")
+        with torch.inference_mode():
+            got = row_kernels.argmax(x)
+        assert got is not None and torch.equal(got, x.float().argmax(-1))
+    assert torch.equal(row_kernels.argmax(x.view(5, 1, vocab)), x.float().argmax(-1).view(5, 1))
+    assert torch.equal(row_kernels.argmax(x[0]), x[0].float().argmax())
+
+
+def test_argmax_declines_what_it_does_not_take(isa):
+    assert row_kernels.argmax(torch.zeros(2, 64)) is None  # fp32: torch's own
+    assert row_kernels.argmax(torch.zeros(2, 8, dtype=torch.bfloat16)) is None  # fewer than 16 entries
+
+
 def assert_rows_independent(packed: torch.Tensor, x: torch.Tensor, n: int) -> None:
     """Each of x's rows gives bitwise the same product in calls of 1, 3, 7 or all of its rows."""
     with torch.inference_mode():
