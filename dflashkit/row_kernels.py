@@ -10,8 +10,9 @@ all for them and runs ~9 GFLOP/s. ``csrc/`` holds one source per instruction set
   row_kernels_avx512.cpp``): ``vdpbf16ps`` in groups of 64 columns; on the Zen 4 VM, all 211 products of one
   SmolLM2 step, 2 threads (``scripts/bench_row_kernels.py``): 1 row 24.0 ms with oneDNN, 12.7 ms here; 8 rows
   19.7 / 12.4; 16 rows 24.4 / 17.5 (session 12). Since session 41 more than 6 rows walk K together in chunks of 32
-  pairs, prefetching the next chunk while they compute: 1 / 8 / 12 / 16 rows 7.7 / 8.9 / 11.1 / 14.2 ms. AVX2 (``csrc/row_kernels_avx2.cpp``): the weight pairs unpacked to fp32 with
-  a shift and an AND, FMA, in groups of 16 columns. AMX-BF16 (the AVX512-BF16 source built with
+  pairs, prefetching the next chunk while they compute: 1 / 8 / 12 / 16 rows 7.7 / 8.9 / 11.1 / 14.2 ms. AVX2
+  (``csrc/row_kernels_avx2.cpp``): the weight pairs unpacked to fp32 with a shift and an AND, FMA, in groups of 16
+  columns. AMX-BF16 (the AVX512-BF16 source built with
   ``-DDFLASHKIT_AMX``): the same packed layout read as AMX tiles, up to 16 rows per tile, the whole K summed in tiles;
   on the Xeon VM (session 24, 2 threads) 12.3 ms for 1, 4, 8 or 16 rows where oneDNN takes 15.8-16.3 ms and the
   AVX512-BF16 kernel 13.3 / 18.0 / 23.4 / 31.3 ms (compute-bound there beyond one row). Attention and the

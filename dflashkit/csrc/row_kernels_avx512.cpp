@@ -399,7 +399,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
         const char* next = reinterpret_cast<const char*>(w + k1 * (kBlocks * 32));  // groups' panels are contiguous
         for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
           const int64_t r = (m - m0 + (chunks - c) - 1) / (chunks - c);
-          const char* ahead = chunked && c < 2 && next + c * kChunkK2 * 128 < end ? next + c * kChunkK2 * 128 : nullptr;
+          const char* mine = next + c * kChunkK2 * 128;  // the first two row chunks fetch 4 KB of the next K chunk each
+          const char* ahead = chunked && c < 2 && mine < end ? mine : nullptr;
           rows(r, xp + m0 * k, k, w, k0, k1, state + c * (kMaxRows * kBlocks * 16), k0 == 0, k1 == k2_count, ahead,
                yp + m0 * n_out + g * kGroup, n_out, valid, bg);
           m0 += r;
@@ -468,7 +469,8 @@ struct Attn {
 // CH / 2 vectors of 16 bf16 pairs (d = 16: one, its upper half zero): a query or key row as vdpbf16ps takes it.
 template <int CH>
 inline __m512bh load_pairs(const uint16_t* p) {
-  if constexpr (CH == 1) return (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  if constexpr (CH == 1)
+    return (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   else return (__m512bh)_mm512_loadu_si512(p);
 }
 
@@ -486,7 +488,8 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* pro
     sees_not[t] = prefix < 0 ? a.hidden + i * m : nullptr;
     limit[t] = prefix < 0 ? m : prefix;
     keys_seen = limit[t] > keys_seen ? limit[t] : keys_seen;
-    _Pragma("GCC unroll 4") for (int c = 0; c < PV; ++c) qv[t][c] = load_pairs<CH>(a.q + (h * a.rows + r0 + t) * d + c * 32);
+    _Pragma("GCC unroll 4") for (int c = 0; c < PV; ++c)
+      qv[t][c] = load_pairs<CH>(a.q + (h * a.rows + r0 + t) * d + c * 32);
   }
   const uint16_t* kh = a.k + h * a.k_head;
   alignas(64) float part[T][16][16];  // per row, 16 keys' fp32 partial sums (16 lanes each)
@@ -586,7 +589,8 @@ void attend_rows(const Attn& a, int64_t h, int64_t r0, int64_t left, float* scor
 
 template <int CH>
 void attend_calls(const std::vector<AttnCall>& calls, int64_t heads, float scale) {
-  constexpr int kTile = CH >= 8 ? 3 : CH == 4 ? 6 : 8;  // registers: kTile * CH accumulators (and CH / 2 query vectors) per row
+  // rows per tile: kTile * CH accumulators for the values (and kTile * CH / 2 query vectors for the scores)
+  constexpr int kTile = CH >= 8 ? 3 : CH == 4 ? 6 : 8;
   const int64_t count = static_cast<int64_t>(calls.size());
   std::vector<Attn> jobs;
   std::vector<std::vector<int64_t>> prefixes(count);  // per call and mask row: the prefix it sees, or -1
@@ -626,8 +630,8 @@ void attend_calls(const std::vector<AttnCall>& calls, int64_t heads, float scale
 
 // Grouped-query attention of several independent calls (AttnCall, row_common.h), fp32 inside, one query row at a
 // time, in one parallel region over (call, kv head, tile of query rows). Per row: s_j = scale * q.k_j (the bf16
-// pairs' products by vdpbf16ps, exact, summed in fp32 in a fixed order), softmax over the visible keys (max, then exp and a sum in key order), out = sum_j p_j v_j / sum, rounded
-// once. Hidden keys are skipped before anything is summed, so a row's result is bitwise the one computed over only
+// pairs' products by vdpbf16ps, exact, summed in fp32 in a fixed order), softmax over the visible keys (max, then
+// exp and a sum in key order), out = sum_j p_j v_j / sum, rounded once. Hidden keys are skipped before anything is summed, so a row's result is bitwise the one computed over only
 // the keys it sees (a chain's row i = a one-token step), whatever rows or calls run beside it.
 void attention_calls(const std::vector<AttnCall>& calls, int64_t heads, int64_t d, double scale) {
   if (calls.empty()) return;
