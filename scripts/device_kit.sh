@@ -246,7 +246,7 @@
 # issue 3's τ at block 16 here (3.95) but cost speed on this CPU (16 rows at 1.7x a 1-row step, the drafter every
 # step). They were never timed on a GPU, where rows and the drafter are cheap: with a minute left after finish, time
 # them (`python3 -m dflashkit bench --device cuda --methods ar,dflash-lookup --temperatures 0 --limit 4
-# --max-new-tokens 128 --max-turns 1 --block-sizes 16,auto --trees 15,7` with the drafter just trained)
+# --max-new-tokens 128 --max-turns 1 --block-sizes 16,auto --trees 15,11,7` with the drafter just trained)
 # and write the result into the README's "Token trees".
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
