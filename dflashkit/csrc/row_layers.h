@@ -300,17 +300,13 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
       alignas(64) float best[16];
       alignas(64) int32_t index[16];  // V < 2^31
       bool nan = false;
-#ifdef __AVX512F__
-      const auto load = [&](int64_t i) {  // 16 bf16 -> fp32, exactly
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i))), 16));
-      };
-      __m512 top16 = load(0);
+#ifdef __AVX512F__  // the AVX512-BF16 source (and its AMX build), with its load_bf16
+      __m512 top16 = load_bf16(row);
       __m512i at16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), lane = at16;
       __mmask16 unordered = _mm512_cmp_ps_mask(top16, top16, _CMP_UNORD_Q);
       for (int64_t i = 16; i < whole; i += 16) {
         lane = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
-        const __m512 v = load(i);
+        const __m512 v = load_bf16(row + i);
         unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         const __mmask16 larger = _mm512_cmp_ps_mask(v, top16, _CMP_GT_OQ);
         top16 = _mm512_mask_mov_ps(top16, larger, v);
