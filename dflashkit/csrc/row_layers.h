@@ -280,12 +280,10 @@ torch::Tensor drafter_step_batch(const std::vector<torch::Tensor>& features, con
   return out;
 }
 
-// How many threads at::parallel_for gives the kernels' work: it is compiled into this file, so without -fopenmp
-// here it runs on one thread whatever torch.get_num_threads() says (tests guard the build flags with this).
 // Index of the largest value in each row of x [R, V] bf16, as torch's argmax: the first one on ties, and a NaN
 // counts as the largest (the first NaN's index). Sixteen lanes each keep their first largest value (strictly larger
 // replaces), then the row's largest is the smallest index among the lanes that hold it; the V % 16 last entries
-// follow in order. What greedy verification reads off a verify pass's logits (torch's CPU argmax: ~45 µs per
+// follow in order. What greedy verification reads off a verify pass's logits (torch's CPU argmax: 55-70 µs per
 // 49,152-entry row in fp32 after a conversion, more in bf16).
 torch::Tensor argmax_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) >= 16 &&
@@ -349,6 +347,8 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// How many threads at::parallel_for gives the kernels' work: it is compiled into this file, so without -fopenmp
+// here it runs on one thread whatever torch.get_num_threads() says (tests guard the build flags with this).
 int64_t parallel_threads() {
   std::vector<int> used(at::get_num_threads() + 1, 0);
   at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
