@@ -188,12 +188,13 @@ def broken(step, pool):
 @pytest.mark.parametrize("capture,warning", [(broken, "capture failed"), (frozen, "differ")])
 def test_a_bad_graph_falls_back_to_the_eager_forward(capture, warning):
     """A failing capture, or a frozen recording (the second check, at another position, sees it): the shape runs
-    eagerly with a warning, and the tokens are the fast path's."""
+    eagerly with a warning, and the tokens are the fast path's. (A prompt whose steps' inputs vary: on one that
+    repeats a token under the same drafts every step, a frozen recording is right, up to the rotary phase.)"""
     plain, graphed, drafter, _ = pair()
     graphed.use_step_graphs(capture)
     with pytest.warns(RuntimeWarning, match=warning):
-        tokens = run(graphed, drafter, PROMPTS[1], block_size=4)
-    assert tokens == run(plain, drafter, PROMPTS[1], block_size=4)
+        tokens = run(graphed, drafter, PROMPTS[2], block_size=4)
+    assert tokens == run(plain, drafter, PROMPTS[2], block_size=4)
     assert graphed.graphs.failed
 
 

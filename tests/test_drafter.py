@@ -185,6 +185,53 @@ def test_block_sparse_training_attention_equals_the_dense_mask():
     assert torch.isfinite(sparse).all()
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_step_runs_the_whole_trained_block_however_few_drafts_are_scored(fast):
+    """Fewer drafts than the trained block (block_size - 1) still run the whole block, whose rows attend to each
+    other as in training, and the head scores its first k: the first k rows of a whole block's scores, also in a
+    batched call; cut short (pad_blocks False) the same rows differ. More drafts than the block: k rows."""
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=8)
+    drafter.use_fast_path(fast)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    feats = torch.randn(1, 9, drafter.fc.in_features, generator=torch.Generator().manual_seed(6))
+    drafter.pad_blocks = True
+    assert [drafter.block_rows(k) for k in (0, 1, 3, 7, 9)] == [0, 7, 7, 7, 9]
+
+    def scores(k: int, pad: bool = True) -> torch.Tensor:
+        drafter.pad_blocks = pad
+        with torch.no_grad():
+            return drafter.draft_scores(drafter.new_context(), feats, 0, 7, 9, k, embed, head)[0]
+
+    whole = scores(7)
+    for k in (1, 3):
+        assert scores(k).shape[0] == k
+        torch.testing.assert_close(scores(k), whole[:k])  # (a head over fewer rows: fp32 rounding only)
+        assert (scores(k, pad=False) - whole[:k]).abs().max() > 1e-3  # a block cut short drafts otherwise
+    assert scores(9).shape[0] == 9
+    drafter.pad_blocks = True
+    with torch.no_grad():
+        batched = drafter.draft_scores_batch([(drafter.new_context(), feats, 0, 7, 9, k, embed, head) for k in (2, 5)])
+    for (rows, _), k in zip(batched, (2, 5)):
+        torch.testing.assert_close(rows, whole[:k])
+
+
+@pytest.mark.parametrize("label,fast,pads", [("AVX512-BF16", True, True), ("AMX-BF16", True, True),
+                                             ("AVX2", True, False), (None, True, False), ("AVX512-BF16", False, False)])
+def test_whole_blocks_by_default_where_the_kernels_make_extra_rows_cheap(monkeypatch, label, fast, pads):
+    """pad_blocks None (the default): whole blocks on a CPU whose row kernels do bf16 products natively and run the
+    drafter (its fast path), cut short on AVX2, on oneDNN's fallback and on the eager modules; set, as set."""
+    from dflashkit import row_kernels
+
+    drafter = tiny_drafter(tiny_target("llama"), block_size=8)
+    drafter.use_fast_path(fast)
+    monkeypatch.setattr(row_kernels, "label", lambda: label)
+    assert drafter.pad_blocks is None and drafter.pads_blocks() is pads
+    assert drafter.block_rows(2) == (7 if pads else 2)
+    drafter.pad_blocks = not pads
+    assert drafter.pads_blocks() is (not pads)
+
+
 def test_draft_scores_are_the_draft_vocabulary_columns_of_the_full_head():
     """The decode loop proposes from draft_scores: without a draft vocabulary, logits [k, vocab] and no ids; with
     one, [k, V'] and its token ids, equal to those columns of the same drafter's full-vocabulary logits (the
