@@ -200,7 +200,7 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_vocab", vocab, persistent=False)  # [V'] or None
         self._head_rows: tuple[tuple, Callable[[Tensor], Tensor], int] | None = None  # see _draft_head
         self.fast = False  # see use_fast_path
-        self.pad_blocks: bool | None = None  # whether a step always runs the whole trained block (see block_rows)
+        self.block_fill: str | None = None  # how a step fills its block short of the trained size (see block_plan)
         self.graphs = None  # GraphedDrafts when drafting steps replay CUDA graphs (see use_step_graphs)
         self.ngram_store: NgramStore | None = None  # drafts from the target's past answers (see ngram_store)
         self._fast: tuple[tuple[int, int], FastDrafterForward] | None = None
@@ -210,24 +210,23 @@ class DFlashDrafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def block_rows(self, k: int) -> int:
-        """Drafts a step computes to score the first k: k, or the whole trained block (block_size - 1 drafts) where
-        :meth:`pads_blocks`. A block's rows attend to each other and the drafter was trained on whole blocks only:
-        cut short, its first drafts are worse than the same drafts of a whole block (README "Whole drafter
-        blocks": the shipped drafter's first draft is accepted 13-32% more often from a whole block)."""
-        return max(k, self.config.block_size - 1) if k > 0 and self.pads_blocks() else k
-
-    def pads_blocks(self) -> bool:
-        """Whether steps run whole blocks: ``pad_blocks`` where set, else (None, the default) where the extra rows
-        cost little: on a GPU, and on CPU kernels that do bf16 products natively (AVX512-BF16, AMX), where a whole
-        block of the shipped drafter costs ~2.2 ms against ~1.1 ms for 4 rows and was as fast end to end, with a
-        higher τ. Not on AVX2 (5.1-5.7 ms against 1.9 for 4 rows) nor oneDNN's fallback: cut short there."""
-        if self.pad_blocks is not None:
-            return self.pad_blocks
-        device = self.fc.weight.device
-        if device.type != "cpu":
-            return True
-        return self.fast and row_kernels.label() in ("AVX512-BF16", "AMX-BF16")
+    def block_plan(self, k: int) -> tuple[int, int]:
+        """How a step that scores k drafts runs its block: (drafts computed in a row after the anchor, the gap before
+        one more row at the trained block's last position, 0: none). A block's rows attend to each other and the
+        drafter trained on whole blocks only: cut short to k + 1 rows it drafts worse, and its last row is what it
+        misses (README "Whole drafter blocks": the first draft is accepted 13-32% more often from a whole block, and
+        k + 1 rows plus that last row recover almost all of it). ``block_fill``: "whole" (block_size - 1 drafts),
+        "tail" (k drafts and the last row), "cut" (k drafts); None (the default): "whole" on a GPU, where rows are
+        free, and with CUDA-graph drafting (one shape), "tail" on a CPU."""
+        last = self.config.block_size - 1  # the trained block's last offset
+        fill = self.block_fill or ("whole" if self.fc.weight.device.type != "cpu" else "tail")
+        if fill not in ("whole", "tail", "cut"):
+            raise InvalidInputError(f"block_fill must be 'whole', 'tail', 'cut' or None, got {self.block_fill!r}")
+        if k <= 0 or fill == "cut" or k >= last:
+            return k, 0
+        if fill == "whole" or self.graphs is not None or k + 1 == last:  # (k + 1 == last: the tail row is the next)
+            return last, 0
+        return k, last - k - 1
 
     def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
         """Injected K/V of every layer for target features [batch, n, n_feat*hidden] at positions [n]."""
@@ -285,13 +284,13 @@ class DFlashDrafter(nn.Module):
         device = self.fc.weight.device
         fast = self._fast_forward() if self.fast else None
         head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
-        rows = self.block_rows(k)  # drafts the block computes; the head scores the first k
+        rows, gap = self.block_plan(k)  # the block: drafts computed in a row [+ the trained block's last row]
         if fast is not None and self.graphs is None and fast.can_step(context, embed_tokens, new_features):
             # context rows always go through this call, however many arrive at once (a prompt's too), so that a
             # row's keys and values do not depend on the steps that brought it
-            if rows + 1 <= fast.row_limit:
-                hidden = fast.step([DraftStep(context, new_features, new_start, anchor, pos, rows)],
-                                   embed_tokens.weight)  # [rows, hidden]
+            if rows + 1 + (gap > 0) <= fast.row_limit:
+                hidden = fast.step([DraftStep(context, new_features, new_start, anchor, pos, rows, gap)],
+                                   embed_tokens.weight)  # [rows (+1), hidden]
                 return head(hidden[:k]), self.draft_vocab  # [k, V']
             fast.step([DraftStep(context, new_features, new_start, anchor, pos, 0)], embed_tokens.weight)
             new_features = None
@@ -299,10 +298,11 @@ class DFlashDrafter(nn.Module):
             self._append_context(context, new_features, new_start, fast)
 
         def eager(scored: int = k) -> Tensor:  # scores of the block's first `scored` drafts [scored, V']
-            block_ids = torch.full((1, rows + 1), self.config.mask_token_id, device=device)
+            tail = [pos + rows + 1 + gap] if gap else []
+            block_ids = torch.full((1, rows + 1 + len(tail)), self.config.mask_token_id, device=device)
             block_ids[0, 0] = anchor
             run = fast if fast is not None else self
-            positions = torch.arange(pos, pos + rows + 1, device=device)
+            positions = torch.tensor(list(range(pos, pos + rows + 1)) + tail, device=device)
             embeddings = self.embed(block_ids, embed_tokens)
             return head(run(embeddings, positions, context.layers())[0, 1 : scored + 1])
 
@@ -318,19 +318,21 @@ class DFlashDrafter(nn.Module):
         head product where the kernels run them all (:meth:`FastDrafterForward.step`), else one after another.
         Each sequence's scores are bitwise those of its call alone."""
         fast = self._fast_forward() if self.fast and self.graphs is None and len(calls) > 1 else None
-        wanted = [c[5] for c in calls]  # drafts scored per call; each block runs block_rows of them
-        steps = [DraftStep(*c[:5], self.block_rows(c[5])) for c in calls]
+        wanted = [c[5] for c in calls]  # drafts scored per call; each block as block_plan says
+        steps = [DraftStep(*c[:5], *self.block_plan(c[5])) for c in calls]
         embed_tokens, lm_head = calls[0][6], calls[0][7]
         if fast is not None \
                 and all(c[6] is embed_tokens and c[7] is lm_head for c in calls) \
-                and all(0 < d.k and d.k + 1 <= fast.row_limit and fast.can_step(d.context, embed_tokens, d.new_features)
+                and all(0 < d.k and d.k + 1 + (d.gap > 0) <= fast.row_limit
+                        and fast.can_step(d.context, embed_tokens, d.new_features)
                         for d in steps) \
                 and len({id(d.context) for d in steps}) == len(steps):
             head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
             before = [(d.context.length, d.context.stored_from) for d in steps]
             try:
                 hidden = fast.step(steps, embed_tokens.weight)  # [sum of block rows, hidden]
-                hidden = torch.cat([part[:k] for part, k in zip(hidden.split([d.k for d in steps]), wanted)])
+                hidden = torch.cat([part[:k] for part, k in zip(hidden.split([d.k + (d.gap > 0) for d in steps]),
+                                                                      wanted)])
                 limit = row_kernels.max_batch_rows()  # the head's rows stay on the kernel they take alone
                 scores = torch.cat([head(part) for part in hidden.split(limit)])  # [sum of k, V']
             except BaseException:  # the contexts as they were, so that the calls can be run again one by one
@@ -423,8 +425,8 @@ class DFlashDrafter(nn.Module):
 @dataclass
 class DraftStep:
     """One sequence's drafting step (see :meth:`DFlashDrafter.draft_scores`): its context cache, its verified target
-    features not yet in it ([1, n, F] at positions ``new_start``.., or None), the anchor token at ``pos`` and the
-    k drafts to score after it."""
+    features not yet in it ([1, n, F] at positions ``new_start``.., or None), the anchor token at ``pos``, the
+    k drafts to compute after it and the gap before a last row (see :meth:`DFlashDrafter.block_plan`)."""
 
     context: ContextCache
     new_features: Tensor | None
@@ -432,6 +434,7 @@ class DraftStep:
     anchor: int
     pos: int
     k: int
+    gap: int = 0  # > 0: one more row after the k drafts, this many positions further (the trained block's last row)
 
 
 class FastDrafterForward:
@@ -498,14 +501,15 @@ class FastDrafterForward:
         """Drafting steps of several sequences in one C++ call (:func:`row_kernels.drafter_step_batch`; each one
         :meth:`can_step`, its block at most ``row_limit`` rows): their new features enter their contexts, their
         blocks run through every layer (k = 0: no block, the context rows only). Returns the final-normed hidden
-        rows of every step's k drafts, in order [sum of k, hidden]."""
-        features, writes, feature_positions, anchors, counts, positions, caches, starts, firsts = ([] for _ in range(9))
+        rows of every step's k drafts (and its last row, where it has a gap), in order [sum of k (+1), hidden]."""
+        features, writes, feature_positions, anchors, counts, positions, caches, starts, firsts, gaps = (
+            [] for _ in range(10))
         taken = []
         empty = embed.new_empty(0)
         for d in drafts:
             context, n = d.context, d.new_features.shape[1] if d.new_features is not None else 0
             skip = context.outside_window(n)  # rows the window has passed already: not computed
-            block = d.k + 1 if d.k > 0 else 0
+            block = d.k + 1 + (d.gap > 0) if d.k > 0 else 0
             writes.append(context.prepare(n, skip, block, self.kv_heads, self.head_dim, embed.dtype, embed.device))
             features.append(d.new_features[0, skip:] if n > skip else empty)
             feature_positions.append(d.new_start + skip)
@@ -516,12 +520,13 @@ class FastDrafterForward:
             anchors.append(-1 if self.learned_mask is not None and d.anchor == self.mask_token_id else d.anchor)
             counts.append(block)
             positions.append(d.pos)
+            gaps.append(d.gap if block else 0)
             caches.append((context.keys, context.values))
-        end = max(max(p + c for p, c in zip(positions, counts)),
+        end = max(max(p + c + g for p, c, g in zip(positions, counts, gaps)),
                   max(p + (f.shape[0] if f.numel() else 0) for p, f in zip(feature_positions, features)))
         hidden = row_kernels.drafter_step_batch(
             features, self.step_weights, writes, feature_positions, embed, self.mask_row(embed), anchors, counts,
-            positions, self.rotary_rows(end, embed.dtype, embed.device), self.fused_weights, caches, starts, firsts,
+            positions, gaps, self.rotary_rows(end, embed.dtype, embed.device), self.fused_weights, caches, starts, firsts,
             self.heads, self.kv_heads, self.layers[0].intermediate, self.eps, self.head_dim**-0.5)
         for context, n, skip in taken:
             context.commit(n, skip)

@@ -341,7 +341,8 @@ def decoder_layers_batch(x: Tensor, weights: list[Tensor], cos: Tensor, sin_sign
 
 def drafter_step_batch(features: list[Tensor], step_weights: tuple, write_rows: list[int],
                        feature_positions: list[int], embed: Tensor, mask_row: Tensor, anchors: list[int],
-                       block_counts: list[int], block_positions: list[int], rotary: tuple[Tensor, Tensor],
+                       block_counts: list[int], block_positions: list[int], tail_gaps: list[int],
+                       rotary: tuple[Tensor, Tensor],
                        weights: list[Tensor], caches: list[tuple[Tensor, Tensor]], starts: list[int],
                        context_starts: list[int], heads: int, kv_heads: int, intermediate: int, eps: float,
                        scaling: float) -> Tensor:
@@ -349,7 +350,8 @@ def drafter_step_batch(features: list[Tensor], step_weights: tuple, write_rows: 
     new target-feature rows ``features[s]`` [n_s, F] (n_s may be 0) enter its context cache (fc product, hidden
     norm, every layer's context K/V product, k norms, rotary: rows ``write_rows[s]``.., positions
     ``feature_positions[s]``..); its block (the anchor's embedding row, ``anchors[s]`` < 0: the mask row, then mask
-    rows; ``block_counts[s]`` rows at positions ``block_positions[s]``..) runs through every layer over its cache
+    rows; ``block_counts[s]`` rows at positions ``block_positions[s]``.., the last one ``tail_gaps[s]`` further) runs
+    through every layer over its cache
     (``weights``: 8 per layer, as :func:`decoder_layers`; the block's keys and values written as scratch from
     ``starts[s]``, attending to rows ``context_starts[s]``..). ``step_weights`` = (fc packed, hidden norm weight,
     its eps, context K/V packed, final norm weight, its eps); ``rotary`` = (cos, signed sin) tables [P, head_dim]
@@ -357,6 +359,6 @@ def drafter_step_batch(features: list[Tensor], step_weights: tuple, write_rows: 
     fc, hidden_norm, hidden_eps, context_kv, final_norm, final_eps = step_weights
     return kernel().drafter_step_batch(
         features, fc, hidden_norm, hidden_eps, context_kv, list(write_rows), list(feature_positions), embed,
-        mask_row, list(anchors), list(block_counts), list(block_positions), rotary[0], rotary[1], weights,
+        mask_row, list(anchors), list(block_counts), list(block_positions), list(tail_gaps), rotary[0], rotary[1], weights,
         final_norm, final_eps, [k for k, _ in caches], [v for _, v in caches], list(starts), list(context_starts),
         heads, kv_heads, intermediate, eps, scaling)

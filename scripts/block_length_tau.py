@@ -4,9 +4,10 @@
 
 The target answers each prompt greedily; at every anchor of the answer the drafter (context: the answer's verified
 features up to the anchor) runs one block of L rows (the anchor and L - 1 masks), and the first k drafts are
-compared with the answer: τ = 1 + the mean count of leading drafts that match. A DFlash block's rows attend to each
-other, and drafters train on whole blocks, so a block cut short is a shape the drafter never saw; this measures what
-that costs (``DFlashDrafter.pad_blocks``). No timing.
+compared with the answer: τ = 1 + the mean count of leading drafts that match; and k drafts from k + 1 rows plus the
+trained block's last row (``block_fill = "tail"``). A DFlash block's rows attend to each other, and drafters train on
+whole blocks, so a block cut short is a shape the drafter never saw; this measures what that costs
+(``DFlashDrafter.block_fill``). No timing.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load(drafter=args.drafter)
     drafter, target = gen.drafter, gen.target
-    drafter.pad_blocks = False  # every block exactly as long as asked
     target.set_feature_layers(drafter.config.target_layer_ids)
     ks = [int(k) for k in args.ks.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -50,23 +50,26 @@ def main() -> None:
             have = 0  # context rows taken so far: positions < have
             for a in range(len(ids) - 1, len(y) - 1):  # anchor y[a] at position a, context = positions < a
                 new = features[:, have:a] if a > have else None
-                for i, length in enumerate(lengths):
+                runs = [(length, length - 1, "cut") for length in lengths] + [("tail", k, "tail") for k in ks]
+                for i, (column, drafts_asked, fill) in enumerate(runs):
+                    drafter.block_fill = fill
                     scores, columns = drafter.draft_scores(context, new if i == 0 else None, have, y[a], a,
-                                                           length - 1, target.embed_tokens, target.lm_head)
+                                                           drafts_asked, target.embed_tokens, target.lm_head)
                     best = scores.argmax(-1)
                     drafts = (columns[best] if columns is not None else best).tolist()
-                    for k in ks:
-                        if k > length - 1:
+                    for k in ks if fill == "cut" else [drafts_asked]:
+                        if k > drafts_asked:
                             continue
                         m = 0
                         while m < k and a + 1 + m < len(y) and drafts[m] == y[a + 1 + m]:
                             m += 1
-                        matched[k, length] += m
-                        counted[k, length] += 1
+                        matched[k, column] += m
+                        counted[k, column] += 1
                 have = max(have, a)
         print(name)
         for k in ks:
             cells = [f"L{n}: {1 + matched[k, n] / counted[k, n]:.3f}" for n in lengths if counted[k, n]]
+            cells.append(f"k+1 rows and the last: {1 + matched[k, 'tail'] / counted[k, 'tail']:.3f}")
             print(f"  k={k}  " + "  ".join(cells), flush=True)
 
 

@@ -1,13 +1,13 @@
-"""Whole drafter blocks against blocks cut short, one process, interleaved per prompt, with plain decoding beside.
+"""Ways to fill a drafter block short of its trained size, one process, interleaved per prompt, with plain decoding.
 
     .venv/bin/python scripts/compare_block_padding.py [--limit 8] [--block-size auto] [--threads 2]
     .venv/bin/python scripts/compare_block_padding.py --block-size 4 --no-lookup    # the drafter alone, 3 drafts a step
     .venv/bin/python scripts/compare_block_padding.py --block-size 16 --tree 11     # token trees of 11 nodes
     .venv/bin/python scripts/compare_block_padding.py --temperature 1 --seeds 2     # sampling
 
-A drafter asked for k drafts, fewer than its trained block holds, either runs the whole block and scores its first k
-(``DFlashDrafter.pad_blocks``; by default since session 42 where the kernels make the extra rows cheap: AVX512-BF16,
-AMX, GPUs) or runs a block of k + 1 rows (before; AVX2). Each variant has
+A drafter asked for k drafts, fewer than its trained block holds, runs (``DFlashDrafter.block_fill``) the whole block
+and scores its first k ("whole"), k + 1 rows and the block's last row ("tail", the CPU default since session 42), or
+k + 1 rows ("cut", before). Each variant has
 its own generator (so that the adaptive block-size policy learns each one's own acceptance and cost). Prints per
 evaluation set each variant's τ (tokens per target pass, over all prompts), median decode tokens/s, the median
 per-prompt speedup over plain decoding (decode time per token, TPOT) and, greedy, how many outputs equal plain
@@ -24,7 +24,7 @@ import torch
 from dflashkit import SpeculativeGenerator
 from dflashkit.evalsets import load_set
 
-VARIANTS = ("plain", "whole blocks", "cut short")
+VARIANTS = ("plain", "tail", "whole", "cut")
 
 
 def main() -> None:
@@ -38,15 +38,16 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seeds", type=int, default=1, help="sampling seeds per prompt (temperature > 0)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     block = args.block_size if args.block_size == "auto" else int(args.block_size)
-    gens = {"plain": SpeculativeGenerator.load()}
-    gens["whole blocks"] = gens["plain"]
-    gens["whole blocks"].drafter.pad_blocks = True  # (the default does so on AVX512-BF16 / AMX kernels and GPUs)
-    gens["cut short"] = SpeculativeGenerator.load()
-    gens["cut short"].drafter.pad_blocks = False
+    gens = {"plain": SpeculativeGenerator.load(device=args.device)}
+    gens["tail"] = gens["plain"]
+    gens["whole"], gens["cut"] = (SpeculativeGenerator.load(device=args.device) for _ in range(2))
+    for fill in VARIANTS[1:]:
+        gens[fill].drafter.block_fill = fill
     spec = {"block_size": block, "tree": args.tree, "lookup": False if args.no_lookup else None}
     greedy = args.temperature == 0
     seeds = [None] if greedy else list(range(args.seeds))

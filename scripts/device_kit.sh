@@ -249,11 +249,10 @@
 # --max-new-tokens 128 --max-turns 1 --block-sizes 16,auto --trees 15,11,7` with the drafter just trained)
 # and write the result into the README's "Token trees".
 # Session 42 (no GPU): a drafter trained on whole blocks drafts much worse from a block cut short (its first draft is
-# accepted 13-32% less often from 2-12 rows than from its 16: README "Whole drafter blocks"), so drafting now runs the
-# whole block where extra rows are cheap (`DFlashDrafter.pads_blocks`: GPUs, AVX512-BF16, AMX) and stays short on
-# AVX2, where 16 rows cost ~3 ms more a step. `train` has no option for shorter training blocks yet (the block mask
-# would cut each block at a random length); that would let AVX2 machines draft well from short blocks, and is worth a
-# VARIANT2 once written. Timing on a GPU (above): the trees' drafted positions now come from whole blocks.
+# accepted 13-32% less often from 2-12 rows than from its 16: README "Whole drafter blocks"); what it misses is the
+# block's last row. Drafting now runs k + 1 rows plus that last row on a CPU (`DFlashDrafter.block_plan`, block_fill
+# "tail") and whole blocks on a GPU. Never timed on a GPU: with a minute left, compare `block_fill` "whole" and "tail"
+# there (`python3 scripts/compare_block_padding.py --device cuda --limit 4 --block-size 4 --no-lookup`).
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
 # before its data phase (the static and batches engines timed and compared, a torch.profiler table of each), or

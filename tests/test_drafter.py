@@ -186,50 +186,68 @@ def test_block_sparse_training_attention_equals_the_dense_mask():
 
 
 @pytest.mark.parametrize("fast", [False, True])
-def test_a_step_runs_the_whole_trained_block_however_few_drafts_are_scored(fast):
-    """Fewer drafts than the trained block (block_size - 1) still run the whole block, whose rows attend to each
-    other as in training, and the head scores its first k: the first k rows of a whole block's scores, also in a
-    batched call; cut short (pad_blocks False) the same rows differ. More drafts than the block: k rows."""
+def test_a_step_fills_its_block_as_block_fill_says(fast):
+    """k drafts short of the trained block (block_size - 1): "whole" runs the whole block and scores its first k rows;
+    "tail" runs k + 1 rows and the block's last row (its position: block_size - 1 after the anchor), the reference
+    written out with the module's forward; "cut" k + 1 rows. The three differ; batched calls score the same."""
     model = tiny_target("llama")
     drafter = tiny_drafter(model, block_size=8)
     drafter.use_fast_path(fast)
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     feats = torch.randn(1, 9, drafter.fc.in_features, generator=torch.Generator().manual_seed(6))
-    drafter.pad_blocks = True
-    assert [drafter.block_rows(k) for k in (0, 1, 3, 7, 9)] == [0, 7, 7, 7, 9]
 
-    def scores(k: int, pad: bool = True) -> torch.Tensor:
-        drafter.pad_blocks = pad
+    def scores(k: int, fill: str) -> torch.Tensor:
+        drafter.block_fill = fill
         with torch.no_grad():
             return drafter.draft_scores(drafter.new_context(), feats, 0, 7, 9, k, embed, head)[0]
 
-    whole = scores(7)
+    def reference(offsets: list[int]) -> torch.Tensor:  # the module's own forward over the block written out
+        context = drafter.new_context()
+        with torch.no_grad():
+            drafter.draft_scores(context, feats, 0, 7, 9, 0, embed, head)  # the context rows only
+            ids = torch.full((1, len(offsets)), drafter.config.mask_token_id)
+            ids[0, 0] = 7
+            hidden = DFlashDrafter.forward(drafter, drafter.embed(ids, embed), torch.tensor(offsets) + 9,
+                                           context.layers())
+            return head(hidden[0, 1:])
+
+    whole = scores(7, "whole")
+    torch.testing.assert_close(whole, reference(list(range(8))))
     for k in (1, 3):
-        assert scores(k).shape[0] == k
-        torch.testing.assert_close(scores(k), whole[:k])  # (a head over fewer rows: fp32 rounding only)
-        assert (scores(k, pad=False) - whole[:k]).abs().max() > 1e-3  # a block cut short drafts otherwise
-    assert scores(9).shape[0] == 9
-    drafter.pad_blocks = True
+        assert scores(k, "whole").shape[0] == k
+        torch.testing.assert_close(scores(k, "whole"), whole[:k])  # (a head over fewer rows: fp32 rounding only)
+        tail = scores(k, "tail")
+        torch.testing.assert_close(tail, reference(list(range(k + 1)) + [7])[:k])
+        cut = scores(k, "cut")
+        torch.testing.assert_close(cut, reference(list(range(k + 1))))
+        assert min((tail - cut).abs().max(), (tail - whole[:k]).abs().max()) > 1e-3  # three different blocks
+    torch.testing.assert_close(scores(6, "tail"), whole[:6])  # its last row is the next one: a whole block
+    assert scores(9, "tail").shape[0] == 9
+    drafter.block_fill = "tail"
     with torch.no_grad():
         batched = drafter.draft_scores_batch([(drafter.new_context(), feats, 0, 7, 9, k, embed, head) for k in (2, 5)])
     for (rows, _), k in zip(batched, (2, 5)):
-        torch.testing.assert_close(rows, whole[:k])
+        torch.testing.assert_close(rows, scores(k, "tail"))
 
 
-@pytest.mark.parametrize("label,fast,pads", [("AVX512-BF16", True, True), ("AMX-BF16", True, True),
-                                             ("AVX2", True, False), (None, True, False), ("AVX512-BF16", False, False)])
-def test_whole_blocks_by_default_where_the_kernels_make_extra_rows_cheap(monkeypatch, label, fast, pads):
-    """pad_blocks None (the default): whole blocks on a CPU whose row kernels do bf16 products natively and run the
-    drafter (its fast path), cut short on AVX2, on oneDNN's fallback and on the eager modules; set, as set."""
-    from dflashkit import row_kernels
-
+def test_block_plans_and_the_default():
+    """block_plan(k) = (drafts computed in a row, gap before the trained block's last row); None: "tail" on a CPU,
+    "whole" where drafting replays graphs (one shape); an unknown fill is refused."""
     drafter = tiny_drafter(tiny_target("llama"), block_size=8)
-    drafter.use_fast_path(fast)
-    monkeypatch.setattr(row_kernels, "label", lambda: label)
-    assert drafter.pad_blocks is None and drafter.pads_blocks() is pads
-    assert drafter.block_rows(2) == (7 if pads else 2)
-    drafter.pad_blocks = not pads
-    assert drafter.pads_blocks() is (not pads)
+    plans = {}
+    for fill in ("whole", "tail", "cut"):
+        drafter.block_fill = fill
+        plans[fill] = [drafter.block_plan(k) for k in (0, 1, 3, 5, 6, 7, 9)]
+    assert plans["whole"] == [(0, 0), (7, 0), (7, 0), (7, 0), (7, 0), (7, 0), (9, 0)]
+    assert plans["tail"] == [(0, 0), (1, 5), (3, 3), (5, 1), (7, 0), (7, 0), (9, 0)]
+    assert plans["cut"] == [(0, 0), (1, 0), (3, 0), (5, 0), (6, 0), (7, 0), (9, 0)]
+    drafter.block_fill = None
+    assert drafter.block_plan(3) == (3, 3)  # a CPU
+    drafter.graphs = object()  # (drafting from graphs: a whole block, the one shape they are captured for)
+    assert drafter.block_plan(3) == (7, 0)
+    drafter.graphs, drafter.block_fill = None, "half"
+    with pytest.raises(InvalidInputError, match="block_fill"):
+        drafter.block_plan(3)
 
 
 def test_draft_scores_are_the_draft_vocabulary_columns_of_the_full_head():

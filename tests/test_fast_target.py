@@ -34,8 +34,6 @@ def engines(arch: str, dtype=torch.float32, block_size: int = 8, **overrides):
     layers = drafter.config.target_layer_ids
     packed_model, eager_model = copy.deepcopy(model), copy.deepcopy(model)
     packed_drafter, eager_drafter = copy.deepcopy(drafter), copy.deepcopy(drafter)
-    for d in (drafter, packed_drafter, eager_drafter):  # the same block shape on every path (the default differs
-        d.pad_blocks = True  # between them), so that sampled drafts, and tokens, are the same too
     fast = TargetAdapter(model, layers)
     drafter.use_fast_path(True)
     packed = TargetAdapter(packed_model, layers, fast=False)

@@ -150,7 +150,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, const std::vector<tor
 //    its context cache: fc product, hidden norm (hidden_eps), every layer's context key/value product (context_kv:
 //    outputs k_0 v_0 k_1 v_1 ..., kv_heads * d each), each layer's k norm (its q/k norms in `weights`, eps) and
 //    rotary; written at cache rows write_rows[s].., positions feature_positions[s]..;
-// 2. its block, block_counts[s] rows (0: none, the step only takes its context rows) at positions block_positions[s]..:
+// 2. its block, block_counts[s] rows (0: none, the step only takes its context rows) at positions block_positions[s]..
+//    (the last row tail_gaps[s] positions further: a block of k + 1 rows plus its trained block's last row):
 //    the anchor's row of `embed` [V, H]
 //    (anchors[s] < 0: mask_row [H] instead), then mask_row; every layer over its cache as decoder_layers runs them
 //    (weights: 8 per layer), the block's own keys and values written as scratch from starts[s], attending to cache
@@ -163,7 +164,8 @@ torch::Tensor drafter_step_batch(const std::vector<torch::Tensor>& features, con
                                  const std::vector<int64_t>& write_rows, const std::vector<int64_t>& feature_positions,
                                  const torch::Tensor& embed, const torch::Tensor& mask_row,
                                  const std::vector<int64_t>& anchors, const std::vector<int64_t>& block_counts,
-                                 const std::vector<int64_t>& block_positions, const torch::Tensor& cos_table,
+                                 const std::vector<int64_t>& block_positions, const std::vector<int64_t>& tail_gaps,
+                                 const torch::Tensor& cos_table,
                                  const torch::Tensor& sin_table_signed, const std::vector<torch::Tensor>& weights,
                                  const torch::Tensor& final_norm, double final_eps,
                                  const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -175,6 +177,7 @@ torch::Tensor drafter_step_batch(const std::vector<torch::Tensor>& features, con
               static_cast<int64_t>(feature_positions.size()) == sequences &&
               static_cast<int64_t>(anchors.size()) == sequences &&
               static_cast<int64_t>(block_positions.size()) == sequences &&
+              static_cast<int64_t>(tail_gaps.size()) == sequences &&
               static_cast<int64_t>(keys.size()) == sequences && static_cast<int64_t>(starts.size()) == sequences,
               "one feature matrix, write row, position, anchor, block and cache per sequence");
   TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.scalar_type() == at::kBFloat16, "embed: contiguous [V, H] bf16");
@@ -238,7 +241,8 @@ torch::Tensor drafter_step_batch(const std::vector<torch::Tensor>& features, con
   std::vector<int64_t> with_block;
   for (int64_t s = 0; s < sequences; ++s) {
     if (block_counts[s] == 0) continue;
-    TORCH_CHECK(block_counts[s] >= 2 && block_positions[s] >= 0 && block_positions[s] + block_counts[s] <= cap_rows,
+    TORCH_CHECK(block_counts[s] >= 2 && block_positions[s] >= 0 && tail_gaps[s] >= 0 &&
+                block_positions[s] + block_counts[s] + tail_gaps[s] <= cap_rows,
                 "blocks: none or at least 2 rows, within the rotary tables");
     TORCH_CHECK(anchors[s] < embed.size(0), "anchor id out of the embedding table");
     with_block.push_back(s);
@@ -255,9 +259,10 @@ torch::Tensor drafter_step_batch(const std::vector<torch::Tensor>& features, con
   for (int64_t s : with_block) {
     for (int64_t i = 0; i < block_counts[s]; ++i, ++r) {
       const uint16_t* src = i == 0 && anchors[s] >= 0 ? u16(embed) + anchors[s] * width : u16(mask_row);
+      const int64_t p = block_positions[s] + i + (i == block_counts[s] - 1 ? tail_gaps[s] : 0);  // the tail row's gap
       std::memcpy(u16w(x) + r * width, src, width * sizeof(uint16_t));
-      std::memcpy(u16w(cos) + r * d, u16(cos_table) + (block_positions[s] + i) * d, d * sizeof(uint16_t));
-      std::memcpy(u16w(sin) + r * d, u16(sin_table_signed) + (block_positions[s] + i) * d, d * sizeof(uint16_t));
+      std::memcpy(u16w(cos) + r * d, u16(cos_table) + p * d, d * sizeof(uint16_t));
+      std::memcpy(u16w(sin) + r * d, u16(sin_table_signed) + p * d, d * sizeof(uint16_t));
     }
     ks.push_back(keys[s]);
     vs.push_back(values[s]);
