@@ -224,9 +224,8 @@ class DFlashDrafter(nn.Module):
             raise InvalidInputError(f"block_fill must be 'whole', 'tail', 'cut' or None, got {self.block_fill!r}")
         if k <= 0 or fill == "cut" or k >= last:
             return k, 0
-        if fill == "whole" or self.graphs is not None or k + 1 == last:  # (k + 1 == last: the tail row is the next)
-            return last, 0
-        return k, last - k - 1
+        gap = last - k - 1  # 0: the last row is the next one, so the block is whole
+        return (last, 0) if fill == "whole" or self.graphs is not None or gap == 0 else (k, gap)
 
     def context_key_values(self, target_features: Tensor, positions: Tensor) -> list[KV]:
         """Injected K/V of every layer for target features [batch, n, n_feat*hidden] at positions [n]."""
@@ -284,13 +283,13 @@ class DFlashDrafter(nn.Module):
         device = self.fc.weight.device
         fast = self._fast_forward() if self.fast else None
         head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
-        rows, gap = self.block_plan(k)  # the block: drafts computed in a row [+ the trained block's last row]
+        step = DraftStep(context, new_features, new_start, anchor, pos, *self.block_plan(k))
+        rows, gap = step.k, step.gap  # the block: drafts computed in a row [+ the trained block's last row]
         if fast is not None and self.graphs is None and fast.can_step(context, embed_tokens, new_features):
             # context rows always go through this call, however many arrive at once (a prompt's too), so that a
             # row's keys and values do not depend on the steps that brought it
-            if rows + 1 + (gap > 0) <= fast.row_limit:
-                hidden = fast.step([DraftStep(context, new_features, new_start, anchor, pos, rows, gap)],
-                                   embed_tokens.weight)  # [rows (+1), hidden]
+            if step.rows + 1 <= fast.row_limit:
+                hidden = fast.step([step], embed_tokens.weight)  # [step.rows, hidden]
                 return head(hidden[:k]), self.draft_vocab  # [k, V']
             fast.step([DraftStep(context, new_features, new_start, anchor, pos, 0)], embed_tokens.weight)
             new_features = None
@@ -323,16 +322,14 @@ class DFlashDrafter(nn.Module):
         embed_tokens, lm_head = calls[0][6], calls[0][7]
         if fast is not None \
                 and all(c[6] is embed_tokens and c[7] is lm_head for c in calls) \
-                and all(0 < d.k and d.k + 1 + (d.gap > 0) <= fast.row_limit
-                        and fast.can_step(d.context, embed_tokens, d.new_features)
+                and all(0 < d.k and d.rows + 1 <= fast.row_limit and fast.can_step(d.context, embed_tokens, d.new_features)
                         for d in steps) \
                 and len({id(d.context) for d in steps}) == len(steps):
             head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
             before = [(d.context.length, d.context.stored_from) for d in steps]
             try:
                 hidden = fast.step(steps, embed_tokens.weight)  # [sum of block rows, hidden]
-                hidden = torch.cat([part[:k] for part, k in zip(hidden.split([d.k + (d.gap > 0) for d in steps]),
-                                                                      wanted)])
+                hidden = torch.cat([part[:k] for part, k in zip(hidden.split([d.rows for d in steps]), wanted)])
                 limit = row_kernels.max_batch_rows()  # the head's rows stay on the kernel they take alone
                 scores = torch.cat([head(part) for part in hidden.split(limit)])  # [sum of k, V']
             except BaseException:  # the contexts as they were, so that the calls can be run again one by one
@@ -436,6 +433,11 @@ class DraftStep:
     k: int
     gap: int = 0  # > 0: one more row after the k drafts, this many positions further (the trained block's last row)
 
+    @property
+    def rows(self) -> int:
+        """Block rows after the anchor: the k drafts, and the last row where there is a gap."""
+        return self.k + (self.gap > 0)
+
 
 class FastDrafterForward:
     """The drafter's inference forward (batch 1, no mask) on plain callables: q/k/v and gate/up fused into one
@@ -501,7 +503,7 @@ class FastDrafterForward:
         """Drafting steps of several sequences in one C++ call (:func:`row_kernels.drafter_step_batch`; each one
         :meth:`can_step`, its block at most ``row_limit`` rows): their new features enter their contexts, their
         blocks run through every layer (k = 0: no block, the context rows only). Returns the final-normed hidden
-        rows of every step's k drafts (and its last row, where it has a gap), in order [sum of k (+1), hidden]."""
+        rows of every step's k drafts (and its last row, where it has a gap), in order [sum of rows, hidden]."""
         features, writes, feature_positions, anchors, counts, positions, caches, starts, firsts, gaps = (
             [] for _ in range(10))
         taken = []
@@ -509,7 +511,7 @@ class FastDrafterForward:
         for d in drafts:
             context, n = d.context, d.new_features.shape[1] if d.new_features is not None else 0
             skip = context.outside_window(n)  # rows the window has passed already: not computed
-            block = d.k + 1 + (d.gap > 0) if d.k > 0 else 0
+            block = d.rows + 1 if d.k > 0 else 0
             writes.append(context.prepare(n, skip, block, self.kv_heads, self.head_dim, embed.dtype, embed.device))
             features.append(d.new_features[0, skip:] if n > skip else empty)
             feature_positions.append(d.new_start + skip)

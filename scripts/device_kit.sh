@@ -252,7 +252,7 @@
 # accepted 13-32% less often from 2-12 rows than from its 16: README "Whole drafter blocks"); what it misses is the
 # block's last row. Drafting now runs k + 1 rows plus that last row on a CPU (`DFlashDrafter.block_plan`, block_fill
 # "tail") and whole blocks on a GPU. Never timed on a GPU: with a minute left, compare `block_fill` "whole" and "tail"
-# there (`python3 scripts/compare_block_padding.py --device cuda --limit 4 --block-size 4 --no-lookup`).
+# there (`python3 scripts/compare_block_fill.py --device cuda --limit 4 --block-size 4 --no-lookup`).
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
 # before its data phase (the static and batches engines timed and compared, a torch.profiler table of each), or

@@ -1,9 +1,9 @@
 """Ways to fill a drafter block short of its trained size, one process, interleaved per prompt, with plain decoding.
 
-    .venv/bin/python scripts/compare_block_padding.py [--limit 8] [--block-size auto] [--threads 2]
-    .venv/bin/python scripts/compare_block_padding.py --block-size 4 --no-lookup    # the drafter alone, 3 drafts a step
-    .venv/bin/python scripts/compare_block_padding.py --block-size 16 --tree 11     # token trees of 11 nodes
-    .venv/bin/python scripts/compare_block_padding.py --temperature 1 --seeds 2     # sampling
+    .venv/bin/python scripts/compare_block_fill.py [--limit 8] [--block-size auto] [--threads 2]
+    .venv/bin/python scripts/compare_block_fill.py --block-size 4 --no-lookup    # the drafter alone, 3 drafts a step
+    .venv/bin/python scripts/compare_block_fill.py --block-size 16 --tree 11     # token trees of 11 nodes
+    .venv/bin/python scripts/compare_block_fill.py --temperature 1 --seeds 2     # sampling
 
 A drafter asked for k drafts, fewer than its trained block holds, runs (``DFlashDrafter.block_fill``) the whole block
 and scores its first k ("whole"), k + 1 rows and the block's last row ("tail", the CPU default since session 42), or
