@@ -1,7 +1,7 @@
 """Two builds of dflashkit's row kernels in one process, interleaved: the default target's step time by rows.
 
-    .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR [--rows 1,2,4,8] [--rounds 14]
-        [--quantize int8] [--sequences S]
+    .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR [--rows 1,2,4,8] [--trees 12,16]
+        [--rounds 14] [--quantize int8] [--sequences S]
     .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR --decode 3 [--quantize int8]
 
 A build directory is one of ``~/.cache/dflashkit/kernels/dflashkit_rows_<isa>_<hash>`` (the kernels build there
@@ -11,7 +11,8 @@ alternates per round, the first two rounds are dropped; prints medians and the r
 machine this is how a kernel change is judged (session 14: a tile store as a plain call made 8-row steps 1.36x
 slower, which timings taken minutes apart would have hidden in the VM's ±25% swings). ``--sequences S``: each step
 runs ``rows`` rows for each of S sequences (S caches of ``--context`` positions) as one batched pass
-(``FastTargetForward.batch``, what batched serving and data regeneration run).
+(``FastTargetForward.batch``, what batched serving and data regeneration run). ``--trees``: steps of token trees
+of that many rows too (the best-first tree of scripts/step_cost.py: its mask, not its tokens, sets the cost).
 
 ``--decode N``: whole generations instead (N prompts per evaluation set, 128 tokens, the defaults of `dflashkit
 generate`, speculative then plain, the builds' order alternating per prompt): one generator per build, each packing
@@ -37,6 +38,7 @@ from dflashkit import row_kernels
 from dflashkit.evalsets import load_set
 from dflashkit.fast_target import ForwardCall
 from dflashkit.generator import SpeculativeGenerator
+from dflashkit.tree import DraftTree, best_first
 
 
 def load_build(directory: Path) -> ModuleType:
@@ -56,6 +58,7 @@ def main() -> None:
     ap.add_argument("new", type=Path)
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--trees", default="", help="rows of token-tree steps to time as well (one sequence)")
     ap.add_argument("--rounds", type=int, default=14)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: the weight-only int8 target")
@@ -75,33 +78,39 @@ def main() -> None:
     target = SpeculativeGenerator.load(quantize=args.quantize).target
     forward = target.fast_forward
     caches = [target.new_cache(capacity=args.context + 64) for _ in range(args.sequences)]
-    rows = [int(r) for r in args.rows.split(",")]
-    times: dict[tuple[str, int], list[float]] = {(b, n): [] for b in builds for n in rows}
+    shapes: dict[str, tuple[int, tuple | None]] = {f"{int(n):2d} rows": (int(n), None) for n in args.rows.split(",")}
+    for n in (int(t) for t in args.trees.split(",") if t):
+        if args.sequences > 1:
+            raise SystemExit("--trees: one sequence")
+        parents, depths, _ = best_first([[0.5, 0.2, 0.1, 0.05]] * 8, n - 1)
+        tree = DraftTree(list(range(100, 99 + n)), parents, depths)
+        shapes[f"tree of {n} rows"] = (n, (tree.position_offsets(), tree.attention_mask()))
+    times: dict[tuple[str, str], list[float]] = {(b, shape): [] for b in builds for shape in shapes}
     with torch.inference_mode():
         for cache in caches:
             target.forward(torch.randint(0, 1000, (1, args.context)), 0, cache, logits_rows=1)
         for round_ in range(args.rounds + 2):
-            for n in rows:
+            for shape, (n, tree) in shapes.items():
                 for name in ("old", "new") if round_ % 2 else ("new", "old"):
                     running["module"] = builds[name]
                     ids = [torch.randint(0, 1000, (1, n)) for _ in caches]
                     t0 = time.perf_counter()
                     if len(caches) == 1:
-                        target.forward(ids[0], args.context, caches[0], logits_rows=n)
+                        target.forward(ids[0], args.context, caches[0], logits_rows=n, tree=tree)
                     else:
                         forward.batch([ForwardCall(i, args.context, c, n) for i, c in zip(ids, caches)], [])
                     elapsed = time.perf_counter() - t0
                     for cache in caches:
                         target.crop(cache, args.context)
                     if round_ >= 2:
-                        times[(name, n)].append(elapsed)
+                        times[(name, shape)].append(elapsed)
     weights = ", int8 weights" if args.quantize == "int8" else ""
     each = f", {args.sequences} sequences batched (rows per sequence)" if args.sequences > 1 else ""
     print(f"target step at {args.context} cached positions{weights}{each}, {args.threads} threads, median of "
           f"{args.rounds}")
-    for n in rows:
-        old, new = (statistics.median(times[(b, n)]) * 1e3 for b in ("old", "new"))
-        print(f"  {n:2d} rows: old {old:7.2f} ms  new {new:7.2f} ms  new/old {new / old:.3f}")
+    for shape in shapes:
+        old, new = (statistics.median(times[(b, shape)]) * 1e3 for b in ("old", "new"))
+        print(f"  {shape}: old {old:7.2f} ms  new {new:7.2f} ms  new/old {new / old:.3f}")
 
 
 def compare_decoding(builds: dict[str, ModuleType], running: dict, args: argparse.Namespace) -> None:

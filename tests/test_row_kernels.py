@@ -203,6 +203,30 @@ def test_attention_matches_fp32_softmax_attention(isa, d, mask):
     assert ((got.float() - ref).abs() <= ref.abs() * 2**-7 + 2e-3).all()
 
 
+@pytest.mark.parametrize("d", [16, 64])
+def test_attention_row_with_a_mask_is_bitwise_attention_over_its_visible_keys(isa, d):
+    """A masked row (a tree node's: the context, then some of the block) is bitwise the unmasked attention over only
+    the keys it sees, in their order, whatever the leading run of visible keys (0, within and past 16-key chunks)."""
+    heads, group, m = 3, 3, 53
+    leads = [0, 1, 5, 16, 17, 31, 40, 52]  # keys 0..lead-1 visible, then a scattered pattern
+    n = len(leads)
+    q, keys, values = bf16(heads, group * n, d, seed=d), bf16(heads, m, d, seed=3), bf16(heads, m, d, seed=4)
+    scattered = torch.Generator().manual_seed(5)
+    hidden = torch.zeros(n, m, dtype=torch.bool)
+    for i, lead in enumerate(leads):
+        hidden[i, lead:] = torch.rand(m - lead, generator=scattered) < 0.5
+        hidden[i, lead] = True  # the run ends at lead
+        hidden[i, m - 1 - i] = False  # and some key past it is seen
+    with torch.inference_mode():
+        got = row_kernels.attention(q, keys, values, hidden, d**-0.5)
+        for i in range(n):
+            seen = (~hidden[i]).nonzero().flatten()
+            rows = q.view(heads, group, n, d)[:, :, i].contiguous()  # [heads, group, d]: row i of each query head
+            alone = row_kernels.attention(rows, keys[:, seen].contiguous(), values[:, seen].contiguous(), None,
+                                          d**-0.5)
+            assert torch.equal(got.view(heads, group, n, d)[:, :, i], alone), (i, leads[i])
+
+
 def test_attention_row_of_a_chain_is_bitwise_the_one_row_step(isa):
     """Row i of a verify pass over n rows = the one-token step at its position, which sees keys 0..start+i."""
     heads, group, n, start, d = 3, 3, 7, 40, 64

@@ -462,6 +462,7 @@ struct Attn {
   uint16_t* out;
   const bool* hidden;  // [n, m] or null
   const int64_t* prefix;  // [n]: row i sees exactly keys 0..prefix[i]-1, or -1 (any other pattern: read hidden)
+  const int64_t* lead;  // [n]: row i sees keys 0..lead[i]-1 (a tree row: the context), then what hidden says
   int64_t rows, n, m, k_head, v_head;
   float scale;
 };
@@ -536,11 +537,21 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* pro
       }
       continue;
     }
+    // the visible scores compacted into p in key order: the leading visible keys (a tree row's context) copied
+    // as vectors, the rest one by one; the max is the same value whichever way it is taken
     float* p = probs + t * (m + 16);
     int64_t* idx = seen + t * m;
-    float best = -INFINITY;
-    int64_t count = 0;
-    for (int64_t j = 0; j < m; ++j) {
+    const int64_t lead = a.lead[(r0 + t) % a.n];
+    __m512 top_lanes = _mm512_set1_ps(-INFINITY);
+    for (int64_t i0 = 0; i0 < lead; i0 += 16) {
+      const __mmask16 keep = static_cast<__mmask16>((1u << (lead - i0 < 16 ? lead - i0 : 16)) - 1u);
+      const __m512 s = _mm512_maskz_loadu_ps(keep, w + i0);
+      _mm512_mask_storeu_ps(p + i0, keep, s);
+      top_lanes = _mm512_mask_max_ps(top_lanes, keep, top_lanes, s);
+    }
+    float best = lead > 0 ? _mm512_reduce_max_ps(top_lanes) : -INFINITY;
+    int64_t count = lead;
+    for (int64_t j = lead; j < m; ++j) {
       if (sees_not[t][j]) continue;
       const float sj = w[j];
       p[count] = sj;
@@ -557,7 +568,12 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* pro
       total = _mm512_add_ps(total, e);
     }
     const float inv = 1.0f / _mm512_reduce_add_ps(total);
-    for (int64_t i = 0; i < count; ++i) w[idx[i]] = p[i] * inv;
+    const __m512 inv_lanes = _mm512_set1_ps(inv);
+    for (int64_t i0 = 0; i0 < lead; i0 += 16) {  // the leading keys' weights in place, then the others'
+      const __mmask16 keep = static_cast<__mmask16>((1u << (lead - i0 < 16 ? lead - i0 : 16)) - 1u);
+      _mm512_mask_storeu_ps(w + i0, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + i0), inv_lanes));
+    }
+    for (int64_t i = lead; i < count; ++i) w[idx[i]] = p[i] * inv;
   }
   __m512 acc[T][CH];
   _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t)
@@ -594,12 +610,14 @@ void attend_calls(const std::vector<AttnCall>& calls, int64_t heads, float scale
   const int64_t count = static_cast<int64_t>(calls.size());
   std::vector<Attn> jobs;
   std::vector<std::vector<int64_t>> prefixes(count);  // per call and mask row: the prefix it sees, or -1
+  std::vector<std::vector<int64_t>> leads(count);  // per call and mask row: how many keys it sees before a hidden one
   std::vector<int64_t> first_task(count + 1, 0), tiles(count);
   int64_t widest = 1;
   for (int64_t c = 0; c < count; ++c) {
     const AttnCall& call = calls[c];
     std::vector<int64_t>& prefix = prefixes[c];
     prefix.resize(call.n);
+    leads[c].resize(call.n);
     for (int64_t i = 0; i < call.n; ++i) {
       const bool* row = call.hidden ? call.hidden + i * call.m : nullptr;
       int64_t length = 0;
@@ -607,9 +625,10 @@ void attend_calls(const std::vector<AttnCall>& calls, int64_t heads, float scale
       int64_t j = length;
       while (j < call.m && row[j]) ++j;
       prefix[i] = j == call.m ? length : -1;
+      leads[c][i] = length;
     }
-    jobs.push_back(Attn{call.q, call.k, call.v, call.out, call.hidden, prefix.data(), call.rows, call.n, call.m,
-                        call.k_head, call.v_head, scale});
+    jobs.push_back(Attn{call.q, call.k, call.v, call.out, call.hidden, prefix.data(), leads[c].data(), call.rows,
+                        call.n, call.m, call.k_head, call.v_head, scale});
     tiles[c] = (call.rows + kTile - 1) / kTile;
     first_task[c + 1] = first_task[c] + heads * tiles[c];
     widest = call.m > widest ? call.m : widest;
