@@ -440,21 +440,49 @@ inline __m512 load_bf16(const uint16_t* p) {  // 16 bf16 -> fp32 (exact: shift i
 }
 
 
-// The lane sums of 16 vectors: lane j of the result is the sum of v[j]'s 16 lanes, added in the same pattern for
-// every j (pairs within 128-bit lanes, then the 128-bit lanes 0+1 and 2+3, then those two).
-inline __m512 sum_lanes16(const float (*v)[16]) {
-  __m512 a[8], b[4], c[2];
+// Rows r[0..15] of 16 int32 transposed in place: lane j of r[i] becomes lane i of the old r[j].
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
   for (int i = 0; i < 8; ++i) {
-    const __m512 x = _mm512_load_ps(v[2 * i]), y = _mm512_load_ps(v[2 * i + 1]);
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));  // [x, y, x, y] per 128-bit lane
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
   for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));  // keys 4i..4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
   for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    for (int e = 0; e < 4; ++e) {
+      t[8 * i + e] = _mm512_shuffle_i32x4(r[8 * i + e], r[8 * i + 4 + e], 0x88);
+      t[8 * i + 4 + e] = _mm512_shuffle_i32x4(r[8 * i + e], r[8 * i + 4 + e], 0xDD);
+    }
+  for (int e = 0; e < 8; ++e) {
+    r[e] = _mm512_shuffle_i32x4(t[e], t[8 + e], 0x88);
+    r[8 + e] = _mm512_shuffle_i32x4(t[e], t[8 + e], 0xDD);
+  }
+}
+
+constexpr int kKeyBlock = 64;  // keys per pass of the scores (4 vectors of 16)
+
+// Keys 0..m-1 of one kv head (contiguous rows of d = 2 P bf16) as vdpbf16ps operands, 16 keys to a vector:
+// out[(g P + c) 16 + l] = the bf16 pair c of key 16 g + l, as one int32; keys up to the next multiple of kKeyBlock
+// are zeros. Once per call, kv head and thread: the scores then need no sums across lanes.
+template <int P>
+void pack_keys(const uint16_t* keys, int64_t m, int32_t* out) {
+  const int64_t groups = (m + kKeyBlock - 1) / kKeyBlock * (kKeyBlock / 16);
+  const __mmask16 lanes = P >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << P) - 1u);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int c0 = 0; c0 < P; c0 += 16) {
+      __m512i r[16];
+      for (int l = 0; l < 16; ++l) {
+        const int64_t j = 16 * g + l;
+        r[l] = j < m ? _mm512_maskz_loadu_epi32(lanes, keys + j * 2 * P + 2 * c0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int i = 0; i < 16 && c0 + i < P; ++i) _mm512_storeu_si512(out + (g * P + c0 + i) * 16, r[i]);
+    }
 }
 
 struct Attn {
@@ -467,51 +495,46 @@ struct Attn {
   float scale;
 };
 
-// CH / 2 vectors of 16 bf16 pairs (d = 16: one, its upper half zero): a query or key row as vdpbf16ps takes it.
-template <int CH>
-inline __m512bh load_pairs(const uint16_t* p) {
-  if constexpr (CH == 1)
-    return (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  else return (__m512bh)_mm512_loadu_si512(p);
-}
-
-// Rows r0..r0+T-1 of head h (T query rows share each key and value row loaded); CH = head_dim / 16.
+// Rows r0..r0+T-1 of head h (T query rows share each key and value row loaded); CH = head_dim / 16; keys: head h's
+// keys packed by pack_keys.
 template <int T, int CH>
-void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* probs, int64_t* seen) {
+void attend_tile(const Attn& a, int64_t h, int64_t r0, const int32_t* keys, float* scores, float* probs,
+                 int64_t* seen) {
   const int64_t m = a.m, d = CH * 16;
+  constexpr int P = CH * 8;  // bf16 pairs per query or key row
+  constexpr int NV = T <= 6 ? kKeyBlock / 16 : kKeyBlock / 32;  // 16-key vectors per product pass (T NV sums)
   const bool* sees_not[T];  // null where the row sees a prefix of the keys
   int64_t limit[T];  // keys past it are hidden from the row
   int64_t keys_seen = 0;  // keys past it are hidden from every row of the tile
-  constexpr int PV = CH == 1 ? 1 : CH / 2;  // vectors of bf16 pairs per query or key row
-  __m512bh qv[T][PV];
+  const int32_t* q[T];  // the query rows as bf16 pairs
   _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
     const int64_t i = (r0 + t) % a.n, prefix = a.prefix[i];
     sees_not[t] = prefix < 0 ? a.hidden + i * m : nullptr;
     limit[t] = prefix < 0 ? m : prefix;
     keys_seen = limit[t] > keys_seen ? limit[t] : keys_seen;
-    _Pragma("GCC unroll 4") for (int c = 0; c < PV; ++c)
-      qv[t][c] = load_pairs<CH>(a.q + (h * a.rows + r0 + t) * d + c * 32);
+    q[t] = reinterpret_cast<const int32_t*>(a.q + (h * a.rows + r0 + t) * d);
   }
-  const uint16_t* kh = a.k + h * a.k_head;
-  alignas(64) float part[T][16][16];  // per row, 16 keys' fp32 partial sums (16 lanes each)
-  for (int64_t j0 = 0; j0 < keys_seen; j0 += 16) {  // scores (hidden keys' are dropped below), 16 at a time
-    const int64_t keys = keys_seen - j0 < 16 ? keys_seen - j0 : 16;
-    for (int64_t jj = 0; jj < 16; ++jj) {
-      if (jj >= keys) {  // past the last key: zeros, whose sums are ignored
-        _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) _mm512_store_ps(part[t][jj], _mm512_setzero_ps());
-        continue;
-      }
-      __m512bh kv[PV];
-      _Pragma("GCC unroll 4") for (int c = 0; c < PV; ++c) kv[c] = load_pairs<CH>(kh + (j0 + jj) * d + c * 32);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t j0 = 0; j0 < keys_seen; j0 += 16 * NV) {  // scores (hidden keys' are dropped below): per key, the
+    __m512 acc[T][NV];                                    // pairs' products summed in pair order, in fp32
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t)
+      _Pragma("GCC unroll 4") for (int b = 0; b < NV; ++b) acc[t][b] = _mm512_setzero_ps();
+    const int32_t* kg = keys + (j0 / 16) * P * 16;
+    for (int c = 0; c < P; ++c) {
+      __m512bh kv[NV];
+      _Pragma("GCC unroll 4") for (int b = 0; b < NV; ++b) kv[b] = (__m512bh)_mm512_loadu_si512(kg + (b * P + c) * 16);
       _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
-        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[t][0], kv[0]);
-        _Pragma("GCC unroll 4") for (int c = 1; c < PV; ++c) acc = _mm512_dpbf16_ps(acc, qv[t][c], kv[c]);
-        _mm512_store_ps(part[t][jj], acc);
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(q[t][c]);
+        _Pragma("GCC unroll 4") for (int b = 0; b < NV; ++b) acc[t][b] = _mm512_dpbf16_ps(acc[t][b], kv[b], qb);
       }
     }
-    const __mmask16 valid = static_cast<__mmask16>((1u << keys) - 1u);
-    _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t)
-      _mm512_mask_storeu_ps(scores + t * m + j0, valid, _mm512_mul_ps(sum_lanes16(part[t]), _mm512_set1_ps(a.scale)));
+    _Pragma("GCC unroll 4") for (int b = 0; b < NV; ++b) {
+      const int64_t j = j0 + 16 * b, keys_here = keys_seen - j;
+      if (keys_here <= 0) break;
+      const __mmask16 valid = keys_here >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << keys_here) - 1u);
+      _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t)
+        _mm512_mask_storeu_ps(scores + t * m + j, valid, _mm512_mul_ps(acc[t][b], scale));
+    }
   }
   for (int t = 0; t < T; ++t) {  // softmax over each row's visible keys, in key order
     float* w = scores + t * m;  // scores, then the weights by key
@@ -579,7 +602,20 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* pro
   _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t)
     _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) acc[t][c] = _mm512_setzero_ps();
   const uint16_t* vh = a.v + h * a.v_head;
-  for (int64_t j = 0; j < keys_seen; ++j) {  // out = sum of the visible keys' weights times their values, in key order
+  int64_t common = keys_seen;  // keys every row of the tile sees: no test per row below it
+  _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
+    const int64_t all = sees_not[t] ? a.lead[(r0 + t) % a.n] : limit[t];
+    common = all < common ? all : common;
+  }
+  for (int64_t j = 0; j < common; ++j) {  // out = sum of the visible keys' weights times their values, in key order
+    __m512 vv[CH];
+    _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) vv[c] = load_bf16(vh + j * d + c * 16);
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
+      const __m512 wj = _mm512_set1_ps(scores[t * m + j]);
+      _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) acc[t][c] = _mm512_fmadd_ps(wj, vv[c], acc[t][c]);
+    }
+  }
+  for (int64_t j = common; j < keys_seen; ++j) {  // the same for the keys some rows do not see
     __m512 vv[CH];
     _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) vv[c] = load_bf16(vh + j * d + c * 16);
     _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
@@ -596,11 +632,12 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, float* scores, float* pro
 }
 
 template <int CH, int T>
-void attend_rows(const Attn& a, int64_t h, int64_t r0, int64_t left, float* scores, float* probs, int64_t* seen) {
+void attend_rows(const Attn& a, int64_t h, int64_t r0, int64_t left, const int32_t* keys, float* scores, float* probs,
+                 int64_t* seen) {
   if constexpr (T > 1) {
-    if (left < T) return attend_rows<CH, T - 1>(a, h, r0, left, scores, probs, seen);
+    if (left < T) return attend_rows<CH, T - 1>(a, h, r0, left, keys, scores, probs, seen);
   }
-  attend_tile<T, CH>(a, h, r0, scores, probs, seen);
+  attend_tile<T, CH>(a, h, r0, keys, scores, probs, seen);
 }
 
 template <int CH>
@@ -636,11 +673,19 @@ void attend_calls(const std::vector<AttnCall>& calls, int64_t heads, float scale
   at::parallel_for(0, first_task[count], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kTile * widest), probs(kTile * (widest + 16));
     std::vector<int64_t> seen(kTile * widest);
+    // the keys of the (call, kv head) this thread works on, packed once per thread (a thread's tasks are consecutive)
+    std::vector<int32_t> keys((widest + kKeyBlock - 1) / kKeyBlock * kKeyBlock * CH * 8);
+    int64_t packed_call = -1, packed_head = -1;
     int64_t c = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= first_task[c + 1]) ++c;
       const int64_t local = task - first_task[c], h = local / tiles[c], r0 = (local % tiles[c]) * kTile;
-      attend_rows<CH, kTile>(jobs[c], h, r0, jobs[c].rows - r0, scores.data(), probs.data(), seen.data());
+      if (c != packed_call || h != packed_head) {
+        pack_keys<CH * 8>(jobs[c].k + h * jobs[c].k_head, jobs[c].m, keys.data());
+        packed_call = c, packed_head = h;
+      }
+      attend_rows<CH, kTile>(jobs[c], h, r0, jobs[c].rows - r0, keys.data(), scores.data(), probs.data(),
+                             seen.data());
     }
   });
 }
