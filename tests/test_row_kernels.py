@@ -203,7 +203,7 @@ def test_attention_matches_fp32_softmax_attention(isa, d, mask):
     assert ((got.float() - ref).abs() <= ref.abs() * 2**-7 + 2e-3).all()
 
 
-@pytest.mark.parametrize("d", [16, 64])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
 def test_attention_row_with_a_mask_is_bitwise_attention_over_its_visible_keys(isa, d):
     """A masked row (a tree node's: the context, then some of the block) is bitwise the unmasked attention over only
     the keys it sees, in their order, whatever the leading run of visible keys (0, within and past 16-key chunks)."""
@@ -227,12 +227,14 @@ def test_attention_row_with_a_mask_is_bitwise_attention_over_its_visible_keys(is
             assert torch.equal(got.view(heads, group, n, d)[:, :, i], alone), (i, leads[i])
 
 
-def test_attention_row_of_a_chain_is_bitwise_the_one_row_step(isa):
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("start", [40, 60])  # 60: the verify pass's keys cross a 64-key block, its first rows' not
+def test_attention_row_of_a_chain_is_bitwise_the_one_row_step(isa, d, start):
     """Row i of a verify pass over n rows = the one-token step at its position, which sees keys 0..start+i."""
-    heads, group, n, start, d = 3, 3, 7, 40, 64
+    heads, group, n = 3, 3, 7
     m = start + n
     q = bf16(heads, group, n, d, seed=3)  # [H, group, n, d]
-    cache = bf16(2, heads, 64, d, seed=4)  # a cache with capacity 64: keys and values are views of it
+    cache = bf16(2, heads, 80, d, seed=4)  # a cache with capacity 80: keys and values are views of it
     keys, values = cache[0, :, :m], cache[1, :, :m]
     with torch.inference_mode():
         together = row_kernels.attention(q.reshape(heads, group * n, d), keys, values, chain_hidden(n, m), 0.125)
