@@ -284,7 +284,7 @@ class DFlashDrafter(nn.Module):
         fast = self._fast_forward() if self.fast else None
         head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
         step = DraftStep(context, new_features, new_start, anchor, pos, *self.block_plan(k))
-        rows, gap = step.k, step.gap  # the block: drafts computed in a row [+ the trained block's last row]
+        drafted, gap = step.k, step.gap  # the block: drafts computed in a row [+ the trained block's last row]
         if fast is not None and self.graphs is None and fast.can_step(context, embed_tokens, new_features):
             # context rows always go through this call, however many arrive at once (a prompt's too), so that a
             # row's keys and values do not depend on the steps that brought it
@@ -297,16 +297,16 @@ class DFlashDrafter(nn.Module):
             self._append_context(context, new_features, new_start, fast)
 
         def eager(scored: int = k) -> Tensor:  # scores of the block's first `scored` drafts [scored, V']
-            tail = [pos + rows + 1 + gap] if gap else []
-            block_ids = torch.full((1, rows + 1 + len(tail)), self.config.mask_token_id, device=device)
+            tail = [pos + drafted + 1 + gap] if gap else []
+            block_ids = torch.full((1, step.rows + 1), self.config.mask_token_id, device=device)
             block_ids[0, 0] = anchor
             run = fast if fast is not None else self
-            positions = torch.tensor(list(range(pos, pos + rows + 1)) + tail, device=device)
+            positions = torch.tensor(list(range(pos, pos + drafted + 1)) + tail, device=device)
             embeddings = self.embed(block_ids, embed_tokens)
             return head(run(embeddings, positions, context.layers())[0, 1 : scored + 1])
 
         if self.graphs is not None and fast is not None:  # graphs of whole blocks: one shape for every k
-            scores = self.graphs(context, anchor, pos, rows, embed_tokens, head, fast, lambda: eager(rows))[:k]
+            scores = self.graphs(context, anchor, pos, drafted, embed_tokens, head, fast, lambda: eager(drafted))[:k]
         else:
             scores = eager()
         return scores, self.draft_vocab  # [k, V'] over the draft vocabulary [V'] (None: [k, vocab])

@@ -12,7 +12,7 @@ machine this is how a kernel change is judged (session 14: a tile store as a pla
 slower, which timings taken minutes apart would have hidden in the VM's ±25% swings). ``--sequences S``: each step
 runs ``rows`` rows for each of S sequences (S caches of ``--context`` positions) as one batched pass
 (``FastTargetForward.batch``, what batched serving and data regeneration run). ``--trees``: steps of token trees
-of that many rows too (the best-first tree of scripts/step_cost.py: its mask, not its tokens, sets the cost).
+of that many rows too (scripts/step_cost.py's `tree_shape`).
 
 ``--decode N``: whole generations instead (N prompts per evaluation set, 128 tokens, the defaults of `dflashkit
 generate`, speculative then plain, the builds' order alternating per prompt): one generator per build, each packing
@@ -38,7 +38,7 @@ from dflashkit import row_kernels
 from dflashkit.evalsets import load_set
 from dflashkit.fast_target import ForwardCall
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.tree import DraftTree, best_first
+from step_cost import tree_shape  # scripts/step_cost.py
 
 
 def load_build(directory: Path) -> ModuleType:
@@ -82,9 +82,7 @@ def main() -> None:
     for n in (int(t) for t in args.trees.split(",") if t):
         if args.sequences > 1:
             raise SystemExit("--trees: one sequence")
-        parents, depths, _ = best_first([[0.5, 0.2, 0.1, 0.05]] * 8, n - 1)
-        tree = DraftTree(list(range(100, 99 + n)), parents, depths)
-        shapes[f"tree of {n} rows"] = (n, (tree.position_offsets(), tree.attention_mask()))
+        shapes[f"tree of {n} rows"] = (n, tree_shape(n))
     times: dict[tuple[str, str], list[float]] = {(b, shape): [] for b in builds for shape in shapes}
     with torch.inference_mode():
         for cache in caches:

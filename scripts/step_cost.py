@@ -21,6 +21,14 @@ from dflashkit.generator import SpeculativeGenerator
 from dflashkit.tree import DraftTree, best_first
 
 
+def tree_shape(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position offsets, attention mask) of the best-first tree of rows - 1 nodes over a fixed, made-up confidence
+    profile: what a target step over a token tree of that many rows takes (its mask, not its tokens, sets the cost)."""
+    parents, depths, _ = best_first([[0.5, 0.2, 0.1, 0.05]] * 8, rows - 1)
+    tree = DraftTree(list(range(100, 99 + rows)), parents, depths)
+    return tree.position_offsets(), tree.attention_mask()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=300)
@@ -36,9 +44,7 @@ def main() -> None:
     cache = target.new_cache(capacity=args.context + 64)
     shapes: dict[str, tuple[int, tuple | None]] = {f"{n} rows": (n, None) for n in map(int, args.rows.split(","))}
     for n in (int(t) for t in args.trees.split(",") if t):
-        parents, depths, _ = best_first([[0.5, 0.2, 0.1, 0.05]] * 8, n - 1)
-        tree = DraftTree(list(range(100, 99 + n)), parents, depths)
-        shapes[f"tree of {n} rows"] = (n, (tree.position_offsets(), tree.attention_mask()))
+        shapes[f"tree of {n} rows"] = (n, tree_shape(n))
     times: dict[str, list[float]] = {name: [] for name in shapes}
     with torch.inference_mode():
         target.forward(torch.randint(0, 1000, (1, args.context)), 0, cache, logits_rows=1)

@@ -505,12 +505,14 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, const int32_t* keys, floa
   constexpr int NV = T <= 6 ? kKeyBlock / 16 : kKeyBlock / 32;  // 16-key vectors per product pass (T NV sums)
   const bool* sees_not[T];  // null where the row sees a prefix of the keys
   int64_t limit[T];  // keys past it are hidden from the row
+  int64_t leading[T];  // the row sees keys 0..leading-1 (the whole prefix, or a tree row's context), then maybe others
   int64_t keys_seen = 0;  // keys past it are hidden from every row of the tile
   const int32_t* q[T];  // the query rows as bf16 pairs
   _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
     const int64_t i = (r0 + t) % a.n, prefix = a.prefix[i];
     sees_not[t] = prefix < 0 ? a.hidden + i * m : nullptr;
     limit[t] = prefix < 0 ? m : prefix;
+    leading[t] = prefix < 0 ? a.lead[i] : prefix;
     keys_seen = limit[t] > keys_seen ? limit[t] : keys_seen;
     q[t] = reinterpret_cast<const int32_t*>(a.q + (h * a.rows + r0 + t) * d);
   }
@@ -564,7 +566,7 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, const int32_t* keys, floa
     // as vectors, the rest one by one; the max is the same value whichever way it is taken
     float* p = probs + t * (m + 16);
     int64_t* idx = seen + t * m;
-    const int64_t lead = a.lead[(r0 + t) % a.n];
+    const int64_t lead = leading[t];
     __m512 top_lanes = _mm512_set1_ps(-INFINITY);
     for (int64_t i0 = 0; i0 < lead; i0 += 16) {
       const __mmask16 keep = static_cast<__mmask16>((1u << (lead - i0 < 16 ? lead - i0 : 16)) - 1u);
@@ -603,10 +605,7 @@ void attend_tile(const Attn& a, int64_t h, int64_t r0, const int32_t* keys, floa
     _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) acc[t][c] = _mm512_setzero_ps();
   const uint16_t* vh = a.v + h * a.v_head;
   int64_t common = keys_seen;  // keys every row of the tile sees: no test per row below it
-  _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) {
-    const int64_t all = sees_not[t] ? a.lead[(r0 + t) % a.n] : limit[t];
-    common = all < common ? all : common;
-  }
+  _Pragma("GCC unroll 8") for (int t = 0; t < T; ++t) common = leading[t] < common ? leading[t] : common;
   for (int64_t j = 0; j < common; ++j) {  // out = sum of the visible keys' weights times their values, in key order
     __m512 vv[CH];
     _Pragma("GCC unroll 8") for (int c = 0; c < CH; ++c) vv[c] = load_bf16(vh + j * d + c * 16);
