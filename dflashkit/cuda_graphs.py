@@ -85,6 +85,7 @@ class _Shape:
     checks_left: int = CHECKS  # replays still compared with the eager forward
     logits: Tensor | None = None  # static outputs of the captured step
     features: Tensor | None = None
+    hidden: Tensor | None = None  # a drafting step's hidden rows (their scores are `logits`)
 
 
 @dataclass(eq=False)
@@ -337,8 +338,10 @@ class GraphedDrafts(_Graphs):
 
     @torch.inference_mode()
     def __call__(self, context: ContextCache, anchor: int, pos: int, k: int, embed_tokens: torch.nn.Module,
-                 head: Callable[[Tensor], Tensor], fast: object, eager: Callable[[], Tensor]) -> Tensor:
-        """The draft scores [k, V'] of one step: replayed from a graph where one applies, else ``eager()``."""
+                 head: Callable[[Tensor], Tensor], fast: object,
+                 eager: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """The draft scores [k, V'] of one step and the hidden rows [k, hidden] they are the head's products of:
+        replayed from a graph where one applies, else ``eager()``."""
         s = k + 1
         key = (s, id(fast), id(embed_tokens), id(head))
         if not isinstance(context, GraphContext) or context.length == 0 or s > self.max_rows \
@@ -355,11 +358,11 @@ class GraphedDrafts(_Graphs):
         if shape.checks_left:  # the first replays are checked against the eager step
             expected = eager()
             shape.replay()
-            if not self._agrees(key, slot.shapes, shape, expected):
+            if not self._agrees(key, slot.shapes, shape, expected[0]):
                 return expected
         else:
             shape.replay()
-        return shape.logits.clone()
+        return shape.logits.clone(), shape.hidden.clone()
 
     def _capture(self, key: tuple, slot: _DraftSlot, embed_tokens: torch.nn.Module, head: Callable[[Tensor], Tensor],
                  fast: object) -> _Shape | None:
@@ -380,6 +383,7 @@ class GraphedDrafts(_Graphs):
             mask = torch.zeros(capacity + s, dtype=embeddings.dtype, device=self.device)
             mask = mask.masked_fill(~visible, float("-inf"))[None, None, None].expand(1, 1, group * s, capacity + s)
             hidden = fast.run(embeddings, slot.cos[positions], slot.sin[positions], context, mask)
-            shape.logits = head(hidden[0, 1:])  # [k, V']
+            shape.hidden = hidden[0, 1:]  # [k, hidden]
+            shape.logits = head(shape.hidden)  # [k, V']
 
         return self._record(key, slot.shapes, shape, step)

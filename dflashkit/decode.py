@@ -225,6 +225,8 @@ def decode(
     kept_features = [features] if prefix_cache is not None and features is not None else None
     stats.draft_window = draft_window(drafter, options) if drafter else None
     context = drafter.new_context(capacity=pos + max_new + block, window=stats.draft_window) if drafter else None
+    if context is not None:  # drafts may propose the text's own tokens (dflashkit.text_columns)
+        context.note_text(sequence)
     pending, pending_start = features, 0
     lookup = NgramLookup(prompt_ids + [token], store=options.lookup_store) if options.lookup else None
     use_trees = (options.tree is not None and drafter is not None and target.supports_trees and constraint is None
@@ -347,6 +349,8 @@ def decode(
             emitted = accepted_drafts + [token]
             sequence += emitted
             consistent = True
+            if context is not None:
+                context.note_text(emitted)
             if lookup is not None:
                 lookup.extend(emitted)
             if observer:

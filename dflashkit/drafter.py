@@ -24,9 +24,9 @@ from . import row_kernels, kernels
 from .config import DrafterConfig, check_context_window
 from .errors import InvalidInputError
 from .kernels import Matmul, rotate, signed_sin
-from .linear import PackedLinear
 from .ngram_store import NgramStore
 from .quantize import Int8Linear
+from .text_columns import TextColumns, head_rows
 
 if TYPE_CHECKING:
     from .cuda_graphs import Capture
@@ -203,6 +203,9 @@ class DFlashDrafter(nn.Module):
         self.block_fill: str | None = None  # how a step fills its block short of the trained size (see block_plan)
         self.graphs = None  # GraphedDrafts when drafting steps replay CUDA graphs (see use_step_graphs)
         self.ngram_store: NgramStore | None = None  # drafts from the target's past answers (see ngram_store)
+        # score the tokens of a generation's own text outside the draft vocabulary too (dflashkit.text_columns)
+        self.text_columns = True
+        self._in_vocab: tuple[Tensor, frozenset[int]] | None = None  # (draft_vocab, its token ids as a set)
         self._fast: tuple[tuple[int, int], FastDrafterForward] | None = None
         self._params: tuple[int, list[nn.Parameter]] | None = None  # (_registrations when taken, parameters)
 
@@ -247,10 +250,16 @@ class DFlashDrafter(nn.Module):
 
     def new_context(self, capacity: int = 256, window: int | None = None) -> ContextCache:
         """An empty injected-context cache for one generation (with step graphs: of fixed capacity); drafting
-        attends to its last ``window`` rows only (None: all)."""
-        if self.graphs is not None:
-            return self.graphs.new_context(capacity, window)
-        return ContextCache(len(self.layers), capacity, window)
+        attends to its last ``window`` rows only (None: all). With a draft vocabulary (and ``text_columns`` on),
+        drafting also scores the tokens of the generation's text outside it, as :meth:`ContextCache.note_text`
+        reports them (:mod:`dflashkit.text_columns`)."""
+        context = (self.graphs.new_context(capacity, window) if self.graphs is not None
+                   else ContextCache(len(self.layers), capacity, window))
+        if self.draft_vocab is not None and self.text_columns:
+            if self._in_vocab is None or self._in_vocab[0] is not self.draft_vocab:
+                self._in_vocab = (self.draft_vocab, frozenset(self.draft_vocab.tolist()))
+            context.text = TextColumns(self.draft_vocab, self._in_vocab[1])
+        return context
 
     def use_step_graphs(self, capture: Capture | None = None) -> None:
         """Replay drafting steps from graphs (:mod:`dflashkit.cuda_graphs`; needs the fast path). ``capture``
@@ -278,11 +287,19 @@ class DFlashDrafter(nn.Module):
         pos+1+j. Proposing from these (argmax, or sampling over V' columns) skips the [k, vocab] scatter.
 
         new_features [1, n, n_feat*hidden]: verified target features at positions new_start.. not yet
-        in `context`; they are appended first (the context grows only by verified tokens).
+        in `context`; they are appended first (the context grows only by verified tokens). Where the context keeps
+        its text's tokens outside the draft vocabulary (:attr:`ContextCache.text`), they follow as more columns.
         """
         device = self.fc.weight.device
         fast = self._fast_forward() if self.fast else None
-        head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
+        vocab_head = lm_head if self.draft_vocab is None else self._draft_head(lm_head)[0]
+        text = context.text if self.draft_vocab is not None else None
+        columns = text.columns() if text is not None else self.draft_vocab  # [V' (+ E)] or None
+
+        def head(hidden: Tensor) -> Tensor:  # [rows, hidden] -> [rows, V' (+ E)]
+            scores = vocab_head(hidden)  # [rows, V']
+            return text.scores(hidden, scores, lm_head) if text is not None else scores
+
         step = DraftStep(context, new_features, new_start, anchor, pos, *self.block_plan(k))
         drafted, gap = step.k, step.gap  # the block: drafts computed in a row [+ the trained block's last row]
         if fast is not None and self.graphs is None and fast.can_step(context, embed_tokens, new_features):
@@ -290,26 +307,31 @@ class DFlashDrafter(nn.Module):
             # row's keys and values do not depend on the steps that brought it
             if step.rows + 1 <= fast.row_limit:
                 hidden = fast.step([step], embed_tokens.weight)  # [step.rows, hidden]
-                return head(hidden[:k]), self.draft_vocab  # [k, V']
+                return head(hidden[:k]), columns  # [k, V' (+ E)]
             fast.step([DraftStep(context, new_features, new_start, anchor, pos, 0)], embed_tokens.weight)
             new_features = None
         if new_features is not None and new_features.shape[1]:
             self._append_context(context, new_features, new_start, fast)
 
-        def eager(scored: int = k) -> Tensor:  # scores of the block's first `scored` drafts [scored, V']
+        def eager(scored: int = k) -> Tensor:  # hidden rows of the block's first `scored` drafts [scored, hidden]
             tail = [pos + drafted + 1 + gap] if gap else []
             block_ids = torch.full((1, step.rows + 1), self.config.mask_token_id, device=device)
             block_ids[0, 0] = anchor
             run = fast if fast is not None else self
             positions = torch.tensor(list(range(pos, pos + drafted + 1)) + tail, device=device)
             embeddings = self.embed(block_ids, embed_tokens)
-            return head(run(embeddings, positions, context.layers())[0, 1 : scored + 1])
+            return run(embeddings, positions, context.layers())[0, 1 : scored + 1]
 
         if self.graphs is not None and fast is not None:  # graphs of whole blocks: one shape for every k
-            scores = self.graphs(context, anchor, pos, drafted, embed_tokens, head, fast, lambda: eager(drafted))[:k]
+            def whole() -> tuple[Tensor, Tensor]:
+                hidden = eager(drafted)
+                return vocab_head(hidden), hidden
+
+            vocab_scores, hidden = self.graphs(context, anchor, pos, drafted, embed_tokens, vocab_head, fast, whole)
+            scores = text.scores(hidden[:k], vocab_scores[:k], lm_head) if text is not None else vocab_scores[:k]
         else:
-            scores = eager()
-        return scores, self.draft_vocab  # [k, V'] over the draft vocabulary [V'] (None: [k, vocab])
+            scores = head(eager())
+        return scores, columns  # [k, V' (+ E)] over the columns' tokens (None: [k, vocab])
 
     @torch.inference_mode()
     def draft_scores_batch(self, calls: list[tuple]) -> list[tuple[Tensor, Tensor | None]]:
@@ -336,7 +358,13 @@ class DFlashDrafter(nn.Module):
                 for d, (length, stored_from) in zip(steps, before):
                     d.context.length, d.context.stored_from = length, stored_from
                 raise
-            return [(rows, self.draft_vocab) for rows in scores.split(wanted)]
+            results = []
+            for d, rows, own in zip(steps, scores.split(wanted), hidden.split(wanted)):
+                text = d.context.text if self.draft_vocab is not None else None
+                if text is not None and text.tokens:  # its text's own columns after the draft vocabulary's
+                    rows = text.scores(own, rows, lm_head)
+                results.append((rows, text.columns() if text is not None else self.draft_vocab))
+            return results
         return [self.draft_scores(*c) for c in calls]
 
     def _append_context(self, context: ContextCache, new_features: Tensor, new_start: int,
@@ -392,12 +420,7 @@ class DFlashDrafter(nn.Module):
         weight = lm_head.qweight if isinstance(lm_head, Int8Linear) else lm_head.weight  # [vocab, hidden]
         key = (id(lm_head), weight.data_ptr(), weight._version)
         if self._head_rows is None or self._head_rows[0] != key:
-            ids = self.draft_vocab.to(weight.device)
-            if isinstance(lm_head, Int8Linear):
-                head = lm_head.rows(ids)
-            else:
-                head = PackedLinear(weight[ids].detach())  # [V', hidden] rows
-            self._head_rows = (key, head, weight.shape[0])
+            self._head_rows = (key, head_rows(lm_head, self.draft_vocab), weight.shape[0])  # [V', hidden] rows
         return self._head_rows[1], self._head_rows[2]
 
     def forward(
@@ -638,6 +661,13 @@ class ContextCache:
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
         self._buffers: list[tuple[Tensor, Tensor]] | None = None
+        self.text: TextColumns | None = None  # the text's tokens outside the draft vocabulary (set by new_context)
+
+    def note_text(self, token_ids: list[int]) -> None:
+        """Report tokens of the generation's text (its prompt, then what it emits), so that drafting can propose
+        those outside the draft vocabulary too (:mod:`dflashkit.text_columns`); nothing without one."""
+        if self.text is not None:
+            self.text.add(token_ids)
 
     def outside_window(self, n: int) -> int:
         """How many of the next n rows drafting will never attend to (they fall before the window once all n are

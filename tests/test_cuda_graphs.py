@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflashkit.adaptive import AdaptiveBlockSize
 from dflashkit.cuda_graphs import MIN_CAPACITY, GraphCache, GraphedSteps, unsupported_reason
+from dflashkit.drafter import DFlashDrafter
 from dflashkit.errors import InvalidInputError
 from dflashkit.fast_target import StepInputs
 from dflashkit.sampling import SamplingParams
@@ -247,6 +248,34 @@ def test_drafting_graphs_attend_to_the_context_window_only():
     for got in scores(twin, 3):  # the first two replays are checked against eager steps, the others not
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert capture.captured == 1 and not twin.graphs.failed
+
+
+def test_graphed_drafting_scores_the_texts_own_columns():
+    """With a draft vocabulary, a graphed step's scores of the draft vocabulary come from the graph and those of the
+    text's tokens outside it from the hidden rows the graph kept: the fast path's scores and columns, on the checked
+    replays and after them."""
+    plain, _, base, _ = pair("qwen3")
+    drafter = DFlashDrafter(base.config.replace(draft_vocab=list(range(0, VOCAB, 3)))).eval()
+    drafter.load_state_dict(base.state_dict())
+    drafter.use_fast_path(True)
+    drafter.block_fill = "whole"
+    twin = graphed_drafter(drafter)
+    prompt = torch.tensor([PROMPTS[0] * 2])
+    _, features = plain.forward(prompt, 0, plain.new_cache(), logits_rows=1)
+    n = prompt.shape[1]
+
+    def steps(d):
+        context = d.new_context(n + 16)
+        context.note_text(prompt[0].tolist())
+        embed, head = plain.embed_tokens, plain.lm_head
+        return [d.draft_scores(context, features if i == 0 else None, 0, 7, n, 4, embed, head) for i in range(4)]
+
+    outside = [t for t in dict.fromkeys(prompt[0].tolist()) if t % 3]
+    assert outside
+    for (got, got_columns), (want, want_columns) in zip(steps(twin), steps(drafter)):
+        assert got_columns.tolist() == want_columns.tolist() == list(range(0, VOCAB, 3)) + outside
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not twin.graphs.failed
 
 
 def test_draft_contexts_are_pooled_and_fixed():
