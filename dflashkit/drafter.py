@@ -24,9 +24,10 @@ from . import row_kernels, kernels
 from .config import DrafterConfig, check_context_window
 from .errors import InvalidInputError
 from .kernels import Matmul, rotate, signed_sin
+from .linear import PackedLinear
 from .ngram_store import NgramStore
 from .quantize import Int8Linear
-from .text_columns import TextColumns, head_rows
+from .text_columns import TextColumns
 
 if TYPE_CHECKING:
     from .cuda_graphs import Capture
@@ -207,7 +208,8 @@ class DFlashDrafter(nn.Module):
         self.text_columns = True
         self._in_vocab: tuple[Tensor, frozenset[int]] | None = None  # (draft_vocab, its token ids as a set)
         self._fast: tuple[tuple[int, int], FastDrafterForward] | None = None
-        self._params: tuple[int, list[nn.Parameter]] | None = None  # (_registrations when taken, parameters)
+        # (_registrations when taken, the parameters, how many times the list held other objects)
+        self._params: tuple[int, list[nn.Parameter], int] | None = None
 
     @property
     def block_size(self) -> int:
@@ -298,7 +300,7 @@ class DFlashDrafter(nn.Module):
 
         def head(hidden: Tensor) -> Tensor:  # [rows, hidden] -> [rows, V' (+ E)]
             scores = vocab_head(hidden)  # [rows, V']
-            return text.scores(hidden, scores, lm_head) if text is not None else scores
+            return text.scores(hidden, scores, lm_head, vocab_head) if text is not None else scores
 
         step = DraftStep(context, new_features, new_start, anchor, pos, *self.block_plan(k))
         drafted, gap = step.k, step.gap  # the block: drafts computed in a row [+ the trained block's last row]
@@ -328,7 +330,8 @@ class DFlashDrafter(nn.Module):
                 return vocab_head(hidden), hidden
 
             vocab_scores, hidden = self.graphs(context, anchor, pos, drafted, embed_tokens, vocab_head, fast, whole)
-            scores = text.scores(hidden[:k], vocab_scores[:k], lm_head) if text is not None else vocab_scores[:k]
+            scores = (text.scores(hidden[:k], vocab_scores[:k], lm_head, vocab_head) if text is not None
+                      else vocab_scores[:k])
         else:
             scores = head(eager())
         return scores, columns  # [k, V' (+ E)] over the columns' tokens (None: [k, vocab])
@@ -362,7 +365,7 @@ class DFlashDrafter(nn.Module):
             for d, rows, own in zip(steps, scores.split(wanted), hidden.split(wanted)):
                 text = d.context.text if self.draft_vocab is not None else None
                 if text is not None and text.tokens:  # its text's own columns after the draft vocabulary's
-                    rows = text.scores(own, rows, lm_head)
+                    rows = text.scores(own, rows, lm_head, head)
                 results.append((rows, text.columns() if text is not None else self.draft_vocab))
             return results
         return [self.draft_scores(*c) for c in calls]
@@ -392,10 +395,15 @@ class DFlashDrafter(nn.Module):
     def _fast_forward(self) -> FastDrafterForward:
         """The fast forward of the parameters as they are now: rebuilt when one was updated in place (its version)
         or replaced. The parameter list is kept between calls (walking the module tree each drafting step cost
-        ~0.2 ms once the target's pass had evicted it from the caches)."""
+        ~0.2 ms once the target's pass had evicted it from the caches) and taken again after any parameter was
+        registered anywhere; only a list that then holds other objects counts as replaced parameters (a parameter
+        registered elsewhere, by any module made while decoding, costs a new list, not a new fast forward)."""
         if self._params is None or self._params[0] != _registrations:
-            self._params = (_registrations, list(self.parameters()))
-        version = (self._params[0], sum(p._version for p in self._params[1] if not p.is_inference()))
+            params = list(self.parameters())
+            same = self._params is not None and len(params) == len(self._params[1]) \
+                and all(a is b for a, b in zip(params, self._params[1]))
+            self._params = (_registrations, params, self._params[2] + (not same) if self._params is not None else 0)
+        version = (self._params[2], sum(p._version for p in self._params[1] if not p.is_inference()))
         if self._fast is None or self._fast[0] != version:
             self._fast = (version, FastDrafterForward(self))
         return self._fast[1]
@@ -420,7 +428,12 @@ class DFlashDrafter(nn.Module):
         weight = lm_head.qweight if isinstance(lm_head, Int8Linear) else lm_head.weight  # [vocab, hidden]
         key = (id(lm_head), weight.data_ptr(), weight._version)
         if self._head_rows is None or self._head_rows[0] != key:
-            self._head_rows = (key, head_rows(lm_head, self.draft_vocab), weight.shape[0])  # [V', hidden] rows
+            ids = self.draft_vocab.to(weight.device)
+            if isinstance(lm_head, Int8Linear):
+                head = lm_head.rows(ids)
+            else:
+                head = PackedLinear(weight[ids].detach())  # [V', hidden] rows
+            self._head_rows = (key, head, weight.shape[0])
         return self._head_rows[1], self._head_rows[2]
 
     def forward(

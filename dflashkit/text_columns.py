@@ -16,8 +16,8 @@ with the draft vocabulary, 2.32 / 2.90 / 2.65 with it and the text's tokens, 2.3
 vocabulary (whose head costs 6x the draft vocabulary's). Decoding stays lossless whatever a drafter proposes; this only
 changes what it can propose.
 
-Rows are kept in two parts so that a token that arrives late costs little: the rows packed for the fast product
-(repacked when the unpacked rest reaches :data:`PACK_EVERY`), and the rest, multiplied as they are.
+Rows are kept in two parts so that a token that arrives late costs little: the settled rows, packed for the fast
+product once per :data:`PACK_EVERY` new rows, and the recent rest, packed again whenever a token joins.
 """
 
 from __future__ import annotations
@@ -28,19 +28,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import PackedLinear
+from . import row_kernels
 from .quantize import Int8Linear
 
-PACK_EVERY = 64  # unpacked rows at which all rows are packed again (packing ~1.3 µs a row + ~0.13 ms a call)
+PACK_EVERY = 64  # recent rows at which all rows are packed together again
 
 
-def head_rows(lm_head: nn.Module, ids: Tensor, packed: bool = True) -> Callable[[Tensor], Tensor]:
-    """The target's head restricted to the output rows `ids` [n]: a weight-only int8 head keeps its rows in int8;
-    other heads' rows are prepacked for the fast product (``packed``) or multiplied as they are."""
+def head_rows(lm_head: nn.Module, ids: Tensor) -> Callable[[Tensor], Tensor]:
+    """Products with the target head's output rows `ids` [n] only: [..., hidden] -> [..., n]. Set up with no module
+    parameter (registering one anywhere makes a drafter take its parameter list again, see
+    ``DFlashDrafter._fast_forward``): a weight-only int8 head's rows stay int8 (buffers); bf16 rows on a CPU with
+    dflashkit's row kernels are packed for them (products of any shape, no setup per shape: a bf16 ``F.linear`` of a
+    shape oneDNN has not seen takes ~0.9 ms here, most of it making its primitive); other CPU rows multiply in fp32,
+    rows on a GPU as they are."""
     if isinstance(lm_head, Int8Linear):
         return lm_head.rows(ids)
     rows = lm_head.weight[ids.to(lm_head.weight.device)].detach()  # [n, hidden]
-    return PackedLinear(rows) if packed else (lambda hidden: F.linear(hidden, rows))
+    if row_kernels.usable(rows):
+        packed, n = row_kernels.pack(rows), rows.shape[0]
+        return lambda hidden: (row_kernels.linear(hidden, packed, n) if hidden.dtype == torch.bfloat16
+                               else F.linear(hidden, rows.to(hidden.dtype)))
+    if rows.device.type == "cpu":
+        rows = rows.float()
+        return lambda hidden: hidden.float() @ rows.T
+    return lambda hidden: F.linear(hidden, rows.to(hidden.dtype))
 
 
 class TextColumns:
@@ -51,8 +62,10 @@ class TextColumns:
         self._in_vocab = in_vocab  # its token ids, shared by every generation of the drafter
         self.tokens: list[int] = []  # the text's tokens outside it, in the order first seen
         self._seen: set[int] = set()
-        self._packed: tuple[int, object, Callable[[Tensor], Tensor]] | None = None  # (rows, head key, head)
-        self._rest: tuple[int, object, Callable[[Tensor], Tensor]] | None = None
+        # (rows covered, head key, head over them): the settled rows (packed again every PACK_EVERY new rows) and
+        # the recent rest (packed again whenever a token joins; fewer than PACK_EVERY rows)
+        self._settled: tuple[int, object, Callable[[Tensor], Tensor]] | None = None
+        self._recent: tuple[int, object, Callable[[Tensor], Tensor]] | None = None
         self._columns: Tensor | None = None
 
     def add(self, token_ids: Iterable[int]) -> None:
@@ -70,28 +83,21 @@ class TextColumns:
             self._columns = torch.cat((self.draft_vocab, extra))
         return self._columns
 
-    def scores(self, hidden: Tensor, scores: Tensor, lm_head: nn.Module) -> Tensor:
+    def scores(self, hidden: Tensor, scores: Tensor, lm_head: nn.Module, key: object) -> Tensor:
         """Scores [rows, V' + E] of drafter hidden states [rows, hidden]: their draft vocabulary's ``scores``
-        [rows, V'], then their products with the text's tokens' rows of the target's head ``lm_head``."""
+        [rows, V'], then their products with the text's tokens' rows of the target's head ``lm_head``. ``key``
+        changes whenever the head's weights do (the drafter passes its draft head's): the rows are taken again."""
         if not self.tokens:
             return scores
-        key = _head_key(lm_head)
-        if len(self.tokens) - (self._packed[0] if self._packed and self._packed[1] == key else 0) >= PACK_EVERY:
-            ids = torch.tensor(self.tokens)
-            self._packed, self._rest = (len(ids), key, head_rows(lm_head, ids)), None
-        done = self._packed[0] if self._packed is not None and self._packed[1] == key else 0
+        settled = self._settled[0] if self._settled is not None and self._settled[1] == key else 0
+        if len(self.tokens) - settled >= PACK_EVERY:
+            settled = len(self.tokens)
+            self._settled = (settled, key, head_rows(lm_head, torch.tensor(self.tokens)))
         parts = [scores]
-        if done:
-            parts.append(self._packed[2](hidden))  # [rows, packed E]
-        if done < len(self.tokens):
-            if self._rest is None or self._rest[0] != len(self.tokens) or self._rest[1] != key:
-                ids = torch.tensor(self.tokens[done:])
-                self._rest = (len(self.tokens), key, head_rows(lm_head, ids, packed=False))
-            parts.append(self._rest[2](hidden))  # [rows, the rest of E]
+        if settled:
+            parts.append(self._settled[2](hidden))  # [rows, settled]
+        if settled < len(self.tokens):
+            if self._recent is None or self._recent[:2] != (len(self.tokens), key):
+                self._recent = (len(self.tokens), key, head_rows(lm_head, torch.tensor(self.tokens[settled:])))
+            parts.append(self._recent[2](hidden))  # [rows, the rest]
         return torch.cat([p.to(scores.dtype) for p in parts], -1)
-
-
-def _head_key(lm_head: nn.Module) -> tuple:
-    """What the cached rows were taken from: the head and its weights as they are now."""
-    weight = lm_head.qweight if isinstance(lm_head, Int8Linear) else lm_head.weight
-    return (id(lm_head), weight.data_ptr(), -1 if weight.is_inference() else weight._version)

@@ -278,6 +278,8 @@ def test_the_fast_forward_follows_the_parameters_updated_or_replaced():
     drafter.use_fast_path()
     first = drafter._fast_forward()
     assert drafter._fast_forward() is first  # nothing changed: kept
+    torch.nn.Linear(2, 2)  # parameters registered elsewhere: the list is taken again, the fast forward kept
+    assert drafter._fast_forward() is first
     with torch.no_grad():
         drafter.fc.weight.mul_(2)  # in place: its version moves
     second = drafter._fast_forward()

@@ -3,6 +3,7 @@ packing state, int8 heads), the drafter's steps alone and batched, and decoding 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import VOCAB, tiny_drafter, tiny_target
 
@@ -28,25 +29,27 @@ def test_the_texts_tokens_outside_the_vocabulary_join_once_in_the_order_seen():
     assert text.columns().tolist() == [2, 4, 6, 9, 7, 11]
 
 
-def test_text_scores_are_the_full_heads_columns_whether_packed_or_not():
-    """Scores of the text's columns equal those columns of the whole head: before any packing, across the repacking
-    at PACK_EVERY rows, with packed rows and an unpacked rest, and again after the head's weights change."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_text_scores_are_the_full_heads_columns_whether_packed_or_not(dtype):
+    """Scores of the text's columns equal those columns of the whole head: before any repacking, across the
+    repacking at PACK_EVERY rows, with settled rows and a recent rest, and again after the head's weights change
+    (bf16: the row kernels' products on a CPU that has them)."""
     hidden_size, vocab = 32, 3 * PACK_EVERY + 40
-    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False).to(dtype)
     base = list(range(0, vocab, 4))
     outside = [t for t in range(vocab) if t % 4]
     text = columns_over(base)
-    hidden = torch.randn(5, hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(5, hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     base_scores = head(hidden)[:, base].detach()
     with torch.no_grad():
         for count in (0, 3, PACK_EVERY - 1, PACK_EVERY, PACK_EVERY + 5, 2 * PACK_EVERY + 7, len(outside)):
             text.add(outside[:count])
-            got = text.scores(hidden, base_scores, head)
+            got = text.scores(hidden, base_scores, head, 0)
             assert got.shape == (5, len(base) + count)
             torch.testing.assert_close(got, head(hidden)[:, text.columns()])
             assert torch.equal(got[:, : len(base)], base_scores)
-        head.weight.mul_(-0.5)  # in place: the cached rows must not outlive it
-        torch.testing.assert_close(text.scores(hidden, base_scores, head)[:, len(base):],
+        head.weight.mul_(-0.5)  # the caller's key moves with the weights: the rows are taken again
+        torch.testing.assert_close(text.scores(hidden, base_scores, head, 1)[:, len(base):],
                                    head(hidden)[:, text.tokens])
 
 
@@ -58,7 +61,7 @@ def test_text_scores_read_an_int8_heads_own_rows():
     hidden = torch.randn(3, hidden_size)
     with torch.inference_mode():
         full = head(hidden)
-        got = text.scores(hidden, full[:, :100], head)
+        got = text.scores(hidden, full[:, :100], head, 0)
     torch.testing.assert_close(got, full[:, text.columns()])
 
 
