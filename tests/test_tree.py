@@ -143,6 +143,23 @@ def test_sample_tree_has_the_greedy_shape_and_draws_its_children(budget):
     assert len(sample_tree(torch.zeros(2, 6), None, 3, g)) == 0  # nothing to draw: no nodes
 
 
+@pytest.mark.parametrize("budget", [4, 11, 15])
+def test_build_tree_over_bf16_scores_keeps_the_nodes_of_largest_path_probability(budget):
+    """bf16 scores on a CPU with the row kernels take their one-pass top probabilities (row_kernels.top_probs): the
+    tree still holds the `budget` nodes of largest path probability under torch's softmax (up to rounding)."""
+    g = torch.Generator().manual_seed(budget)
+    scores = (torch.randn(3, 300, generator=g) * 3).bfloat16()
+    columns = torch.randperm(1000, generator=g)[:300]
+    tree = build_tree(scores, columns, budget)
+    probs = scores.float().softmax(-1)
+    prob_of = [dict(zip(columns.tolist(), row.tolist())) for row in probs]
+    values: list[float] = []
+    for token, parent, depth in zip(tree.tokens, tree.parents, tree.depths):
+        values.append((values[parent - 1] if parent else 1.0) * prob_of[depth - 1][token])
+    best = sorted(all_node_values(probs, 4).values(), reverse=True)[:budget]
+    assert sorted(values, reverse=True) == pytest.approx(best, rel=1e-5)
+
+
 def test_ancestor_mask_offsets_and_walk():
     # anchor -> a(1) -> c(3); anchor -> b(2) -> d(4) -> e(5)
     tree = DraftTree(tokens=[10, 11, 12, 13, 14], parents=[0, 0, 1, 2, 4], depths=[1, 1, 2, 2, 3])

@@ -352,6 +352,121 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// The k largest values of each row of x [R, V] bf16 as softmax probabilities, largest first, and their indices:
+// what a token tree is built from (the drafter's top candidates per block position and their probabilities), in one
+// pass over each row instead of torch's softmax and topk (~0.2 ms for 11 x 8,192 scores once the target's pass has
+// evicted everything). Ties: the smaller index first. p = exp(v - max) / sum over the row of exp(x - max), both with
+// the softmax exp of the attention (relative error ~2e-7); -inf scores weigh 0. A row with a NaN, or whose largest
+// value is +-inf, gets NaN probabilities (as torch's softmax).
+std::tuple<torch::Tensor, torch::Tensor> top_probs_rows(const torch::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) >= 16 &&
+              x.size(1) < (int64_t{1} << 31) && k >= 1 && k <= 16 && k <= x.size(1),
+              "x: contiguous [R, V] bf16 with 16 <= V < 2^31, 1 <= k <= min(16, V)");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto probs = torch::empty({rows, k}, x.options().dtype(at::kFloat));
+  auto index = torch::empty({rows, k}, x.options().dtype(at::kLong));
+  const uint16_t* xp = u16(x);
+  float* pp = probs.data_ptr<float>();
+  int64_t* ip = index.data_ptr<int64_t>();
+#ifdef __AVX512F__
+  constexpr int64_t L = 16;
+#else
+  constexpr int64_t L = 8;
+#endif
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* row = xp + r * n;
+      const int64_t whole = n / L * L;
+      float top[16];
+      int64_t at[16];
+      int64_t filled = 0;
+      auto offer = [&](float v, int64_t i) {  // keep the k largest, earlier index first among equals
+        if (filled == k && !(v > top[k - 1])) return;
+        int64_t j = filled < k ? filled++ : k - 1;
+        for (; j > 0 && v > top[j - 1]; --j) { top[j] = top[j - 1]; at[j] = at[j - 1]; }
+        top[j] = v;
+        at[j] = i;
+      };
+      for (int64_t i = 0; i < n && filled < k; ++i) offer(bf16_to_float(row[i]), i);
+      int64_t i = filled;  // == k: the first k entries are in
+      for (; i < n && i % L; ++i) offer(bf16_to_float(row[i]), i);
+#ifdef __AVX512F__
+      for (; i < whole; i += L) {
+        const __m512 v = load_bf16(row + i);
+        __mmask16 above = _mm512_cmp_ps_mask(v, _mm512_set1_ps(top[k - 1]), _CMP_GT_OQ);
+        while (above) {
+          const int l = __builtin_ctz(above);
+          offer(bf16_to_float(row[i + l]), i + l);
+          above &= above - 1;
+          above &= _mm512_cmp_ps_mask(v, _mm512_set1_ps(top[k - 1]), _CMP_GT_OQ);
+        }
+      }
+#else
+      for (; i < whole; i += L) {
+        const __m256 v = load_bf16(row + i);
+        int above = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(top[k - 1]), _CMP_GT_OQ));
+        while (above) {
+          const int l = __builtin_ctz(above);
+          offer(bf16_to_float(row[i + l]), i + l);
+          above &= above - 1;
+          above &= _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(top[k - 1]), _CMP_GT_OQ));
+        }
+      }
+#endif
+      for (; i < n; ++i) offer(bf16_to_float(row[i]), i);
+      const float largest = top[0];
+      // the row's sum of exp(x - largest), in lanes, then the tail; and whether the row holds a NaN
+      float lanes[16] = {0};
+      bool nan = false;
+#ifdef __AVX512F__
+      __m512 acc = _mm512_setzero_ps();
+      __mmask16 unordered = 0;
+      for (int64_t j = 0; j < whole; j += L) {
+        const __m512 v = load_bf16(row + j);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        acc = _mm512_add_ps(acc, exp_nonpositive(_mm512_sub_ps(v, _mm512_set1_ps(largest))));
+      }
+      _mm512_storeu_ps(lanes, acc);
+      nan = unordered != 0;
+#else
+      __m256 acc = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+      for (int64_t j = 0; j < whole; j += L) {
+        const __m256 v = load_bf16(row + j);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        acc = _mm256_add_ps(acc, exp_nonpositive(_mm256_sub_ps(v, _mm256_set1_ps(largest))));
+      }
+      _mm256_storeu_ps(lanes, acc);
+      nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+      float sum = 0.0f;
+      for (int64_t l = 0; l < L; ++l) sum += lanes[l];
+      float tail[16] = {0}, values[16] = {0};
+      const int64_t rest = n - whole;
+      for (int64_t j = 0; j < rest; ++j) {
+        tail[j] = bf16_to_float(row[whole + j]) - largest;
+        nan |= tail[j] != tail[j];
+      }
+      for (int64_t j = 0; j < k; ++j) values[j] = top[j] - largest;
+#ifdef __AVX512F__
+      _mm512_storeu_ps(tail, exp_nonpositive(_mm512_loadu_ps(tail)));
+      _mm512_storeu_ps(values, exp_nonpositive(_mm512_loadu_ps(values)));
+#else
+      for (int h = 0; h < 16; h += 8) {
+        _mm256_storeu_ps(tail + h, exp_nonpositive(_mm256_loadu_ps(tail + h)));
+        _mm256_storeu_ps(values + h, exp_nonpositive(_mm256_loadu_ps(values + h)));
+      }
+#endif
+      for (int64_t j = 0; j < rest; ++j) sum += tail[j];
+      if (nan || !std::isfinite(largest)) sum = NAN;  // as torch's softmax: NaN rows, and rows whose max is +-inf
+      for (int64_t j = 0; j < k; ++j) {
+        pp[r * k + j] = values[j] / sum;
+        ip[r * k + j] = at[j];
+      }
+    }
+  });
+  return {probs, index};
+}
+
 // How many threads at::parallel_for gives the kernels' work: it is compiled into this file, so without -fopenmp
 // here it runs on one thread whatever torch.get_num_threads() says (tests guard the build flags with this).
 int64_t parallel_threads() {
@@ -371,6 +486,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
   m.def("attention", &attention, "grouped-query attention, one query row at a time");
   m.def("argmax_rows", &argmax_rows, "index of each bf16 row's largest value, as torch's argmax");
+  m.def("top_probs_rows", &top_probs_rows, "each bf16 row's k largest values as softmax probabilities, and their indices");
   m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
   m.def("decoder_layers_batch", &decoder_layers_batch,
         "every decoder layer for the rows of several sequences, each over its own cache, each row on its own");
