@@ -122,12 +122,12 @@ class StaticKVCache:
         a node at depth d was run at position start + d, where it now lies)."""
         if any(r < 0 or start + r >= self.length for r in rows):
             raise InvalidInputError(f"rows {rows} after {start} are not all in the cache (length {self.length})")
-        if rows == list(range(len(rows))):  # already in place (a path down the first rows): nothing to move
-            self.length = start + len(rows)
-            return
-        index = torch.tensor(rows, device=self.keys.device) + start
-        self.keys[:, :, start : start + len(rows)] = self.keys[:, :, index]  # advanced indexing copies first
-        self.values[:, :, start : start + len(rows)] = self.values[:, :, index]
+        if any(b <= a for a, b in zip(rows, rows[1:])):
+            raise InvalidInputError(f"rows {rows} are not increasing")
+        for i, r in enumerate(rows):  # only the rows not in place move (a path's first rows often are);
+            if r != i:  # rows[j] > rows[i] >= i for j > i: a row is moved before its place is overwritten
+                self.keys[:, :, start + i] = self.keys[:, :, start + r]
+                self.values[:, :, start + i] = self.values[:, :, start + r]
         self.length = start + len(rows)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:

@@ -322,3 +322,22 @@ def test_attention_results_in_a_gpus_memory_layout_decode_the_same_tokens(monkey
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
     got = {name: [run(t, d, p) for p in PROMPTS] for name, (t, d) in paths.items()}
     assert got == want
+
+
+def test_keep_rows_moves_the_kept_rows_to_the_next_positions():
+    """After a tree's pass from `start`, the kept rows (increasing, the anchor's 0 first) become positions start,
+    start+1, ...: as a gather of those rows would leave them, rows before start untouched; non-increasing rows refused."""
+    for rows in ([0], [0, 1, 2], [0, 2], [0, 1, 5], [0, 3, 6, 8, 9], [0, 1, 2, 3, 7]):
+        cache = StaticKVCache(3, 2, 4, 32, torch.float32, torch.device("cpu"))
+        cache.keys.copy_(torch.randn(cache.keys.shape))
+        cache.values.copy_(torch.randn(cache.values.shape))
+        start, cache.length = 7, 7 + 10
+        before_k, before_v = cache.keys.clone(), cache.values.clone()
+        cache.keep_rows(start, rows)
+        index = torch.tensor(rows) + start
+        assert cache.length == start + len(rows)
+        assert torch.equal(cache.keys[:, :, start : start + len(rows)], before_k[:, :, index])
+        assert torch.equal(cache.values[:, :, start : start + len(rows)], before_v[:, :, index])
+        assert torch.equal(cache.keys[:, :, :start], before_k[:, :, :start])
+    with pytest.raises(InvalidInputError, match="increasing"):
+        cache.keep_rows(start, [0, 2, 2])
