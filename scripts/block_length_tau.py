@@ -21,6 +21,25 @@ from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 
 
+def answers(gen: SpeculativeGenerator, name: str, limit: int, max_new_tokens: int):
+    """Per prompt of an evaluation set: its token ids, prompt + the target's greedy answer, and that sequence's
+    target features [1, len, F] (the drafter's context when teacher-forced)."""
+    target = gen.target
+    for prompt in load_set(name, limit=limit, seed=0):
+        ids = gen.encode_prompt(prompt)
+        y = ids + gen.generate(ids, max_new_tokens=max_new_tokens, use_drafter=False).token_ids
+        _, features = target.forward(torch.tensor([y]), 0, target.new_cache(capacity=len(y) + 1), logits_rows=1)
+        yield ids, y, features
+
+
+def leading_matches(drafts: list[int], y: list[int], anchor: int, k: int) -> int:
+    """How many of the first k drafts after `anchor` match the answer y, in a row."""
+    m = 0
+    while m < k and anchor + 1 + m < len(y) and drafts[m] == y[anchor + 1 + m]:
+        m += 1
+    return m
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", default="auto")
@@ -41,11 +60,7 @@ def main() -> None:
     for name in args.sets.split(","):
         matched: dict[tuple[int, int], float] = defaultdict(float)
         counted: Counter = Counter()
-        for prompt in load_set(name, limit=args.limit, seed=0):
-            ids = gen.encode_prompt(prompt)
-            y = ids + gen.generate(ids, max_new_tokens=args.max_new_tokens, use_drafter=False).token_ids
-            cache = target.new_cache(capacity=len(y) + 1)
-            _, features = target.forward(torch.tensor([y]), 0, cache, logits_rows=1)  # [1, len(y), F]
+        for ids, y, features in answers(gen, name, args.limit, args.max_new_tokens):  # features [1, len(y), F]
             context = drafter.new_context(capacity=len(y) + max(lengths))
             have = 0  # context rows taken so far: positions < have
             for a in range(len(ids) - 1, len(y) - 1):  # anchor y[a] at position a, context = positions < a
@@ -60,10 +75,7 @@ def main() -> None:
                     for k in ks if fill == "cut" else [drafts_asked]:
                         if k > drafts_asked:
                             continue
-                        m = 0
-                        while m < k and a + 1 + m < len(y) and drafts[m] == y[a + 1 + m]:
-                            m += 1
-                        matched[k, column] += m
+                        matched[k, column] += leading_matches(drafts, y, a, k)
                         counted[k, column] += 1
                 have = max(have, a)
         print(name)

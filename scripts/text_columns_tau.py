@@ -15,8 +15,9 @@ import argparse
 
 import torch
 
-from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
+
+from block_length_tau import answers, leading_matches  # scripts/block_length_tau.py
 
 VARIANTS = ("draft vocabulary", "+ text", "whole vocabulary")
 
@@ -43,13 +44,9 @@ def main() -> None:
         matched = dict.fromkeys(VARIANTS, 0)
         first = dict.fromkeys(VARIANTS, 0)
         anchors = answer_tokens = outside = 0
-        for prompt in load_set(name, limit=args.limit, seed=0):
-            ids = gen.encode_prompt(prompt)
-            answer = gen.generate(ids, max_new_tokens=args.max_new_tokens, use_drafter=False).token_ids
-            y = ids + answer
-            answer_tokens += len(answer)
-            outside += sum(t not in in_vocab for t in answer)
-            _, features = target.forward(torch.tensor([y]), 0, target.new_cache(capacity=len(y) + 1), logits_rows=1)
+        for ids, y, features in answers(gen, name, args.limit, args.max_new_tokens):
+            answer_tokens += len(y) - len(ids)
+            outside += sum(t not in in_vocab for t in y[len(ids):])
             anchors += len(y) - len(ids)
             for variant in VARIANTS:
                 drafter.draft_vocab = None if variant == "whole vocabulary" else draft_vocab
@@ -63,9 +60,7 @@ def main() -> None:
                                                            target.embed_tokens, target.lm_head)
                     best = scores.argmax(-1)
                     drafts = (columns[best] if columns is not None else best).tolist()
-                    m = 0
-                    while m < args.k and a + 1 + m < len(y) and drafts[m] == y[a + 1 + m]:
-                        m += 1
+                    m = leading_matches(drafts, y, a, args.k)
                     matched[variant] += m
                     first[variant] += m > 0
                     have = max(have, a)
