@@ -364,7 +364,7 @@ class DFlashDrafter(nn.Module):
             results = []
             for d, rows, own in zip(steps, scores.split(wanted), hidden.split(wanted)):
                 text = d.context.text if self.draft_vocab is not None else None
-                if text is not None and text.tokens:  # its text's own columns after the draft vocabulary's
+                if text is not None:  # its text's own columns after the draft vocabulary's
                     rows = text.scores(own, rows, lm_head, head)
                 results.append((rows, text.columns() if text is not None else self.draft_vocab))
             return results
