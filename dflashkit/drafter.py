@@ -298,8 +298,8 @@ class DFlashDrafter(nn.Module):
         text = context.text if self.draft_vocab is not None else None
         columns = text.columns() if text is not None else self.draft_vocab  # [V' (+ E)] or None
 
-        def head(hidden: Tensor) -> Tensor:  # [rows, hidden] -> [rows, V' (+ E)]
-            scores = vocab_head(hidden)  # [rows, V']
+        def head(hidden: Tensor, scores: Tensor | None = None) -> Tensor:  # [rows, hidden] -> [rows, V' (+ E)]
+            scores = vocab_head(hidden) if scores is None else scores  # [rows, V'] (a graph's are given)
             return text.scores(hidden, scores, lm_head, vocab_head) if text is not None else scores
 
         step = DraftStep(context, new_features, new_start, anchor, pos, *self.block_plan(k))
@@ -330,8 +330,7 @@ class DFlashDrafter(nn.Module):
                 return vocab_head(hidden), hidden
 
             vocab_scores, hidden = self.graphs(context, anchor, pos, drafted, embed_tokens, vocab_head, fast, whole)
-            scores = (text.scores(hidden[:k], vocab_scores[:k], lm_head, vocab_head) if text is not None
-                      else vocab_scores[:k])
+            scores = head(hidden[:k], vocab_scores[:k])
         else:
             scores = head(eager())
         return scores, columns  # [k, V' (+ E)] over the columns' tokens (None: [k, vocab])

@@ -62,10 +62,10 @@ class TextColumns:
         self._in_vocab = in_vocab  # its token ids, shared by every generation of the drafter
         self.tokens: list[int] = []  # the text's tokens outside it, in the order first seen
         self._seen: set[int] = set()
-        # (rows covered, head key, head over them): the settled rows (packed again every PACK_EVERY new rows) and
-        # the recent rest (packed again whenever a token joins; fewer than PACK_EVERY rows)
+        # the settled rows (packed again every PACK_EVERY new rows): (rows covered, head key, head over them); the
+        # recent rest (packed again whenever a token joins; fewer than PACK_EVERY rows): (first row, end, key, head)
         self._settled: tuple[int, object, Callable[[Tensor], Tensor]] | None = None
-        self._recent: tuple[int, object, Callable[[Tensor], Tensor]] | None = None
+        self._recent: tuple[int, int, object, Callable[[Tensor], Tensor]] | None = None
         self._columns: Tensor | None = None
 
     def add(self, token_ids: Iterable[int]) -> None:
@@ -97,7 +97,7 @@ class TextColumns:
         if settled:
             parts.append(self._settled[2](hidden))  # [rows, settled]
         if settled < len(self.tokens):
-            if self._recent is None or self._recent[:2] != (len(self.tokens), key):
-                self._recent = (len(self.tokens), key, head_rows(lm_head, torch.tensor(self.tokens[settled:])))
-            parts.append(self._recent[2](hidden))  # [rows, the rest]
+            if self._recent is None or self._recent[:3] != (settled, len(self.tokens), key):
+                self._recent = (settled, len(self.tokens), key, head_rows(lm_head, torch.tensor(self.tokens[settled:])))
+            parts.append(self._recent[3](hidden))  # [rows, the rest]
         return torch.cat([p.to(scores.dtype) for p in parts], -1)

@@ -43,9 +43,8 @@ def main() -> None:
     for name in args.sets.split(","):
         matched = dict.fromkeys(VARIANTS, 0)
         first = dict.fromkeys(VARIANTS, 0)
-        anchors = answer_tokens = outside = 0
+        anchors = outside = 0  # anchors: one per answer token (the last prompt token's, then all but the last)
         for ids, y, features in answers(gen, name, args.limit, args.max_new_tokens):
-            answer_tokens += len(y) - len(ids)
             outside += sum(t not in in_vocab for t in y[len(ids):])
             anchors += len(y) - len(ids)
             for variant in VARIANTS:
@@ -67,7 +66,7 @@ def main() -> None:
                     context.note_text([y[a + 1]])  # the answer's next token, verified before the next anchor
         drafter.draft_vocab, drafter.text_columns = draft_vocab, True
         cells = [f"{v}: τ {1 + matched[v] / anchors:.3f} p1 {first[v] / anchors:.3f}" for v in VARIANTS]
-        print(f"{name} ({anchors} anchors; {outside / answer_tokens:.1%} of the answers' tokens outside the draft "
+        print(f"{name} ({anchors} anchors; {outside / anchors:.1%} of the answers' tokens outside the draft "
               f"vocabulary)\n  " + "\n  ".join(cells), flush=True)
 
 

@@ -54,13 +54,16 @@ def test_text_scores_are_the_full_heads_columns_whether_packed_or_not(dtype):
 
 
 def test_text_scores_read_an_int8_heads_own_rows():
+    """An int8 head's rows, recent (fewer than PACK_EVERY) and settled."""
     hidden_size = 32
     head = Int8Linear(*quantize_weight(torch.randn(200, hidden_size)))
     text = columns_over(list(range(100)))
-    text.add(range(90, 200))
     hidden = torch.randn(3, hidden_size)
     with torch.inference_mode():
         full = head(hidden)
+        text.add(range(90, 130))  # 30 outside: the recent rows only
+        torch.testing.assert_close(text.scores(hidden, full[:, :100], head, 0), full[:, text.columns()])
+        text.add(range(130, 200))
         got = text.scores(hidden, full[:, :100], head, 0)
     torch.testing.assert_close(got, full[:, text.columns()])
 
