@@ -62,6 +62,41 @@ def test_dflash_matches_the_baseline_in_fp32_and_logs_steps() -> None:
     assert rec.tokens == base.tokens and rec.block_size == 8
 
 
+def test_tree_methods_follow_the_block_size_asked_for(monkeypatch) -> None:
+    """Trees with --block-sizes auto are sized per step by the adaptive policies (their copies too: at T=1 the sampled
+    policy copies at most 3 tokens, where trees at the trained block size copied up to 15), at another block size go
+    no deeper than it; greedy output stays the baseline's either way."""
+    import sys
+
+    from dflashkit.adaptive import AdaptiveBlockSize
+
+    methods = sys.modules["dflashkit.bench.methods"]
+    policies: list = []
+    real_decode = methods.decode
+
+    def spy(target, drafter, ids, options, stats=None, observer=None, block_policy=None, *rest):
+        policies.append((options.tree, options.block_size, block_policy))
+        return real_decode(target, drafter, ids, options, stats, observer, block_policy, *rest)
+
+    monkeypatch.setattr(methods, "decode", spy)
+    s = session()
+    drafter = tiny_drafter(s.model, block_size=8)
+    base = Autoregressive(s).generate(request())
+    auto, four = DFlash(s, drafter, "auto", "tiny", lookup=True, tree=5), DFlash(s, drafter, 4, "tiny", tree=5)
+    assert (auto.name, four.name) == ("dflash-lookup-auto-tree5", "dflash-b4-tree5")
+    assert "block size chosen per step" in auto.note and "block size 4" in four.note
+    for method in (auto, four):
+        rec = method.generate(request())
+        assert rec.tokens == base.tokens
+    (tree_a, block_a, policy_a), (tree_b, block_b, policy_b) = policies[-2:]
+    assert tree_a == tree_b == 5 and isinstance(policy_a, AdaptiveBlockSize) and block_a is None
+    assert policy_b is None and block_b == 4
+    assert policy_a is auto.policy.get(True, tree=True)  # the run's greedy tree policy: estimates carry over
+    sampled = auto.policy.get(False, tree=True)
+    auto.generate(request(temperature=1.0))
+    assert policies[-1][2] is sampled and sampled.max_block == 4 and sampled.steps > 0
+
+
 def test_default_method_keeps_copies_as_chains_in_the_default_trees(monkeypatch) -> None:
     """The bench's default method runs what the library does by default: under coupled sampling, trees of
     COUPLED_TREE nodes whose copied steps stay chains; a tree method asked for puts the copies in its trees."""

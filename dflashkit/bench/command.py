@@ -55,8 +55,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}; the "
                    "baseline 'ar' always runs (default: all)")  # fmt: skip
     b.add_argument("--block-sizes", default=None, help="DFlash block sizes; 'auto' = chosen per step (default: 4,8,16,auto)")
-    b.add_argument("--trees", default=None, help="token-tree node budgets (comma-separated): each adds dflash-treeN / "
-                   "dflash-lookup-treeN at the drafter's block size (default: none)")
+    b.add_argument("--trees", default=None, help="token-tree node budgets (comma-separated): each adds, per block size, "
+                   "dflash[-lookup]-treeN at the drafter's own block size, -auto-treeN with 'auto' (copies and depths "
+                   "sized per step), -bB-treeN at another (default: none)")
     b.add_argument("--target", default=None, help="HF model id, local folder or qwen2.5-coder-1.5b (assembled from "
                    "packages); default: embedded SmolLM2-135M-Instruct")  # fmt: skip
     b.add_argument("--drafter", default=None, help="drafter folder or 'untrained' (random: τ≈1); default: the "
@@ -202,8 +203,8 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
         else:
             drafter_label = drafter_path
             methods += [DFlash(session, drafter, b, drafter_path, lookup=lookup) for b in settings["block_sizes"]]
-            methods += [DFlash(session, drafter, drafter.block_size, drafter_path, lookup=lookup, tree=n)
-                        for n in settings["trees"]]
+            methods += [DFlash(session, drafter, b, drafter_path, lookup=lookup, tree=n)
+                        for n in settings["trees"] for b in settings["block_sizes"]]
     if "lookup" in wanted:
         methods.append(PromptLookup(session))
     if "hf" in wanted:

@@ -221,11 +221,15 @@ class DFlash(Method):
         drafter.use_fast_path(session.fast)  # the target's fast path, or the eager path
         trained = drafter.block_size
         self.policy = None
-        if tree is not None:  # token trees over the trained block size (the tree chooses its own depth)
-            self.block_size = trained
-            self.name = f"{prefix}-tree{tree}"
-            self.note = (f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, token trees of up to {tree} "
-                         f"nodes over block size {trained}")
+        if tree is not None:  # token trees of up to `tree` nodes, at most block_size - 1 deep; "auto": sized per step
+            if block_size == "auto":  # the policies size copies and tree depths as they size the default's chains
+                self.policy = BlockPolicies(trained)
+                self.name = f"{prefix}-auto-tree{tree}"
+                sizes = f"block size chosen per step (sampling: among {self.policy.get(False).candidates})"
+            else:  # the trained block size keeps the plain name (the token-tree benches before sizes were asked)
+                self.name = f"{prefix}-tree{tree}" if block_size == trained else f"{prefix}-b{block_size}-tree{tree}"
+                sizes = f"block size {block_size}"
+            self.note = f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, token trees of up to {tree} nodes, {sizes}"
             return
         if block_size == "auto":  # policies for the whole run (greedy, sampled): estimates carry over between prompts
             self.policy = BlockPolicies(trained)
@@ -239,6 +243,10 @@ class DFlash(Method):
         self.note = f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, block size {block_size}{beyond}"
 
     def generate(self, request: Request) -> Record:
+        if self.policy is not None and self.tree is not None:  # trees asked for, sized per step
+            policy = self.policy.get(request.greedy, tree=True)
+            return run_decode_loop(self.session, self.drafter, request, block_policy=policy, lookup=self.lookup,
+                                   tree=self.tree, tree_copies=default_tree_copies(None, self.tree))
         if self.policy is not None:  # what the library does by default (e.g. token trees under coupled sampling)
             tree = default_tree(None, has_drafter=True, sampled=not request.greedy, sampler=request.sampler,
                                 block_size="auto", batched=False, supports_trees=self.session.adapter.supports_trees)
