@@ -44,9 +44,8 @@ from .sampling import (
     check_sampler,
     coupled_scores,
     propose,
-    sample,
     verify_greedy,
-    verify_sampled,
+    verify_sampled_logits,
     over_vocabulary,
     verify_tree_sampled,
     warp,
@@ -56,6 +55,7 @@ from .target import TargetAdapter
 from .tree import build_tree, check_budget, sample_tree
 
 LOOKUP_ONLY_BLOCK = 8  # block size of prompt lookup without a drafter, unless given
+NO_DRAFTS = torch.empty(0, dtype=torch.long)
 
 # Called after every target pass with its logits rows and the tokens the step emitted.
 StepObserver = Callable[[Tensor, list[int]], None]
@@ -177,7 +177,7 @@ def decode(
             return int(argmax(logits, allowed))
         if noise is not None:
             return int(argmax(scored(masked(logits, allowed)[None], position)[0]))
-        return int(sample(warp(masked(logits, allowed), params), gen))
+        return verify_sampled_logits(masked(logits, allowed)[None], params, NO_DRAFTS, None, gen)[1]
 
     constraint = options.grammar.start() if options.grammar is not None else None
     stats.grammar = options.grammar.kind if options.grammar is not None else None
@@ -325,7 +325,7 @@ def decode(
                     observed = scored(masked(decided, masks), produced)  # [rows, vocab]
                     accepted, token = verify_greedy(observed, drafts)
                 else:
-                    accepted, token = verify_sampled(warp(masked(decided, masks), params), drafts, q, gen)
+                    accepted, token = verify_sampled_logits(masked(decided, masks), params, drafts, q, gen)
                 if observer and observed is None:
                     observed = masked(decided, masks)
                 accepted_drafts = drafts[:accepted].tolist()

@@ -293,6 +293,24 @@ def top_probs(scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
     return kern.top_probs_rows(scores if scores.is_contiguous() else scores.contiguous(), k)
 
 
+def verify_chain(logits: Tensor, temperature: float, drafts: Tensor, draft_probs: Tensor | None,
+                 uniforms: Tensor) -> tuple[int, int] | None:
+    """Exact speculative sampling over a chain of k drafts in one call: :func:`dflashkit.sampling.verify_sampled` on
+    CPU logits [k+1, V] (fp32 or bf16) warped by ``temperature`` alone, deciding with ``uniforms`` [k+1] (fp64) as it
+    does; draft_probs [k, V] or None (one-hot drafts). Returns (kept drafts, the token after them), or None where the
+    kernel does not run here or a row it reads holds a NaN or an infinite largest logit (then torch's version runs)."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.bfloat16, torch.float32) or logits.dim() != 2:
+        return None
+    kern = kernel()
+    if kern is None:
+        return None
+    empty = torch.empty(0, dtype=torch.float32)
+    probs = empty if draft_probs is None else draft_probs.to(torch.float32).contiguous()
+    kept, token = kern.verify_chain(logits.contiguous(), 1.0 / temperature, drafts.contiguous(), probs,
+                                    uniforms.contiguous())
+    return None if token < 0 else (kept, token)
+
+
 def attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor | None, scale: float) -> Tensor:
     """Grouped-query attention over one sequence's cache, one query row at a time, fp32 inside.
 

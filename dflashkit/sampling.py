@@ -109,15 +109,26 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
 
     ``torch.multinomial`` draws one exponential variate per vocabulary entry (on this CPU 0.84 ms for one
     49K row, 52 ms for 64 rows); one uniform per row against the float64 running sum costs 0.06 / 1.4 ms.
-    u lies in (0, total], so the first index whose running sum reaches u always has probability > 0.
     Rows need not be normalised (the residual distributions of speculative sampling are not).
     """
     flat = probs.reshape(-1, probs.shape[-1])
+    at = 1 - torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
+    return _invert(flat, at).view(probs.shape[:-1])
+
+
+def sample_at(probs: Tensor, at: float) -> int:
+    """The token of one row of probs [vocab] (need not be normalised) at the point ``at`` in (0, 1] of its running
+    sum: what :func:`sample` does with ``at`` = 1 - a uniform."""
+    flat = probs.reshape(1, -1)
+    return int(_invert(flat, torch.tensor([[at]], dtype=torch.float64, device=flat.device))[0])
+
+
+def _invert(flat: Tensor, at: Tensor) -> Tensor:
+    """Per row of flat [rows, vocab], the first index whose float64 running sum reaches at [rows, 1] (in (0, 1]) times
+    the row's total: that index always has probability > 0."""
     cdf = flat.cumsum(-1, dtype=torch.float64)  # [rows, vocab]
-    u = 1 - torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
-    u = u * cdf[:, -1:]  # [rows, 1], in (0, total]
-    index = torch.searchsorted(cdf, u).clamp_max(flat.shape[-1] - 1)  # clamp: only a sum rounding past u
-    return index.view(probs.shape[:-1])
+    point = at * cdf[:, -1:]  # [rows, 1], in (0, total]
+    return torch.searchsorted(cdf, point).clamp_max(flat.shape[-1] - 1)[:, 0]  # clamp: only a sum rounding past it
 
 
 def over_vocabulary(q: Tensor, token_ids: Tensor, vocab_size: int) -> Tensor:
@@ -174,7 +185,8 @@ def verify_greedy(target_logits: Tensor, drafts: Tensor, allowed: Tensor | None 
 
 
 def verify_sampled(
-    target_probs: Tensor, drafts: Tensor, draft_probs: Tensor | None, generator: torch.Generator | None
+    target_probs: Tensor, drafts: Tensor, draft_probs: Tensor | None, generator: torch.Generator | None,
+    uniforms: list[float] | None = None,
 ) -> tuple[int, int]:
     """Exact speculative sampling over a chain of k drafts.
 
@@ -184,32 +196,51 @@ def verify_sampled(
     Sampled drafts are verified as a block (:func:`block_verification`), which keeps at least as many drafts in
     expectation as accepting them token by token; for one-hot proposals (argmax drafts, copies) the two rules
     have the same law and the token-by-token one, a little cheaper, is used.
+
+    ``uniforms``: the k + 1 numbers in [0, 1) it decides with (drawn from ``generator`` where None): u_i is draft
+    i+1's coin (kept while u_i < p(x) for one-hot drafts; the block's stops otherwise), and the emitted token lies at
+    1 - u_k of its distribution's running sum. :func:`verify_sampled_logits` gives the row kernels' version of this
+    function the same numbers, used the same way.
     """
     k = drafts.shape[0]
+    if uniforms is None:
+        uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64, device=target_probs.device).tolist()
+    at = 1 - uniforms[k]
     if k and draft_probs is not None:
         weights = block_weights(target_probs, drafts, draft_probs)
-        uniforms = torch.rand(k, generator=generator, dtype=torch.float64, device=target_probs.device).tolist()
         # the prefix ends at the last offset i whose coin comes up (probability h_i); h_i <= w_i, so a coin at or
         # above w_i fails without reading the vocabulary row that h_i needs (w_i is tiny beyond a few offsets)
         accepted = next((i for i in range(k, 0, -1) if uniforms[i - 1] < weights[i]
                          and uniforms[i - 1] < block_stop(target_probs, draft_probs, weights, i)), 0)
         if accepted == k:
-            return k, int(sample(target_probs[k], generator))
-        return accepted, int(sample(block_residual(target_probs, draft_probs, weights, accepted), generator))
-    accepted = k
-    if k:
-        idx = torch.arange(k, device=drafts.device)
-        p_x = target_probs[idx, drafts]
-        u = torch.rand(k, generator=generator, device=p_x.device)
-        ok = u < p_x  # one-hot q: P(accept) = p(x)
-        accepted = int(torch.cumprod(ok.int(), 0).sum())
+            return k, sample_at(target_probs[k], at)
+        return accepted, sample_at(block_residual(target_probs, draft_probs, weights, accepted), at)
+    p_x = target_probs[torch.arange(k, device=drafts.device), drafts].tolist() if k else []  # one-hot q: accept w.p. p(x)
+    accepted = next((i for i in range(k) if not uniforms[i] < p_x[i]), k)
     if accepted == k:
-        return k, int(sample(target_probs[k], generator))
+        return k, sample_at(target_probs[k], at)
     residual = target_probs[accepted].clone()
     residual[drafts[accepted]] = 0
-    total = residual.sum()
-    residual = residual / total if total > 0 else target_probs[accepted]
-    return accepted, int(sample(residual, generator))
+    return accepted, sample_at(residual if float(residual.sum()) > 0 else target_probs[accepted], at)
+
+
+def verify_sampled_logits(
+    logits: Tensor, params: SamplingParams, drafts: Tensor, draft_probs: Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """:func:`verify_sampled` on the target's rows of logits [k+1, vocab] (masked or adjusted as the step needs),
+    warped as ``params`` ask. Where a temperature alone warps them and the row kernels run (CPU), the whole
+    verification is one call (:func:`dflashkit.row_kernels.verify_chain`: ~0.1 ms a sampled step against ~0.7 for the
+    ~40 torch ops of warping and verifying, each slowed by the caches the target's pass has just swept); elsewhere
+    torch's. Both decide with the same k + 1 uniforms, the same way: they emit the same tokens but where rounding of
+    a probability decides."""
+    k = drafts.shape[0]
+    uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64, device=logits.device)
+    if (not params.top_k or params.top_k >= logits.shape[-1]) and params.top_p >= 1.0:
+        done = row_kernels.verify_chain(logits, params.temperature, drafts, draft_probs, uniforms)
+        if done is not None:
+            return done
+    return verify_sampled(warp(logits, params), drafts, draft_probs, generator, uniforms.tolist())
 
 
 def block_verification(target_probs: Tensor, drafts: Tensor, draft_probs: Tensor) -> tuple[list[float], list[float]]:

@@ -114,6 +114,61 @@ def test_top_probs_declines_what_it_does_not_take(isa):
     assert row_kernels.top_probs(torch.zeros(2, 64, dtype=torch.bfloat16), 17) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_chain_decides_as_verify_sampled_with_the_same_uniforms(isa, dtype):
+    """The kernels' speculative sampling is sampling.verify_sampled in one call: on the same logits, drafts and
+    uniforms it keeps the same drafts and emits the same token, for sampled drafts (block verification) and one-hot
+    ones (token by token), at several temperatures, with masked (-inf) entries and drafts among them, over
+    vocabularies around its chunks of 256 and its vector widths."""
+    from dflashkit.sampling import SamplingParams, verify_sampled, warp
+
+    g = torch.Generator().manual_seed(7)
+    kept_counts = set()
+    for trial in range(300):
+        vocab = int(torch.randint(1, 1100, (1,), generator=g)) if trial % 3 else int(torch.randint(250, 520, (1,), generator=g))
+        k, temperature = trial % 5, (0.6, 1.0, 1.7)[trial % 3]
+        logits = (torch.randn(k + 1, vocab, generator=g) * 3).to(dtype)
+        if trial % 4 == 3:
+            logits[:, : vocab // 2] = float("-inf")  # a masked half (a grammar's mask, a penalty)
+        params = SamplingParams(temperature)
+        if trial % 2 and k:  # sampled drafts and their proposal rows
+            q = warp(logits[:k].float() + torch.randn(k, vocab, generator=g), params)
+            drafts = torch.multinomial(q, 1, generator=g)[:, 0]
+        else:  # one-hot drafts, some of them masked tokens
+            q, drafts = None, torch.randint(0, vocab, (k,), generator=g)
+        uniforms = torch.rand(k + 1, generator=g, dtype=torch.float64)
+        got = row_kernels.verify_chain(logits, temperature, drafts, q, uniforms)
+        assert got == verify_sampled(warp(logits, params), drafts, q, None, uniforms.tolist()), trial
+        assert logits[got[0], got[1]] > float("-inf")  # never a token of probability 0
+        kept_counts.add(got[0])
+    assert kept_counts == {0, 1, 2, 3, 4}
+
+
+def test_verify_chain_draws_at_its_point_of_the_running_sum(isa):
+    """The emitted token is the first whose running sum reaches 1 - u of the row's total, across chunk boundaries
+    and never on an entry of probability 0; a refused one-hot draft leaves the rest of the row."""
+    logits = torch.full((2, 700), float("-inf"))
+    live = [3, 255, 256, 511, 699]  # equal logits: 0.2 each; around the chunks of 256 and the end
+    logits[:, live] = 0.0
+    for at, want in [(0.1, 3), (0.3, 255), (0.5, 256), (0.7, 511), (0.9, 699), (1.0, 699)]:
+        uniforms = torch.tensor([1 - at], dtype=torch.float64)
+        assert row_kernels.verify_chain(logits[:1], 1.0, torch.empty(0, dtype=torch.long), None, uniforms) == (0, want)
+    refused = torch.tensor([256])  # p(256) = 0.2: a coin of 0.5 refuses it; the rest: 3, 255, 511, 699 at 0.25 each
+    for at, want in [(0.2, 3), (0.4, 255), (0.6, 511), (0.99, 699)]:
+        uniforms = torch.tensor([0.5, 1 - at], dtype=torch.float64)
+        assert row_kernels.verify_chain(logits, 1.0, refused, None, uniforms) == (0, want)
+    assert row_kernels.verify_chain(logits, 1.0, refused, None, torch.tensor([0.1, 0.5], dtype=torch.float64))[0] == 1
+
+
+def test_verify_chain_declines_what_it_does_not_take(isa):
+    no_drafts, u = torch.empty(0, dtype=torch.long), torch.tensor([0.5], dtype=torch.float64)
+    assert row_kernels.verify_chain(torch.zeros(1, 64, dtype=torch.float64), 1.0, no_drafts, None, u) is None
+    nan = torch.zeros(1, 64)
+    nan[0, 5] = float("nan")
+    assert row_kernels.verify_chain(nan, 1.0, no_drafts, None, u) is None  # torch's version decides such rows
+    assert row_kernels.verify_chain(torch.full((1, 64), float("-inf")), 1.0, no_drafts, None, u) is None
+
+
 def assert_rows_independent(packed: torch.Tensor, x: torch.Tensor, n: int) -> None:
     """Each of x's rows gives bitwise the same product in calls of 1, 3, 7 or all of its rows."""
     with torch.inference_mode():

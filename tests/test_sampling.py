@@ -40,6 +40,7 @@ from dflashkit.sampling import (
     coupled_scores,
     propose,
     verify_sampled,
+    verify_sampled_logits,
     verify_tree_sampled,
     warp,
 )
@@ -374,10 +375,12 @@ def markov_chain(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return trans, torch.stack(rows)
 
 
+@pytest.mark.parametrize("on_logits", [False, True])
 @pytest.mark.parametrize("mode", ["sample", "one_hot"])
-def test_chain_of_three_drafts_matches_markov_target(mode):
+def test_chain_of_three_drafts_matches_markov_target(mode, on_logits):
     """Speculative decoding of 3 tokens after anchor 0 with k=3 drafts per step, on a Markov target:
-    the joint of the 3 emitted tokens, and the 2nd token given the most frequent 1st one, are exact."""
+    the joint of the 3 emitted tokens, and the 2nd token given the most frequent 1st one, are exact. ``on_logits``:
+    verified from the target's logits by verify_sampled_logits (on a CPU with the row kernels: their verify_chain)."""
     trans, q = markov_chain(BASE_SEED + 3)
     anchor, n_tokens = 0, 3
     g = torch.Generator().manual_seed(BASE_SEED + 13)
@@ -391,7 +394,10 @@ def test_chain_of_three_drafts_matches_markov_target(mode):
             else:
                 drafts, draft_probs = q.argmax(-1), None
             chain = [last] + drafts.tolist()
-            n_acc, token = verify_sampled(trans[chain], drafts, draft_probs, g)  # row j: P(. | chain[j])
+            if on_logits:
+                n_acc, token = verify_sampled_logits(trans[chain].log(), SamplingParams(1.0), drafts, draft_probs, g)
+            else:
+                n_acc, token = verify_sampled(trans[chain], drafts, draft_probs, g)  # row j: P(. | chain[j])
             accepted_hist[n_acc] += 1
             tokens += drafts[:n_acc].tolist() + [token]
             last = tokens[-1]

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace {

@@ -467,6 +467,205 @@ std::tuple<torch::Tensor, torch::Tensor> top_probs_rows(const torch::Tensor& x, 
   return {probs, index};
 }
 
+// ---- exact speculative sampling on the target's logits (dflashkit/sampling.py: verify_sampled) ----------------------
+// The sampling math of a sampled decoding step in one call: the target's logits rows in, the kept drafts and the
+// emitted token out, instead of some 40 small torch ops whose code and data the target's pass (270 MB of weights
+// through the caches) has just evicted, 20-70 µs each on the Zen 4 VM.
+
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+using VecF = __m512;
+inline VecF vec_load(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vec_load(const uint16_t* p) { return load_bf16(p); }
+inline VecF vec_set(float v) { return _mm512_set1_ps(v); }
+inline VecF vec_max(VecF a, VecF b) { return _mm512_max_ps(a, b); }
+inline bool vec_has_nan(VecF v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+inline VecF vec_exp_scaled(VecF v, float largest, float scale) {
+  return exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(largest)), _mm512_set1_ps(scale)));
+}
+inline void vec_store(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+#else
+constexpr int64_t kLanes = 8;
+using VecF = __m256;
+inline VecF vec_load(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vec_load(const uint16_t* p) { return load_bf16(p); }
+inline VecF vec_set(float v) { return _mm256_set1_ps(v); }
+inline VecF vec_max(VecF a, VecF b) { return _mm256_max_ps(a, b); }
+inline bool vec_has_nan(VecF v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+inline VecF vec_exp_scaled(VecF v, float largest, float scale) {
+  return exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(largest)), _mm256_set1_ps(scale)));
+}
+inline void vec_store(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+#endif
+inline float scalar_value(float v) { return v; }
+inline float scalar_value(uint16_t v) { return bf16_to_float(v); }
+
+// The sum of w[0..n) in fp64, summed in fp32 lanes within chunks of 256 entries (what draw_index walks).
+inline float chunk_sum(const float* w, int64_t n) {
+  float lanes[16] = {0};
+  const int64_t full = n / 16 * 16;
+  for (int64_t j = 0; j < full; j += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += w[j + l];
+  float part = 0.0f;
+  for (int l = 0; l < 16; ++l) part += lanes[l];
+  for (int64_t j = full; j < n; ++j) part += w[j];
+  return part;
+}
+constexpr int64_t kChunk = 256;
+
+// exp((row[j] - largest) * scale) of a row of n fp32 or bf16 logits into out[n] (the softmax exp of the attention,
+// relative error ~2e-7); returns their fp64 sum, or -1 where the row holds a NaN or its largest value is not finite.
+template <typename T>
+double row_exps(const T* row, int64_t n, float scale, float* out) {
+  const int64_t whole = n / kLanes * kLanes;
+  float largest = -INFINITY;
+  bool nan = false;
+  if (whole) {
+    VecF top = vec_load(row);
+    nan = vec_has_nan(top);
+    for (int64_t j = kLanes; j < whole; j += kLanes) {
+      const VecF v = vec_load(row + j);
+      nan |= vec_has_nan(v);
+      top = vec_max(top, v);
+    }
+    alignas(64) float lanes[16];
+    vec_store(lanes, top);
+    for (int64_t l = 0; l < kLanes; ++l) largest = std::max(largest, lanes[l]);
+  }
+  for (int64_t j = whole; j < n; ++j) {
+    const float v = scalar_value(row[j]);
+    nan |= v != v;
+    largest = std::max(largest, v);
+  }
+  if (nan || !std::isfinite(largest)) return -1.0;
+  for (int64_t j = 0; j < whole; j += kLanes) vec_store(out + j, vec_exp_scaled(vec_load(row + j), largest, scale));
+  if (whole < n) {
+    alignas(64) float tail[16];
+    for (int64_t l = 0; l < kLanes; ++l) tail[l] = whole + l < n ? scalar_value(row[whole + l]) : largest;
+    vec_store(tail, vec_exp_scaled(vec_load(tail), largest, scale));
+    for (int64_t j = whole; j < n; ++j) out[j] = tail[j - whole];
+  }
+  double sum = 0.0;
+  for (int64_t c = 0; c < n; c += kChunk) sum += chunk_sum(out + c, std::min(kChunk, n - c));
+  return sum;
+}
+
+// The index drawn from nonnegative weights w[n] at u * total (u in (0, 1]): the first index whose fp64 running sum
+// reaches it, as sampling.sample inverts its running sum. The chunks of 256 are summed first and only the one holding
+// the point is walked; an index of weight 0 is never returned (where rounding leaves the walk short of the point, the
+// chunk's last entry of positive weight is). -1 when every weight is 0.
+int64_t draw_index(const float* w, int64_t n, double u) {
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> sums(chunks);
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) total += (sums[c] = chunk_sum(w + c * kChunk, std::min(kChunk, n - c * kChunk)));
+  if (!(total > 0.0)) return -1;
+  const double point = u * total;
+  double run = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (sums[c] > 0.0 && run + sums[c] >= point) {
+      int64_t last = -1;
+      for (int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); ++j) {
+        if (!(w[j] > 0.0f)) continue;
+        run += w[j];
+        last = j;
+        if (run >= point) return j;
+      }
+      return last;
+    }
+    run += sums[c];
+  }
+  for (int64_t j = n - 1; j >= 0; --j)  // unreachable: run ends at total, summed in the same order, and point <= total
+    if (w[j] > 0.0f) return j;
+  return -1;
+}
+
+// Exact speculative sampling over a chain of k drafts, on the target's rows of logits [k+1, V] (fp32 or bf16) warped
+// by temperature alone (scale = 1 / temperature), with uniforms [k+1] (fp64, in [0, 1)); draft_probs [k, V] fp32 (the
+// drafter's proposal distributions) or empty (one-hot proposals: copies, argmax drafts). The law and the use of the
+// uniforms are sampling.verify_sampled's: sampled drafts by block verification (coin i - 1 = uniforms[i - 1] walked
+// back from the last draft), one-hot drafts token by token (draft i kept while uniforms[i] < p_i(x_i)); the token
+// after the kept drafts is drawn at 1 - uniforms[k] from the target's row or the residual. Returns (kept drafts,
+// token), or (0, -1) where a row it reads holds a NaN or a non-finite largest logit (the caller then works in torch).
+std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double scale, const torch::Tensor& drafts,
+                                          const torch::Tensor& draft_probs, const torch::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(0) >= 1 && logits.size(1) >= 1 &&
+              (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat),
+              "logits: contiguous [k+1, V] fp32 or bf16");
+  const int64_t k = logits.size(0) - 1, n = logits.size(1);
+  TORCH_CHECK(drafts.dim() == 1 && drafts.size(0) == k && drafts.scalar_type() == at::kLong && drafts.is_contiguous(),
+              "drafts: contiguous [k] int64");
+  const bool one_hot = draft_probs.numel() == 0;
+  TORCH_CHECK(one_hot || (draft_probs.dim() == 2 && draft_probs.size(0) == k && draft_probs.size(1) == n &&
+                          draft_probs.scalar_type() == at::kFloat && draft_probs.is_contiguous()),
+              "draft_probs: contiguous [k, V] fp32, or empty");
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == k + 1 && uniforms.scalar_type() == at::kDouble &&
+              uniforms.is_contiguous(), "uniforms: contiguous [k+1] fp64");
+  TORCH_CHECK(scale > 0.0 && std::isfinite(scale), "scale: 1 / temperature, > 0");
+  const int64_t* x = drafts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < k; ++i) TORCH_CHECK(x[i] >= 0 && x[i] < n, "draft tokens in [0, V)");
+  const double* u = uniforms.data_ptr<double>();
+  const float* q = one_hot ? nullptr : draft_probs.data_ptr<float>();
+  std::vector<float> exps((k + 1) * n), work(n);
+  std::vector<double> sums(k + 1, 0.0);  // 0: not computed yet
+  auto row = [&](int64_t i) -> const float* {  // row i's exps (its sum in sums[i]); null for a NaN or inf row
+    if (sums[i] == 0.0) {
+      const float s = static_cast<float>(scale);
+      sums[i] = logits.scalar_type() == at::kFloat ? row_exps(logits.data_ptr<float>() + i * n, n, s, &exps[i * n])
+                                                   : row_exps(u16(logits) + i * n, n, s, &exps[i * n]);
+    }
+    return sums[i] > 0.0 ? &exps[i * n] : nullptr;
+  };
+  const auto fail = std::make_tuple(int64_t{0}, int64_t{-1});
+  std::vector<double> w(k + 1, 1.0);  // sampled drafts: block weights w_0..w_k
+  int64_t kept = 0;
+  if (one_hot) {
+    for (; kept < k; ++kept) {
+      const float* e = row(kept);
+      if (!e) return fail;
+      if (!(u[kept] < e[x[kept]] / sums[kept])) break;
+    }
+  } else if (k > 0) {
+    for (int64_t i = 0; i < k; ++i) {
+      const float* e = row(i);
+      if (!e) return fail;
+      const double px = e[x[i]] / sums[i], qx = q[i * n + x[i]];  // q(x) > 0: x was drawn from q
+      w[i + 1] = std::min(1.0, qx > 0.0 ? w[i] * (px / qx) : 1.0);
+    }
+    for (int64_t i = k; i >= 1; --i) {
+      if (!(u[i - 1] < w[i])) continue;
+      double stop = w[i];  // h_k = w_k; h_i = |r_i| / (|r_i| + 1 - w_i), r_i = max(0, w_i p_i - q_i)
+      if (i < k) {
+        const float* e = row(i);
+        const float wi = static_cast<float>(w[i]), inv = static_cast<float>(1.0 / sums[i]);
+        const float* qi = q + i * n;
+        for (int64_t j = 0; j < n; ++j) work[j] = std::max(0.0f, wi * (e[j] * inv) - qi[j]);
+        double mass = 0.0;
+        for (int64_t c = 0; c < n; c += kChunk) mass += chunk_sum(&work[c], std::min(kChunk, n - c));
+        const double denominator = mass + 1.0 - w[i];
+        stop = denominator > 0.0 ? mass / denominator : 1.0;
+      }
+      if (u[i - 1] < stop) { kept = i; break; }
+    }
+  }
+  const float* e = row(kept);
+  if (!e) return fail;
+  const double at = 1.0 - u[k];  // in (0, 1]
+  if (kept == k) return {kept, draw_index(e, n, at)};
+  // the token after the kept drafts: from the residual max(0, w p - q) (one-hot: p without the refused draft)
+  const float inv = static_cast<float>(1.0 / sums[kept]);
+  if (one_hot) {
+    for (int64_t j = 0; j < n; ++j) work[j] = e[j] * inv;
+    work[x[kept]] = 0.0f;
+  } else {
+    const float wk = static_cast<float>(w[kept]);
+    const float* qk = q + kept * n;
+    for (int64_t j = 0; j < n; ++j) work[j] = std::max(0.0f, wk * (e[j] * inv) - qk[j]);
+  }
+  const int64_t token = draw_index(work.data(), n, at);
+  return {kept, token >= 0 ? token : draw_index(e, n, at)};  // an empty residual: an event of probability 0
+}
+
 // How many threads at::parallel_for gives the kernels' work: it is compiled into this file, so without -fopenmp
 // here it runs on one thread whatever torch.get_num_threads() says (tests guard the build flags with this).
 int64_t parallel_threads() {
@@ -486,6 +685,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
   m.def("attention", &attention, "grouped-query attention, one query row at a time");
   m.def("argmax_rows", &argmax_rows, "index of each bf16 row's largest value, as torch's argmax");
+  m.def("verify_chain", &verify_chain, "exact speculative sampling over a chain of drafts on the target's logits");
   m.def("top_probs_rows", &top_probs_rows, "each bf16 row's k largest values as softmax probabilities, and their indices");
   m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
   m.def("decoder_layers_batch", &decoder_layers_batch,
