@@ -250,6 +250,7 @@ def decode(
                 copy_block = copy_policy.choose() if copy_policy is not None else largest
                 copied = lookup.propose(min(copy_block - 1, room))
             drafts, q, tree, masks = torch.empty(0, dtype=torch.long, device=device), None, None, None
+            q_columns = None  # the tokens q's columns score, where q is over a draft vocabulary
             if copied and constraint:  # one-hot proposals: cut at the first token the grammar refuses
                 n, masks = constraint.cut(copied)
                 copied = copied[:n]
@@ -289,8 +290,9 @@ def decode(
                                                         token_ids=columns, vocab_size=target.vocab_size)
                         drafts, q, masks = constraint.propose(scores, columns, propose_row)
                         k = drafts.shape[0]
-                    else:
-                        drafts, q = propose(scores, draft_params, mode, gen, columns, target.vocab_size)
+                    else:  # q over the draft vocabulary `columns` (None: the whole vocabulary)
+                        drafts, q = propose(scores, draft_params, mode, gen, columns, target.vocab_size, dense=False)
+                        q_columns = columns
                     stats.draft_s += time.perf_counter() - t
                 if constraint and masks is None:
                     masks = constraint.allowed()[None]  # no drafts: the one verify row
@@ -325,7 +327,7 @@ def decode(
                     observed = scored(masked(decided, masks), produced)  # [rows, vocab]
                     accepted, token = verify_greedy(observed, drafts)
                 else:
-                    accepted, token = verify_sampled_logits(masked(decided, masks), params, drafts, q, gen)
+                    accepted, token = verify_sampled_logits(masked(decided, masks), params, drafts, q, gen, q_columns)
                 if observer and observed is None:
                     observed = masked(decided, masks)
                 accepted_drafts = drafts[:accepted].tolist()

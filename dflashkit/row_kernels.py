@@ -293,12 +293,13 @@ def top_probs(scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
     return kern.top_probs_rows(scores if scores.is_contiguous() else scores.contiguous(), k)
 
 
-def verify_chain(logits: Tensor, temperature: float, drafts: Tensor, draft_probs: Tensor | None,
-                 uniforms: Tensor) -> tuple[int, int] | None:
+def verify_chain(logits: Tensor, temperature: float, drafts: Tensor, draft_probs: Tensor | None, uniforms: Tensor,
+                 columns: Tensor | None = None) -> tuple[int, int] | None:
     """Exact speculative sampling over a chain of k drafts in one call: :func:`dflashkit.sampling.verify_sampled` on
     CPU logits [k+1, V] (fp32 or bf16) warped by ``temperature`` alone, deciding with ``uniforms`` [k+1] (fp64) as it
-    does; draft_probs [k, V] or None (one-hot drafts). Returns (kept drafts, the token after them), or None where the
-    kernel does not run here or a row it reads holds a NaN or an infinite largest logit (then torch's version runs)."""
+    does; draft_probs [k, V] (or [k, V'] over the tokens ``columns`` [V'], a draft vocabulary) or None (one-hot
+    drafts). Returns (kept drafts, the token after them), or None where the kernel does not run here or a row it
+    reads holds a NaN or an infinite largest logit (then torch's version runs)."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.bfloat16, torch.float32) or logits.dim() != 2:
         return None
     kern = kernel()
@@ -306,9 +307,24 @@ def verify_chain(logits: Tensor, temperature: float, drafts: Tensor, draft_probs
         return None
     empty = torch.empty(0, dtype=torch.float32)
     probs = empty if draft_probs is None else draft_probs.to(torch.float32).contiguous()
-    kept, token = kern.verify_chain(logits.contiguous(), 1.0 / temperature, drafts.contiguous(), probs,
+    cols = torch.empty(0, dtype=torch.long) if columns is None or draft_probs is None else columns.contiguous()
+    kept, token = kern.verify_chain(logits.contiguous(), 1.0 / temperature, drafts.contiguous(), probs, cols,
                                     uniforms.contiguous())
     return None if token < 0 else (kept, token)
+
+
+def sample_rows(scores: Tensor, temperature: float, uniforms: Tensor) -> tuple[Tensor, Tensor] | None:
+    """A drafter's sampled proposals in one call: per row of CPU scores [k, V'] (fp32 or bf16), the softmax of
+    scores / temperature (fp32 [k, V']) and the index drawn from it at 1 - uniforms[i] (fp64 [k]), as
+    ``sampling.sample(warp(scores))`` draws with the same uniforms. Returns (indices [k], probs), or None where the
+    kernel does not run here or a row holds a NaN or an infinite largest score."""
+    if scores.device.type != "cpu" or scores.dtype not in (torch.bfloat16, torch.float32) or scores.dim() != 2:
+        return None
+    kern = kernel()
+    if kern is None:
+        return None
+    index, probs = kern.sample_rows(scores.contiguous(), 1.0 / temperature, uniforms.contiguous())
+    return None if index.numel() != scores.shape[0] else (index, probs)
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor | None, scale: float) -> Tensor:

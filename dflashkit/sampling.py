@@ -144,32 +144,45 @@ def propose(
     generator: torch.Generator | None,
     token_ids: Tensor | None = None,
     vocab_size: int | None = None,
+    dense: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Draft tokens [k] and their proposal distribution q [k, vocab] (None means one-hot at the tokens).
 
     draft_logits [k, V'] score the tokens ``token_ids`` [V'] (a draft vocabulary: q is 0 elsewhere; None:
     the columns are the whole vocabulary). Warping and sampling over V' columns instead of the whole
     vocabulary gives the same q (tokens outside have probability 0 either way) for a fraction of the work.
+    ``dense=False``: q stays [k, V'] over ``token_ids`` (what :func:`verify_sampled_logits` takes with them).
 
     mode "argmax": deterministic proposals (one-hot q);
     mode "sample": x ~ q independently per position from the drafter's warped distribution. When the drafter
     is close to the target, sampling accepts more (P(accept) = sum min(p, q) instead of p(argmax q)):
     measured on the shipped SmolLM2 drafter at temperature 1, τ 1.39 / 1.35 / 1.43 against 1.26 / 1.33 / 1.24
-    (MT-Bench / HumanEval / MATH-500, block 4).
+    (MT-Bench / HumanEval / MATH-500, block 4). Warped by a temperature alone on a CPU, the softmax and the draws
+    are one call (:func:`dflashkit.row_kernels.sample_rows`), which draws as :func:`sample` with the same uniforms.
     """
     if mode not in ("argmax", "sample"):
         raise InvalidInputError(f"proposal mode must be 'argmax' or 'sample', got {mode!r}")
     if mode == "argmax" or params.greedy:
         column = argmax(draft_logits)  # [k]
         return (token_ids[column] if token_ids is not None else column), None
-    q = warp(draft_logits, params)  # [k, V']
-    column = sample(q, generator)  # [k]
+    uniforms = torch.rand(draft_logits.shape[0], generator=generator, dtype=torch.float64, device=draft_logits.device)
+    done = row_kernels.sample_rows(draft_logits, params.temperature, uniforms) if _temperature_only(
+        params, draft_logits.shape[-1]) else None
+    if done is not None:
+        column, q = done  # [k], [k, V']
+    else:
+        q = warp(draft_logits, params)  # [k, V']
+        column = _invert(q, 1 - uniforms[:, None])  # [k]
     if token_ids is None:
         return column, q
     if vocab_size is None:
         raise InvalidInputError("propose: vocab_size is needed with token_ids")
-    full = over_vocabulary(q, token_ids, vocab_size)  # [k, vocab]
-    return token_ids[column], full
+    return token_ids[column], (over_vocabulary(q, token_ids, vocab_size) if dense else q)
+
+
+def _temperature_only(params: SamplingParams, vocab: int) -> bool:
+    """Whether ``warp`` applies a temperature alone to rows of ``vocab`` entries (no top-k / top-p cut)."""
+    return (not params.top_k or params.top_k >= vocab) and params.top_p >= 1.0
 
 
 def verify_greedy(target_logits: Tensor, drafts: Tensor, allowed: Tensor | None = None) -> tuple[int, int]:
@@ -226,20 +239,23 @@ def verify_sampled(
 
 def verify_sampled_logits(
     logits: Tensor, params: SamplingParams, drafts: Tensor, draft_probs: Tensor | None,
-    generator: torch.Generator | None,
+    generator: torch.Generator | None, columns: Tensor | None = None,
 ) -> tuple[int, int]:
     """:func:`verify_sampled` on the target's rows of logits [k+1, vocab] (masked or adjusted as the step needs),
-    warped as ``params`` ask. Where a temperature alone warps them and the row kernels run (CPU), the whole
-    verification is one call (:func:`dflashkit.row_kernels.verify_chain`: ~0.1 ms a sampled step against ~0.7 for the
-    ~40 torch ops of warping and verifying, each slowed by the caches the target's pass has just swept); elsewhere
-    torch's. Both decide with the same k + 1 uniforms, the same way: they emit the same tokens but where rounding of
-    a probability decides."""
+    warped as ``params`` ask; draft_probs [k, vocab], or [k, V'] over the tokens ``columns`` (a draft vocabulary:
+    :func:`propose` with ``dense=False``). Where a temperature alone warps them and the row kernels run (CPU), the
+    whole verification is one call (:func:`dflashkit.row_kernels.verify_chain`: ~0.2 ms a sampled step against ~0.7
+    for the ~40 torch ops of warping and verifying, each slowed by the caches the target's pass has just swept);
+    elsewhere torch's. Both decide with the same k + 1 uniforms, the same way: they emit the same tokens but where
+    the rounding of a probability decides."""
     k = drafts.shape[0]
     uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64, device=logits.device)
-    if (not params.top_k or params.top_k >= logits.shape[-1]) and params.top_p >= 1.0:
-        done = row_kernels.verify_chain(logits, params.temperature, drafts, draft_probs, uniforms)
+    if _temperature_only(params, logits.shape[-1]):
+        done = row_kernels.verify_chain(logits, params.temperature, drafts, draft_probs, uniforms, columns)
         if done is not None:
             return done
+    if draft_probs is not None and columns is not None:
+        draft_probs = over_vocabulary(draft_probs, columns, logits.shape[-1])
     return verify_sampled(warp(logits, params), drafts, draft_probs, generator, uniforms.tolist())
 
 

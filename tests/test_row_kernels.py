@@ -120,7 +120,7 @@ def test_verify_chain_decides_as_verify_sampled_with_the_same_uniforms(isa, dtyp
     uniforms it keeps the same drafts and emits the same token, for sampled drafts (block verification) and one-hot
     ones (token by token), at several temperatures, with masked (-inf) entries and drafts among them, over
     vocabularies around its chunks of 256 and its vector widths."""
-    from dflashkit.sampling import SamplingParams, verify_sampled, warp
+    from dflashkit.sampling import SamplingParams, over_vocabulary, verify_sampled, warp
 
     g = torch.Generator().manual_seed(7)
     kept_counts = set()
@@ -139,9 +139,38 @@ def test_verify_chain_decides_as_verify_sampled_with_the_same_uniforms(isa, dtyp
         uniforms = torch.rand(k + 1, generator=g, dtype=torch.float64)
         got = row_kernels.verify_chain(logits, temperature, drafts, q, uniforms)
         assert got == verify_sampled(warp(logits, params), drafts, q, None, uniforms.tolist()), trial
+        if q is not None:  # q over a draft vocabulary that holds the drafts: the same decisions
+            columns = torch.unique(torch.cat((drafts, torch.randperm(vocab, generator=g)[: vocab // 3])))
+            q_columns = q[:, columns] / q[:, columns].sum(-1, keepdim=True)
+            want = verify_sampled(warp(logits, params), drafts, over_vocabulary(q_columns, columns, vocab), None,
+                                  uniforms.tolist())
+            assert row_kernels.verify_chain(logits, temperature, drafts, q_columns, uniforms, columns) == want, trial
         assert logits[got[0], got[1]] > float("-inf")  # never a token of probability 0
         kept_counts.add(got[0])
     assert kept_counts == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_rows_is_warp_and_sample_with_the_same_uniforms(isa, dtype):
+    """The drafter's proposals in one call: each row's softmax at the temperature (fp32 rounding of torch's) and the
+    index sampling.sample draws from it with the same uniform, never one of probability 0."""
+    from dflashkit.sampling import SamplingParams, _invert, warp
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(100):
+        k, vocab, temperature = 1 + trial % 4, int(torch.randint(1, 9000, (1,), generator=g)), (0.5, 1.0, 1.5)[trial % 3]
+        scores = (torch.randn(k, vocab, generator=g) * 3).to(dtype)
+        if trial % 4 == 1:
+            scores[:, ::2] = float("-inf")
+        uniforms = torch.rand(k, generator=g, dtype=torch.float64)
+        index, probs = row_kernels.sample_rows(scores, temperature, uniforms)
+        want = warp(scores, SamplingParams(temperature))
+        torch.testing.assert_close(probs, want, rtol=1e-5, atol=1e-9)
+        assert torch.equal(index, _invert(want, 1 - uniforms[:, None])), trial
+        assert (scores[torch.arange(k), index] > float("-inf")).all()
+    nan = torch.zeros(2, 64)
+    nan[1, 3] = float("nan")
+    assert row_kernels.sample_rows(nan, 1.0, torch.rand(2, dtype=torch.float64)) is None
 
 
 def test_verify_chain_draws_at_its_point_of_the_running_sum(isa):

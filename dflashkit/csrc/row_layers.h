@@ -580,25 +580,61 @@ int64_t draw_index(const float* w, int64_t n, double u) {
   return -1;
 }
 
+// The drafter's sampled proposals: per row of scores [k, V'] (fp32 or bf16), the softmax of scores * scale (fp32
+// [k, V']) and the index drawn from it at 1 - uniforms[i] (as sampling.sample: the first index whose running sum
+// reaches that share of the total). Returns (indices [k], probs), or empty tensors where a row holds a NaN or a
+// non-finite largest score (the caller then works in torch).
+std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& scores, double scale,
+                                                     const torch::Tensor& uniforms) {
+  TORCH_CHECK(scores.dim() == 2 && scores.is_contiguous() && scores.size(1) >= 1 &&
+              (scores.scalar_type() == at::kBFloat16 || scores.scalar_type() == at::kFloat),
+              "scores: contiguous [k, V] fp32 or bf16");
+  const int64_t k = scores.size(0), n = scores.size(1);
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == k && uniforms.scalar_type() == at::kDouble &&
+              uniforms.is_contiguous(), "uniforms: contiguous [k] fp64");
+  TORCH_CHECK(scale > 0.0 && std::isfinite(scale), "scale: 1 / temperature, > 0");
+  auto probs = torch::empty({k, n}, scores.options().dtype(at::kFloat));
+  auto index = torch::empty({k}, scores.options().dtype(at::kLong));
+  float* pp = probs.data_ptr<float>();
+  int64_t* ip = index.data_ptr<int64_t>();
+  const double* u = uniforms.data_ptr<double>();
+  const float s = static_cast<float>(scale);
+  for (int64_t i = 0; i < k; ++i) {
+    float* row = pp + i * n;
+    const double sum = scores.scalar_type() == at::kFloat ? row_exps(scores.data_ptr<float>() + i * n, n, s, row)
+                                                          : row_exps(u16(scores) + i * n, n, s, row);
+    if (!(sum > 0.0)) return {torch::empty({0}, index.options()), torch::empty({0}, probs.options())};
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+    ip[i] = draw_index(row, n, 1.0 - u[i]);
+  }
+  return {index, probs};
+}
+
 // Exact speculative sampling over a chain of k drafts, on the target's rows of logits [k+1, V] (fp32 or bf16) warped
 // by temperature alone (scale = 1 / temperature), with uniforms [k+1] (fp64, in [0, 1)); draft_probs [k, V] fp32 (the
-// drafter's proposal distributions) or empty (one-hot proposals: copies, argmax drafts). The law and the use of the
+// drafter's proposal distributions; [k, V'] over the tokens `columns` [V'], a draft vocabulary, where that is not empty)
+// or empty (one-hot proposals: copies, argmax drafts). The law and the use of the
 // uniforms are sampling.verify_sampled's: sampled drafts by block verification (coin i - 1 = uniforms[i - 1] walked
 // back from the last draft), one-hot drafts token by token (draft i kept while uniforms[i] < p_i(x_i)); the token
 // after the kept drafts is drawn at 1 - uniforms[k] from the target's row or the residual. Returns (kept drafts,
 // token), or (0, -1) where a row it reads holds a NaN or a non-finite largest logit (the caller then works in torch).
 std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double scale, const torch::Tensor& drafts,
-                                          const torch::Tensor& draft_probs, const torch::Tensor& uniforms) {
+                                          const torch::Tensor& draft_probs, const torch::Tensor& columns,
+                                          const torch::Tensor& uniforms) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(0) >= 1 && logits.size(1) >= 1 &&
               (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat),
               "logits: contiguous [k+1, V] fp32 or bf16");
   const int64_t k = logits.size(0) - 1, n = logits.size(1);
   TORCH_CHECK(drafts.dim() == 1 && drafts.size(0) == k && drafts.scalar_type() == at::kLong && drafts.is_contiguous(),
               "drafts: contiguous [k] int64");
-  const bool one_hot = draft_probs.numel() == 0;
-  TORCH_CHECK(one_hot || (draft_probs.dim() == 2 && draft_probs.size(0) == k && draft_probs.size(1) == n &&
+  const bool one_hot = draft_probs.numel() == 0, over_columns = columns.numel() > 0;
+  const int64_t width = over_columns ? columns.size(0) : n;
+  TORCH_CHECK(!over_columns || (columns.dim() == 1 && columns.scalar_type() == at::kLong && columns.is_contiguous()),
+              "columns: contiguous [V'] int64, or empty");
+  TORCH_CHECK(one_hot || (draft_probs.dim() == 2 && draft_probs.size(0) == k && draft_probs.size(1) == width &&
                           draft_probs.scalar_type() == at::kFloat && draft_probs.is_contiguous()),
-              "draft_probs: contiguous [k, V] fp32, or empty");
+              "draft_probs: contiguous [k, V] fp32 (over `columns`: [k, V']), or empty");
   TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == k + 1 && uniforms.scalar_type() == at::kDouble &&
               uniforms.is_contiguous(), "uniforms: contiguous [k+1] fp64");
   TORCH_CHECK(scale > 0.0 && std::isfinite(scale), "scale: 1 / temperature, > 0");
@@ -606,6 +642,15 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
   for (int64_t i = 0; i < k; ++i) TORCH_CHECK(x[i] >= 0 && x[i] < n, "draft tokens in [0, V)");
   const double* u = uniforms.data_ptr<double>();
   const float* q = one_hot ? nullptr : draft_probs.data_ptr<float>();
+  std::vector<float> dense;  // q over the whole vocabulary, 0 outside `columns` (sampling.over_vocabulary)
+  if (!one_hot && over_columns) {
+    const int64_t* col = columns.data_ptr<int64_t>();
+    for (int64_t c = 0; c < width; ++c) TORCH_CHECK(col[c] >= 0 && col[c] < n, "columns in [0, V)");
+    dense.assign(k * n, 0.0f);
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t c = 0; c < width; ++c) dense[i * n + col[c]] = q[i * width + c];
+    q = dense.data();
+  }
   std::vector<float> exps((k + 1) * n), work(n);
   std::vector<double> sums(k + 1, 0.0);  // 0: not computed yet
   auto row = [&](int64_t i) -> const float* {  // row i's exps (its sum in sums[i]); null for a NaN or inf row
@@ -685,6 +730,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
   m.def("attention", &attention, "grouped-query attention, one query row at a time");
   m.def("argmax_rows", &argmax_rows, "index of each bf16 row's largest value, as torch's argmax");
+  m.def("sample_rows", &sample_rows, "a drafter's sampled proposals: each row's softmax and an index drawn from it");
   m.def("verify_chain", &verify_chain, "exact speculative sampling over a chain of drafts on the target's logits");
   m.def("top_probs_rows", &top_probs_rows, "each bf16 row's k largest values as softmax probabilities, and their indices");
   m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
