@@ -22,6 +22,9 @@ all for them and runs ~9 GFLOP/s. ``csrc/`` holds one source per instruction set
   8.11 / 4.69, session 12; at 300 positions after session 41: 1 / 16 rows 0.37 / 2.57 ms).
 * :func:`argmax`: the first largest logit per row of a step's bf16 logits, as torch's argmax but without its fp32
   conversion (~7x faster per row).
+* :func:`verify_chain` and :func:`sample_rows`: a sampled step's math (exact speculative sampling of a chain on the
+  target's logits; the drafter's proposals and their softmax) in one call each instead of some 40 small torch ops,
+  each of which pays 20-70 µs for the caches the target's pass has just swept (session 45).
 * :func:`decoder_layers`: every decoder layer of a Llama / Qwen2 / Qwen3 target in one call (norms, products,
   rotary, cache write, attention, SiLU, residuals; ``csrc/row_layers.h``, shared by both, as are the argument
   checks in ``csrc/row_common.h``): no Python or dispatcher time per op (Zen 4: a SmolLM2 one-token step 15.0 ->
