@@ -642,16 +642,34 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
   for (int64_t i = 0; i < k; ++i) TORCH_CHECK(x[i] >= 0 && x[i] < n, "draft tokens in [0, V)");
   const double* u = uniforms.data_ptr<double>();
   const float* q = one_hot ? nullptr : draft_probs.data_ptr<float>();
-  std::vector<float> dense;  // q over the whole vocabulary, 0 outside `columns` (sampling.over_vocabulary)
+  // scratch kept between calls (fresh buffers of this size cost page faults on every call: ~0.1 ms)
+  thread_local std::vector<float> exps, work, q_row;
+  thread_local std::vector<int32_t> slot;  // over `columns`: token -> its column, -1 elsewhere (reset after use)
+  if (static_cast<int64_t>(exps.size()) < (k + 1) * n) exps.resize((k + 1) * n);
+  if (static_cast<int64_t>(work.size()) < n) { work.resize(n); q_row.resize(n); }
+  const int64_t* col = over_columns ? columns.data_ptr<int64_t>() : nullptr;
   if (!one_hot && over_columns) {
-    const int64_t* col = columns.data_ptr<int64_t>();
-    for (int64_t c = 0; c < width; ++c) TORCH_CHECK(col[c] >= 0 && col[c] < n, "columns in [0, V)");
-    dense.assign(k * n, 0.0f);
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t c = 0; c < width; ++c) dense[i * n + col[c]] = q[i * width + c];
-    q = dense.data();
+    if (static_cast<int64_t>(slot.size()) < n) slot.assign(n, -1);
+    for (int64_t c = 0; c < width; ++c) {
+      TORCH_CHECK(col[c] >= 0 && col[c] < n, "columns in [0, V)");
+      slot[col[c]] = static_cast<int32_t>(c);  // a repeated token: its last column, as index_copy_
+    }
   }
-  std::vector<float> exps((k + 1) * n), work(n);
+  struct ResetSlots {  // leave `slot` all -1 again however this call ends
+    const int64_t* col; int64_t width;
+    ~ResetSlots() { if (col) for (int64_t c = 0; c < width; ++c) slot[col[c]] = -1; }
+  } reset{!one_hot && over_columns ? col : nullptr, width};
+  auto q_at = [&](int64_t i, int64_t token) -> float {  // q_i(token)
+    if (!over_columns) return q[i * n + token];
+    const int32_t c = slot[token];
+    return c >= 0 ? q[i * width + c] : 0.0f;
+  };
+  auto q_dense = [&](int64_t i) -> const float* {  // row i of q over the whole vocabulary
+    if (!over_columns) return q + i * n;
+    std::fill(q_row.begin(), q_row.begin() + n, 0.0f);
+    for (int64_t c = 0; c < width; ++c) q_row[col[c]] = q[i * width + c];
+    return q_row.data();
+  };
   std::vector<double> sums(k + 1, 0.0);  // 0: not computed yet
   auto row = [&](int64_t i) -> const float* {  // row i's exps (its sum in sums[i]); null for a NaN or inf row
     if (sums[i] == 0.0) {
@@ -674,7 +692,7 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
     for (int64_t i = 0; i < k; ++i) {
       const float* e = row(i);
       if (!e) return fail;
-      const double px = e[x[i]] / sums[i], qx = q[i * n + x[i]];  // q(x) > 0: x was drawn from q
+      const double px = e[x[i]] / sums[i], qx = q_at(i, x[i]);  // q(x) > 0: x was drawn from q
       w[i + 1] = std::min(1.0, qx > 0.0 ? w[i] * (px / qx) : 1.0);
     }
     for (int64_t i = k; i >= 1; --i) {
@@ -683,7 +701,7 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
       if (i < k) {
         const float* e = row(i);
         const float wi = static_cast<float>(w[i]), inv = static_cast<float>(1.0 / sums[i]);
-        const float* qi = q + i * n;
+        const float* qi = q_dense(i);
         for (int64_t j = 0; j < n; ++j) work[j] = std::max(0.0f, wi * (e[j] * inv) - qi[j]);
         double mass = 0.0;
         for (int64_t c = 0; c < n; c += kChunk) mass += chunk_sum(&work[c], std::min(kChunk, n - c));
@@ -704,7 +722,7 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
     work[x[kept]] = 0.0f;
   } else {
     const float wk = static_cast<float>(w[kept]);
-    const float* qk = q + kept * n;
+    const float* qk = q_dense(kept);
     for (int64_t j = 0; j < n; ++j) work[j] = std::max(0.0f, wk * (e[j] * inv) - qk[j]);
   }
   const int64_t token = draw_index(work.data(), n, at);
