@@ -477,7 +477,6 @@ constexpr int64_t kLanes = 16;
 using VecF = __m512;
 inline VecF vec_load(const float* p) { return _mm512_loadu_ps(p); }
 inline VecF vec_load(const uint16_t* p) { return load_bf16(p); }
-inline VecF vec_set(float v) { return _mm512_set1_ps(v); }
 inline VecF vec_max(VecF a, VecF b) { return _mm512_max_ps(a, b); }
 inline bool vec_has_nan(VecF v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
 inline VecF vec_exp_scaled(VecF v, float largest, float scale) {
@@ -489,7 +488,6 @@ constexpr int64_t kLanes = 8;
 using VecF = __m256;
 inline VecF vec_load(const float* p) { return _mm256_loadu_ps(p); }
 inline VecF vec_load(const uint16_t* p) { return load_bf16(p); }
-inline VecF vec_set(float v) { return _mm256_set1_ps(v); }
 inline VecF vec_max(VecF a, VecF b) { return _mm256_max_ps(a, b); }
 inline bool vec_has_nan(VecF v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
 inline VecF vec_exp_scaled(VecF v, float largest, float scale) {
