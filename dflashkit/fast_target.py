@@ -198,6 +198,11 @@ class FastTargetForward:
         self.head_dim = int(decoder.layers[0].self_attn.head_dim)
         self.embed = model.get_input_embeddings()
         self.rotary = decoder.rotary_emb
+        # a rotary of fixed inverse frequencies (not "dynamic" / "longrope", which rescale with the sequence's length):
+        # a step's cos / sin rows are slices of tables kept between steps (_rope_rows)
+        rope_type = str(getattr(self.rotary, "rope_type", "default"))
+        self.static_rope = "dynamic" not in rope_type and "longrope" not in rope_type
+        self._rope: tuple[Tensor, Tensor] | None = None  # cos, signed sin [P, head_dim] of positions 0..P-1
         self.final_norm = _norm(decoder.norm)
         head = model.get_output_embeddings()
         if isinstance(head, Int8Linear):
@@ -248,11 +253,16 @@ class FastTargetForward:
         rows that visibility[i] marks (its ancestors and itself) instead of the rows before it.
         """
         n, end = input_ids.shape[1], start + input_ids.shape[1]
-        positions, hidden = self._rows(n, start, cache, tree)
+        positions, hidden = self._rows(n, start, cache, tree, need_positions=tree is not None or not self.static_rope)
         x = self.embed(input_ids)  # [1, n, hidden]
         group = self.heads // self.kv_heads
-        cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim] each, in x's dtype
-        cos, sin = cos[:, None], signed_sin(sin[:, None])  # [1, 1, n, head_dim]: broadcast over heads
+        if self.static_rope:  # rows of the kept tables: a chain's are one slice (no op on the step's path)
+            table_cos, table_sin = self._rope_rows(end)
+            rows = slice(start, end) if tree is None else positions
+            cos, sin = table_cos[rows][None, None], table_sin[rows][None, None]  # [1, 1, n, head_dim]
+        else:
+            cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim] each, in x's dtype
+            cos, sin = cos[:, None], signed_sin(sin[:, None])  # [1, 1, n, head_dim]: broadcast over heads
         if self.fused_weights is not None and n <= self.row_limit:  # every layer in one C++ call
             x, features = row_kernels.decoder_layers(
                 x[0], self.fused_weights, cos[0, 0], sin[0, 0], cache.keys, cache.values, start, hidden, self.heads,
@@ -278,17 +288,27 @@ class FastTargetForward:
         logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
         return logits, features
 
-    def _rows(self, n: int, start: int, cache: StaticKVCache, tree: tuple[Tensor, Tensor] | None
-              ) -> tuple[Tensor, Tensor | None]:
+    def _rope_rows(self, positions: int) -> tuple[Tensor, Tensor]:
+        """cos and signed sin tables [P, head_dim] covering positions 0..positions-1, computed by the model's rotary
+        (:meth:`rotary_tables`: a row equals what a forward at that position computes), grown by doubling and kept:
+        each small op of a step costs 10-70 µs once the previous pass has swept the caches, and the rotary's are ~10."""
+        if self._rope is None or self._rope[0].shape[0] < positions:
+            cos, sin = self.rotary_tables(max(256, 1 << (positions - 1).bit_length()))
+            self._rope = (cos.contiguous(), sin.contiguous())
+        return self._rope
+
+    def _rows(self, n: int, start: int, cache: StaticKVCache, tree: tuple[Tensor, Tensor] | None,
+              need_positions: bool = True) -> tuple[Tensor | None, Tensor | None]:
         """Checks a step of n rows at ``start`` against its cache, makes room for it, and returns the rows'
-        positions [n] and what they do not see, bool [n, start+n] (None for one row: it sees everything)."""
+        positions [n] (None where not ``need_positions`` and the rows are a chain) and what they do not see, bool
+        [n, start+n] (None for one row: it sees everything)."""
         if cache.length != start:
             raise InvalidInputError(f"the KV cache holds {cache.length} positions, but the tokens start at {start}")
         end = start + n
         cache.reserve(end)
         device = cache.keys.device
         if tree is None:
-            positions = torch.arange(start, end, device=device)
+            positions = torch.arange(start, end, device=device) if need_positions else None
         else:
             offsets, visible = tree
             if offsets.shape != (n,) or visible.shape != (n, n):

@@ -119,6 +119,34 @@ def test_rotary_variants_follow_the_models_own_rotary_module(rope):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rope", ["default", "llama3", "dynamic"])
+def test_steps_rotary_rows_are_the_models_own_at_every_position(rope):
+    """Steps of 1 and 2 rows past 256 positions (where the kept tables grow): logits equal transformers' forward in
+    fp32; fixed rotaries read the kept tables, a dynamic one (rescaled with the length) computes its rows per call."""
+    params = {"llama3": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+              "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}.get(rope)
+    model = tiny_target("llama", **({"rope_parameters": params} if params else {}))
+    reference, fast = TargetAdapter(copy.deepcopy(model), fast=False), TargetAdapter(model)
+    assert fast.fast_forward.static_rope == (rope != "dynamic")
+    ids = torch.randint(3, VOCAB, (1, 262), generator=torch.Generator().manual_seed(5))
+    caches = [reference.new_cache(), fast.new_cache(capacity=300)]
+    for adapter, cache in zip((reference, fast), caches):
+        adapter.forward(ids[:, :250], 0, cache, logits_rows=1)
+    for pos in range(250, 262, 3):  # steps of 1 and 2 rows across position 256
+        rows = 1 if pos % 2 else 2
+        ref, _ = reference.forward(ids[:, pos : pos + rows], pos, caches[0], logits_rows=rows)
+        got, _ = fast.forward(ids[:, pos : pos + rows], pos, caches[1], logits_rows=rows)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        for adapter, cache in zip((reference, fast), caches):  # the third position of the stride, one token
+            if rows == 2:
+                adapter.forward(ids[:, pos + 2 : pos + 3], pos + 2, cache, logits_rows=1)
+            else:
+                adapter.forward(ids[:, pos + 1 : pos + 3], pos + 1, cache, logits_rows=1)
+    if fast.fast_forward.static_rope:
+        assert fast.fast_forward._rope[0].shape[0] >= 512  # grown past its first 256 positions
+
+
 def test_fast_packed_and_eager_paths_decode_the_same_tokens_in_fp32(any_arch):
     paths = engines(any_arch)
     for prompt in PROMPTS:
