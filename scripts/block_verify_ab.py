@@ -6,7 +6,9 @@ For each evaluation set and block-size setting, every prompt is sampled (rejecti
 both rules) once with each rule, in alternating order, after one warm-up generation. The token-by-token rule is
 the loop's verification before block verification (accept x_i with probability min(1, p/q) until the first
 rejection), patched into the decode loop for its turns. Prints τ (drafts kept per verify + 1) and tokens/s per
-rule; the median of the per-prompt tok/s ratios (block / token). Sampled texts differ from run to run, so those
+rule; the median of the per-prompt tok/s ratios (block / token). Both rules run in torch (the decode loop's
+``verify_sampled_logits`` replaced for every run: warp, q over the whole vocabulary, then the rule), not in the row
+kernels' one-call verification, so that only the rule differs. Sampled texts differ from run to run, so those
 are noisy; with ``--same-drafts`` the block rule's runs also record, at each verify of sampled drafts, the drafts
 each rule keeps in expectation on those very drafts (exact, from the stop probabilities): a paired comparison,
 whose bookkeeping (every row's stop probability) then weighs on the block rule's tok/s.
@@ -22,7 +24,8 @@ import torch
 
 from dflashkit.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.sampling import block_verification, sample, verify_sampled
+from dflashkit.sampling import (block_verification, over_vocabulary, sample, verify_sampled, verify_sampled_logits,
+                                warp)
 
 decode_module = importlib.import_module("dflashkit.decode")  # the package re-exports a function named decode
 
@@ -69,6 +72,15 @@ def _token_prefixes(target_probs, drafts, draft_probs):
 RULES = {"block": verify_sampled, "token": token_by_token}
 
 
+def on_logits(rule):
+    """The decode loop's verify_sampled_logits, in torch with ``rule`` deciding."""
+    def verify(logits, params, drafts, draft_probs, generator, columns=None):
+        if draft_probs is not None and columns is not None:
+            draft_probs = over_vocabulary(draft_probs, columns, logits.shape[-1])
+        return rule(warp(logits, params), drafts, draft_probs, generator)
+    return verify
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
@@ -94,12 +106,12 @@ def main() -> None:
             for n, prompt in enumerate(load_set(name, limit=args.limit)):
                 order = list(RULES) if n % 2 == 0 else list(RULES)[::-1]
                 for rule in order:
-                    decode_module.verify_sampled = RULES[rule]
+                    decode_module.verify_sampled_logits = on_logits(RULES[rule])
                     try:
                         result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                               sampler="rejection", seed=n, block_size=block, lookup=block == "auto")
                     finally:
-                        decode_module.verify_sampled = verify_sampled
+                        decode_module.verify_sampled_logits = verify_sampled_logits
                     runs[rule].append(result.stats)
             line = [f"block {setting:>4} {name:>9}:"]
             for rule, stats in runs.items():
