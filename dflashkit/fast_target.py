@@ -253,16 +253,11 @@ class FastTargetForward:
         rows that visibility[i] marks (its ancestors and itself) instead of the rows before it.
         """
         n, end = input_ids.shape[1], start + input_ids.shape[1]
-        positions, hidden = self._rows(n, start, cache, tree, need_positions=tree is not None or not self.static_rope)
+        positions, hidden = self._rows(n, start, cache, tree)
         x = self.embed(input_ids)  # [1, n, hidden]
         group = self.heads // self.kv_heads
-        if self.static_rope:  # rows of the kept tables: a chain's are one slice (no op on the step's path)
-            table_cos, table_sin = self._rope_rows(end)
-            rows = slice(start, end) if tree is None else positions
-            cos, sin = table_cos[rows][None, None], table_sin[rows][None, None]  # [1, 1, n, head_dim]
-        else:
-            cos, sin = self.rotary(x, positions[None])  # [1, n, head_dim] each, in x's dtype
-            cos, sin = cos[:, None], signed_sin(sin[:, None])  # [1, 1, n, head_dim]: broadcast over heads
+        cos, sin = self._rotary(x, positions, end)  # [n, head_dim] each
+        cos, sin = cos[None, None], sin[None, None]  # [1, 1, n, head_dim]: broadcast over heads
         if self.fused_weights is not None and n <= self.row_limit:  # every layer in one C++ call
             x, features = row_kernels.decoder_layers(
                 x[0], self.fused_weights, cos[0, 0], sin[0, 0], cache.keys, cache.values, start, hidden, self.heads,
@@ -288,6 +283,18 @@ class FastTargetForward:
         logits = self.head(self.final_norm(x[0, n - logits_rows :]))  # [logits_rows, vocab]
         return logits, features
 
+    def _rotary(self, x: Tensor, positions: Tensor | slice, end: int) -> tuple[Tensor, Tensor]:
+        """cos and signed sin [n, head_dim] of rows at ``positions`` (all below ``end``; a slice for a chain), in x's
+        dtype: rows of the kept tables where the rotary is static (a chain's are one slice, no op), else the model's
+        rotary module on them."""
+        if self.static_rope:
+            cos, sin = self._rope_rows(end)
+            return cos[positions], sin[positions]
+        if isinstance(positions, slice):
+            positions = torch.arange(positions.start, positions.stop, device=x.device)
+        cos, sin = self.rotary(x.reshape(1, -1, x.shape[-1]), positions[None])  # [1, n, head_dim] each
+        return cos[0], signed_sin(sin[0])
+
     def _rope_rows(self, positions: int) -> tuple[Tensor, Tensor]:
         """cos and signed sin tables [P, head_dim] covering positions 0..positions-1, computed by the model's rotary
         (:meth:`rotary_tables`: a row equals what a forward at that position computes), grown by doubling and kept:
@@ -297,18 +304,18 @@ class FastTargetForward:
             self._rope = (cos.contiguous(), sin.contiguous())
         return self._rope
 
-    def _rows(self, n: int, start: int, cache: StaticKVCache, tree: tuple[Tensor, Tensor] | None,
-              need_positions: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    def _rows(self, n: int, start: int, cache: StaticKVCache, tree: tuple[Tensor, Tensor] | None
+              ) -> tuple[Tensor | slice, Tensor | None]:
         """Checks a step of n rows at ``start`` against its cache, makes room for it, and returns the rows'
-        positions [n] (None where not ``need_positions`` and the rows are a chain) and what they do not see, bool
-        [n, start+n] (None for one row: it sees everything)."""
+        positions (a chain's as the slice start:start+n, a tree's [n]) and what they do not see, bool [n, start+n]
+        (None for one row: it sees everything)."""
         if cache.length != start:
             raise InvalidInputError(f"the KV cache holds {cache.length} positions, but the tokens start at {start}")
         end = start + n
         cache.reserve(end)
         device = cache.keys.device
         if tree is None:
-            positions = torch.arange(start, end, device=device) if need_positions else None
+            positions = slice(start, end)
         else:
             offsets, visible = tree
             if offsets.shape != (n,) or visible.shape != (n, n):
@@ -343,10 +350,11 @@ class FastTargetForward:
             return [self(c.input_ids, c.start, c.cache, c.logits_rows, feature_layers, c.tree) for c in calls]
         prepared = [self._rows(n, c.start, c.cache, c.tree) for n, c in zip(counts, calls)]
         x = self.embed(torch.cat([call.input_ids[0] for call in calls]))  # [N, hidden]
-        positions = torch.cat([p for p, _ in prepared])  # [N]
-        cos, sin = self.rotary(x[None], positions[None])  # [1, N, head_dim] each
+        positions = torch.cat([p if isinstance(p, Tensor) else torch.arange(p.start, p.stop, device=x.device)
+                               for p, _ in prepared])  # [N]
+        cos, sin = self._rotary(x, positions, max(c.start + n for n, c in zip(counts, calls)))  # [N, head_dim] each
         x, features = row_kernels.decoder_layers_batch(
-            x, self.fused_weights, cos[0], signed_sin(sin[0]), [(c.cache.keys, c.cache.values) for c in calls],
+            x, self.fused_weights, cos, sin, [(c.cache.keys, c.cache.values) for c in calls],
             [c.start for c in calls], counts, [h for _, h in prepared], self.heads, self.kv_heads,
             self.layers[0].intermediate, self.eps, self.layers[0].scaling, feature_layers)
         first = [sum(counts[:i]) for i in range(len(calls))]  # each sequence's first row in x

@@ -296,6 +296,9 @@ def top_probs(scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
     return kern.top_probs_rows(scores if scores.is_contiguous() else scores.contiguous(), k)
 
 
+_NO_PROBS, _NO_COLUMNS = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.long)  # one-hot drafts; q over V
+
+
 def verify_chain(logits: Tensor, temperature: float, drafts: Tensor, draft_probs: Tensor | None, uniforms: Tensor,
                  columns: Tensor | None = None) -> tuple[int, int] | None:
     """Exact speculative sampling over a chain of k drafts in one call: :func:`dflashkit.sampling.verify_sampled` on
@@ -308,9 +311,8 @@ def verify_chain(logits: Tensor, temperature: float, drafts: Tensor, draft_probs
     kern = kernel()
     if kern is None:
         return None
-    empty = torch.empty(0, dtype=torch.float32)
-    probs = empty if draft_probs is None else draft_probs.to(torch.float32).contiguous()
-    cols = torch.empty(0, dtype=torch.long) if columns is None or draft_probs is None else columns.contiguous()
+    probs = _NO_PROBS if draft_probs is None else draft_probs.to(torch.float32).contiguous()
+    cols = _NO_COLUMNS if columns is None or draft_probs is None else columns.contiguous()
     kept, token = kern.verify_chain(logits.contiguous(), 1.0 / temperature, drafts.contiguous(), probs, cols,
                                     uniforms.contiguous())
     return None if token < 0 else (kept, token)

@@ -498,7 +498,7 @@ inline void vec_store(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 inline float scalar_value(float v) { return v; }
 inline float scalar_value(uint16_t v) { return bf16_to_float(v); }
 
-// The sum of w[0..n) in fp64, summed in fp32 lanes within chunks of 256 entries (what draw_index walks).
+// The fp32 sum of w[0..n) (n <= a chunk of 256) in 16 lanes: the chunk sums that row_exps and draw_index add in fp64.
 inline float chunk_sum(const float* w, int64_t n) {
   float lanes[16] = {0};
   const int64_t full = n / 16 * 16;
@@ -573,9 +573,7 @@ int64_t draw_index(const float* w, int64_t n, double u) {
     }
     run += sums[c];
   }
-  for (int64_t j = n - 1; j >= 0; --j)  // unreachable: run ends at total, summed in the same order, and point <= total
-    if (w[j] > 0.0f) return j;
-  return -1;
+  return -1;  // not reached: run ends at total, added in the same order, and point <= total
 }
 
 // The drafter's sampled proposals: per row of scores [k, V'] (fp32 or bf16), the softmax of scores * scale (fp32
@@ -677,6 +675,17 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
     }
     return sums[i] > 0.0 ? &exps[i * n] : nullptr;
   };
+  // work = max(0, w p_i - q_i), the residual after i kept sampled drafts (p_i: row i, which row(i) has loaded);
+  // returns its mass |r_i|
+  auto residual = [&](int64_t i, double weight) -> double {
+    const float* e = &exps[i * n];
+    const float wi = static_cast<float>(weight), inv = static_cast<float>(1.0 / sums[i]);
+    const float* qi = q_dense(i);
+    for (int64_t j = 0; j < n; ++j) work[j] = std::max(0.0f, wi * (e[j] * inv) - qi[j]);
+    double mass = 0.0;
+    for (int64_t c = 0; c < n; c += kChunk) mass += chunk_sum(&work[c], std::min(kChunk, n - c));
+    return mass;
+  };
   const auto fail = std::make_tuple(int64_t{0}, int64_t{-1});
   std::vector<double> w(k + 1, 1.0);  // sampled drafts: block weights w_0..w_k
   int64_t kept = 0;
@@ -696,14 +705,8 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
     for (int64_t i = k; i >= 1; --i) {
       if (!(u[i - 1] < w[i])) continue;
       double stop = w[i];  // h_k = w_k; h_i = |r_i| / (|r_i| + 1 - w_i), r_i = max(0, w_i p_i - q_i)
-      if (i < k) {
-        const float* e = row(i);
-        const float wi = static_cast<float>(w[i]), inv = static_cast<float>(1.0 / sums[i]);
-        const float* qi = q_dense(i);
-        for (int64_t j = 0; j < n; ++j) work[j] = std::max(0.0f, wi * (e[j] * inv) - qi[j]);
-        double mass = 0.0;
-        for (int64_t c = 0; c < n; c += kChunk) mass += chunk_sum(&work[c], std::min(kChunk, n - c));
-        const double denominator = mass + 1.0 - w[i];
+      if (i < k) {  // row i was loaded for its weight
+        const double mass = residual(i, w[i]), denominator = mass + 1.0 - w[i];
         stop = denominator > 0.0 ? mass / denominator : 1.0;
       }
       if (u[i - 1] < stop) { kept = i; break; }
@@ -714,14 +717,12 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
   const double at = 1.0 - u[k];  // in (0, 1]
   if (kept == k) return {kept, draw_index(e, n, at)};
   // the token after the kept drafts: from the residual max(0, w p - q) (one-hot: p without the refused draft)
-  const float inv = static_cast<float>(1.0 / sums[kept]);
   if (one_hot) {
+    const float inv = static_cast<float>(1.0 / sums[kept]);
     for (int64_t j = 0; j < n; ++j) work[j] = e[j] * inv;
     work[x[kept]] = 0.0f;
   } else {
-    const float wk = static_cast<float>(w[kept]);
-    const float* qk = q_dense(kept);
-    for (int64_t j = 0; j < n; ++j) work[j] = std::max(0.0f, wk * (e[j] * inv) - qk[j]);
+    residual(kept, w[kept]);
   }
   const int64_t token = draw_index(work.data(), n, at);
   return {kept, token >= 0 ? token : draw_index(e, n, at)};  // an empty residual: an event of probability 0
