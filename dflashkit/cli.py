@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
+    _add_proposal_options(g)
     _add_sampler_option(g)
     g.add_argument("--presence-penalty", type=float, default=0.0,
                    help="OpenAI's presence penalty, -2..2: subtracted once from tokens already in the output")
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
     s.add_argument("--block-size", type=_block_size_arg, default=None,
                    help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)")
-    s.add_argument("--proposal", choices=["argmax", "sample"], default="sample", help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted at T=1) or its argmax; both exact")
+    _add_proposal_options(s)
     _add_sampler_option(s)
     _add_lookup_option(s)
     _add_tree_option(s)
@@ -432,6 +432,15 @@ def _read_text_file(path: str, flag: str) -> str:
         raise InvalidInputError(f"{flag}: cannot read {path!r}: {exc}") from None
 
 
+def _add_proposal_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--proposal", choices=["argmax", "sample"], default="sample",
+                        help="how drafts are proposed when sampling: drawn from the drafter (default: more accepted "
+                        "at T=1) or its argmax; both exact")
+    parser.add_argument("--proposal-temperature", type=float, default=None, metavar="RATIO",
+                        help="when sampling, drafts are drawn at RATIO times the temperature (any RATIO is exact; "
+                        "default: the drafter's own, its config's proposal_temperature)")
+
+
 def _add_sampler_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sampler", choices=["rejection", "coupled"], default=None,
@@ -647,6 +656,7 @@ def _load_generator(args: argparse.Namespace, quiet: bool):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .config import check_proposal_temperature
     from .decode import check_draft_window
     from .logprobs import check_top_logprobs
     from .penalties import Penalties
@@ -654,6 +664,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     dtype = DTYPES[args.dtype]
     check_draft_window(args.draft_window)  # before the (slow) model load
+    if args.proposal_temperature is not None:
+        check_proposal_temperature(args.proposal_temperature)
     check_top_logprobs(args.logprobs)
     Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)  # refuses bad values early
     grammar = _grammar_from_args(args)
@@ -671,7 +683,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _note_tree_without_drafter(args, drafter is not None)
     kwargs: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, block_size=args.block_size, proposal=args.proposal, sampler=args.sampler, stop=args.stop,
+        seed=args.seed, block_size=args.block_size, proposal=args.proposal,
+        proposal_temperature=args.proposal_temperature, sampler=args.sampler, stop=args.stop,
         chat=not args.no_chat, lookup=args.lookup, ngram_store=args.ngram_store, tree=args.tree,
         draft_window=args.draft_window, grammar=grammar, logprobs=args.logprobs,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -799,8 +812,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_id=args.model_name or (args.target or DEFAULT_TARGET), max_queue=args.max_queue, max_batch=args.max_batch,
         timeout=args.timeout or None, default_max_tokens=args.default_max_tokens,
         block_size=args.block_size, lookup=args.lookup,
-        proposal=args.proposal, sampler=args.sampler, tree=args.tree, draft_window=args.draft_window,
-        prefix_cache_mb=args.prefix_cache_mb,
+        proposal=args.proposal, proposal_temperature=args.proposal_temperature, sampler=args.sampler, tree=args.tree,
+        draft_window=args.draft_window, prefix_cache_mb=args.prefix_cache_mb,
         stored_responses=args.stored_responses, api_key=args.api_key, clamp_max_tokens=args.clamp_max_tokens,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
     )  # fmt: skip

@@ -49,6 +49,14 @@ def check_context_window(window: object) -> int | None:
     return window
 
 
+def check_proposal_temperature(ratio: object) -> float:
+    """A proposal temperature: the multiple of the request's temperature the drafter samples at (finite, > 0)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < float("inf"):
+        raise InvalidInputError(f"the proposal temperature must be a finite number > 0 (a multiple of the sampling "
+                                f"temperature), got {ratio!r}")
+    return float(ratio)
+
+
 @dataclass
 class DrafterConfig:
     """Shape and conditioning of a DFlash drafter."""
@@ -78,6 +86,10 @@ class DrafterConfig:
     # At inference, a drafting step attends to at most this many of the latest context tokens (None: all of
     # them). A drafter trained on short sequences drafts worse over contexts longer than it ever saw.
     context_window: int | None = None
+    # When sampling, drafts are drawn at this multiple of the request's temperature. Any proposal is exact; a
+    # drafter whose distribution is flatter than the target's is accepted more often sharpened (< 1), measured
+    # per drafter with scripts/draft_temperature.py.
+    proposal_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -93,6 +105,7 @@ class DrafterConfig:
         if bad:
             raise CheckpointError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
         check_context_window(self.context_window)
+        check_proposal_temperature(self.proposal_temperature)
         if self.draft_vocab is not None and (
             not self.draft_vocab or min(self.draft_vocab) < 0 or max(self.draft_vocab) >= self.vocab_size
         ):
@@ -184,6 +197,7 @@ class DrafterConfig:
                 "draft_vocab": self.draft_vocab,
                 "target": self.target,
                 "context_window": self.context_window,
+                "proposal_temperature": self.proposal_temperature,
             },
         }
 
@@ -222,6 +236,7 @@ class DrafterConfig:
             raise CheckpointError(f"dflash_config.target_layer_ids must be a list of integers, got {layer_ids!r}")
         try:
             window = check_context_window(ours.get("context_window"))
+            proposal_temperature = check_proposal_temperature(ours.get("proposal_temperature", 1.0))
         except InvalidInputError as e:
             raise CheckpointError(f"drafter config.json: {e}") from e
         heads = field("num_attention_heads")
@@ -246,6 +261,7 @@ class DrafterConfig:
             draft_vocab=ours.get("draft_vocab"),
             target=ours.get("target"),
             context_window=window,
+            proposal_temperature=proposal_temperature,
         )
 
     def replace(self, **changes: Any) -> DrafterConfig:

@@ -18,6 +18,7 @@ it (:mod:`dflashkit.lookup`) instead of running the drafter; verification is the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 import random
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .adaptive import AdaptiveBlockSize
+from .config import check_proposal_temperature
 from .drafter import DFlashDrafter
 from .errors import IncompatibleDrafterError, InvalidInputError
 from .grammar import CompiledGrammar, masked
@@ -67,6 +69,9 @@ class DecodeOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     block_size: int | None = None  # None: the drafter's trained block size
     proposal: str = "sample"  # when sampling: "sample" (x ~ q, more accepted at T=1) or "argmax" (one-hot q); both exact
+    # when sampling: the drafter proposes at this multiple of the temperature (any q is exact; a drafter flatter than
+    # the target is accepted more often sharpened); None: the drafter's own (config.proposal_temperature)
+    proposal_temperature: float | None = None
     seed: int | None = None
     sampler: str = "rejection"  # when sampling: "rejection" or "coupled" (the seed's plain output, any drafter)
     stop_token_ids: frozenset[int] = frozenset()  # eos ids included by the caller
@@ -92,6 +97,8 @@ class DecodeOptions:
             check_budget(self.tree)
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
+        if self.proposal_temperature is not None:
+            check_proposal_temperature(self.proposal_temperature)
         check_draft_window(self.draft_window)
         check_top_logprobs(self.logprobs)
         check_sampler(self.sampler)
@@ -121,6 +128,17 @@ def check_draft_window(window: object) -> int | None:
     if window is not None and (not _is_int(window) or window < 0):
         raise InvalidInputError(f"draft_window must be an integer >= 0 (0: the whole context), got {window!r}")
     return window
+
+
+def proposal_params(params: SamplingParams, drafter: DFlashDrafter, options: DecodeOptions) -> SamplingParams:
+    """What the drafter proposes from when sampling: the request's warping at the proposal temperature (the
+    options', else the drafter's own multiple of the request's temperature)."""
+    ratio = options.proposal_temperature
+    if ratio is None:
+        ratio = drafter.config.proposal_temperature
+    if ratio == 1.0 or params.greedy:
+        return params
+    return dataclasses.replace(params, temperature=params.temperature * ratio)
 
 
 def draft_window(drafter: DFlashDrafter, options: DecodeOptions) -> int | None:
@@ -270,7 +288,7 @@ def decode(
                         context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
                     )  # [k, V'] over the draft vocabulary `columns` (None: the whole vocabulary)
                     pending = None
-                    draft_params, mode = params, options.proposal
+                    draft_params, mode = proposal_params(params, drafter, options), options.proposal
                     if noise is not None:  # the Gumbel-max proposal under the target's noise: argmax of noisy scores
                         row_noise = noise.rows(produced, k)  # [k, vocab]
                         scores = coupled_scores(scores, params, row_noise[:, columns] if columns is not None

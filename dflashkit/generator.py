@@ -276,6 +276,7 @@ class SpeculativeGenerator:
         seed: int | None = None,
         block_size: int | str | None = None,
         proposal: str = "sample",
+        proposal_temperature: float | None = None,
         sampler: str | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
@@ -320,6 +321,8 @@ class SpeculativeGenerator:
         (Gumbel-max with noise fixed by the seed and position: the output is the plain sampled output of the
         seed, whatever the drafter, block size, lookup or batch; see :mod:`dflashkit.sampling`); None (the
         default): "coupled" when a seed is given, "rejection" otherwise (:func:`default_sampler`).
+        ``proposal_temperature``: when sampling, the drafter proposes at this multiple of the temperature (None:
+        the drafter's own ``config.proposal_temperature``, 1.0 unless its folder says otherwise); exact at any value.
         ``draft_window=N``: drafting attends to the last N context tokens (0: all; None: the drafter's own
         ``config.context_window``). ``grammar``: structured output, every token one the grammar allows (a
         :class:`~dflashkit.grammar.Grammar`: ``Grammar.json_schema(schema)``, ``.json_object()``, ``.regex(...)``,
@@ -362,6 +365,7 @@ class SpeculativeGenerator:
             sampling=sampling,
             block_size=None if adaptive else block_size,
             proposal=proposal,
+            proposal_temperature=proposal_temperature,
             seed=seed,
             sampler=sampler,
             stop_token_ids=frozenset(self.eos_token_ids) | frozenset(stop_token_ids),

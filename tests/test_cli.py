@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -195,6 +196,28 @@ def test_draft_window_flag(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> No
     assert rc == 2 and "draft_window" in err and loads == []
 
 
+def test_proposal_temperature_flag(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--proposal-temperature RATIO reaches the decode loop (default: the drafter's own); bad values refused early."""
+    decode_module = importlib.import_module("dflashkit.decode")  # the package's `decode` is the function
+    seen = []
+    original = decode_module.proposal_params
+
+    def recording(params, drafter, options):
+        seen.append(options.proposal_temperature)
+        return original(params, drafter, options)
+
+    monkeypatch.setattr(decode_module, "proposal_params", recording)
+    for flags, ratio in ((["--proposal-temperature", "0.6"], 0.6), ([], None)):
+        seen.clear()
+        rc, out, err = cli(capsys, "--drafter", "untrained", "--no-lookup", "--temperature", "1", "--seed", "3",
+                           "--sampler", "rejection", "--dtype", "float32", *flags)
+        assert rc == 0, err
+        assert seen and set(seen) == {ratio}
+    loads.clear()
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--temperature", "1", "--proposal-temperature", "-1")
+    assert rc == 2 and "proposal temperature" in err and loads == []
+
+
 class RecordingStdout:
     """Stands in for sys.stdout and keeps every write, to see the text arrive in pieces."""
 
@@ -347,6 +370,7 @@ def test_an_absent_device_fails_before_loading(loads, capsys, monkeypatch: pytes
 @pytest.mark.parametrize("args,message", [(["--max-queue", "-1"], "max_queue"), (["--timeout", "-5"], "timeout"),
                                           (["--port", "70000"], "--port"), (["--block-size", "1"], "block_size"),
                                           (["--tree", "-1"], "tree"), (["--draft-window", "-1"], "draft_window"),
+                                          (["--proposal-temperature", "0"], "proposal temperature"),
                                           (["--max-batch", "0"], "max_batch"), (["--max-batch", "17"], "max_batch"),
                                           (["--stored-responses", "-1"], "stored_responses"),
                                           (["--api-key", " "], "api_key")])

@@ -184,6 +184,20 @@ def test_context_window_round_trips_and_bad_values_are_refused() -> None:
             make_config(context_window=bad)
 
 
+def test_proposal_temperature_round_trips_and_bad_values_are_refused() -> None:
+    cfg = make_config(proposal_temperature=0.8)
+    d = json.loads(json.dumps(cfg.to_hf_dict()))
+    assert d["dflashkit"]["proposal_temperature"] == 0.8 and DrafterConfig.from_hf_dict(d) == cfg
+    del d["dflashkit"]["proposal_temperature"]  # older checkpoints: the request's temperature
+    assert DrafterConfig.from_hf_dict(d).proposal_temperature == 1.0
+    for bad in (0, -0.5, float("nan"), float("inf"), "0.8", True, None):
+        d["dflashkit"]["proposal_temperature"] = bad
+        with pytest.raises(CheckpointError, match="proposal temperature"):
+            DrafterConfig.from_hf_dict(d)
+        with pytest.raises(InvalidInputError, match="proposal temperature"):
+            make_config(proposal_temperature=bad)
+
+
 @pytest.mark.parametrize("change", ["layer_types", "use_sliding_window"])
 def test_sliding_window_layers_are_refused(change: str) -> None:
     d = make_config().to_hf_dict()

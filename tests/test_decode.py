@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 import pytest
 import torch
@@ -280,6 +281,36 @@ def test_draft_vocabulary_restricts_proposals_not_output(arch):
     sampled = run(target, drafter, [5, 6], max_new_tokens=12, seed=0, proposal="sample",
                   sampling=SamplingParams(temperature=1.0))  # fmt: skip
     assert len(sampled) == 12
+
+
+def test_the_proposal_temperature_reaches_the_drafters_proposals(monkeypatch):
+    """Sampled drafts are drawn at the drafter's config.proposal_temperature times the request's temperature, and
+    DecodeOptions.proposal_temperature overrides it; greedy decoding ignores it; bad values are refused. (That
+    any proposal temperature keeps the target's distribution: test_sampling's oracle-sharp cases.)"""
+    decode_module = importlib.import_module("dflashkit.decode")  # the package's `decode` is the function
+
+    model = tiny_target("llama")
+    base = tiny_drafter(model, block_size=4)
+    drafter = DFlashDrafter(base.config.replace(proposal_temperature=0.5))
+    drafter.load_state_dict(base.state_dict())
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    temperatures = []
+    propose = decode_module.propose
+
+    def recording(scores, params, *args, **kwargs):
+        temperatures.append(params.temperature)
+        return propose(scores, params, *args, **kwargs)
+
+    monkeypatch.setattr(decode_module, "propose", recording)
+    sampling = SamplingParams(temperature=0.8, top_p=0.9)
+    for ratio, expected in ((None, 0.4), (1.0, 0.8), (1.5, 1.2)):
+        temperatures.clear()
+        out = run(target, drafter, [5, 6, 7], max_new_tokens=10, seed=0, sampling=sampling, proposal_temperature=ratio)
+        assert len(out) == 10 and temperatures and all(t == pytest.approx(expected) for t in temperatures)
+    assert run(target, drafter, [5, 6, 7], proposal_temperature=0.3) == run(TargetAdapter(model), None, [5, 6, 7])
+    for bad in (0, -1.0, float("nan"), "0.5", True):
+        with pytest.raises(InvalidInputError, match="proposal temperature"):
+            DecodeOptions(proposal_temperature=bad)
 
 
 def test_a_draft_window_changes_drafts_not_output(arch, monkeypatch):

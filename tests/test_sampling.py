@@ -811,6 +811,9 @@ SPECULATIVE_CASES = [
     ("t1.0", "sample", "oracle-4"),
     ("t1.0", "sample", "oracle-vocab"),  # proposals sampled over a draft vocabulary, scattered back for q
     ("t0.7_k10", "sample", "oracle-vocab"),
+    # the drafter proposes at half the request's temperature (its config's proposal_temperature): q is sharper
+    ("t1.0", "sample", "oracle-sharp"),
+    ("t1.3_p0.8", "sample", "oracle-sharp"),
 ]
 
 
@@ -818,6 +821,8 @@ SPECULATIVE_CASES = [
 def test_speculative_decode_matches_target_distribution(world, setting, proposal, kind):
     oracle = NoisyOracleVocabDrafter if kind == "oracle-vocab" else NoisyOracleDrafter
     drafter = oracle(world) if kind.startswith("oracle") else world.drafter
+    if kind == "oracle-sharp":
+        drafter.config = drafter.config.replace(proposal_temperature=0.5)
     max_new = 4 if kind == "oracle-4" else N_TOKENS
     counts, accepted, drafted, sequences = sample_sequences(
         world, drafter, SETTINGS[setting], proposal, N_E2E, seed0=BASE_SEED * 10_000 + 1, max_new=max_new

@@ -27,6 +27,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from ..batching import BatchMember, ComputeThread, ForwardBatcher
 from ..chat import completed_turn, continued_prompt
+from ..config import check_proposal_temperature
 from ..cpuload import LoadWatcher, on_cpu, threads_hint
 from ..decode import check_draft_window
 from ..errors import InvalidInputError
@@ -88,6 +89,7 @@ class ServerSettings:
     default_max_tokens: int = 256  # when a request gives none (capped by the context)
     block_size: int | str | None = None  # verify block size ("auto": adaptive; None: "auto", with `tree` the drafter's)
     proposal: str = "sample"  # how drafts are proposed when sampling ("sample" or "argmax"; both exact)
+    proposal_temperature: float | None = None  # drafts drawn at this multiple of the temperature (None: the drafter's)
     sampler: str | None = None  # "rejection" / "coupled" (None: coupled for requests with a seed; dflashkit.sampling)
     lookup: bool | None = None  # prompt lookup: copy a repeated n-gram's continuation (None: on with a drafter)
     tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: the default; 0: chains)
@@ -110,6 +112,8 @@ class ServerSettings:
             raise InvalidInputError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
         if self.proposal not in ("argmax", "sample"):
             raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
+        if self.proposal_temperature is not None:
+            check_proposal_temperature(self.proposal_temperature)
         check_tree_option(self.tree)
         if self.sampler is not None:
             check_sampler(self.sampler)
@@ -644,7 +648,8 @@ class Service:
         return self.generator.stream(
             plan.prompts[p], max_new_tokens=plan.max_new_tokens[p], temperature=b.temperature, top_k=b.effective_top_k,
             top_p=b.top_p, seed=seed, stop=b.stop_strings, block_size=self.settings.block_size,
-            proposal=self.settings.proposal, sampler=b.sampler or self.settings.sampler, lookup=self.settings.lookup,
+            proposal=self.settings.proposal, proposal_temperature=self.settings.proposal_temperature,
+            sampler=b.sampler or self.settings.sampler, lookup=self.settings.lookup,
             tree=self.settings.tree,
             draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=logprobs,
             prompt_logprobs=b.requested_logprobs() if plan.echoes is not None else None,
