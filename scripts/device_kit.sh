@@ -253,6 +253,25 @@
 # block's last row. Drafting now runs k + 1 rows plus that last row on a CPU (`DFlashDrafter.block_plan`, block_fill
 # "tail") and whole blocks on a GPU. Never timed on a GPU: with a minute left, compare `block_fill` "whole" and "tail"
 # there (`python3 scripts/compare_block_fill.py --device cuda --limit 4 --block-size 4 --no-lookup`).
+# Session 46 (H100, 900 s; 826 s used in eight calls): issue 9's T=1 question (does a distillation-heavy run on T=1
+# contexts lift T=1 acceptance?). Call 1 carried the wheels, evaluation sets and .devkit/cpudata (s38: 60 MiB with the
+# repository) and started gpu_check.py in the background (`(setsid nohup bash -c 'source scripts/device_kit.sh env;
+# timeout 240 python3 scripts/gpu_check.py' > /tmp/dk/gpu_check.log 2>&1 < /dev/null &)`: it runs on while t1-t4 travel,
+# 52 s held with the start), t1-t4 1-18 s each, then with t5 (578 s):
+#   bash scripts/device_kit.sh receive && cat /tmp/dk/gpu_check.log && END_S=585 CHECK_S=0 DATA_S=220 SAMPLED_S=80 \
+#     STEMP=1 SOURCES=magpie:0.75,magpie-code:0.25 PROMPTS_N=12000 DSEED=8 TRAIN_MORE_S=60 LAYERS=4 DISTILL_W=1 \
+#     VARIANT2="DISTILL_W=0.5" bash scripts/device_kit.sh session 2>&1 | tee $OUT/session.log
+# then `LAYERS=4 DISTILL_W=1 VARIANT2="DISTILL_W=0.5" END_S=140 bash scripts/device_kit.sh finish` (119 s) and `bring2`.
+# gpu_check.py: llama / qwen2 blocks 4, 8, 16 and qwen3 blocks 4, 8 all identical, no fallback (6 checks each); the rest
+# ran after the log was printed and was never seen: a later call must print the log again (the finish call, say).
+# Data: 12,000 new requests (9 duplicates, no evaluation prompt) answered greedily by ~100 s (1.93M tokens in 34.5 s,
+# 55.8K tok/s), then T=1 answers to the same prompts (1.97M tokens in 31.8 s, 62K tok/s); data done at 193 s. Training:
+# two runs at once (DISTILL_W=1 and VARIANT2's 0.5) over 55,984 sequences (these 24,000 and s38's): 2.11 and 2.18
+# steps/s each, about half a lone run's 4.0-4.5, so two runs share the GPU (host) rather than fill idle time: 834 and 859
+# steps x 128. Both came back (bring, bring2; the answers as .devkit/cpudata/s46.tar.xz, greedy, and s46t1.tar.xz, T=1).
+# Judged here (compare_drafters.py, draft_temperature.py; README): the two are within 1% of each other at T=1 (0.5 a
+# little ahead, greedy too), both +1-2% T=1 τ and +0-2% greedy over v14: pure distillation (DISTILL_W=1) buys nothing at
+# T=1 over 0.5. Shipped the 0.5 run as v15.
 # To profile the data path again: PROFILE_S=120 makes `session` run
 #   python3 scripts/batch_data_profile.py --device cuda --jsonl $DK/prompts.jsonl --prompts 2048 --rounds 1
 # before its data phase (the static and batches engines timed and compared, a torch.profiler table of each), or

@@ -2,7 +2,7 @@
 ``config.proposal_temperature`` (the multiple of the request's temperature its drafts are drawn at).
 
     .venv/bin/python scripts/proposal_temperature.py [--drafters D1,D2] [--ratios 1,0.85,0.7] [--limit 12]
-        [--seeds 3] [--temperature 1] [--block-size auto] [--no-lookup]
+        [--seeds 3] [--first-seed 0] [--temperature 1] [--block-size auto] [--no-lookup]
 
 Real decoding (the rejection sampler, as a request without a seed runs, here seeded), the same prompts and seeds for every ratio
 and drafter; τ counts the tokens after the prefill over the target passes after it. Any proposal is exact, so only
@@ -25,7 +25,7 @@ def tau(gen: SpeculativeGenerator, prompts: list, seeds: int, ratio: float, args
     tokens = passes = 0
     block = args.block_size if args.block_size == "auto" else int(args.block_size)
     for prompt in prompts:
-        for seed in range(seeds):
+        for seed in range(args.first_seed, args.first_seed + seeds):
             stats = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  block_size=block, lookup=not args.no_lookup, seed=seed, sampler="rejection",
                                  proposal_temperature=ratio).stats
@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--sets", default="mt-bench,humaneval,math500")
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--block-size", default="auto")
     ap.add_argument("--no-lookup", action="store_true")
