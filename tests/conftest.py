@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
@@ -117,6 +119,21 @@ def tiny_drafter(model, block_size: int = 8, seed: int = 1, num_layers: int = 2,
         with torch.no_grad():
             drafter.mask_embedding.normal_(0, 0.02)
     return drafter
+
+
+@pytest.fixture
+def proposal_temperatures(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Records options.proposal_temperature at every drafting step of the decode loop (proposal_params' calls)."""
+    decode_module = importlib.import_module("dflashkit.decode")  # the package's `decode` is the function
+    seen: list = []
+    original = decode_module.proposal_params
+
+    def recording(params, drafter, options):
+        seen.append(options.proposal_temperature)
+        return original(params, drafter, options)
+
+    monkeypatch.setattr(decode_module, "proposal_params", recording)
+    return seen
 
 
 @pytest.fixture(params=["llama", "qwen3"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import subprocess
@@ -196,23 +195,14 @@ def test_draft_window_flag(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> No
     assert rc == 2 and "draft_window" in err and loads == []
 
 
-def test_proposal_temperature_flag(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_proposal_temperature_flag(loads, capsys, proposal_temperatures: list) -> None:
     """--proposal-temperature RATIO reaches the decode loop (default: the drafter's own); bad values refused early."""
-    decode_module = importlib.import_module("dflashkit.decode")  # the package's `decode` is the function
-    seen = []
-    original = decode_module.proposal_params
-
-    def recording(params, drafter, options):
-        seen.append(options.proposal_temperature)
-        return original(params, drafter, options)
-
-    monkeypatch.setattr(decode_module, "proposal_params", recording)
     for flags, ratio in ((["--proposal-temperature", "0.6"], 0.6), ([], None)):
-        seen.clear()
+        proposal_temperatures.clear()
         rc, out, err = cli(capsys, "--drafter", "untrained", "--no-lookup", "--temperature", "1", "--seed", "3",
                            "--sampler", "rejection", "--dtype", "float32", *flags)
         assert rc == 0, err
-        assert seen and set(seen) == {ratio}
+        assert proposal_temperatures and set(proposal_temperatures) == {ratio}
     loads.clear()
     rc, out, err = cli(capsys, "--drafter", "untrained", "--temperature", "1", "--proposal-temperature", "-1")
     assert rc == 2 and "proposal temperature" in err and loads == []

@@ -4,7 +4,6 @@ their own outputs, bad input gets OpenAI-style 4xx errors, queue limits, cancell
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import threading
@@ -960,25 +959,16 @@ def test_tree_setting_takes_zero_for_chains() -> None:
             ServerSettings(tree=bad)
 
 
-def test_proposal_temperature_setting_reaches_the_requests_drafts(monkeypatch) -> None:
+def test_proposal_temperature_setting_reaches_the_requests_drafts(proposal_temperatures: list) -> None:
     """`proposal_temperature` (None: the drafter's own) is handed to every generation; bad values are refused."""
     from dflashkit.server import ServerSettings
 
-    decode_module = importlib.import_module("dflashkit.decode")  # the package's `decode` is the function
-    seen = []
-    original = decode_module.proposal_params
-
-    def recording(params, drafter, options):
-        seen.append(options.proposal_temperature)
-        return original(params, drafter, options)
-
-    monkeypatch.setattr(decode_module, "proposal_params", recording)
     app = create_app(tiny_generator(), model_id=MODEL, proposal_temperature=0.7, block_size=4, lookup=False)
     with LiveServer(app) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         done = client.completions.create(model=MODEL, prompt="w5 w6 w7", temperature=1.0, max_tokens=6)
     assert done.usage.completion_tokens == 6
-    assert seen and set(seen) == {0.7}
+    assert proposal_temperatures and set(proposal_temperatures) == {0.7}
     for bad in (0, -1.0, float("nan"), True):
         with pytest.raises(InvalidInputError, match="proposal temperature"):
             ServerSettings(proposal_temperature=bad)
