@@ -184,6 +184,8 @@ def decode(
     gen = torch.Generator(device=device).manual_seed(seed)
     # coupled sampling: every decision is the argmax of noisy scores, the noise a function of (seed, position)
     noise = PositionNoise(seed, target.vocab_size, device) if options.sampler == "coupled" and not params.greedy else None
+    # what sampled drafts are drawn from (the proposal temperature's warping)
+    draft_sampling = proposal_params(params, drafter, options) if drafter is not None and not params.greedy else params
     stats.sampler = None if params.greedy else options.sampler
     max_new = min(options.max_new_tokens, target.max_positions - len(prompt_ids))
 
@@ -288,7 +290,7 @@ def decode(
                         context, pending, pending_start, token, pos, k, target.embed_tokens, target.lm_head
                     )  # [k, V'] over the draft vocabulary `columns` (None: the whole vocabulary)
                     pending = None
-                    draft_params, mode = proposal_params(params, drafter, options), options.proposal
+                    draft_params, mode = draft_sampling, options.proposal
                     if noise is not None:  # the Gumbel-max proposal under the target's noise: argmax of noisy scores
                         row_noise = noise.rows(produced, k)  # [k, vocab]
                         scores = coupled_scores(scores, params, row_noise[:, columns] if columns is not None

@@ -123,7 +123,7 @@ def tiny_drafter(model, block_size: int = 8, seed: int = 1, num_layers: int = 2,
 
 @pytest.fixture
 def proposal_temperatures(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Records options.proposal_temperature at every drafting step of the decode loop (proposal_params' calls)."""
+    """Records options.proposal_temperature of every sampled decode call with a drafter (proposal_params' calls)."""
     decode_module = importlib.import_module("dflashkit.decode")  # the package's `decode` is the function
     seen: list = []
     original = decode_module.proposal_params
