@@ -131,12 +131,13 @@ def check_draft_window(window: object) -> int | None:
 
 
 def proposal_params(params: SamplingParams, drafter: DFlashDrafter, options: DecodeOptions) -> SamplingParams:
-    """What the drafter proposes from when sampling: the request's warping at the proposal temperature (the
-    options', else the drafter's own multiple of the request's temperature)."""
+    """What the drafter proposes from when sampling (``params`` not greedy): the request's warping at the proposal
+    temperature (the options', else the drafter's own multiple of the request's temperature); the coupled sampler's
+    noisy drafter scores take the same temperature."""
     ratio = options.proposal_temperature
     if ratio is None:
         ratio = drafter.config.proposal_temperature
-    if ratio == 1.0 or params.greedy:
+    if ratio == 1.0:
         return params
     return dataclasses.replace(params, temperature=params.temperature * ratio)
 
@@ -293,7 +294,7 @@ def decode(
                     draft_params, mode = draft_sampling, options.proposal
                     if noise is not None:  # the Gumbel-max proposal under the target's noise: argmax of noisy scores
                         row_noise = noise.rows(produced, k)  # [k, vocab]
-                        scores = coupled_scores(scores, params, row_noise[:, columns] if columns is not None
+                        scores = coupled_scores(scores, draft_params, row_noise[:, columns] if columns is not None
                                                 else row_noise)
                         draft_params, mode = SamplingParams(), "argmax"
                     if use_trees:
