@@ -132,8 +132,8 @@ def check_draft_window(window: object) -> int | None:
 
 def proposal_params(params: SamplingParams, drafter: DFlashDrafter, options: DecodeOptions) -> SamplingParams:
     """What the drafter proposes from when sampling (``params`` not greedy): the request's warping at the proposal
-    temperature (the options', else the drafter's own multiple of the request's temperature); the coupled sampler's
-    noisy drafter scores take the same temperature."""
+    temperature (the options', else the drafter's own multiple of the request's temperature). The coupled sampler's
+    noisy drafter scores keep the request's temperature: there 0.85 lowered τ (scripts/proposal_temperature.py)."""
     ratio = options.proposal_temperature
     if ratio is None:
         ratio = drafter.config.proposal_temperature
@@ -294,7 +294,7 @@ def decode(
                     draft_params, mode = draft_sampling, options.proposal
                     if noise is not None:  # the Gumbel-max proposal under the target's noise: argmax of noisy scores
                         row_noise = noise.rows(produced, k)  # [k, vocab]
-                        scores = coupled_scores(scores, draft_params, row_noise[:, columns] if columns is not None
+                        scores = coupled_scores(scores, params, row_noise[:, columns] if columns is not None
                                                 else row_noise)
                         draft_params, mode = SamplingParams(), "argmax"
                     if use_trees:

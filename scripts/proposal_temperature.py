@@ -2,9 +2,10 @@
 ``config.proposal_temperature`` (the multiple of the request's temperature its drafts are drawn at).
 
     .venv/bin/python scripts/proposal_temperature.py [--drafters D1,D2] [--ratios 1,0.85,0.7] [--limit 12]
-        [--seeds 3] [--first-seed 0] [--temperature 1] [--block-size auto] [--no-lookup]
+        [--seeds 3] [--first-seed 0] [--temperature 1] [--sampler rejection] [--block-size auto] [--no-lookup]
 
-Real decoding (the rejection sampler, as a request without a seed runs, here seeded), the same prompts and seeds for every ratio
+Real decoding (the rejection sampler, as a request without a seed runs, here seeded; ``--sampler coupled``: a seeded
+request's), the same prompts and seeds for every ratio
 and drafter; τ counts the tokens after the prefill over the target passes after it. Any proposal is exact, so only
 τ moves. A drafter's probabilities flatter than the target's are accepted more often sharpened (ratio < 1):
 scripts/draft_temperature.py gives the teacher-forced acceptance per offset, this script what decoding makes of it.
@@ -27,7 +28,7 @@ def tau(gen: SpeculativeGenerator, prompts: list, seeds: int, ratio: float, args
     for prompt in prompts:
         for seed in range(args.first_seed, args.first_seed + seeds):
             stats = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 block_size=block, lookup=not args.no_lookup, seed=seed, sampler="rejection",
+                                 block_size=block, lookup=not args.no_lookup, seed=seed, sampler=args.sampler,
                                  proposal_temperature=ratio).stats
             tokens, passes = tokens + stats.new_tokens - 1, passes + stats.target_forwards - 1  # after the prefill
     return tokens / max(passes, 1)
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--sampler", choices=["rejection", "coupled"], default="rejection")
     ap.add_argument("--block-size", default="auto")
     ap.add_argument("--no-lookup", action="store_true")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -55,7 +57,7 @@ def main() -> None:
         gen = SpeculativeGenerator.load(drafter=path)
         gen.warmup()
         print(f"drafter {path} (its own proposal temperature {gen.drafter.config.proposal_temperature}); "
-              f"T={args.temperature}, block {args.block_size}, lookup {not args.no_lookup}, "
+              f"T={args.temperature}, {args.sampler} sampler, block {args.block_size}, lookup {not args.no_lookup}, "
               f"{args.limit} prompts x {args.seeds} seeds a set", flush=True)
         for ratio in ratios:
             taus = {name: tau(gen, prompts, args.seeds, ratio, args) for name, prompts in sets.items()}
