@@ -44,7 +44,7 @@ from .sampling import (
     SamplingParams,
     argmax,
     check_sampler,
-    coupled_scores,
+    longest_match,
     propose,
     verify_greedy,
     verify_sampled_logits,
@@ -191,13 +191,13 @@ def decode(
     max_new = min(options.max_new_tokens, target.max_positions - len(prompt_ids))
 
     def scored(rows: Tensor, position: int) -> Tensor:  # rows [n, vocab] deciding positions position.. (coupled)
-        return coupled_scores(rows, params, noise.rows(position, rows.shape[0])) if noise is not None else rows
+        return noise.scores(rows, params, position) if noise is not None else rows
 
     def choose(logits: Tensor, allowed: Tensor | None = None, position: int = 0) -> int:  # the target's token
         if params.greedy:  # from one row of logits, deciding output `position`
             return int(argmax(logits, allowed))
         if noise is not None:
-            return int(argmax(scored(masked(logits, allowed)[None], position)[0]))
+            return noise.argmax(masked(logits, allowed)[None], params, position)[0]
         return verify_sampled_logits(masked(logits, allowed)[None], params, NO_DRAFTS, None, gen)[1]
 
     constraint = options.grammar.start() if options.grammar is not None else None
@@ -293,9 +293,7 @@ def decode(
                     pending = None
                     draft_params, mode = draft_sampling, options.proposal
                     if noise is not None:  # the Gumbel-max proposal under the target's noise: argmax of noisy scores
-                        row_noise = noise.rows(produced, k)  # [k, vocab]
-                        scores = coupled_scores(scores, params, row_noise[:, columns] if columns is not None
-                                                else row_noise)
+                        scores = noise.scores(scores, params, produced, columns)  # [k, V']
                         draft_params, mode = SamplingParams(), "argmax"
                     if use_trees:
                         if mode == "sample" and not draft_params.greedy:  # sampled candidates
@@ -345,8 +343,10 @@ def decode(
                 if params.greedy:
                     accepted, token = verify_greedy(decided, drafts, masks)
                 elif noise is not None:  # coupled: greedy on the noisy scores of positions produced ..
-                    observed = scored(masked(decided, masks), produced)  # [rows, vocab]
-                    accepted, token = verify_greedy(observed, drafts)
+                    accepted, token = longest_match(drafts.tolist(),
+                                                    noise.argmax(masked(decided, masks), params, produced))
+                    if observer:
+                        observed = scored(masked(decided, masks), produced)  # [rows, vocab]
                 else:
                     accepted, token = verify_sampled_logits(masked(decided, masks), params, drafts, q, gen, q_columns)
                 if observer and observed is None:

@@ -332,6 +332,24 @@ def sample_rows(scores: Tensor, temperature: float, uniforms: Tensor) -> tuple[T
     return None if index.numel() != scores.shape[0] else (index, probs)
 
 
+def gumbel(keys: Tensor, width: int, columns: Tensor | None = None) -> Tensor:
+    """Coupled sampling's Gumbel noise (:class:`dflashkit.sampling.PositionNoise`) of the positions whose 64-bit keys
+    ``keys`` (int64 [R], the keys' bits) holds, over tokens 0..width-1 or the tokens ``columns`` [width]: fp32
+    [R, width]. The kernel must run here (PositionNoise checks)."""
+    return kernel().gumbel_rows(keys, width, _NO_COLUMNS if columns is None else columns.contiguous())
+
+
+def coupled(rows: Tensor, temperature: float, keys: Tensor, columns: Tensor | None = None, scores: bool = False,
+            argmax: bool = False) -> tuple[Tensor | None, Tensor | None]:
+    """Coupled sampling's decisions on CPU rows [R, W] (bf16 or fp32, contiguous; over the tokens ``columns`` [W]
+    where given) in one call: the noisy scores rows x (1 / temperature) + G (fp32 [R, W], if ``scores``) and / or
+    each row's first largest one's column (long [R], if ``argmax``: torch's argmax of those scores, a NaN counting
+    as the largest), with G the noise of the positions whose keys ``keys`` holds. The kernel must run here."""
+    out, index = kernel().coupled_rows(rows, 1.0 / temperature, keys,
+                                       _NO_COLUMNS if columns is None else columns.contiguous(), scores, argmax)
+    return (out if scores else None), (index if argmax else None)
+
+
 def attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor | None, scale: float) -> Tensor:
     """Grouped-query attention over one sequence's cache, one query row at a time, fp32 inside.
 

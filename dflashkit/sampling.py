@@ -24,11 +24,9 @@ draft position: 0.30 vs 0.34 = sum min(p, q)).
 
 from __future__ import annotations
 
-import hashlib
 import numbers
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -192,9 +190,15 @@ def verify_greedy(target_logits: Tensor, drafts: Tensor, allowed: Tensor | None 
     each row's tokens under a grammar (None: all).
     """
     best = argmax(target_logits, allowed).tolist()  # [k+1]; compared in Python: each small torch op after the
-    drafted = drafts.tolist()  # target's pass pays 10-70 µs for the caches it swept (README "Sampled steps in two calls")
-    accepted = next((i for i, (d, b) in enumerate(zip(drafted, best)) if d != b), len(drafted))
-    return accepted, best[accepted]
+    return longest_match(drafts.tolist(), best)  # target's pass pays 10-70 µs for the caches it swept (README
+    # "Sampled steps in two calls")
+
+
+def longest_match(drafted: list[int], chosen: list[int]) -> tuple[int, int]:
+    """The drafts kept when the target's own choices are ``chosen`` [k+1] (greedy, or coupled sampling's): the
+    longest prefix of ``drafted`` [k] equal to them, and the target's token after it."""
+    accepted = next((i for i, (d, b) in enumerate(zip(drafted, chosen)) if d != b), len(drafted))
+    return accepted, chosen[accepted]
 
 
 def verify_sampled(
@@ -355,45 +359,109 @@ def check_sampler(sampler: object) -> str:
     return sampler  # type: ignore[return-value]
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function (Steele, Lea & Flood 2014): a 64-bit bijection that spreads every input bit."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _mul32(x: Tensor, constant: int) -> Tensor:
+    """(x * constant) mod 2^32 for int64 tensors holding uint32 values, in halves that cannot overflow int64."""
+    return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _lowbias32(x: Tensor) -> Tensor:
+    """Chris Wellons' lowbias32 integer hash on int64 tensors holding uint32 values (csrc/row_layers.h's, lane by
+    lane)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x21F0AAAD)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x735A2D97)
+    return x ^ (x >> 15)
+
+
 class PositionNoise:
-    """Gumbel noise for coupled sampling: one row [vocab] per output position, a fixed function of (seed,
-    position) and the device, so plain and speculative decoding of one seed score each position with the same
-    noise. Rows are drawn once and kept while a step may still need them (drafting, then verifying)."""
+    """Gumbel noise for coupled sampling: G[t, v] for output position t and token v, a fixed function of (seed,
+    t, v), so plain and speculative decoding of one seed score each position with the same noise.
+
+    It is counter-based: position t has a 64-bit key (SplitMix64 of the seed's and t), and G[t, v] = -log(-log u)
+    with u = ((h >> 8) | 1) / 2^24, h = lowbias32(lowbias32(v ^ key_lo) ^ key_hi); so a decision computes the noise of
+    the columns it reads when it reads them, nothing drawn ahead or kept. On a CPU with dflashkit's row kernels the
+    noise, the scores and their argmax are one kernel call per decision (:func:`dflashkit.row_kernels.coupled`:
+    ~0.1 ms a 49,152-entry row, where numpy's PCG64 and torch's logs took ~0.36 ms plus the scores' small ops);
+    elsewhere torch computes the same hash and its own logs, which may round a last bit differently: a seed's output
+    is a function of the seed and of where it runs (kernels or torch, CPU or GPU), the same for every drafter and
+    block size there. The implementation is chosen once per instance, so one generation never mixes the two.
+    """
 
     def __init__(self, seed: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
         self.seed, self.vocab_size, self.device = seed, vocab_size, torch.device(device)
-        self._rows: dict[int, Tensor] = {}
+        self._seed_key = _mix64(seed % 2**64)
+        self.kernel = self.device.type == "cpu" and row_kernels.kernel() is not None
 
-    def _row(self, position: int) -> Tensor:
-        seed = self.seed % 2**64
-        if self.device.type == "cpu":  # numpy's PCG64 draws float32 uniforms at twice the rate of torch's mt19937
-            rng = np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32, position])
-            u = torch.from_numpy(rng.random(self.vocab_size, dtype=np.float32))  # [vocab] in [0, 1)
-        else:
-            key = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-            generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(key, "little"))
-            u = torch.rand(self.vocab_size, generator=generator, device=self.device)
-        return u.log_().neg_().log_().neg_()  # Gumbel(0, 1) = -log(-log u); u = 0 gives -inf (never chosen)
+    def keys(self, start: int, count: int) -> list[int]:
+        """The 64-bit keys of positions start .. start+count-1."""
+        return [_mix64(self._seed_key ^ position) for position in range(start, start + count)]
 
-    def rows(self, start: int, count: int) -> Tensor:
-        """Noise of positions start .. start+count-1 [count, vocab]; rows before `start` are dropped (a
-        generation only moves forward)."""
-        for old in [p for p in self._rows if p < start]:
-            del self._rows[old]
-        for position in range(start, start + count):
-            if position not in self._rows:
-                self._rows[position] = self._row(position)
-        return torch.stack([self._rows[p] for p in range(start, start + count)]) if count else torch.empty(
-            0, self.vocab_size, device=self.device)
+    def _key_tensor(self, start: int, count: int) -> Tensor:  # int64 [count], the keys' bits
+        return torch.tensor([k - (1 << 64) if k >> 63 else k for k in self.keys(start, count)], dtype=torch.long)
+
+    def rows(self, start: int, count: int, columns: Tensor | None = None) -> Tensor:
+        """Noise of positions start .. start+count-1 [count, vocab] fp32 (over the tokens ``columns`` [V']: [count,
+        V'])."""
+        width = columns.shape[0] if columns is not None else self.vocab_size
+        if count == 0:
+            return torch.empty(0, width, device=self.device)
+        if self.kernel:
+            return row_kernels.gumbel(self._key_tensor(start, count), width, columns)
+        tokens = columns.to(self.device) if columns is not None else torch.arange(width, device=self.device)
+        halves = [(k & 0xFFFFFFFF, k >> 32) for k in self.keys(start, count)]
+        lo = torch.tensor([h[0] for h in halves], dtype=torch.long, device=self.device)[:, None]
+        hi = torch.tensor([h[1] for h in halves], dtype=torch.long, device=self.device)[:, None]
+        h = _lowbias32(_lowbias32(tokens[None].long() ^ lo) ^ hi)  # [count, width], uint32 values
+        u = ((h >> 8) | 1).float() * 2.0**-24  # in (0, 1), exact
+        return u.log().neg_().log_().neg_()
+
+    def _fused(self, params: SamplingParams) -> bool:  # the kernel computes scores and argmax (no top-k / top-p)
+        return self.kernel and not (params.top_k or params.top_p < 1.0)
+
+    def scores(self, logits: Tensor, params: SamplingParams, start: int, columns: Tensor | None = None) -> Tensor:
+        """Noisy scores [n, V'] of rows ``logits`` [n, V'] deciding positions start.. (:func:`coupled_scores`; over
+        the tokens ``columns`` where given)."""
+        if self._fused(params) and logits.shape[0]:
+            return row_kernels.coupled(_kernel_rows(logits), params.temperature, self._key_tensor(start, logits.shape[0]),
+                                       columns, scores=True)[0]
+        return coupled_scores(logits, params, self.rows(start, logits.shape[0], columns))
+
+    def argmax(self, logits: Tensor, params: SamplingParams, start: int, columns: Tensor | None = None) -> list[int]:
+        """The column of each row's largest noisy score (the coupled sample of positions start..; the first on
+        ties, as ``Tensor.argmax`` of :meth:`scores`, which it equals)."""
+        if self._fused(params) and logits.shape[0]:
+            return row_kernels.coupled(_kernel_rows(logits), params.temperature, self._key_tensor(start, logits.shape[0]),
+                                       columns, argmax=True)[1].tolist()
+        return self.scores(logits, params, start, columns).argmax(-1).tolist()
+
+
+def _kernel_rows(logits: Tensor) -> Tensor:
+    """Rows as the coupled kernel reads them: bf16 or fp32 (other dtypes converted as coupled_scores' float()
+    does), contiguous."""
+    rows = logits if logits.dtype in (torch.bfloat16, torch.float32) else logits.float()
+    return rows if rows.is_contiguous() else rows.contiguous()
 
 
 def coupled_scores(logits: Tensor, params: SamplingParams, noise: Tensor) -> Tensor:
     """Noisy scores [..., V] whose argmax is a sample from warp(logits, params) (the Gumbel-max trick):
-    logits / temperature + noise, -inf where top-k / top-p drop a token (and where the logit is -inf). Without
+    logits x (1 / temperature) + noise, -inf where top-k / top-p drop a token (and where the logit is -inf). Without
     those filters warp is skipped: a token whose probability underflows there (< 1e-38) keeps its score and could
-    win only with noise beyond ~87, which float32 uniforms cannot produce. ``noise`` [..., V]:
-    :class:`PositionNoise` rows (their columns, for a draft vocabulary)."""
-    scaled = logits.float() / params.temperature if params.temperature != 1.0 else logits.float()
+    win only with noise beyond ~87, which the noise (at most ~16.6) never reaches. The scale is a multiplication by
+    the reciprocal in fp32, as the row kernel computes it, so that both give the same scores. ``noise`` [..., V]:
+    :class:`PositionNoise` rows (over a draft vocabulary's columns where the logits are)."""
+    scaled = logits.float() * (1.0 / params.temperature) if params.temperature != 1.0 else logits.float()
     if params.top_k or params.top_p < 1.0:  # the filters' dropped tokens (warp's zeros) never win
         scaled = scaled.masked_fill(warp(logits, params) <= 0, float("-inf"))
     return scaled + noise

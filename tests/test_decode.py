@@ -312,13 +312,15 @@ def test_the_proposal_temperature_reaches_the_drafters_proposals(monkeypatch):
     # coupled: the drafter's noisy scores keep the request's temperature, as the target's do (there a sharper
     # proposal lowered τ), and the output stays plain coupled sampling's for the seed
     coupled = []
-    coupled_scores = decode_module.coupled_scores
 
-    def recording_coupled(logits, params, noise):
-        coupled.append(params.temperature)
-        return coupled_scores(logits, params, noise)
+    def recording(method):  # the temperature of every noisy score: the drafter's and the target's decisions
+        def recorded(self, logits, params, *args, **kwargs):
+            coupled.append(params.temperature)
+            return method(self, logits, params, *args, **kwargs)
+        return recorded
 
-    monkeypatch.setattr(decode_module, "coupled_scores", recording_coupled)
+    for name in ("scores", "argmax"):
+        monkeypatch.setattr(decode_module.PositionNoise, name, recording(getattr(decode_module.PositionNoise, name)))
     plain = run(TargetAdapter(model), None, [5, 6, 7], max_new_tokens=10, seed=3, sampling=sampling, sampler="coupled")
     assert set(coupled) == {0.8}
     for ratio, expected in ((None, {0.8}), (1.5, {0.8})):

@@ -945,25 +945,93 @@ def test_argmax_over_allowed_tokens_equals_the_argmax_of_masked_logits():
 # ---- f. coupled sampling: the seed's plain output, whatever the drafts -----------------------------------
 
 
-def test_position_noise_is_a_function_of_seed_and_position():
-    noise = PositionNoise(7, VOCAB)
-    late_first = noise.rows(3, 2)  # positions 3, 4 drawn before 2
-    rows = noise.rows(2, 4)  # [4, V]: positions 2..5; 3 and 4 kept, 2 and 5 drawn now
-    fresh = PositionNoise(7, VOCAB).rows(2, 4)
-    assert torch.equal(rows, fresh) and torch.equal(rows[1:3], late_first)
-    assert rows.shape == (4, VOCAB) and not torch.equal(rows[0], rows[1])
-    assert not torch.equal(PositionNoise(8, VOCAB).rows(2, 1)[0], rows[0])  # the seed matters
-    assert noise.rows(5, 1).shape == (1, VOCAB) and sorted(noise._rows) == [5]  # positions behind are dropped
+NOISE_PATHS = [pytest.param(True, id="kernel"), pytest.param(False, id="torch")]
 
 
+def position_noise(seed: int, vocab: int, use_kernel: bool) -> PositionNoise:
+    """PositionNoise on the row kernel or on torch's ops (the kernel case skipped where the kernels do not run)."""
+    noise = PositionNoise(seed, vocab)
+    if use_kernel and not noise.kernel:
+        pytest.skip("dflashkit's row kernels do not run here")
+    noise.kernel = use_kernel
+    return noise
+
+
+@pytest.mark.parametrize("use_kernel", NOISE_PATHS)
+def test_position_noise_is_a_function_of_seed_position_and_token(use_kernel):
+    noise = position_noise(7, VOCAB, use_kernel)
+    late_first = noise.rows(3, 2)  # positions 3, 4 computed before 2
+    rows = noise.rows(2, 4)  # [4, V]: positions 2..5
+    assert torch.equal(rows, position_noise(7, VOCAB, use_kernel).rows(2, 4)) and torch.equal(rows[1:3], late_first)
+    assert rows.shape == (4, VOCAB) and rows.dtype == torch.float32 and not torch.equal(rows[0], rows[1])
+    assert not torch.equal(position_noise(8, VOCAB, use_kernel).rows(2, 1)[0], rows[0])  # the seed matters
+    columns = torch.tensor([VOCAB - 1, 0, 5, 5, 17])  # a draft vocabulary's tokens: the same noise, column by column
+    assert torch.equal(noise.rows(2, 4, columns), rows[:, columns])
+    assert noise.rows(9, 0).shape == (0, VOCAB) and noise.rows(9, 0, columns).shape == (0, 5)
+    big = position_noise(2**62 + 3, 49_152, use_kernel)  # any seed and position (keys past 2^63 included)
+    assert torch.isfinite(big.rows(2**40, 2)).all()
+
+
+def test_position_noise_kernel_and_torch_compute_the_same_hash():
+    """The kernel and torch hash alike and differ at most in their logs' last bits (a seed's output is a function
+    of where it runs: README); a planted change of the hash would move most entries by O(1)."""
+    kernel, plain = position_noise(11, 49_152, True), position_noise(11, 49_152, False)
+    columns = torch.randperm(49_152, generator=torch.Generator().manual_seed(BASE_SEED + 31))[:5000]
+    for start, count, cols in ((0, 3, None), (12_345, 2, columns)):
+        a, b = kernel.rows(start, count, cols), plain.rows(start, count, cols)
+        assert torch.allclose(a, b, rtol=2e-6, atol=1e-6), float((a - b).abs().max())
+        assert float((a == b).double().mean()) > 0.5
+
+
+@pytest.mark.parametrize("use_kernel", NOISE_PATHS)
+def test_position_noise_is_standard_gumbel_and_independent(use_kernel):
+    """Kolmogorov-Smirnov against Gumbel(0, 1) over many positions and tokens; no correlation between
+    neighbouring tokens or positions (a weak hash or key schedule would show in both)."""
+    noise = position_noise(BASE_SEED + 41, 4096, use_kernel).rows(1000, 64)  # [64, 4096]
+    values = noise.double().numpy()
+    assert sps.kstest(values.ravel(), sps.gumbel_r.cdf).pvalue > P_MIN
+    for a, b in ((values[:, :-1], values[:, 1:]), (values[:-1], values[1:])):
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_coupled_kernel_scores_and_argmax_are_torchs_of_the_same_noise(dtype, temperature):
+    """The kernel's fused scores equal coupled_scores over its own noise rows bit for bit, and its argmax is
+    torch's argmax of them (the first largest; a NaN counts as the largest; -inf rows give 0): the decode loop
+    decides with the argmax and observes the scores, so the two must agree exactly."""
+    noise = position_noise(5, 3000, True)
+    g = torch.Generator().manual_seed(BASE_SEED + 51)
+    logits = (torch.randn(6, 3000, generator=g) * 4).to(dtype)
+    logits[1, 7] = logits[1, 2900] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 100:] = float("-inf")
+    logits[4, 5] = logits[4, 9] = float("inf")
+    params = SamplingParams(temperature)
+    scores = noise.scores(logits, params, 40)
+    expected = coupled_scores(logits, params, noise.rows(40, 6))
+    assert torch.equal(scores.nan_to_num(), expected.nan_to_num()) and scores.isnan().sum() == 2
+    assert noise.argmax(logits, params, 40) == expected.argmax(-1).tolist()
+    assert noise.argmax(logits, params, 40)[1:3] == [7, 0] and noise.argmax(logits, params, 40)[4] == 5
+    columns = torch.tensor([2999, 4, 4, 1000, 0, 17, 256, 1])  # over a draft vocabulary's columns
+    sub = logits[:, columns].contiguous()
+    assert torch.equal(noise.scores(sub, params, 40, columns).nan_to_num(),
+                       coupled_scores(sub, params, noise.rows(40, 6, columns)).nan_to_num())
+    assert noise.argmax(sub, params, 40, columns) == coupled_scores(sub, params, noise.rows(40, 6, columns)).argmax(-1).tolist()
+    filtered = SamplingParams(temperature, top_k=5)  # filters: torch's scores over the kernel's noise
+    assert torch.equal(noise.scores(logits[5:], filtered, 3), coupled_scores(logits[5:], filtered, noise.rows(3, 1)))
+
+
+@pytest.mark.parametrize("use_kernel", NOISE_PATHS)
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)])
-def test_coupled_scores_argmax_is_a_sample_of_the_warped_distribution(params):
-    """Gumbel-max over many noise rows: the argmax is distributed as warp(logits), filtered tokens never win."""
+def test_coupled_scores_argmax_is_a_sample_of_the_warped_distribution(params, use_kernel):
+    """Gumbel-max over many positions: the decision is distributed as warp(logits), filtered tokens never win."""
     logits = torch.randn(8, generator=torch.Generator().manual_seed(BASE_SEED + 21)) * 1.5
     probs = warp(logits[None], params)[0].double().numpy()
-    noise = PositionNoise(BASE_SEED + 22, 8).rows(0, 20_000)  # [N, 8]
-    winners = coupled_scores(logits.expand(20_000, 8), params, noise).argmax(-1)
-    counts = np.bincount(winners.numpy(), minlength=8)
+    noise = position_noise(BASE_SEED + 22, 8, use_kernel)
+    winners = noise.argmax(logits.expand(20_000, 8).contiguous(), params, 0)  # positions 0 .. 19,999
+    assert winners == coupled_scores(logits.expand(20_000, 8), params, noise.rows(0, 20_000)).argmax(-1).tolist()
+    counts = np.bincount(winners, minlength=8)
     assert counts[probs == 0].sum() == 0
     assert_matches(counts, probs, f"coupled argmax {params}", tv_tol=0.02)
 

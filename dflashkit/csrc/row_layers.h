@@ -483,6 +483,7 @@ inline VecF vec_exp_scaled(VecF v, float largest, float scale) {
   return exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(largest)), _mm512_set1_ps(scale)));
 }
 inline void vec_store(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline VecF vec_set_all(float v) { return _mm512_set1_ps(v); }
 #else
 constexpr int64_t kLanes = 8;
 using VecF = __m256;
@@ -494,6 +495,7 @@ inline VecF vec_exp_scaled(VecF v, float largest, float scale) {
   return exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(largest)), _mm256_set1_ps(scale)));
 }
 inline void vec_store(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecF vec_set_all(float v) { return _mm256_set1_ps(v); }
 #endif
 inline float scalar_value(float v) { return v; }
 inline float scalar_value(uint16_t v) { return bf16_to_float(v); }
@@ -728,6 +730,286 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
   return {kept, token >= 0 ? token : draw_index(e, n, at)};  // an empty residual: an event of probability 0
 }
 
+// ---- coupled sampling's Gumbel noise (dflashkit/sampling.py: PositionNoise) -----------------------------------------
+// G(key, token) = -log(-log u) with u = ((h >> 8) | 1) / 2^24 in (0, 1) and h = r(r(token ^ lo) ^ hi), r Chris
+// Wellons' lowbias32 and (lo, hi) the halves of an output position's 64-bit key: a counter-based function, so a
+// decision computes the noise of the columns it reads where it reads them (numpy's PCG64 and two torch logs took
+// ~0.36 ms a 49,152-entry row, plus the small ops around them). The logs are Cephes' logf polynomial in FMAs, the same
+// sequence of operations in both instruction sets, so the two builds give the same noise.
+
+#ifdef __AVX512F__
+using VecI = __m512i;
+inline VecI lowbias32(VecI x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x21f0aaad));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x735a2d97));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+}
+// log(x) for normal x > 0: x = m 2^e with m in (sqrt(1/2), sqrt(2)], log m by Cephes' degree-8 polynomial in m - 1
+inline VecF log_positive(VecF x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(127));
+  __m512 m = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi32(0x007FFFFF)),
+                                                 _mm512_set1_epi32(0x3F800000)));  // [1, 2)
+  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+  e = _mm512_mask_add_epi32(e, big, e, _mm512_set1_epi32(1));
+  const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f)), ef = _mm512_cvtepi32_ps(e), z = _mm512_mul_ps(f, f);
+  __m512 p = _mm512_set1_ps(7.0376836292e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.1514610310e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.1676998740e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.2420140846e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.4249322787e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.6668057665e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.0000714765e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-2.4999993993e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(3.3333331174e-1f));
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, f), z);
+  y = _mm512_fmadd_ps(ef, _mm512_set1_ps(-2.12194440e-4f), y);
+  y = _mm512_fnmadd_ps(z, _mm512_set1_ps(0.5f), y);
+  return _mm512_fmadd_ps(ef, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
+}
+inline VecI token_lanes(int32_t first) {
+  return _mm512_add_epi32(_mm512_set1_epi32(first), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+inline VecI token_load(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline VecF gumbel_of(VecI tokens, uint32_t lo, uint32_t hi) {
+  VecI h = lowbias32(_mm512_xor_si512(tokens, _mm512_set1_epi32(static_cast<int32_t>(lo))));
+  h = lowbias32(_mm512_xor_si512(h, _mm512_set1_epi32(static_cast<int32_t>(hi))));
+  const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(h, 8), _mm512_set1_epi32(1))),
+                                 _mm512_set1_ps(5.9604644775390625e-8f));  // exact: an odd integer < 2^24, / 2^24
+  const __m512 a = _mm512_sub_ps(_mm512_setzero_ps(), log_positive(u));  // -log u in [6e-8, 16.7]
+  return _mm512_sub_ps(_mm512_setzero_ps(), log_positive(a));
+}
+// x * scale, then + g: two roundings, as torch's `x * scale + g` (the empty asm keeps the compiler from fusing them)
+inline VecF scaled_plus(VecF x, float scale, VecF g) {
+  VecF s = _mm512_mul_ps(x, _mm512_set1_ps(scale));
+  asm("" : "+v"(s));
+  return _mm512_add_ps(s, g);
+}
+inline void keep_larger(VecF& top, VecI& at, VecF v, VecI index) {  // lanes where v > top (NaN: never)
+  const __mmask16 larger = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+  top = _mm512_mask_mov_ps(top, larger, v);
+  at = _mm512_mask_mov_epi32(at, larger, index);
+}
+inline void store_lanes(int32_t* p, VecI v) { _mm512_storeu_si512(p, v); }
+#else
+using VecI = __m256i;
+inline VecI lowbias32(VecI x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x21f0aaad));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x735a2d97));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+}
+inline VecF log_positive(VecF x) {  // as the AVX512 version, operation for operation
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007FFFFF)),
+                                                 _mm256_set1_epi32(0x3F800000)));
+  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  e = _mm256_add_epi32(e, _mm256_and_si256(_mm256_castps_si256(big), _mm256_set1_epi32(1)));
+  const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f)), ef = _mm256_cvtepi32_ps(e), z = _mm256_mul_ps(f, f);
+  __m256 p = _mm256_set1_ps(7.0376836292e-2f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.1514610310e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.1676998740e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.2420140846e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.4249322787e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.6668057665e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.0000714765e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-2.4999993993e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(3.3333331174e-1f));
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f), z);
+  y = _mm256_fmadd_ps(ef, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
+  return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f), _mm256_add_ps(f, y));
+}
+inline VecI token_lanes(int32_t first) {
+  return _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline VecI token_load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VecF gumbel_of(VecI tokens, uint32_t lo, uint32_t hi) {
+  VecI h = lowbias32(_mm256_xor_si256(tokens, _mm256_set1_epi32(static_cast<int32_t>(lo))));
+  h = lowbias32(_mm256_xor_si256(h, _mm256_set1_epi32(static_cast<int32_t>(hi))));
+  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(h, 8), _mm256_set1_epi32(1))),
+                                 _mm256_set1_ps(5.9604644775390625e-8f));
+  const __m256 a = _mm256_sub_ps(_mm256_setzero_ps(), log_positive(u));
+  return _mm256_sub_ps(_mm256_setzero_ps(), log_positive(a));
+}
+inline VecF scaled_plus(VecF x, float scale, VecF g) {
+  VecF s = _mm256_mul_ps(x, _mm256_set1_ps(scale));
+  asm("" : "+x"(s));
+  return _mm256_add_ps(s, g);
+}
+inline void keep_larger(VecF& top, VecI& at, VecF v, VecI index) {
+  const __m256 larger = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+  top = _mm256_blendv_ps(top, v, larger);
+  at = _mm256_blendv_epi8(at, index, _mm256_castps_si256(larger));
+}
+inline void store_lanes(int32_t* p, VecI v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+#endif
+
+// A best score and where it is: the first largest (a NaN's index, the first of them, wherever one was seen).
+struct Best {
+  float value = -INFINITY;
+  int64_t index = -1;
+  int64_t first_nan = -1;
+};
+
+// Columns [begin, end) of one row of coupled sampling (begin a multiple of kLanes): s_c = x_c * scale + G(key, token)
+// with token columns[c] (or c where columns is null; x null: G alone) into out[c] where out is not null, and, where
+// `track`, the first largest s_c (and the first NaN) returned.
+template <typename T>
+Best coupled_row(const T* x, int64_t begin, int64_t end, float scale, uint64_t key, const int64_t* columns,
+                 float* out, bool track) {
+  const uint32_t lo = static_cast<uint32_t>(key), hi = static_cast<uint32_t>(key >> 32);
+  alignas(64) float pad[16];
+  alignas(64) int32_t tokens[16], lanes[16];
+  VecF top = vec_set_all(-INFINITY);
+  VecI at = token_lanes(static_cast<int32_t>(begin));
+  bool nan = false;
+  for (int64_t j = begin; j < end; j += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, end - j);
+    VecI tok;
+    if (columns) {
+      for (int64_t l = 0; l < kLanes; ++l) tokens[l] = static_cast<int32_t>(columns[j + std::min(l, count - 1)]);
+      tok = token_load(tokens);
+    } else {
+      tok = token_lanes(static_cast<int32_t>(j));
+    }
+    VecF s = gumbel_of(tok, lo, hi);
+    if (x) {
+      VecF v;
+      if (count == kLanes) {
+        v = vec_load(x + j);
+      } else {  // past the range: -inf, never the largest
+        for (int64_t l = 0; l < kLanes; ++l) pad[l] = l < count ? scalar_value(x[j + l]) : -INFINITY;
+        v = vec_load(pad);
+      }
+      s = scaled_plus(v, scale, s);
+    }
+    if (out) {
+      if (count == kLanes) {
+        vec_store(out + j, s);
+      } else {
+        vec_store(pad, s);
+        std::memcpy(out + j, pad, count * sizeof(float));
+      }
+    }
+    if (track) {
+      nan |= vec_has_nan(s);
+      keep_larger(top, at, s, token_lanes(static_cast<int32_t>(j)));  // a lane keeps its first largest
+    }
+  }
+  Best best;
+  if (!track || end <= begin) return best;
+  alignas(64) float values[16];
+  vec_store(values, top);
+  store_lanes(lanes, at);
+  best.index = begin;  // every entry -inf: the first
+  for (int64_t l = 0; l < kLanes && begin + l < end; ++l)  // a lane that never saw a larger value holds its first index
+    if (values[l] > best.value || (values[l] == best.value && lanes[l] < best.index))
+      best.value = values[l], best.index = lanes[l];
+  if (nan) {  // the first NaN, computed again entry by entry: rare (a broken row)
+    std::vector<float> row(end - begin);
+    coupled_row(x ? x + begin : nullptr, 0, end - begin, scale, key, columns ? columns + begin : nullptr, row.data(),
+                false);
+    for (int64_t c = 0; c < end - begin; ++c)
+      if (row[c] != row[c]) { best.first_nan = begin + c; break; }
+  }
+  return best;
+}
+
+struct CoupledArgs {
+  int64_t rows, width;
+  const uint64_t* keys;
+  const int64_t* columns;  // null: the identity
+};
+
+// keys: int64 [R] (each a position's 64-bit key, bits as uint64); columns: int64 [W] in [0, 2^31), or empty (tokens
+// 0..width-1).
+CoupledArgs coupled_args(const torch::Tensor& keys, int64_t width, const torch::Tensor& columns) {
+  TORCH_CHECK(keys.dim() == 1 && keys.scalar_type() == at::kLong && keys.is_contiguous(), "keys: contiguous [R] int64");
+  TORCH_CHECK(width >= 1 && width < (int64_t{1} << 31), "width: 1 to 2^31 - 1 columns");
+  const int64_t* col = nullptr;
+  if (columns.numel() > 0) {
+    TORCH_CHECK(columns.dim() == 1 && columns.scalar_type() == at::kLong && columns.is_contiguous() &&
+                columns.size(0) == width, "columns: contiguous [W] int64, or empty");
+    col = columns.data_ptr<int64_t>();
+    for (int64_t c = 0; c < width; ++c) TORCH_CHECK(col[c] >= 0 && col[c] < (int64_t{1} << 31), "columns in [0, 2^31)");
+  }
+  return {keys.size(0), width, reinterpret_cast<const uint64_t*>(keys.data_ptr<int64_t>()), col};
+}
+
+// Rows of a coupled call, split into parts of whole vectors where the rows alone would leave a thread idle (a
+// one-token step's one row: both threads, ~45 µs instead of ~85 for 49,152 entries on the Zen 4 VM); runs part(row, begin,
+// end) for every part, in parallel.
+template <typename F>
+void coupled_parts(int64_t rows, int64_t width, int64_t parts, F part) {
+  const int64_t vectors = (width + kLanes - 1) / kLanes, per = (vectors + parts - 1) / parts;
+  at::parallel_for(0, rows * parts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / parts, p = t % parts;
+      const int64_t begin = std::min(width, p * per * kLanes), end = std::min(width, (p + 1) * per * kLanes);
+      part(r, p, begin, end);
+    }
+  });
+}
+
+int64_t coupled_split(int64_t rows, int64_t width) {  // parts per row
+  const int64_t threads = at::get_num_threads();
+  return rows % threads == 0 || rows >= 4 * threads || width < 4096 ? 1 : threads;  // 1 or 3 rows on 2 threads: 2
+}
+
+// The noise G(keys[r], token of column c) [R, W] fp32.
+torch::Tensor gumbel_rows(const torch::Tensor& keys, int64_t width, const torch::Tensor& columns) {
+  const CoupledArgs a = coupled_args(keys, width, columns);
+  auto out = torch::empty({a.rows, a.width}, keys.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  coupled_parts(a.rows, a.width, coupled_split(a.rows, a.width), [&](int64_t r, int64_t, int64_t begin, int64_t end) {
+    coupled_row<float>(nullptr, begin, end, 1.0f, a.keys[r], a.columns, op + r * a.width, false);
+  });
+  return out;
+}
+
+// Coupled scores x * scale + G [R, W] fp32 of rows x [R, W] (fp32 or bf16), and / or each row's argmax [R] int64
+// (the first largest, a NaN counting as the largest: torch's argmax of those scores).
+std::vector<torch::Tensor> coupled_rows(const torch::Tensor& x, double scale, const torch::Tensor& keys,
+                                        const torch::Tensor& columns, bool scores, bool argmax) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x: contiguous [R, W] fp32 or bf16");
+  const CoupledArgs a = coupled_args(keys, x.size(1), columns);
+  TORCH_CHECK(a.rows == x.size(0), "one key per row");
+  TORCH_CHECK(scale > 0.0 && std::isfinite(scale), "scale: 1 / temperature, > 0");
+  const float s = static_cast<float>(scale);
+  auto out = torch::empty({scores ? a.rows : 0, scores ? a.width : 0}, x.options().dtype(at::kFloat));
+  auto index = torch::empty({argmax ? a.rows : 0}, x.options().dtype(at::kLong));
+  float* op = scores ? out.data_ptr<float>() : nullptr;
+  const int64_t parts = coupled_split(a.rows, a.width);
+  std::vector<Best> found(a.rows * parts);
+  coupled_parts(a.rows, a.width, parts, [&](int64_t r, int64_t p, int64_t begin, int64_t end) {
+    float* o = op ? op + r * a.width : nullptr;
+    found[r * parts + p] = x.scalar_type() == at::kFloat
+        ? coupled_row(x.data_ptr<float>() + r * a.width, begin, end, s, a.keys[r], a.columns, o, argmax)
+        : coupled_row(u16(x) + r * a.width, begin, end, s, a.keys[r], a.columns, o, argmax);
+  });
+  if (argmax) {
+    int64_t* ip = index.data_ptr<int64_t>();
+    for (int64_t r = 0; r < a.rows; ++r) {
+      Best best;
+      for (int64_t p = 0; p < parts; ++p) {  // parts in column order: a later part wins only with a larger value
+        const Best& b = found[r * parts + p];
+        if (b.first_nan >= 0 && best.first_nan < 0) best.first_nan = b.first_nan;
+        if (b.index >= 0 && (best.index < 0 || b.value > best.value)) best.value = b.value, best.index = b.index;
+      }
+      ip[r] = best.first_nan >= 0 ? best.first_nan : best.index;
+    }
+  }
+  return {out, index};
+}
+
 // How many threads at::parallel_for gives the kernels' work: it is compiled into this file, so without -fopenmp
 // here it runs on one thread whatever torch.get_num_threads() says (tests guard the build flags with this).
 int64_t parallel_threads() {
@@ -749,6 +1031,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of each bf16 row's largest value, as torch's argmax");
   m.def("sample_rows", &sample_rows, "a drafter's sampled proposals: each row's softmax and an index drawn from it");
   m.def("verify_chain", &verify_chain, "exact speculative sampling over a chain of drafts on the target's logits");
+  m.def("gumbel_rows", &gumbel_rows, "coupled sampling's Gumbel noise of positions' keys over columns");
+  m.def("coupled_rows", &coupled_rows, "coupled sampling's noisy scores of rows and / or their argmax");
   m.def("top_probs_rows", &top_probs_rows, "each bf16 row's k largest values as softmax probabilities, and their indices");
   m.def("decoder_layers", &decoder_layers, "every decoder layer for a few rows, each row on its own");
   m.def("decoder_layers_batch", &decoder_layers_batch,
