@@ -393,8 +393,8 @@ class PositionNoise:
     with u = ((h >> 8) | 1) / 2^24, h = lowbias32(lowbias32(v ^ key_lo) ^ key_hi); so a decision computes the noise of
     the columns it reads when it reads them, nothing drawn ahead or kept. On a CPU with dflashkit's row kernels the
     noise, the scores and their argmax are one kernel call per decision (:func:`dflashkit.row_kernels.coupled`:
-    ~0.1 ms a 49,152-entry row, where numpy's PCG64 and torch's logs took ~0.36 ms plus the scores' small ops);
-    elsewhere torch computes the same hash and its own logs, which may round a last bit differently: a seed's output
+    ~0.05-0.08 ms a 49,152-entry row on the Zen 4 VM, where numpy's PCG64 and torch's logs took ~0.36 ms plus the
+    scores' small ops); elsewhere torch computes the same hash and its own logs, which may round a last bit differently: a seed's output
     is a function of the seed and of where it runs (kernels or torch, CPU or GPU), the same for every drafter and
     block size there. The implementation is chosen once per instance, so one generation never mixes the two.
     """
