@@ -70,7 +70,11 @@ def default_sampler(sampler: str | None, seed: int | None) -> str:
 # the rejection sampler (no seed) trees gained less (+0-3%) and chains stay. Copied steps stay chains in these default
 # trees (tree_copies): one tree of the copy and the drafter's candidates raised τ (1.70 / 1.83 / 1.60 against 1.48 /
 # 1.53 / 1.46) but ran the drafter on every copied step, 1.17 / 1.19 / 1.07x against 1.24 / 1.30 / 1.14x (session 40,
-# `python scripts/tree_candidates.py --default --sampler coupled --trees 6 --limit 10 --seeds 2`, this CPU).
+# `python scripts/tree_candidates.py --default --sampler coupled --trees 6 --limit 10 --seeds 2`, this CPU). Checked
+# again after session 47 made the noise cheap (`--trees 4,6,9 --limit 8 --seeds 2`, v15, over plain coupled sampling,
+# MT-Bench / HumanEval / MATH-500): chains 1.32 / 1.38 / 1.28x, trees of 4 / 6 / 9 with copies as chains 1.39-1.40 /
+# 1.43-1.46 / 1.36-1.38x, trees holding the copies 1.37-1.46 / 1.38-1.42 / 1.32-1.39x (τ up to 1.93 / 2.14 / 1.88, but
+# the drafter then runs on every step, ~2 ms of a 12-14 ms step): no size stands out, 6 stays.
 COUPLED_TREE = 6
 
 
