@@ -394,9 +394,10 @@ class PositionNoise:
     the columns it reads when it reads them, nothing drawn ahead or kept. On a CPU with dflashkit's row kernels the
     noise, the scores and their argmax are one kernel call per decision (:func:`dflashkit.row_kernels.coupled`:
     ~0.05-0.08 ms a 49,152-entry row on the Zen 4 VM, where numpy's PCG64 and torch's logs took ~0.36 ms plus the
-    scores' small ops); elsewhere torch computes the same hash and its own logs, which may round a last bit differently: a seed's output
-    is a function of the seed and of where it runs (kernels or torch, CPU or GPU), the same for every drafter and
-    block size there. The implementation is chosen once per instance, so one generation never mixes the two.
+    scores' small ops); elsewhere torch computes the same hash and its own logs, which may round a last bit
+    differently: a seed's output is a function of the seed and of where it runs (kernels or torch, CPU or GPU), the
+    same for every drafter and block size there. The implementation is chosen once per instance, so one generation
+    never mixes the two.
     """
 
     def __init__(self, seed: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
@@ -420,9 +421,9 @@ class PositionNoise:
         if self.kernel:
             return row_kernels.gumbel(self._key_tensor(start, count), width, columns)
         tokens = columns.to(self.device) if columns is not None else torch.arange(width, device=self.device)
-        halves = [(k & 0xFFFFFFFF, k >> 32) for k in self.keys(start, count)]
-        lo = torch.tensor([h[0] for h in halves], dtype=torch.long, device=self.device)[:, None]
-        hi = torch.tensor([h[1] for h in halves], dtype=torch.long, device=self.device)[:, None]
+        keys = self.keys(start, count)
+        lo = torch.tensor([k & 0xFFFFFFFF for k in keys], dtype=torch.long, device=self.device)[:, None]  # [count, 1]
+        hi = torch.tensor([k >> 32 for k in keys], dtype=torch.long, device=self.device)[:, None]
         h = _lowbias32(_lowbias32(tokens[None].long() ^ lo) ^ hi)  # [count, width], uint32 values
         u = ((h >> 8) | 1).float() * 2.0**-24  # in (0, 1), exact
         return u.log().neg_().log_().neg_()
@@ -434,24 +435,21 @@ class PositionNoise:
         """Noisy scores [n, V'] of rows ``logits`` [n, V'] deciding positions start.. (:func:`coupled_scores`; over
         the tokens ``columns`` where given)."""
         if self._fused(params) and logits.shape[0]:
-            return row_kernels.coupled(_kernel_rows(logits), params.temperature, self._key_tensor(start, logits.shape[0]),
-                                       columns, scores=True)[0]
+            return self._kernel_call(logits, params, start, columns, scores=True)[0]
         return coupled_scores(logits, params, self.rows(start, logits.shape[0], columns))
 
     def argmax(self, logits: Tensor, params: SamplingParams, start: int, columns: Tensor | None = None) -> list[int]:
         """The column of each row's largest noisy score (the coupled sample of positions start..; the first on
         ties, as ``Tensor.argmax`` of :meth:`scores`, which it equals)."""
         if self._fused(params) and logits.shape[0]:
-            return row_kernels.coupled(_kernel_rows(logits), params.temperature, self._key_tensor(start, logits.shape[0]),
-                                       columns, argmax=True)[1].tolist()
+            return self._kernel_call(logits, params, start, columns, argmax=True)[1].tolist()
         return self.scores(logits, params, start, columns).argmax(-1).tolist()
 
-
-def _kernel_rows(logits: Tensor) -> Tensor:
-    """Rows as the coupled kernel reads them: bf16 or fp32 (other dtypes converted as coupled_scores' float()
-    does), contiguous."""
-    rows = logits if logits.dtype in (torch.bfloat16, torch.float32) else logits.float()
-    return rows if rows.is_contiguous() else rows.contiguous()
+    def _kernel_call(self, logits: Tensor, params: SamplingParams, start: int, columns: Tensor | None,
+                     **wanted: bool) -> tuple[Tensor | None, Tensor | None]:
+        rows = logits if logits.dtype in (torch.bfloat16, torch.float32) else logits.float()  # as coupled_scores
+        return row_kernels.coupled(rows.contiguous(), params.temperature, self._key_tensor(start, rows.shape[0]),
+                                   columns, **wanted)
 
 
 def coupled_scores(logits: Tensor, params: SamplingParams, noise: Tensor) -> Tensor:

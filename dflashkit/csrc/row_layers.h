@@ -771,7 +771,8 @@ inline VecF log_positive(VecF x) {
   return _mm512_fmadd_ps(ef, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
 }
 inline VecI token_lanes(int32_t first) {
-  return _mm512_add_epi32(_mm512_set1_epi32(first), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  return _mm512_add_epi32(_mm512_set1_epi32(first),
+                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 inline VecI token_load(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline VecF gumbel_of(VecI tokens, uint32_t lo, uint32_t hi) {
@@ -944,8 +945,8 @@ CoupledArgs coupled_args(const torch::Tensor& keys, int64_t width, const torch::
 }
 
 // Rows of a coupled call, split into parts of whole vectors where the rows alone would leave a thread idle (a
-// one-token step's one row: both threads, ~45 µs instead of ~85 for 49,152 entries on the Zen 4 VM); runs part(row, begin,
-// end) for every part, in parallel.
+// one-token step's one row: both threads, ~45 µs instead of ~85 for 49,152 entries on the Zen 4 VM); runs
+// part(row, part index, begin, end) for every part, in parallel.
 template <typename F>
 void coupled_parts(int64_t rows, int64_t width, int64_t parts, F part) {
   const int64_t vectors = (width + kLanes - 1) / kLanes, per = (vectors + parts - 1) / parts;
