@@ -343,10 +343,10 @@ def decode(
                 if params.greedy:
                     accepted, token = verify_greedy(decided, drafts, masks)
                 elif noise is not None:  # coupled: greedy on the noisy scores of positions produced ..
-                    accepted, token = longest_match(drafts.tolist(),
-                                                    noise.argmax(masked(decided, masks), params, produced))
+                    rows_decided = masked(decided, masks)
+                    accepted, token = longest_match(drafts.tolist(), noise.argmax(rows_decided, params, produced))
                     if observer:
-                        observed = scored(masked(decided, masks), produced)  # [rows, vocab]
+                        observed = scored(rows_decided, produced)  # [rows, vocab]
                 else:
                     accepted, token = verify_sampled_logits(masked(decided, masks), params, drafts, q, gen, q_columns)
                 if observer and observed is None:

@@ -189,9 +189,9 @@ def verify_greedy(target_logits: Tensor, drafts: Tensor, allowed: Tensor | None 
     target_logits [k+1, vocab]: row j predicts the token after the j-th verified input; ``allowed`` [k+1, vocab]:
     each row's tokens under a grammar (None: all).
     """
-    best = argmax(target_logits, allowed).tolist()  # [k+1]; compared in Python: each small torch op after the
-    return longest_match(drafts.tolist(), best)  # target's pass pays 10-70 µs for the caches it swept (README
-    # "Sampled steps in two calls")
+    # compared in Python: each small torch op after the target's pass pays 10-70 µs for the caches it swept
+    # (README "Sampled steps in two calls")
+    return longest_match(drafts.tolist(), argmax(target_logits, allowed).tolist())
 
 
 def longest_match(drafted: list[int], chosen: list[int]) -> tuple[int, int]:

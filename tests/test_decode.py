@@ -295,14 +295,15 @@ def test_the_proposal_temperature_reaches_the_drafters_proposals(monkeypatch):
     drafter = DFlashDrafter(base.config.replace(proposal_temperature=0.5))
     drafter.load_state_dict(base.state_dict())
     target = TargetAdapter(model, drafter.config.target_layer_ids)
-    temperatures = []
-    propose = decode_module.propose
+    temperatures, coupled = [], []
 
-    def recording(scores, params, *args, **kwargs):
-        temperatures.append(params.temperature)
-        return propose(scores, params, *args, **kwargs)
+    def recording(fn, into):  # fn, noting the temperature of the SamplingParams it is given
+        def recorded(*args, **kwargs):
+            into.append(next(a for a in (*args, *kwargs.values()) if isinstance(a, SamplingParams)).temperature)
+            return fn(*args, **kwargs)
+        return recorded
 
-    monkeypatch.setattr(decode_module, "propose", recording)
+    monkeypatch.setattr(decode_module, "propose", recording(decode_module.propose, temperatures))
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
     for ratio, expected in ((None, 0.4), (1.0, 0.8), (1.5, 1.2)):
         temperatures.clear()
@@ -311,16 +312,9 @@ def test_the_proposal_temperature_reaches_the_drafters_proposals(monkeypatch):
     assert run(target, drafter, [5, 6, 7], proposal_temperature=0.3) == run(TargetAdapter(model), None, [5, 6, 7])
     # coupled: the drafter's noisy scores keep the request's temperature, as the target's do (there a sharper
     # proposal lowered τ), and the output stays plain coupled sampling's for the seed
-    coupled = []
-
-    def recording(method):  # the temperature of every noisy score: the drafter's and the target's decisions
-        def recorded(self, logits, params, *args, **kwargs):
-            coupled.append(params.temperature)
-            return method(self, logits, params, *args, **kwargs)
-        return recorded
-
-    for name in ("scores", "argmax"):
-        monkeypatch.setattr(decode_module.PositionNoise, name, recording(getattr(decode_module.PositionNoise, name)))
+    for name in ("scores", "argmax"):  # every noisy score: the drafter's and the target's decisions
+        monkeypatch.setattr(decode_module.PositionNoise, name, recording(getattr(decode_module.PositionNoise, name),
+                                                                          coupled))
     plain = run(TargetAdapter(model), None, [5, 6, 7], max_new_tokens=10, seed=3, sampling=sampling, sampler="coupled")
     assert set(coupled) == {0.8}
     for ratio, expected in ((None, {0.8}), (1.5, {0.8})):

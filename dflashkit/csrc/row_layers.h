@@ -734,123 +734,118 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
 // G(key, token) = -log(-log u) with u = ((h >> 8) | 1) / 2^24 in (0, 1) and h = r(r(token ^ lo) ^ hi), r Chris
 // Wellons' lowbias32 and (lo, hi) the halves of an output position's 64-bit key: a counter-based function, so a
 // decision computes the noise of the columns it reads where it reads them (numpy's PCG64 and two torch logs took
-// ~0.36 ms a 49,152-entry row, plus the small ops around them). The logs are Cephes' logf polynomial in FMAs, the same
-// sequence of operations in both instruction sets, so the two builds give the same noise.
+// ~0.36 ms a 49,152-entry row, plus the small ops around them). The logs are Cephes' logf polynomial in FMAs. The hash,
+// the log and the noise are written once, over the few vector operations each instruction set defines below, so the
+// two builds run the same sequence of operations and give the same noise.
 
 #ifdef __AVX512F__
 using VecI = __m512i;
-inline VecI lowbias32(VecI x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x21f0aaad));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x735a2d97));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-}
-// log(x) for normal x > 0: x = m 2^e with m in (sqrt(1/2), sqrt(2)], log m by Cephes' degree-8 polynomial in m - 1
-inline VecF log_positive(VecF x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(127));
-  __m512 m = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi32(0x007FFFFF)),
-                                                 _mm512_set1_epi32(0x3F800000)));  // [1, 2)
-  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
-  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
-  e = _mm512_mask_add_epi32(e, big, e, _mm512_set1_epi32(1));
-  const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f)), ef = _mm512_cvtepi32_ps(e), z = _mm512_mul_ps(f, f);
-  __m512 p = _mm512_set1_ps(7.0376836292e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.1514610310e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.1676998740e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.2420140846e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.4249322787e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.6668057665e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.0000714765e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-2.4999993993e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(3.3333331174e-1f));
-  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, f), z);
-  y = _mm512_fmadd_ps(ef, _mm512_set1_ps(-2.12194440e-4f), y);
-  y = _mm512_fnmadd_ps(z, _mm512_set1_ps(0.5f), y);
-  return _mm512_fmadd_ps(ef, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
-}
+using MaskF = __mmask16;
+inline VecI vi_set(int32_t v) { return _mm512_set1_epi32(v); }
+inline VecI vi_add(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
+inline VecI vi_sub(VecI a, VecI b) { return _mm512_sub_epi32(a, b); }
+inline VecI vi_and(VecI a, VecI b) { return _mm512_and_si512(a, b); }
+inline VecI vi_or(VecI a, VecI b) { return _mm512_or_si512(a, b); }
+inline VecI vi_xor(VecI a, VecI b) { return _mm512_xor_si512(a, b); }
+inline VecI vi_mul(VecI a, VecI b) { return _mm512_mullo_epi32(a, b); }
+template <int S> inline VecI vi_srl(VecI a) { return _mm512_srli_epi32(a, S); }
+inline VecI vi_select(MaskF m, VecI yes, VecI no) { return _mm512_mask_mov_epi32(no, m, yes); }
+inline VecF vf_add(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF vf_sub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
+inline VecF vf_mul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vf_fmadd(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vf_fnmadd(VecF a, VecF b, VecF c) { return _mm512_fnmadd_ps(a, b, c); }
+inline VecF vf_from_int(VecI a) { return _mm512_cvtepi32_ps(a); }
+inline VecF vf_bits(VecI a) { return _mm512_castsi512_ps(a); }
+inline VecI vi_bits(VecF a) { return _mm512_castps_si512(a); }
+inline MaskF vf_greater(VecF a, VecF b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline VecF vf_select(MaskF m, VecF yes, VecF no) { return _mm512_mask_mov_ps(no, m, yes); }
 inline VecI token_lanes(int32_t first) {
   return _mm512_add_epi32(_mm512_set1_epi32(first),
                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 inline VecI token_load(const int32_t* p) { return _mm512_loadu_si512(p); }
-inline VecF gumbel_of(VecI tokens, uint32_t lo, uint32_t hi) {
-  VecI h = lowbias32(_mm512_xor_si512(tokens, _mm512_set1_epi32(static_cast<int32_t>(lo))));
-  h = lowbias32(_mm512_xor_si512(h, _mm512_set1_epi32(static_cast<int32_t>(hi))));
-  const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(h, 8), _mm512_set1_epi32(1))),
-                                 _mm512_set1_ps(5.9604644775390625e-8f));  // exact: an odd integer < 2^24, / 2^24
-  const __m512 a = _mm512_sub_ps(_mm512_setzero_ps(), log_positive(u));  // -log u in [6e-8, 16.7]
-  return _mm512_sub_ps(_mm512_setzero_ps(), log_positive(a));
-}
-// x * scale, then + g: two roundings, as torch's `x * scale + g` (the empty asm keeps the compiler from fusing them)
-inline VecF scaled_plus(VecF x, float scale, VecF g) {
-  VecF s = _mm512_mul_ps(x, _mm512_set1_ps(scale));
-  asm("" : "+v"(s));
-  return _mm512_add_ps(s, g);
-}
-inline void keep_larger(VecF& top, VecI& at, VecF v, VecI index) {  // lanes where v > top (NaN: never)
-  const __mmask16 larger = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
-  top = _mm512_mask_mov_ps(top, larger, v);
-  at = _mm512_mask_mov_epi32(at, larger, index);
-}
 inline void store_lanes(int32_t* p, VecI v) { _mm512_storeu_si512(p, v); }
+inline void keep_apart(VecF& v) { asm("" : "+v"(v)); }  // an opaque step: the compiler cannot fuse across it
 #else
 using VecI = __m256i;
-inline VecI lowbias32(VecI x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x21f0aaad));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x735a2d97));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-}
-inline VecF log_positive(VecF x) {  // as the AVX512 version, operation for operation
-  const __m256i bits = _mm256_castps_si256(x);
-  __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
-  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007FFFFF)),
-                                                 _mm256_set1_epi32(0x3F800000)));
-  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356237f), _CMP_GT_OQ);
-  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
-  e = _mm256_add_epi32(e, _mm256_and_si256(_mm256_castps_si256(big), _mm256_set1_epi32(1)));
-  const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f)), ef = _mm256_cvtepi32_ps(e), z = _mm256_mul_ps(f, f);
-  __m256 p = _mm256_set1_ps(7.0376836292e-2f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.1514610310e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.1676998740e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.2420140846e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.4249322787e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.6668057665e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.0000714765e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-2.4999993993e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(3.3333331174e-1f));
-  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f), z);
-  y = _mm256_fmadd_ps(ef, _mm256_set1_ps(-2.12194440e-4f), y);
-  y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
-  return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f), _mm256_add_ps(f, y));
-}
+using MaskF = __m256;
+inline VecI vi_set(int32_t v) { return _mm256_set1_epi32(v); }
+inline VecI vi_add(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
+inline VecI vi_sub(VecI a, VecI b) { return _mm256_sub_epi32(a, b); }
+inline VecI vi_and(VecI a, VecI b) { return _mm256_and_si256(a, b); }
+inline VecI vi_or(VecI a, VecI b) { return _mm256_or_si256(a, b); }
+inline VecI vi_xor(VecI a, VecI b) { return _mm256_xor_si256(a, b); }
+inline VecI vi_mul(VecI a, VecI b) { return _mm256_mullo_epi32(a, b); }
+template <int S> inline VecI vi_srl(VecI a) { return _mm256_srli_epi32(a, S); }
+inline VecI vi_select(MaskF m, VecI yes, VecI no) { return _mm256_blendv_epi8(no, yes, _mm256_castps_si256(m)); }
+inline VecF vf_add(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF vf_sub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
+inline VecF vf_mul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vf_fmadd(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vf_fnmadd(VecF a, VecF b, VecF c) { return _mm256_fnmadd_ps(a, b, c); }
+inline VecF vf_from_int(VecI a) { return _mm256_cvtepi32_ps(a); }
+inline VecF vf_bits(VecI a) { return _mm256_castsi256_ps(a); }
+inline VecI vi_bits(VecF a) { return _mm256_castps_si256(a); }
+inline MaskF vf_greater(VecF a, VecF b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+inline VecF vf_select(MaskF m, VecF yes, VecF no) { return _mm256_blendv_ps(no, yes, m); }
 inline VecI token_lanes(int32_t first) {
   return _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 inline VecI token_load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline VecF gumbel_of(VecI tokens, uint32_t lo, uint32_t hi) {
-  VecI h = lowbias32(_mm256_xor_si256(tokens, _mm256_set1_epi32(static_cast<int32_t>(lo))));
-  h = lowbias32(_mm256_xor_si256(h, _mm256_set1_epi32(static_cast<int32_t>(hi))));
-  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(h, 8), _mm256_set1_epi32(1))),
-                                 _mm256_set1_ps(5.9604644775390625e-8f));
-  const __m256 a = _mm256_sub_ps(_mm256_setzero_ps(), log_positive(u));
-  return _mm256_sub_ps(_mm256_setzero_ps(), log_positive(a));
-}
-inline VecF scaled_plus(VecF x, float scale, VecF g) {
-  VecF s = _mm256_mul_ps(x, _mm256_set1_ps(scale));
-  asm("" : "+x"(s));
-  return _mm256_add_ps(s, g);
-}
-inline void keep_larger(VecF& top, VecI& at, VecF v, VecI index) {
-  const __m256 larger = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
-  top = _mm256_blendv_ps(top, v, larger);
-  at = _mm256_blendv_epi8(at, index, _mm256_castps_si256(larger));
-}
 inline void store_lanes(int32_t* p, VecI v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline void keep_apart(VecF& v) { asm("" : "+x"(v)); }
 #endif
+
+inline VecI lowbias32(VecI x) {
+  x = vi_xor(x, vi_srl<16>(x));
+  x = vi_mul(x, vi_set(0x21f0aaad));
+  x = vi_xor(x, vi_srl<15>(x));
+  x = vi_mul(x, vi_set(0x735a2d97));
+  return vi_xor(x, vi_srl<15>(x));
+}
+
+// log(x) for normal x > 0: x = m 2^e with m in (sqrt(1/2), sqrt(2)], log m by Cephes' degree-8 polynomial in m - 1
+inline VecF log_positive(VecF x) {
+  const VecI bits = vi_bits(x);
+  VecI e = vi_sub(vi_srl<23>(bits), vi_set(127));
+  VecF m = vf_bits(vi_or(vi_and(bits, vi_set(0x007FFFFF)), vi_set(0x3F800000)));  // [1, 2)
+  const MaskF big = vf_greater(m, vec_set_all(1.41421356237f));
+  m = vf_select(big, vf_mul(m, vec_set_all(0.5f)), m);  // exact
+  e = vi_select(big, vi_add(e, vi_set(1)), e);
+  const VecF f = vf_sub(m, vec_set_all(1.0f)), ef = vf_from_int(e), z = vf_mul(f, f);
+  static constexpr float kPoly[] = {7.0376836292e-2f, -1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f,
+                                    1.4249322787e-1f, -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f,
+                                    3.3333331174e-1f};
+  VecF p = vec_set_all(kPoly[0]);
+  for (int i = 1; i < 9; ++i) p = vf_fmadd(p, f, vec_set_all(kPoly[i]));
+  VecF y = vf_mul(vf_mul(p, f), z);
+  y = vf_fmadd(ef, vec_set_all(-2.12194440e-4f), y);
+  y = vf_fnmadd(z, vec_set_all(0.5f), y);
+  return vf_fmadd(ef, vec_set_all(0.693359375f), vf_add(f, y));
+}
+
+inline VecF gumbel_of(VecI tokens, uint32_t lo, uint32_t hi) {
+  VecI h = lowbias32(vi_xor(tokens, vi_set(static_cast<int32_t>(lo))));
+  h = lowbias32(vi_xor(h, vi_set(static_cast<int32_t>(hi))));
+  const VecF u = vf_mul(vf_from_int(vi_or(vi_srl<8>(h), vi_set(1))),
+                        vec_set_all(5.9604644775390625e-8f));  // exact: an odd integer < 2^24, / 2^24
+  const VecF zero = vec_set_all(0.0f);
+  return vf_sub(zero, log_positive(vf_sub(zero, log_positive(u))));  // -log(-log u), -log u in [6e-8, 16.7]
+}
+
+// x * scale, then + g: two roundings, as torch's `x * scale + g` (the compiler may not fuse them into an FMA)
+inline VecF scaled_plus(VecF x, float scale, VecF g) {
+  VecF s = vf_mul(x, vec_set_all(scale));
+  keep_apart(s);
+  return vf_add(s, g);
+}
+
+inline void keep_larger(VecF& top, VecI& at, VecF v, VecI index) {  // lanes where v > top (NaN: never)
+  const MaskF larger = vf_greater(v, top);
+  top = vf_select(larger, v, top);
+  at = vi_select(larger, index, at);
+}
 
 // A best score and where it is: the first largest (a NaN's index, the first of them, wherever one was seen).
 struct Best {
