@@ -1,20 +1,20 @@
 """dflashkit: lossless speculative decoding with DFlash block-diffusion drafters."""
 
-from .checkpoint import load_drafter, save_drafter
-from .config import DrafterConfig, build_target_layer_ids
-from .decode import DecodeOptions, Step, decode
-from .drafter import DFlashDrafter
-from .errors import CheckpointError, DFlashError, IncompatibleDrafterError, InvalidInputError
-from .grammar import Grammar, GrammarError
-from .generator import GenerationResult, SpeculativeGenerator, TextDelta
-from .identity import check_compatible, drafter_config_for
-from .logprobs import TokenLogprob
-from .lossless import Divergence
-from .models import DEFAULT_TARGET, load_target
-from .prefix_cache import PrefixCache
-from .sampling import SamplingParams
-from .stats import DecodeStats
-from .target import TargetAdapter
+from dflashkit.drafter.checkpoint import load_drafter, save_drafter
+from dflashkit.drafter.config import DrafterConfig, build_target_layer_ids
+from dflashkit.decoding.loop import DecodeOptions, Step, decode
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import CheckpointError, DFlashError, IncompatibleDrafterError, InvalidInputError
+from dflashkit.decoding.grammar import Grammar, GrammarError
+from dflashkit.generator import GenerationResult, SpeculativeGenerator, TextDelta
+from dflashkit.drafter.identity import check_compatible, drafter_config_for
+from dflashkit.target.logprobs import TokenLogprob
+from dflashkit.decoding.lossless import Divergence
+from dflashkit.target.loading import DEFAULT_TARGET, load_target
+from dflashkit.decoding.prefix_cache import PrefixCache
+from dflashkit.decoding.sampling import SamplingParams
+from dflashkit.decoding.stats import DecodeStats
+from dflashkit.target.adapter import TargetAdapter
 
 __version__ = "0.1.0"
 

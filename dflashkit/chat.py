@@ -1,7 +1,7 @@
 """A multi-turn conversation with a generator, each turn prefilling only what is new (``dflashkit chat``).
 
 Every turn sends the whole conversation through the chat template, as a chat client does; the session's
-:class:`~dflashkit.prefix_cache.PrefixCache` restores what the previous turn computed (its prompt and answer), so a
+:class:`~dflashkit.decoding.prefix_cache.PrefixCache` restores what the previous turn computed (its prompt and answer), so a
 turn costs its new message and its answer, not the history. A chat client re-encodes the answer's text, which may
 give other tokens than the model wrote (SmolLM2 writes "\\n\\n" as one token where its tokenizer, before a digit,
 writes two), and reuse ends at the first token that differs; a session knows the tokens, so its next prompt is the
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import InvalidInputError
-from .generator import GenerationResult, SpeculativeGenerator
-from .prefix_cache import PrefixCache
-from .text import render_chat
+from dflashkit.errors import InvalidInputError
+from dflashkit.generator import GenerationResult, SpeculativeGenerator
+from dflashkit.decoding.prefix_cache import PrefixCache
+from dflashkit.text import render_chat
 
 
 def continued_prompt(tokenizer: Any, text: str, previous: tuple[str, list[int], list[int]]) -> list[int] | None:

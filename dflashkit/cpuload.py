@@ -74,7 +74,7 @@ def apply_threads(threads: int | None, device: str | None = None, busy: float | 
 
     import torch
 
-    from .errors import InvalidInputError
+    from dflashkit.errors import InvalidInputError
 
     if threads is not None:
         if threads < 1:

@@ -19,23 +19,23 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .adaptive import AdaptiveBlockSize, BlockPolicies
-from .batching import BatchMember, ComputeThread, ForwardBatcher, member_thread
-from .decode import DecodeOptions, StepObserver, as_token_list, decode
-from .drafter import DFlashDrafter
-from .errors import InvalidInputError
-from .grammar import CompiledGrammar, Grammar, grammar_tokenizer
-from .identity import check_compatible
-from .logprobs import TokenLogprob, check_top_logprobs
-from .lossless import Divergence, DivergenceRecorder
-from .penalties import Penalties
-from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, check_sampler
-from .stats import DecodeStats
-from .target import TargetAdapter
-from .text import IncrementalDetokenizer, StopStringMatcher, check_text, encode_chat, eos_token_ids
-from .tool_calls import ToolRequest, check_template, marker_terms, template_messages
-from .tree import check_tree_option
+from dflashkit.decoding.adaptive import AdaptiveBlockSize, BlockPolicies
+from dflashkit.decoding.batching import BatchMember, ComputeThread, ForwardBatcher, member_thread
+from dflashkit.decoding.loop import DecodeOptions, StepObserver, as_token_list, decode
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import InvalidInputError
+from dflashkit.decoding.grammar import CompiledGrammar, Grammar, grammar_tokenizer
+from dflashkit.drafter.identity import check_compatible
+from dflashkit.target.logprobs import TokenLogprob, check_top_logprobs
+from dflashkit.decoding.lossless import Divergence, DivergenceRecorder
+from dflashkit.decoding.penalties import Penalties
+from dflashkit.decoding.prefix_cache import PrefixCache
+from dflashkit.decoding.sampling import SamplingParams, check_sampler
+from dflashkit.decoding.stats import DecodeStats
+from dflashkit.target.adapter import TargetAdapter
+from dflashkit.text import IncrementalDetokenizer, StopStringMatcher, check_text, encode_chat, eos_token_ids
+from dflashkit.tool_calls import ToolRequest, check_template, marker_terms, template_messages
+from dflashkit.decoding.tree import check_tree_option
 
 Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
@@ -45,7 +45,7 @@ def default_block_size(block_size: int | str | None, has_drafter: bool, tree: in
     server's default) becomes "auto" when a drafter drafts chains, and stays None (the drafter's own size) with a
     token tree (which picks its own depth and width) or without a drafter. "auto" is the default because with
     today's drafters (the shipped one: τ ≈ 1.7) a full 16-token verify costs more on a CPU than it yields, and the
-    adaptive policy falls back to the sizes, or plain steps, that pay (see :mod:`dflashkit.adaptive`)."""
+    adaptive policy falls back to the sizes, or plain steps, that pay (see :mod:`dflashkit.decoding.adaptive`)."""
     if block_size is None and has_drafter and not tree:  # tree None or 0: chains
         return "auto"
     return block_size
@@ -175,7 +175,7 @@ class SpeculativeGenerator:
         architecture is covered (fused prepacked GEMMs, static KV cache; see :class:`TargetAdapter`) and the
         drafter's linear layers run on prepacked oneDNN weights; False: the eager path (transformers' forward,
         plain ``nn.Linear``), for debugging and comparisons. ``cuda_graphs`` (default): on a CUDA device the target's
-        and the drafter's decode steps are replayed from CUDA graphs (:mod:`dflashkit.cuda_graphs`)."""
+        and the drafter's decode steps are replayed from CUDA graphs (:mod:`dflashkit.kernels.cuda_graphs`)."""
         if drafter is not None:
             check_compatible(drafter.config, model)
             param = next(drafter.parameters())
@@ -217,12 +217,12 @@ class SpeculativeGenerator:
         """Load a target (None: the embedded SmolLM2-135M-Instruct) and a drafter: a folder, "auto" (the drafter
         shipped with dflashkit for that target, if there is one; otherwise none) or None (no drafter).
 
-        ``quantize="int8"``: weight-only int8 target weights (:mod:`dflashkit.quantize`); the output is then
+        ``quantize="int8"``: weight-only int8 target weights (:mod:`dflashkit.kernels.int8`); the output is then
         exact with respect to that quantized target, not the ``dtype`` one. ``fast=False``: the eager path;
         ``cuda_graphs=False``: no CUDA graphs on a GPU (see ``__init__``).
         """
-        from .checkpoint import load_drafter
-        from .models import load_target
+        from dflashkit.drafter.checkpoint import load_drafter
+        from dflashkit.target.loading import load_target
 
         if isinstance(dtype, str):
             named = getattr(torch, dtype, None)
@@ -232,7 +232,7 @@ class SpeculativeGenerator:
         if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
             raise InvalidInputError(f"drafter must be a folder, 'auto' or None, got {type(drafter).__name__}")
         model, tokenizer = load_target(target, dtype=dtype, device=device, quantize=quantize)
-        from .registry import drafter_folder
+        from dflashkit.drafter.registry import drafter_folder
 
         drafter = drafter_folder(drafter, target)
         draft = load_drafter(drafter, dtype=dtype, device=device) if drafter else None
@@ -306,14 +306,14 @@ class SpeculativeGenerator:
 
         `prompt` may be text, chat messages, or token ids (used as is). Without a drafter (or with
         use_drafter=False) the same loop decodes autoregressively. ``block_size="auto"`` picks each step's
-        block size (up to the drafter's) for the most tokens per second (see :mod:`dflashkit.adaptive`); an
+        block size (up to the drafter's) for the most tokens per second (see :mod:`dflashkit.decoding.adaptive`); an
         integer fixes it; None (the default) is "auto", or the drafter's own size with ``tree`` (see
         :func:`default_block_size`). ``lookup=True`` (None, the default: on when a drafter drafts): where the
         text so far ends with an n-gram seen before, a step drafts the tokens that followed it instead of running
-        the drafter (:mod:`dflashkit.lookup`; ``lookup=True`` with no drafter: prompt lookup alone). With lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
-        past answers drafts, if the drafter folder has one (:mod:`dflashkit.ngram_store`; ``ngram_store=False``
+        the drafter (:mod:`dflashkit.decoding.lookup`; ``lookup=True`` with no drafter: prompt lookup alone). With lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
+        past answers drafts, if the drafter folder has one (:mod:`dflashkit.drafter.ngram_store`; ``ngram_store=False``
         turns it off). ``tree=N``: drafter steps verify a token tree of up to N nodes (the drafter's likeliest
-        alternatives; with the rejection sampler, candidates drawn from the drafter: :mod:`dflashkit.tree`) instead of
+        alternatives; with the rejection sampler, candidates drawn from the drafter: :mod:`dflashkit.decoding.tree`) instead of
         a chain; on the fast forward only (elsewhere: chains). ``tree=None`` (the default): trees of
         :data:`COUPLED_TREE` nodes for seeded sampling with the adaptive block size, chains otherwise
         (:func:`default_tree`); ``tree=0``: chains in any case. ``tree_copies``: whether a greedy or seeded step
@@ -323,24 +323,24 @@ class SpeculativeGenerator:
         `python scripts/tree_candidates.py --default --sampler coupled --trees 6 --limit 10 --seeds 2`).
         ``sampler`` (when sampling): "rejection" (speculative sampling, the most drafts accepted) or "coupled"
         (Gumbel-max with noise fixed by the seed and position: the output is the plain sampled output of the
-        seed, whatever the drafter, block size, lookup or batch; see :mod:`dflashkit.sampling`); None (the
+        seed, whatever the drafter, block size, lookup or batch; see :mod:`dflashkit.decoding.sampling`); None (the
         default): "coupled" when a seed is given, "rejection" otherwise (:func:`default_sampler`).
         ``proposal_temperature``: when sampling, the drafter proposes at this multiple of the temperature (None:
         the drafter's own ``config.proposal_temperature``, 1.0 unless its folder says otherwise); exact at any value.
         ``draft_window=N``: drafting attends to the last N context tokens (0: all; None: the drafter's own
         ``config.context_window``). ``grammar``: structured output, every token one the grammar allows (a
-        :class:`~dflashkit.grammar.Grammar`: ``Grammar.json_schema(schema)``, ``.json_object()``, ``.regex(...)``,
+        :class:`~dflashkit.decoding.grammar.Grammar`: ``Grammar.json_schema(schema)``, ``.json_object()``, ``.regex(...)``,
         ``.lark(...)``); exact with respect to the target constrained to it; chains only (no trees). Still lossless.
         ``logprobs=K``: every delta (and the result) carries each token's log-probability under the target and
-        its K likeliest alternatives (0 to 20; :mod:`dflashkit.logprobs`), read off the verify passes.
+        its K likeliest alternatives (0 to 20; :mod:`dflashkit.target.logprobs`), read off the verify passes.
         ``prompt_logprobs=K``: the same for the prompt's tokens after the first (one more pass over the prompt),
         on the first delta and the result.
         ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over the output), ``repetition_penalty``
         (transformers', over prompt and output), ``logit_bias`` ({token id: bias}): the target decodes with its
-        logits so adjusted (:mod:`dflashkit.penalties`); exact with respect to that adjusted target; chains only.
+        logits so adjusted (:mod:`dflashkit.decoding.penalties`); exact with respect to that adjusted target; chains only.
         ``batch``: this generation's target passes run together with those of the batcher's other members (a
-        :class:`~dflashkit.batching.BatchMember`; see :meth:`generate_batch`); its tokens are unchanged.
-        ``prefix_cache``: a :class:`~dflashkit.prefix_cache.PrefixCache` (one per target): the prefill restores the
+        :class:`~dflashkit.decoding.batching.BatchMember`; see :meth:`generate_batch`); its tokens are unchanged.
+        ``prefix_cache``: a :class:`~dflashkit.decoding.prefix_cache.PrefixCache` (one per target): the prefill restores the
         longest prefix of the prompt that an earlier generation kept there (the next turn of a chat) and runs only
         the rest; the result's ``stats.cached_prompt_tokens`` says how many; this generation is kept there too.
         """
@@ -477,7 +477,7 @@ class SpeculativeGenerator:
     def generate_batch(self, prompts: Sequence[Prompt | list[int]], *, seeds: Sequence[int | None] | None = None,
                        **kwargs: Any) -> list[GenerationResult]:
         """Generate for several prompts at once (kwargs as for `stream`, the same for all; ``seeds``: one per prompt):
-        one thread per prompt, their target passes batched into one pass per round (:mod:`dflashkit.batching`).
+        one thread per prompt, their target passes batched into one pass per round (:mod:`dflashkit.decoding.batching`).
         Each result is exactly what `generate` gives for its prompt alone (greedy, or sampled with its seed);
         the batch as a whole finishes sooner where the passes batch (the fast forward's CPU row kernels)."""
         prompts = list(prompts)

@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from .errors import InvalidInputError
+from dflashkit.errors import InvalidInputError
 
 Messages = Sequence[dict[str, Any]]  # chat messages [{"role": ..., "content": ...}] (+ tool_calls, tool_call_id)
 

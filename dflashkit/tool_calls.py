@@ -5,7 +5,7 @@ writing ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (a bl
 calls): :func:`parse_tool_calls` takes those blocks out of the text as :class:`ToolCall` objects, and
 :class:`ToolCallStream` does it on streamed text (content before a call is released at once, a call when the
 generation ends). With ``tool_choice`` ``"required"`` or a named function, :meth:`ToolRequest.grammar` constrains the
-output (:mod:`dflashkit.grammar`) to well-formed calls of those tools whose arguments are valid under each tool's
+output (:mod:`dflashkit.decoding.grammar`) to well-formed calls of those tools whose arguments are valid under each tool's
 ``parameters`` schema: the output is then exactly the target's, constrained to that grammar. Templates that do not
 use this convention (e.g. SmolLM2's, which has no tools at all) are refused by :func:`check_template`, rather than
 tools being silently dropped.
@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidInputError
-from .grammar import JSON_WHITESPACE, Grammar
+from dflashkit.errors import InvalidInputError
+from dflashkit.decoding.grammar import JSON_WHITESPACE, Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for function names

@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from dflashkit import data
-from dflashkit.batchgen import generate_batch, generate_static
-from dflashkit.fast_target import FastTargetForward
-from dflashkit.models import load_target
+from dflashkit.training import sources as data
+from dflashkit.training.batchgen import generate_batch, generate_static
+from dflashkit.target.fast import FastTargetForward
+from dflashkit.target.loading import load_target
 from dflashkit.text import encode_chat, eos_token_ids
 
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 
 SETS = ("mt-bench", "humaneval", "math500")
 

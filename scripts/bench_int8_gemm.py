@@ -4,7 +4,7 @@
 
 For each shape (out x in) of SmolLM2-135M's projections and M = 1, 2, 4, 8, 16 activation rows, times
 `F.linear` with bf16 weights and `aten._weight_int8pack_mm` (int8 weights, one bf16 scale per output
-channel, bf16 activations: what :mod:`dflashkit.quantize` runs); with --torchao also torchao's
+channel, bf16 activations: what :mod:`dflashkit.kernels.int8` runs); with --torchao also torchao's
 `Int8WeightOnlyConfig` (if installed). Prints the median microseconds per call.
 """
 
@@ -44,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    from dflashkit.quantize import quantize_weight
+    from dflashkit.kernels.int8 import quantize_weight
 
     cols = ["bf16", "int8"] + (["torchao"] if args.torchao else [])
     print(f"torch {torch.__version__}, {args.threads} thread(s); median µs per call")

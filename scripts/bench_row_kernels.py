@@ -1,4 +1,4 @@
-"""Time dflashkit.row_kernels's kernels against oneDNN / SDPA on the shapes of one SmolLM2-135M decoding step.
+"""Time dflashkit.kernels.row_kernels's kernels against oneDNN / SDPA on the shapes of one SmolLM2-135M decoding step.
 
     .venv/bin/python scripts/bench_row_kernels.py [--rows 1,2,4,6,8,12,16,24,32] [--context 400] [--repeats 9]
 
@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dflashkit import row_kernels
-from dflashkit.linear import packing_supported
+from dflashkit.kernels import row_kernels
+from dflashkit.kernels.linear import packing_supported
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # [out, in] per layer
 LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 30, 49152, 9, 3, 64

@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 
 

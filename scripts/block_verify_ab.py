@@ -22,12 +22,12 @@ import statistics
 
 import torch
 
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.sampling import (block_verification, over_vocabulary, sample, verify_sampled, verify_sampled_logits,
+from dflashkit.decoding.sampling import (block_verification, over_vocabulary, sample, verify_sampled, verify_sampled_logits,
                                 warp)
 
-decode_module = importlib.import_module("dflashkit.decode")  # the package re-exports a function named decode
+decode_module = importlib.import_module("dflashkit.decoding.loop")  # the package re-exports a function named decode
 
 
 def token_by_token(target_probs, drafts, draft_probs, generator):

@@ -6,7 +6,7 @@
 For each batch size C: C prompts (MT-Bench / HumanEval / MATH-500 first turns in turn, a different group each round)
 generated together with `generate_batch`, plain (no drafter) and speculative with the CLI's defaults (drafter,
 adaptive block size, prompt lookup) under each block cap for the batch's members: a number fixes the cap
-(``BlockPolicies(batch_rows=cap * C)``), ``rule`` is the library's default (:data:`dflashkit.adaptive.BATCH_ROWS`
+(``BlockPolicies(batch_rows=cap * C)``), ``rule`` is the library's default (:data:`dflashkit.decoding.adaptive.BATCH_ROWS`
 rows per pass). The runs of a round go in a rotating order; each cap keeps its own policies across rounds, as a
 server's would. Prints, per C and cap, the median tok/s (completion tokens over wall time, prefills included) and
 the median per-round ratio to plain batched decoding.
@@ -23,7 +23,7 @@ import torch
 from batch_throughput import prompts  # scripts/ is on the path when this runs as a script
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.adaptive import BATCH_ROWS, BlockPolicies
+from dflashkit.decoding.adaptive import BATCH_ROWS, BlockPolicies
 
 
 def main() -> None:

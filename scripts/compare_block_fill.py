@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 
 FILLS = ("tail", "whole", "cut")
 

@@ -17,9 +17,9 @@ import json
 import torch
 
 from dflashkit.bench.datasets import PACKAGED, load_questions
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.sampling import SamplingParams, warp
+from dflashkit.decoding.sampling import SamplingParams, warp
 
 T1 = SamplingParams(temperature=1.0)
 

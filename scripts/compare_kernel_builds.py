@@ -34,9 +34,9 @@ from types import ModuleType
 
 import torch
 
-from dflashkit import row_kernels
-from dflashkit.evalsets import load_set
-from dflashkit.fast_target import ForwardCall
+from dflashkit.kernels import row_kernels
+from dflashkit.training.evalsets import load_set
+from dflashkit.target.fast import ForwardCall
 from dflashkit.generator import SpeculativeGenerator
 from step_cost import tree_shape  # scripts/step_cost.py
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.adaptive import BlockPolicies
-from dflashkit.evalsets import load_set
+from dflashkit.decoding.adaptive import BlockPolicies
+from dflashkit.training.evalsets import load_set
 
 
 def policies_at(ref: str, scratch: Path) -> type[BlockPolicies]:

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 
 VARIANTS = {  # name: (use the drafter, sampler)
     "plain-rejection": (False, "rejection"),

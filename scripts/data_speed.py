@@ -3,7 +3,7 @@ in static batches, on the same prompts, in one process, the order alternating pe
 
     .venv/bin/python scripts/data_speed.py [--prompts 128] [--rounds 2] [--continuous-batch 64] [--batches-batch 32]
 
-Each run is `dflashkit.data.regenerate` into a fresh temporary folder (the embedded target, bf16, greedy, at most 192
+Each run is `dflashkit.training.sources.regenerate` into a fresh temporary folder (the embedded target, bf16, greedy, at most 192
 new tokens, prompts of at most 512 tokens from `sharegpt:0.8,math:0.2`). Prints each run's response tokens per
 second (the prefills included), their medians and ratio, and how many answers the two engines share token for token
 (in bf16 the two decoders round differently, so long greedy answers can part at near-ties; the prefix they share is
@@ -18,8 +18,8 @@ import tempfile
 
 import torch
 
-from dflashkit import data
-from dflashkit.models import load_target
+from dflashkit.training import sources as data
+from dflashkit.target.loading import load_target
 
 
 def main() -> None:

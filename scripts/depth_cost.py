@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from dflashkit import SpeculativeGenerator, save_drafter
-from dflashkit.checkpoint import load_drafter
-from dflashkit.evalsets import load_set
-from dflashkit.ngram_store import FILENAME as NGRAM_STORE
-from dflashkit.train import deepened
+from dflashkit.drafter.checkpoint import load_drafter
+from dflashkit.training.evalsets import load_set
+from dflashkit.drafter.ngram_store import FILENAME as NGRAM_STORE
+from dflashkit.training.trainer import deepened
 
 SHIPPED = Path(__file__).resolve().parents[1] / "dflashkit" / "drafters" / "smollm2-135m-instruct"
 

@@ -19,8 +19,8 @@ import pathlib
 
 import torch
 
-from dflashkit import data
-from dflashkit.models import load_target
+from dflashkit.training import sources as data
+from dflashkit.target.loading import load_target
 
 
 def write_questions(path: pathlib.Path, prompts: list[str], category: str) -> None:

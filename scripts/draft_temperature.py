@@ -25,13 +25,13 @@ import argparse
 
 import torch
 
-from dflashkit.checkpoint import load_drafter
-from dflashkit.decode import DecodeOptions, decode
-from dflashkit.evalsets import load_set
+from dflashkit.drafter.checkpoint import load_drafter
+from dflashkit.decoding.loop import DecodeOptions, decode
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.registry import drafter_folder
-from dflashkit.sampling import SamplingParams
-from dflashkit.train import block_hidden
+from dflashkit.drafter.registry import drafter_folder
+from dflashkit.decoding.sampling import SamplingParams
+from dflashkit.training.trainer import block_hidden
 
 TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
 

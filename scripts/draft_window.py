@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 
 SETS = {"humaneval": 1.0, "mt-bench": 8 / 3, "math500": 8 / 3}  # context prompts per --context-docs (shorter prompts)

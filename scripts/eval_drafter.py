@@ -14,7 +14,7 @@ import json
 import pathlib
 import sys
 
-from dflashkit.cli import main as dflashkit_main
+from dflashkit.cli.main import main as dflashkit_main
 
 
 def main() -> int:

@@ -29,12 +29,12 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from conftest import tiny_drafter, tiny_target  # noqa: E402
 
-from dflashkit.adaptive import AdaptiveBlockSize  # noqa: E402
-from dflashkit.batchgen import generate_batch, generate_static  # noqa: E402
-from dflashkit.fast_target import FastTargetForward  # noqa: E402
-from dflashkit.decode import DecodeOptions, decode  # noqa: E402
-from dflashkit.sampling import SamplingParams  # noqa: E402
-from dflashkit.target import TargetAdapter  # noqa: E402
+from dflashkit.decoding.adaptive import AdaptiveBlockSize  # noqa: E402
+from dflashkit.training.batchgen import generate_batch, generate_static  # noqa: E402
+from dflashkit.target.fast import FastTargetForward  # noqa: E402
+from dflashkit.decoding.loop import DecodeOptions, decode  # noqa: E402
+from dflashkit.decoding.sampling import SamplingParams  # noqa: E402
+from dflashkit.target.adapter import TargetAdapter  # noqa: E402
 
 PROMPTS = [[5, 9, 14, 3, 22], [7] * 12, list(range(3, 40)), [11, 4]]
 

@@ -75,7 +75,7 @@ def main() -> None:
     llama = None
     if args.llama_server:
         from dflashkit.bench.assets import target_bf16_gguf
-        from dflashkit.llama_server import LlamaServer, find_llama_server
+        from dflashkit.interop.llama_server import LlamaServer, find_llama_server
 
         binary, (gguf, why) = find_llama_server(), target_bf16_gguf(None)
         if binary is None or gguf is None:

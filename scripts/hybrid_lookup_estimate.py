@@ -20,10 +20,10 @@ import argparse
 import numpy as np
 import torch
 
-from dflashkit.decode import DecodeOptions, decode
-from dflashkit.evalsets import load_set
+from dflashkit.decoding.loop import DecodeOptions, decode
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.lookup import NgramLookup
+from dflashkit.decoding.lookup import NgramLookup
 
 from tree_estimate import rank_paths
 

@@ -26,9 +26,9 @@ import torch
 
 from rerank_estimate import proposals, top_choices  # noqa: E402 (scripts/ is on the path when run as a script)
 
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.tree import DraftTree, hybrid_tree
+from dflashkit.decoding.tree import DraftTree, hybrid_tree
 
 
 def accepted(tree: DraftTree, y: list[int], a: int) -> int:
@@ -54,7 +54,7 @@ def walk(y: list[int], start: int, choices: dict, props: list[list[int]], rule: 
         elif rule == "copy-chain":
             chain = DraftTree([t[0] for t in tokens], list(range(len(tokens))), list(range(1, len(tokens) + 1)))
             n, drafter_steps, rows = accepted(chain, y, a), drafter_steps + 1, rows + len(chain) + 1
-        else:  # the decode loop's own construction (dflashkit.tree.hybrid_tree; no copy: the drafter's tree)
+        else:  # the decode loop's own construction (dflashkit.decoding.tree.hybrid_tree; no copy: the drafter's tree)
             tree = hybrid_tree(probs, tokens, copy if rule == "hybrid" else [], budget, copy_value, min_worth)
             n, drafter_steps, rows = accepted(tree, y, a), drafter_steps + 1, rows + len(tree) + 1
         steps += 1

@@ -15,7 +15,7 @@ import argparse
 import json
 import pathlib
 
-from dflashkit.lookup import NgramLookup
+from dflashkit.decoding.lookup import NgramLookup
 
 
 def walk(prompt: list[int], answer: list[int], max_tokens: int, min_n: int, max_n: int) -> tuple[int, int, int, int]:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.data import load_shards
-from dflashkit.ngram_store import FILENAME as NGRAM_STORE
-from dflashkit.ngram_store import NgramStore
+from dflashkit.training.sources import load_shards
+from dflashkit.drafter.ngram_store import FILENAME as NGRAM_STORE
+from dflashkit.drafter.ngram_store import NgramStore
 
 MAX_BYTES = 40_000_000  # issue 3: the shipped drafter, n-gram store included, at most 40 MB
 DRAFTER_FILES = ("config.json", "model.safetensors", "mask_embedding.pt")

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.evalsets import load_set
-from dflashkit.export import DRAFTER_GGUF, TARGET_GGUF
+from dflashkit.training.evalsets import load_set
+from dflashkit.interop.export import DRAFTER_GGUF, TARGET_GGUF
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.llama_server import LlamaServer, find_llama_server
+from dflashkit.interop.llama_server import LlamaServer, find_llama_server
 from dflashkit.text import encode_chat
 
 

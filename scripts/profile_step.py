@@ -16,11 +16,11 @@ from collections import defaultdict
 
 import torch
 
-from dflashkit import row_kernels
-from dflashkit.decode import DecodeOptions, decode
+from dflashkit.kernels import row_kernels
+from dflashkit.decoding.loop import DecodeOptions, decode
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.sampling import SamplingParams
-from dflashkit.stats import DecodeStats
+from dflashkit.decoding.sampling import SamplingParams
+from dflashkit.decoding.stats import DecodeStats
 
 PROMPT = "Write a short story about a robot who learns to paint."
 CLASSES = {
@@ -95,7 +95,7 @@ def main() -> None:
     print(f"\nmedian of 3 runs each; prompt: {PROMPT!r}. Operator time below the step's wall time is Python and "
           "framework overhead (the profiler adds some)", end="")
     if row_kernels.kernel() is not None:
-        print(", and dflashkit's AVX512-BF16 products and attention (dflashkit.row_kernels), which are not torch "
+        print(", and dflashkit's AVX512-BF16 products and attention (dflashkit.kernels.row_kernels), which are not torch "
               "operators: time them with scripts/bench_row_kernels.py", end="")
     print(".")
 

@@ -22,8 +22,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dflashkit.models import load_target
-from dflashkit.train import TrainConfig, Trainer, batches
+from dflashkit.target.loading import load_target
+from dflashkit.training.trainer import TrainConfig, Trainer, batches
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
 
 

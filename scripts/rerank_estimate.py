@@ -19,10 +19,10 @@ import argparse
 
 import torch
 
-from dflashkit.evalsets import load_set
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.lookup import NgramLookup
-from dflashkit.train import teacher_forced_scores
+from dflashkit.decoding.lookup import NgramLookup
+from dflashkit.training.trainer import teacher_forced_scores
 
 
 def top_choices(gen: SpeculativeGenerator, ids: list[int], start: int, k: int):

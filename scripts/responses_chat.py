@@ -23,7 +23,7 @@ import uvicorn
 
 from dflashkit import SpeculativeGenerator
 from dflashkit.bench.datasets import load_questions
-from dflashkit.llama_server import free_port
+from dflashkit.interop.llama_server import free_port
 from dflashkit.server import create_app
 
 FOLLOW_UP = "Summarise your answers so far in two sentences."

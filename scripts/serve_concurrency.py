@@ -32,10 +32,10 @@ import uvicorn
 from http_clients import run_clients  # this script's folder is on the path when it runs
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.batching import ComputeThread
+from dflashkit.decoding.batching import ComputeThread
 from dflashkit.bench.assets import target_bf16_gguf, target_gguf
-from dflashkit.evalsets import load_set
-from dflashkit.llama_server import LlamaServer, find_llama_server, free_port
+from dflashkit.training.evalsets import load_set
+from dflashkit.interop.llama_server import LlamaServer, find_llama_server, free_port
 from dflashkit.server import create_app
 
 

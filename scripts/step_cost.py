@@ -5,7 +5,7 @@
 
 The default target's fast forward over a cache of --context positions; every shape runs once per round, rounds
 interleaved, the first two rounds dropped; prints the median per shape. A tree of n rows is the best-first tree
-(dflashkit.tree.best_first) of n-1 nodes over a fixed, made-up confidence profile: its mask, not its tokens,
+(dflashkit.decoding.tree.best_first) of n-1 nodes over a fixed, made-up confidence profile: its mask, not its tokens,
 sets the cost. This is what the adaptive block size trades against acceptance.
 """
 
@@ -18,7 +18,7 @@ import time
 import torch
 
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.tree import DraftTree, best_first
+from dflashkit.decoding.tree import DraftTree, best_first
 
 
 def tree_shape(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--trees", default="4,6,8,12", help="rows of each tree (anchor + nodes); empty: none")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--quantize", default=None, help="int8: the weight-only int8 target (dflashkit.quantize)")
+    ap.add_argument("--quantize", default=None, help="int8: the weight-only int8 target (dflashkit.kernels.int8)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

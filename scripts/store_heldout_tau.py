@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import random
 
-from dflashkit.data import load_shards
-from dflashkit.ngram_store import NgramStore, find_store
+from dflashkit.training.sources import load_shards
+from dflashkit.drafter.ngram_store import NgramStore, find_store
 
 
 def store_tau(store: NgramStore, records: list[dict], block: int) -> float:

@@ -1,5 +1,5 @@
 """Greedy chain τ of k drafts, teacher-forced, with the drafter scoring its draft vocabulary alone, that and the
-text's own tokens outside it (:mod:`dflashkit.text_columns`, the default), or the whole vocabulary.
+text's own tokens outside it (:mod:`dflashkit.drafter.text_columns`, the default), or the whole vocabulary.
 
     .venv/bin/python scripts/text_columns_tau.py [--drafter DIR] [--limit 6] [--k 15] [--max-new-tokens 128]
 

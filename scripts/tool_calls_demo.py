@@ -30,7 +30,7 @@ import uvicorn
 
 from dflashkit import SpeculativeGenerator
 from dflashkit.bench.assets import model_folder, packaged
-from dflashkit.llama_server import free_port
+from dflashkit.interop.llama_server import free_port
 from dflashkit.server import create_app
 
 WEATHER = {"type": "function", "function": {

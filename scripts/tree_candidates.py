@@ -24,8 +24,8 @@ import argparse
 import torch
 
 from dflashkit import SpeculativeGenerator, generator
-from dflashkit.adaptive import BlockPolicies
-from dflashkit.evalsets import load_set
+from dflashkit.decoding.adaptive import BlockPolicies
+from dflashkit.training.evalsets import load_set
 
 
 def variants(tree: int, default: bool = False, trees: str = "", sampler: str = "rejection") -> dict[str, dict]:

@@ -17,12 +17,12 @@ from collections import Counter
 
 import torch
 
-from dflashkit.decode import DecodeOptions, decode
-from dflashkit.evalsets import load_set
+from dflashkit.decoding.loop import DecodeOptions, decode
+from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.sampling import SamplingParams
-from dflashkit.train import teacher_forced_scores
-from dflashkit.tree import best_first
+from dflashkit.decoding.sampling import SamplingParams
+from dflashkit.training.trainer import teacher_forced_scores
+from dflashkit.decoding.tree import best_first
 
 MAX_RANK = 8
 
@@ -64,7 +64,7 @@ def node_values(paths: list[tuple[int, ...]], depth: int) -> Counter:
 
 
 def dynamic_tree(top: torch.Tensor, budget: int) -> set:
-    """The nodes (rank paths) dflashkit.tree.best_first keeps for one anchor's top probabilities [depth, ranks]."""
+    """The nodes (rank paths) dflashkit.decoding.tree.best_first keeps for one anchor's top probabilities [depth, ranks]."""
     parents, _, ranks = best_first(top.tolist(), budget)
     paths: list[tuple[int, ...]] = []
     for parent, rank in zip(parents, ranks):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from dflashkit.config import DrafterConfig
-from dflashkit.drafter import DFlashDrafter
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.network import DFlashDrafter
 
 VOCAB = 96
 
@@ -124,7 +124,7 @@ def tiny_drafter(model, block_size: int = 8, seed: int = 1, num_layers: int = 2,
 @pytest.fixture
 def proposal_temperatures(monkeypatch: pytest.MonkeyPatch) -> list:
     """Records options.proposal_temperature of every sampled decode call with a drafter (proposal_params' calls)."""
-    decode_module = importlib.import_module("dflashkit.decode")  # the package's `decode` is the function
+    decode_module = importlib.import_module("dflashkit.decoding.loop")  # the package's `decode` is the function
     seen: list = []
     original = decode_module.proposal_params
 

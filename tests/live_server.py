@@ -9,7 +9,7 @@ import time
 import httpx
 import torch
 import uvicorn
-from conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target, word_tokenizer
+from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target, word_tokenizer
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -116,7 +116,7 @@ def scripted(app: FastAPI, pieces: list[str], finish_reason: str = "stop") -> No
     """Make `app` answer every request with `pieces` (one delta each, one token per piece), as a generation that
     ended with `finish_reason`: for answers a random tiny target does not write (text, then a tool call)."""
     from dflashkit.generator import GenerationResult, GenerationStream, TextDelta
-    from dflashkit.stats import DecodeStats
+    from dflashkit.decoding.stats import DecodeStats
 
     def start(plan, job=0, batch=None) -> GenerationStream:
         ids = list(range(10, 10 + len(pieces)))

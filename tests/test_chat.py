@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import merging_tokenizer, tiny_drafter, tiny_target
-from test_cli import make_tokenizer
+from tests.conftest import merging_tokenizer, tiny_drafter, tiny_target
+from tests.cli.test_main import make_tokenizer
 
 from dflashkit import PrefixCache, SpeculativeGenerator
 from dflashkit.chat import ChatSession
@@ -58,7 +58,7 @@ def test_next_prompt_keeps_the_tokens_the_model_wrote():
     prefix cache's reuse there); the template's text around them is as it renders; a template that rewrites an
     earlier turn falls back to the encoded text."""
     from dflashkit.chat import continued_prompt
-    from dflashkit.prefix_cache import common_prefix
+    from dflashkit.decoding.prefix_cache import common_prefix
     from dflashkit.text import render_chat
 
     tok = merging_tokenizer()

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from conftest import word_tokenizer, VOCAB, tiny_drafter, tiny_target
-from dflashkit.decode import DecodeOptions, decode
+from tests.conftest import word_tokenizer, VOCAB, tiny_drafter, tiny_target
+from dflashkit.decoding.loop import DecodeOptions, decode
 from dflashkit.errors import DFlashError, IncompatibleDrafterError, InvalidInputError
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.sampling import SamplingParams
-from dflashkit.stats import DecodeStats
-from dflashkit.target import TargetAdapter
+from dflashkit.decoding.sampling import SamplingParams
+from dflashkit.decoding.stats import DecodeStats
+from dflashkit.target.adapter import TargetAdapter
 
 MAX_POS = 64
 
@@ -294,8 +294,8 @@ def test_load_with_a_bad_dtype_says_so(dtype) -> None:
 
 
 def test_load_with_a_drafter_of_the_wrong_type(monkeypatch) -> None:
-    import dflashkit.models
+    import dflashkit.target.loading
 
-    monkeypatch.setattr(dflashkit.models, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(dflashkit.target.loading, "load_target", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(InvalidInputError, match="drafter"):
         SpeculativeGenerator.load(drafter=5)

@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from conftest import VOCAB, tiny_drafter, tiny_target
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.text import IncrementalDetokenizer, StopStringMatcher
 

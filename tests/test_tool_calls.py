@@ -6,8 +6,8 @@ import json
 import random
 
 import pytest
-from conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target
-from live_server import TOOLS_TEMPLATE, tiny_byte_generator, tool_generator
+from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target
+from tests.live_server import TOOLS_TEMPLATE, tiny_byte_generator, tool_generator
 
 from dflashkit import SpeculativeGenerator
 from dflashkit.errors import InvalidInputError

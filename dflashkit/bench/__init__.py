@@ -8,8 +8,8 @@ loop), :mod:`.peers` (transformers generate, llama.cpp), :mod:`.assets` (models 
 :mod:`.report` and :mod:`.plots` (JSON, Markdown, PNG), :mod:`.command` (the CLI).
 """
 
-from .methods import Autoregressive, DFlash, Method, Record, Request, TargetSession
-from .runner import BenchConfig, BenchResult, run_bench
+from dflashkit.bench.methods import Autoregressive, DFlash, Method, Record, Request, TargetSession
+from dflashkit.bench.runner import BenchConfig, BenchResult, run_bench
 
 __all__ = ["Autoregressive", "BenchConfig", "BenchResult", "DFlash", "Method", "Record", "Request", "TargetSession",
            "run_bench"]

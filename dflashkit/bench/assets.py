@@ -7,7 +7,7 @@ GGUF once to a bf16 safetensors folder that ``load_target`` loads. The two share
 model is the 1.5B's draft for transformers' assisted generation.
 
 For the llama-server peers, :func:`target_bf16_gguf` and :func:`drafter_gguf` convert the target and a drafter
-once with llama.cpp's own converter (see `dflashkit.export`) and cache the GGUFs under ``<cache>/gguf``.
+once with llama.cpp's own converter (see `dflashkit.interop.export`) and cache the GGUFs under ``<cache>/gguf``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pathlib
 import sys
 from dataclasses import dataclass
 
-from ..errors import DFlashError
-from ..fsutil import atomic_dir
-from ..models import DEFAULT_TARGET, cache_dir, embedded_gguf_path
+from dflashkit.errors import DFlashError
+from dflashkit.fsutil import atomic_dir
+from dflashkit.target.loading import DEFAULT_TARGET, cache_dir, embedded_gguf_path
 
 
 class AssetError(DFlashError, RuntimeError):
@@ -171,7 +171,7 @@ def _files_digest(folder: pathlib.Path) -> str:
 
 def target_bf16_gguf(target: str | None, llama_cpp: str | None = None) -> tuple[pathlib.Path | None, str]:
     """The target as a bf16 GGUF (converted once by llama.cpp's converter, then cached), or (None, why not)."""
-    from ..export import TARGET_GGUF, ExportError, export_target_gguf, target_folder
+    from dflashkit.interop.export import TARGET_GGUF, ExportError, export_target_gguf, target_folder
 
     try:
         folder = target_folder(target)
@@ -186,7 +186,7 @@ def target_bf16_gguf(target: str | None, llama_cpp: str | None = None) -> tuple[
 
 def drafter_gguf(drafter: str, target: str | None, llama_cpp: str | None = None) -> tuple[pathlib.Path | None, str]:
     """A drafter folder as a llama.cpp GGUF (exported once per drafter content, then cached), or (None, why)."""
-    from ..export import DRAFTER_GGUF, ExportError, export_gguf
+    from dflashkit.interop.export import DRAFTER_GGUF, ExportError, export_gguf
 
     folder = pathlib.Path(drafter)
     if not (folder / "config.json").is_file():

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidInputError
-from ..quantize import METHODS as QUANT_METHODS
-from ..tree import check_budget
+from dflashkit.errors import InvalidInputError
+from dflashkit.kernels.int8 import METHODS as QUANT_METHODS
+from dflashkit.decoding.tree import check_budget
 
 METHODS = ("ar", "dflash", "dflash-lookup", "lookup", "hf", "hf-pld", "hf-assisted", "llama.cpp", "llama-server")
 DEFAULTS = {"datasets": "mt-bench,humaneval,math500", "limit": 10, "max_new_tokens": 256, "max_turns": None,
@@ -115,7 +115,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     if any(b < 2 for b in out["block_sizes"] if b != "auto"):
         raise InvalidInputError(f"--block-sizes must be at least 2, got {out['block_sizes']}")
     out["datasets"] = [d.strip() for d in out["datasets"].split(",") if d.strip()]
-    from .datasets import PACKAGED
+    from dflashkit.bench.datasets import PACKAGED
 
     odd = [d for d in out["datasets"] if d not in PACKAGED and not d.startswith(("jsonl:", "hf:")) and not d.endswith(".jsonl")]
     if odd:  # before any model loads
@@ -126,22 +126,22 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_target(name: str | None) -> tuple[str | None, str]:
     """(what load_target gets, a label): packaged models are assembled and converted first."""
-    from .assets import model_folder, packaged
+    from dflashkit.bench.assets import model_folder, packaged
 
     pm = packaged(name)
     if pm is not None:
         return str(model_folder(pm)), pm.name
-    from ..models import DEFAULT_TARGET
+    from dflashkit.target.loading import DEFAULT_TARGET
 
     return name, name or DEFAULT_TARGET
 
 
 def resolve_drafter(choice: str | None, target: str | None, model: Any) -> tuple[Any, str | None, str]:
     """(drafter or None, its label, why not): a folder, 'untrained', or the shipped one."""
-    from ..checkpoint import load_drafter
-    from ..drafter import DFlashDrafter
-    from ..identity import drafter_config_for
-    from ..registry import shipped_drafter
+    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.drafter.network import DFlashDrafter
+    from dflashkit.drafter.identity import drafter_config_for
+    from dflashkit.drafter.registry import shipped_drafter
 
     if choice == "none":
         return None, None, "disabled (--drafter none)"
@@ -160,8 +160,8 @@ def resolve_drafter(choice: str | None, target: str | None, model: Any) -> tuple
 
 def resolve_assistant(choice: str, target_label: str, dtype: torch.dtype, device: str) -> tuple[Any, Any, str, str]:
     """(assistant model, its tokenizer, label, why not) for transformers' assisted generation."""
-    from ..models import DEFAULT_TARGET, load_target
-    from .assets import AssetError, model_folder, packaged
+    from dflashkit.target.loading import DEFAULT_TARGET, load_target
+    from dflashkit.bench.assets import AssetError, model_folder, packaged
 
     if choice == "none":
         return None, None, "", "disabled (--assistant none)"
@@ -184,9 +184,9 @@ def resolve_assistant(choice: str, target_label: str, dtype: torch.dtype, device
 def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespace, target_label: str,
                   threads: int, log_dir: pathlib.Path | None = None) -> tuple[list[Any], str]:  # fmt: skip
     """The methods asked for (unavailable ones as placeholders that the runner lists as skipped)."""
-    from .assets import target_gguf
-    from .methods import KERNELS, Autoregressive, DFlash, PromptLookup, Unavailable
-    from .peers import LlamaCpp, TransformersGenerate
+    from dflashkit.bench.assets import target_gguf
+    from dflashkit.bench.methods import KERNELS, Autoregressive, DFlash, PromptLookup, Unavailable
+    from dflashkit.bench.peers import LlamaCpp, TransformersGenerate
 
     wanted = settings["methods"]
     methods: list[Any] = [Autoregressive(session)]
@@ -235,10 +235,10 @@ def llama_server_methods(args: argparse.Namespace, drafter: str | None, no_draft
                          threads: int, log_dir: pathlib.Path | None) -> list[Any]:  # fmt: skip
     """llama-server on the target's bf16 GGUF and on its packaged quantized GGUF (plain decoding), and llama.cpp's
     DFlash on the bf16 GGUF with the drafter exported to GGUF (all converted once by llama.cpp's converter)."""
-    from ..llama_server import LlamaServerError, find_llama_server
-    from .assets import drafter_gguf, target_bf16_gguf, target_gguf
-    from .methods import KERNELS, OTHER_WEIGHTS
-    from .peers import LlamaServerPeer
+    from dflashkit.interop.llama_server import LlamaServerError, find_llama_server
+    from dflashkit.bench.assets import drafter_gguf, target_bf16_gguf, target_gguf
+    from dflashkit.bench.methods import KERNELS, OTHER_WEIGHTS
+    from dflashkit.bench.peers import LlamaServerPeer
 
     names = ("llama-server-bf16", "llama-server-q", f"llama-server-dflash-b{block_size}")
     try:
@@ -265,11 +265,11 @@ def llama_server_methods(args: argparse.Namespace, drafter: str | None, no_draft
 def cmd_bench(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from ..cpuload import apply_threads, busy_cores, on_cpu
-    from ..models import load_target
-    from .methods import TargetSession
-    from .report import as_json, summary_table, write_outputs
-    from .runner import BenchConfig, run_bench
+    from dflashkit.cpuload import apply_threads, busy_cores, on_cpu
+    from dflashkit.target.loading import load_target
+    from dflashkit.bench.methods import TargetSession
+    from dflashkit.bench.report import as_json, summary_table, write_outputs
+    from dflashkit.bench.runner import BenchConfig, run_bench
 
     settings = settings_from(args)
     cpu = on_cpu(args.device)

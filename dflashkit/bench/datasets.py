@@ -1,7 +1,7 @@
 """Benchmark questions: the packaged evaluation sets, local question files and Hugging Face data sets.
 
 A question is one or more user turns, already in the prompt templates DFlash reports its numbers with
-(see ``dflashkit.evalsets``): MT-Bench turns as they are, HumanEval wrapped as a coding request, MATH-500
+(see ``dflashkit.training.evalsets``): MT-Bench turns as they are, HumanEval wrapped as a coding request, MATH-500
 with the step-by-step ``\\boxed{}`` instruction. Specs accepted by :func:`load_questions`:
 
 * ``mt-bench``, ``humaneval``, ``math500``: the sets shipped in PyPI packages (FastChat's MT-Bench file,
@@ -26,9 +26,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..data import EVAL_SOURCES, DataError, _package_file, jsonl_records
-from ..errors import InvalidInputError
-from ..evalsets import HUMANEVAL_PREFIX, INSTALL, MATH_SUFFIX
+from dflashkit.training.sources import EVAL_SOURCES, DataError, _package_file, jsonl_records
+from dflashkit.errors import InvalidInputError
+from dflashkit.training.evalsets import HUMANEVAL_PREFIX, INSTALL, MATH_SUFFIX
 
 PACKAGED = {"mt-bench": "mt-bench", "humaneval": "humaneval", "math500": "mmath"}  # set name: EVAL_SOURCES key
 HF_FIELDS = ("prompt", "question", "problem", "instruction", "text")

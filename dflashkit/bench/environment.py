@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import row_kernels
+from dflashkit.kernels import row_kernels
 
 PACKAGES = ("dflashkit", "torch", "transformers", "tokenizers", "llama-cpp-python", "matplotlib", "numpy")
 

@@ -21,16 +21,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..adaptive import AdaptiveBlockSize, BlockPolicies
-from ..decode import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
-from ..drafter import DFlashDrafter
-from ..generator import COUPLED_TREE, default_tree, default_tree_copies
-from ..lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
-from ..ngram_store import NgramStore
-from ..sampling import SamplingParams
-from ..stats import DecodeStats
-from ..target import TargetAdapter
-from ..text import eos_token_ids
+from dflashkit.decoding.adaptive import AdaptiveBlockSize, BlockPolicies
+from dflashkit.decoding.loop import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.generator import COUPLED_TREE, default_tree, default_tree_copies
+from dflashkit.decoding.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from dflashkit.drafter.ngram_store import NgramStore
+from dflashkit.decoding.sampling import SamplingParams
+from dflashkit.decoding.stats import DecodeStats
+from dflashkit.target.adapter import TargetAdapter
+from dflashkit.text import eos_token_ids
 
 # How a method's greedy tokens relate to the baseline's:
 EXACT = "exact"  # same loop, weights, dtype and kernels: identical up to bf16 ties (a non-tie is a bug)

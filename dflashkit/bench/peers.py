@@ -22,7 +22,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from .methods import KERNELS, OTHER_WEIGHTS, Method, Record, Request, TargetSession
+from dflashkit.bench.methods import KERNELS, OTHER_WEIGHTS, Method, Record, Request, TargetSession
 
 LLAMA_CPP_INSTALL = "pip install 'dflashkit[llamacpp]' (llama-cpp-python; it compiles llama.cpp, ~8 minutes on 2 cores)"
 
@@ -251,7 +251,7 @@ class LlamaServerPeer(Method):
 
     def _server(self) -> Any:
         if self.server is None:
-            from ..llama_server import LlamaServer
+            from dflashkit.interop.llama_server import LlamaServer
 
             log = pathlib.Path(self.log_dir) / f"{self.name}.log" if self.log_dir else None
             self.server = LlamaServer(self.binary, self.model_gguf, drafter=self.drafter_gguf,

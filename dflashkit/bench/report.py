@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from ..fsutil import atomic_write
-from ..quantize import is_quantized
-from . import environment
-from .methods import EXACT, KERNELS, OTHER_WEIGHTS
-from .metrics import __doc__ as METRICS_DOC
-from .runner import BenchResult
+from dflashkit.fsutil import atomic_write
+from dflashkit.kernels.int8 import is_quantized
+from dflashkit.bench import environment
+from dflashkit.bench.methods import EXACT, KERNELS, OTHER_WEIGHTS
+from dflashkit.bench.metrics import __doc__ as METRICS_DOC
+from dflashkit.bench.runner import BenchResult
 
 FORMAT = "dflashkit-bench/1"
 COMPARABLE = {
@@ -208,7 +208,7 @@ def write_outputs(data: dict[str, Any] | BenchResult, out_dir: str | pathlib.Pat
                   log: Callable[[str], None] | None = None) -> dict[str, pathlib.Path]:  # fmt: skip
     """results.json (or json_path), summary.md and the PNG plots of a result (or its :func:`as_json`);
     returns {kind: path}. Without matplotlib the plots are left out with a line saying so."""
-    from .plots import plots_available, write_plots
+    from dflashkit.bench.plots import plots_available, write_plots
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ baseline's answer to the previous turn, so every method sees the same context.
 Losslessness: at temperature 0 each method's tokens are compared with the baseline's, and at any temperature
 with ``sampler="coupled"`` (dflashkit's methods against a dflashkit baseline: the seed's plain sampled output,
 whatever was drafted). Where they part,
-the baseline is decoded again, untimed, with a :class:`~dflashkit.lossless.DivergenceRecorder` that judges
+the baseline is decoded again, untimed, with a :class:`~dflashkit.decoding.lossless.DivergenceRecorder` that judges
 the first differing token on the baseline's own logits (noisy scores when coupled; a bf16 tie or not). A
 non-tie divergence of a
 dflashkit method is a bug: the run reports it and its exit code is 1.
@@ -28,13 +28,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..errors import InvalidInputError
-from ..lossless import DivergenceRecorder
-from ..sampling import check_sampler
-from ..text import encode_chat
-from .datasets import Question, load_questions
-from .methods import EXACT, KERNELS, OTHER_WEIGHTS, Method, Record, Request, TargetSession, run_decode_loop
-from .metrics import RunRow, summarize
+from dflashkit.errors import InvalidInputError
+from dflashkit.decoding.lossless import DivergenceRecorder
+from dflashkit.decoding.sampling import check_sampler
+from dflashkit.text import encode_chat
+from dflashkit.bench.datasets import Question, load_questions
+from dflashkit.bench.methods import EXACT, KERNELS, OTHER_WEIGHTS, Method, Record, Request, TargetSession, run_decode_loop
+from dflashkit.bench.metrics import RunRow, summarize
 
 
 @dataclass
@@ -47,7 +47,7 @@ class BenchConfig:
     max_turns: int | None = None  # None: every turn
     warmup_tokens: int = 16
     progress: bool = True
-    sampler: str = "rejection"  # dflashkit's methods at temperature > 0: "rejection" or "coupled" (dflashkit.sampling)
+    sampler: str = "rejection"  # dflashkit's methods at temperature > 0: "rejection" or "coupled" (dflashkit.decoding.sampling)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -6,7 +6,7 @@ prometheus_client).
     uvicorn.run(app, port=8000)          # or: dflashkit serve --drafter path/to/drafter --port 8000
 """
 
-from .app import ServerSettings, create_app
-from .errors import APIError
+from dflashkit.server.app import ServerSettings, create_app
+from dflashkit.server.errors import APIError
 
 __all__ = ["APIError", "ServerSettings", "create_app"]

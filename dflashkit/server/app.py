@@ -25,44 +25,27 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from ..batching import BatchMember, ComputeThread, ForwardBatcher
-from ..chat import completed_turn, continued_prompt
-from ..config import check_proposal_temperature
-from ..cpuload import LoadWatcher, on_cpu, threads_hint
-from ..decode import check_draft_window
-from ..errors import InvalidInputError
-from ..generator import (
-    GenerationResult,
-    GenerationStream,
-    SpeculativeGenerator,
-    TextDelta,
-    default_block_size,
-    default_lookup,
-)
-from ..grammar import CompiledGrammar, Grammar
-from ..penalties import Penalties
-from ..prefix_cache import PrefixCache
-from ..sampling import SamplingParams, check_sampler
-from ..text import IncrementalDetokenizer, render_chat
-from ..tool_calls import ToolError, ToolRequest, template_messages
-from ..tree import check_tree_option
-from . import messages_api
-from .errors import APIError, bad_request, from_exception, install_error_handlers
-from .metrics import RequestCounter, ServerMetrics
-from .responses import Echo, ResponseBuilder, sse_event
-from .responses_api import (
-    Continuation,
-    ResponsesBuilder,
-    ResponsesRequest,
-    ResponseStore,
-    StoredResponse,
-    listed_items,
-    next_turn,
-    renamed,
-    stored_messages,
-)
-from .scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
-from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from dflashkit.decoding.batching import BatchMember, ComputeThread, ForwardBatcher
+from dflashkit.chat import completed_turn, continued_prompt
+from dflashkit.drafter.config import check_proposal_temperature
+from dflashkit.cpuload import LoadWatcher, on_cpu, threads_hint
+from dflashkit.decoding.loop import check_draft_window
+from dflashkit.errors import InvalidInputError
+from dflashkit.generator import GenerationResult, GenerationStream, SpeculativeGenerator, TextDelta, default_block_size, default_lookup
+from dflashkit.decoding.grammar import CompiledGrammar, Grammar
+from dflashkit.decoding.penalties import Penalties
+from dflashkit.decoding.prefix_cache import PrefixCache
+from dflashkit.decoding.sampling import SamplingParams, check_sampler
+from dflashkit.text import IncrementalDetokenizer, render_chat
+from dflashkit.tool_calls import ToolError, ToolRequest, template_messages
+from dflashkit.decoding.tree import check_tree_option
+from dflashkit.server import messages_api
+from dflashkit.server.errors import APIError, bad_request, from_exception, install_error_handlers
+from dflashkit.server.metrics import RequestCounter, ServerMetrics
+from dflashkit.server.responses import Echo, ResponseBuilder, sse_event
+from dflashkit.server.responses_api import Continuation, ResponsesBuilder, ResponsesRequest, ResponseStore, StoredResponse, listed_items, next_turn, renamed, stored_messages
+from dflashkit.server.scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
+from dflashkit.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
 log = logging.getLogger("dflashkit.server")
 
@@ -84,13 +67,13 @@ class ServerSettings:
 
     model_id: str | None = None  # the name clients send; None: the target's name or path
     max_queue: int = 16  # requests that may wait while max_batch run; more are answered 429
-    max_batch: int = 4  # generations that run at once, their target passes batched (dflashkit.batching)
+    max_batch: int = 4  # generations that run at once, their target passes batched (dflashkit.decoding.batching)
     timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     default_max_tokens: int = 256  # when a request gives none (capped by the context)
     block_size: int | str | None = None  # verify block size ("auto": adaptive; None: "auto", with `tree` the drafter's)
     proposal: str = "sample"  # how drafts are proposed when sampling ("sample" or "argmax"; both exact)
     proposal_temperature: float | None = None  # drafts drawn at this multiple of the temperature (None: the drafter's)
-    sampler: str | None = None  # "rejection" / "coupled" (None: coupled for requests with a seed; dflashkit.sampling)
+    sampler: str | None = None  # "rejection" / "coupled" (None: coupled for requests with a seed; dflashkit.decoding.sampling)
     lookup: bool | None = None  # prompt lookup: copy a repeated n-gram's continuation (None: on with a drafter)
     tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: the default; 0: chains)
     draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
@@ -175,7 +158,7 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
                compute: ComputeThread | None = None, **kwargs: Any) -> FastAPI:
     """An app serving `generator`; `settings`, or ServerSettings fields as keyword arguments.
 
-    Every pass of the target and the drafter runs in one thread (:class:`~dflashkit.batching.ComputeThread`):
+    Every pass of the target and the drafter runs in one thread (:class:`~dflashkit.decoding.batching.ComputeThread`):
     ``compute``, served by the caller (``dflashkit serve`` serves it in the main thread, where the model was loaded
     and warmed up), or by default one the app starts with itself."""
     settings = settings if settings is not None else ServerSettings(**kwargs)

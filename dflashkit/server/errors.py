@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import DFlashError
+from dflashkit.errors import DFlashError
 
 log = logging.getLogger("dflashkit.server")
 

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
-from ..generator import GenerationResult, TextDelta
-from ..tool_calls import ToolCall
-from .errors import APIError, bad_request
-from .responses import ResponseBuilder, usage
-from .schemas import ChatCompletionRequest, OpenAIRequest, chat_request
+from dflashkit.generator import GenerationResult, TextDelta
+from dflashkit.tool_calls import ToolCall
+from dflashkit.server.errors import APIError, bad_request
+from dflashkit.server.responses import ResponseBuilder, usage
+from dflashkit.server.schemas import ChatCompletionRequest, OpenAIRequest, chat_request
 
 if TYPE_CHECKING:
-    from .app import Plan
+    from dflashkit.server.app import Plan
 
 PATH = "/v1/messages"
 # chat request fields, as the Messages API names them (for the error messages)

@@ -9,13 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..generator import GenerationResult, TextDelta
-from ..logprobs import TokenLogprob
-from ..stats import DecodeStats
-from ..tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from dflashkit.generator import GenerationResult, TextDelta
+from dflashkit.target.logprobs import TokenLogprob
+from dflashkit.decoding.stats import DecodeStats
+from dflashkit.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 if TYPE_CHECKING:
-    from .app import Plan
+    from dflashkit.server.app import Plan
 
 
 def sse_event(payload: dict[str, Any]) -> str:

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
-from ..generator import GenerationResult, TextDelta
-from ..logprobs import MAX_TOP_LOGPROBS
-from ..tool_calls import ToolCall
-from .errors import APIError, bad_request
-from .responses import ResponseBuilder, usage
-from .schemas import ChatCompletionRequest, OpenAIRequest, Stop, chat_request
+from dflashkit.generator import GenerationResult, TextDelta
+from dflashkit.target.logprobs import MAX_TOP_LOGPROBS
+from dflashkit.tool_calls import ToolCall
+from dflashkit.server.errors import APIError, bad_request
+from dflashkit.server.responses import ResponseBuilder, usage
+from dflashkit.server.schemas import ChatCompletionRequest, OpenAIRequest, Stop, chat_request
 
 if TYPE_CHECKING:
-    from .app import Plan
+    from dflashkit.server.app import Plan
 
 # chat request fields, as the Responses API names them (for the `param` of a 400)
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",

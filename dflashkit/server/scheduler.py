@@ -1,8 +1,8 @@
 """Generations off the event loop, first come first served, up to ``max_batch`` at a time.
 
 Worker threads (``max_batch`` of them) take queued jobs in arrival order, each running one generation at a
-time. With a :class:`~dflashkit.batching.ForwardBatcher`, the running generations are its members: their target
-passes run as one batched pass per round in the batcher's compute thread (:mod:`dflashkit.batching`), each
+time. With a :class:`~dflashkit.decoding.batching.ForwardBatcher`, the running generations are its members: their target
+passes run as one batched pass per round in the batcher's compute thread (:mod:`dflashkit.decoding.batching`), each
 generation's tokens unchanged; with ``max_batch`` 1 one generation runs at a time, all of it in the compute thread
 (no handoffs between threads: they cost a lone generation ~2-3% on a 2-core CPU). Each job streams its deltas to
 its own asyncio queue (outputs are never mixed), and is checked for cancellation between decode steps: a client that
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..batching import BatchMember, ForwardBatcher, member_thread
-from ..generator import GenerationResult, GenerationStream, TextDelta
+from dflashkit.decoding.batching import BatchMember, ForwardBatcher, member_thread
+from dflashkit.generator import GenerationResult, GenerationStream, TextDelta
 
 log = logging.getLogger("dflashkit.server")
 

@@ -10,11 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..errors import InvalidInputError
-from ..grammar import Grammar
-from ..logprobs import MAX_TOP_LOGPROBS
-from ..tool_calls import ToolError, ToolRequest
-from .errors import bad_request
+from dflashkit.errors import InvalidInputError
+from dflashkit.decoding.grammar import Grammar
+from dflashkit.target.logprobs import MAX_TOP_LOGPROBS
+from dflashkit.tool_calls import ToolError, ToolRequest
+from dflashkit.server.errors import bad_request
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # n: choices per request, generated one after another

@@ -1,0 +1,1058 @@
+"""Training DFlash drafters: random anchors, the block attention mask, the position-decayed loss, a loop.
+
+One training example is a target-regenerated sequence (prompt + response). The target runs once over it
+(frozen) to give the feature-layer hidden states; N anchors are drawn among response tokens whose next
+token is also a response token; each anchor opens a block [anchor, MASK x (B-1)] at positions anchor+k.
+All blocks of a sequence are trained in one drafter pass under a mask where a block sees the context
+strictly before its anchor and its own block (bidirectionally), nothing else. The loss is cross-entropy
+at block offsets 1..B-1 against the sequence's tokens, weighted by exp(-(k-1)/γ) and normalised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflashkit.drafter.checkpoint import load_drafter, save_drafter, write_drafter_files
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.training.distributed import SINGLE, Parallel
+from dflashkit.drafter.network import BlockMask, DFlashDrafter
+from dflashkit.errors import InvalidInputError
+from dflashkit.training.features import FeatureStore
+from dflashkit.fsutil import atomic_dir, atomic_write
+from dflashkit.drafter.identity import check_compatible, drafter_config_for, target_identity
+from dflashkit.target.adapter import TargetAdapter
+
+# ---- the method's pieces (pure functions, tested element-wise) ----------------------------------------------
+
+
+def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Random anchors per sequence among positions i with loss_mask[i] and loss_mask[i+1].
+
+    loss_mask [S, L] bool. Returns sorted anchors [S, N] (long) and keep [S, N] (bool; False marks padding
+    blocks of sequences with fewer than N valid anchors, whose anchor is set to 0).
+    """
+    S, L = loss_mask.shape
+    valid = torch.zeros_like(loss_mask)
+    valid[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
+    scores = torch.rand(S, L, generator=generator).to(loss_mask.device)
+    scores = scores.masked_fill(~valid, 2.0)  # invalid positions sort last
+    order = scores.argsort(dim=1)[:, :num_anchors]  # [S, N] random distinct positions, valid first
+    n = min(num_anchors, L)
+    keep = torch.arange(n, device=loss_mask.device)[None] < valid.sum(1, keepdim=True)
+    anchors = torch.where(keep, order, torch.zeros_like(order))
+    anchors, perm = torch.sort(torch.where(keep, anchors, torch.full_like(anchors, L)), dim=1)
+    keep = torch.gather(keep, 1, perm)
+    return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
+
+
+def context_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_size: int) -> Tensor:
+    """Context keys each block query sees: bool [S, N*B, seq_len], True where j < anchor of its block
+    (strictly: the anchor's own feature is not yet known at inference); padding blocks see none."""
+    anchor_of_query = anchors.repeat_interleave(block_size, 1)  # [S, N*B]
+    visible = torch.arange(seq_len, device=anchors.device)[None, None, :] < anchor_of_query[:, :, None]
+    return visible & keep.repeat_interleave(block_size, 1)[:, :, None]
+
+
+def training_attention_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_size: int) -> Tensor:
+    """The dense form of the training mask: bool [S, 1, N*B, seq_len + N*B].
+
+    Keys are [context 0..seq_len-1 | block 0 | ... | block N-1]; a query of block b sees context j < anchor_b
+    and all B positions of block b; padding blocks (keep False) see nothing. Training computes the same
+    thing block-sparsely (drafter.BlockMask); this form is the reference the tests compare against.
+    """
+    S, N = anchors.shape
+    q_block = torch.arange(N * block_size, device=anchors.device) // block_size
+    own = (q_block[:, None] == q_block[None, :])[None] & keep.repeat_interleave(block_size, 1)[:, :, None]
+    return torch.cat((context_mask(anchors, keep, seq_len, block_size), own), dim=2)[:, None]
+
+
+def block_hidden(drafter: DFlashDrafter, ids: Tensor, anchors: Tensor, keep: Tensor, embed_tokens: torch.nn.Module,
+                 *, features: Tensor | None = None, context: list | None = None) -> Tensor:
+    """Teacher-forced drafter hidden states [S, N, B-1, H] of the blocks anchored at anchors [S, N] in ids [S, L]:
+    each block is its anchor token then mask tokens, and sees the target's features of the positions strictly
+    before its anchor (the mask of §4.3): ``features`` [S, L, n_feat*H], or their injected K/V ``context`` when
+    already computed. What training scores, and what the offline estimates (scripts/) look at."""
+    S, L = ids.shape
+    B, N = drafter.block_size, anchors.shape[1]
+    block_ids = torch.full((S, N, B), drafter.config.mask_token_id, device=ids.device)
+    block_ids[:, :, 0] = torch.gather(ids, 1, anchors)
+    positions = (anchors[:, :, None] + torch.arange(B, device=ids.device)).flatten(1)  # [S, N*B]
+    mask = BlockMask(context_mask(anchors, keep, L, B), B)  # padding blocks see only themselves: no NaN
+    emb = drafter.embed(block_ids.flatten(1), embed_tokens)  # [S, N*B, H]; the target's rows detached inside
+    if context is None:
+        if features is None:
+            raise InvalidInputError("block_hidden needs the target's features or their injected context")
+        context = drafter.context_key_values(features, torch.arange(L, device=ids.device))
+    return drafter(emb, positions, context, mask).view(S, N, B, -1)[:, :, 1:]
+
+
+@torch.inference_mode()
+def teacher_forced_scores(drafter: DFlashDrafter, target, ids: list[int], start: int,
+                          chunk: int = 64) -> Iterator[tuple[Tensor, Tensor]]:
+    """The drafter's scores at every anchor a in [start, len(ids)-2] of one sequence, teacher-forced as training
+    sees it (the target's features of the text before a): (anchors [N], fp32 scores [N, B-1, V']) per chunk of
+    anchors, over the draft vocabulary (``drafter.draft_vocab``; the whole vocabulary without one). ``target``: a
+    :class:`~dflashkit.target.adapter.TargetAdapter`. What the offline estimates of scripts/ read."""
+    L = len(ids)
+    seq = torch.tensor([ids])
+    context = drafter.context_key_values(target.features(seq), torch.arange(L))  # [1, L, F] -> per-layer K/V
+    head, _ = drafter._draft_head(target.lm_head)
+    for first in range(start, L - 1, chunk):
+        anchors = torch.arange(first, min(first + chunk, L - 1))[None]  # [1, N]
+        hidden = block_hidden(drafter, seq, anchors, torch.ones_like(anchors, dtype=torch.bool), target.embed_tokens,
+                              context=context)[0]  # [N, B-1, H]
+        yield anchors[0], head(hidden).float()  # [N], [N, B-1, V']
+
+
+class BlockStates(torch.nn.Module):
+    """:func:`block_hidden` as one module call: what DistributedDataParallel wraps (it syncs the gradients of
+    what its forward runs). Only the drafter is a submodule; the target's frozen embedding table is held
+    outside the module tree, so that data parallelism neither broadcasts nor syncs it."""
+
+    def __init__(self, drafter: DFlashDrafter, embed_tokens: torch.nn.Module) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self._frozen = (embed_tokens,)
+
+    def forward(self, ids: Tensor, anchors: Tensor, keep: Tensor, features: Tensor) -> Tensor:
+        return block_hidden(self.drafter, ids, anchors, keep, self._frozen[0], features=features)
+
+
+LOSS_CHUNK_ROWS = 256  # rows of [rows, V] logits per chunk of the loss on a CPU (256 x 8,192 fp32: 8 MB)
+DEVICE_LOSS_CHUNK_ROWS = 16384  # elsewhere (512 MB): a GPU step is bound by dispatching its operations, and each
+# chunk costs ~40 aten calls (forward, backward, argmax; 11,247 against 10,967 per step for 8 chunks against 1): 256-row
+# chunks of 64 sequences x 32 blocks x 15 positions were ~4,700 more per step
+
+
+def loss_chunk_rows(logits: Tensor) -> int:
+    """Rows per chunk of the loss and the accuracy's argmax over logits [rows, V] on their device."""
+    return LOSS_CHUNK_ROWS if logits.device.type == "cpu" else DEVICE_LOSS_CHUNK_ROWS
+
+
+def position_weights(block_size: int, gamma: float) -> Tensor:
+    """w_k = exp(-(k-1)/γ) for block offsets k = 1..B-1 (offset 0, the anchor, carries no loss)."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_targets(
+    input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, anchors: Tensor, keep: Tensor, block_size: int, gamma: float
+) -> tuple[Tensor, Tensor]:
+    """Labels [S, N, B-1] (the token at anchor+k) and loss weights [S, N, B-1] for offsets k = 1..B-1.
+
+    weight = keep · (anchor+k < length) · loss_mask[anchor+k] · exp(-(k-1)/γ); no cumulative product.
+    """
+    S, L = input_ids.shape
+    k = torch.arange(1, block_size, device=anchors.device)
+    pos = anchors[:, :, None] + k  # [S, N, B-1]
+    inside = pos < lengths[:, None, None]
+    pos_c = pos.clamp(max=L - 1)
+    labels = torch.gather(input_ids, 1, pos_c.flatten(1)).view_as(pos)
+    supervised = torch.gather(loss_mask, 1, pos_c.flatten(1)).view_as(pos)
+    weights = (keep[:, :, None] & inside & supervised).float() * position_weights(block_size, gamma).to(pos.device)
+    return labels, weights
+
+
+def acceptance_weights(label_prob: Tensor, valid: Tensor, alpha: float = 0.5) -> Tensor:
+    """D-PACE's loss weights [..., B-1] (arXiv 2605.18810; ModelOpt's default DFlash objective): the drafter's own
+    (detached) probability q_k of each label gives s_k = (1-α)·q_k + α, a smoothed chance that offset k is accepted;
+    prefix_k = Π_{j<=k} s_j is the chance that the block is accepted through k, and w_k = Σ_{j>=k} prefix_j the
+    accepted length that depends on offset k (every later offset needs it). So the loss spends itself where the
+    drafter already reaches, instead of a fixed decay. An offset without a label (past the sequence end, a token
+    outside the draft vocabulary, not supervised) can never be accepted: s = 0 there, which ends the prefix."""
+    s = torch.where(valid, (1 - alpha) * label_prob.detach().float() + alpha, 0.0)  # [..., B-1]
+    prefix = torch.cumprod(s, -1)
+    return prefix.flip(-1).cumsum(-1).flip(-1) * valid
+
+
+def block_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Cross-entropy of every block position [...] (fp32), logits [..., V] and labels [...]: what the losses weight,
+    and exp(-CE) the drafter's own probability of each label (D-PACE's weights)."""
+    # in chunks of rows: each chunk's fp32 copy, log-softmax and their gradients stay in the CPU's caches instead
+    # of making several passes through memory over [rows, V] (the same values: every row's CE is its own)
+    rows, chunk = logits.flatten(0, -2), loss_chunk_rows(logits)
+    return torch.cat([F.cross_entropy(part.float(), part_labels, reduction="none")
+                      for part, part_labels in zip(rows.split(chunk), labels.flatten().split(chunk))]).view_as(labels)
+
+
+def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor, total_weight: Tensor | None = None, *,
+                        ce: Tensor | None = None) -> Tensor:
+    """Σ CE·w / Σ w over all block positions; logits [..., V], labels/weights [...] (``ce``: their
+    :func:`block_cross_entropy`, where already computed).
+
+    ``total_weight``: the denominator when these positions are one process's part of a batch spread over
+    several (Σ w over the whole batch), so that the parts add up to the whole batch's loss."""
+    ce = block_cross_entropy(logits, labels) if ce is None else ce
+    total = weights.sum() if total_weight is None else total_weight
+    return (ce * weights).sum() / total.clamp_min(1e-9)
+
+
+def row_argmax(logits: Tensor) -> Tensor:
+    """argmax over the last dimension of logits [..., V] (any float dtype), in row chunks converted to fp32 (exact;
+    the same index, ties to the first): torch's CPU argmax over bf16 is several times slower than over fp32."""
+    rows = logits.detach().flatten(0, -2)
+    return torch.cat([part.float().argmax(-1) for part in rows.split(loss_chunk_rows(rows))]).view(logits.shape[:-1])
+
+
+def soft_block_targets(
+    top_ids: Tensor, top_logprobs: Tensor, anchors: Tensor, block_size: int, column_of: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The target's own distribution over the token at anchor+k (k = 1..B-1), as soft labels.
+
+    top_ids / top_logprobs [S, L, K]: the target's K likeliest next tokens after each position and their
+    log-probabilities (TargetAdapter.features_and_top_logprobs); the token at anchor+k is predicted at
+    position anchor+k-1. ``column_of`` [vocab] maps token ids to loss columns (a draft vocabulary; -1: not in
+    it, dropped). Returns columns [S, N, B-1, K] (long; 0 where dropped) and probabilities [S, N, B-1, K]
+    renormalised over the kept entries (all 0 where none is kept). Positions past the sequence end get
+    whatever the padding row holds: their loss weight is 0 (block_targets).
+    """
+    S, L, K = top_ids.shape
+    k = torch.arange(1, block_size, device=anchors.device)
+    rows = (anchors[:, :, None] + k - 1).clamp(max=L - 1).flatten(1)  # [S, N*(B-1)]
+    index = rows[:, :, None].expand(-1, -1, K)
+    ids = torch.gather(top_ids, 1, index).view(S, anchors.shape[1], block_size - 1, K)
+    probs = torch.gather(top_logprobs, 1, index).view_as(ids).float().exp()
+    if column_of is not None:
+        ids = column_of[ids]
+        probs = probs * (ids >= 0)
+        ids = ids.clamp_min(0)
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+    return ids, probs
+
+
+def soft_block_loss(logits: Tensor, columns: Tensor, probs: Tensor, weights: Tensor,
+                    total_weight: Tensor | None = None) -> Tensor:
+    """Σ w · (−Σ_j p_j log softmax(logits)[c_j]) / Σ w: cross-entropy against the target's own distribution
+    (its top K, renormalised), i.e. forward KL up to a constant; logits [..., V], columns/probs [..., K].
+    ``total_weight`` as in :func:`weighted_block_loss`."""
+    logq = logits.float().log_softmax(-1).gather(-1, columns)  # [..., K]
+    ce = -(probs * logq).sum(-1)
+    total = weights.sum() if total_weight is None else total_weight
+    return (ce * weights).sum() / total.clamp_min(1e-9)
+
+
+# ---- data --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingSequence:
+    input_ids: list[int]
+    num_prompt: int  # tokens before the response
+    source: int = 0  # index of the data folder it came from
+
+
+def data_folders(data_dir: str | os.PathLike) -> list[Path]:
+    """One data folder, or several separated by commas."""
+    return [Path(p).expanduser() for p in str(data_dir).split(",") if p.strip()]
+
+
+def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSequence]:
+    """Prompt + regenerated response pairs from `dflashkit data` shards (one or comma-separated folders, in
+    order; a shard still in progress gives the answers finished in it), cut to max_len tokens.
+
+    A prompt may come with several responses (e.g. sampled regenerations at a temperature): each distinct one
+    is kept. A response that repeats one already kept for the same prompt, or is a prefix of it (the same greedy
+    answer with a shorter length limit), is used once; a longer one replaces the shorter it extends.
+    """
+    from dflashkit.training.sources import load_shards
+
+    kept: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}  # prompt -> [(response, source)]
+    for source, folder in enumerate(data_folders(data_dir)):
+        for rec in load_shards(folder, include_partial=True):  # a shard in progress gives its finished answers
+            prompt, response = tuple(rec["prompt_ids"]), tuple(rec["response_ids"])
+            answers = kept.setdefault(prompt, [])
+            if any(old[: len(response)] == response for old, _ in answers):
+                continue  # the same answer, or a prefix of one already kept
+            extended = [i for i, (old, _) in enumerate(answers) if response[: len(old)] == old]
+            if extended:
+                answers[extended[0]] = (response, answers[extended[0]][1])
+            else:
+                answers.append((response, source))
+    seqs = []
+    for prompt, answers in kept.items():
+        for response, source in answers:
+            ids = list(prompt + response)[:max_len]
+            if len(ids) - len(prompt) >= 2:
+                seqs.append(TrainingSequence(ids, len(prompt), source))
+    if not seqs:
+        raise InvalidInputError(f"{data_dir}: no training sequences with at least 2 response tokens")
+    return seqs
+
+
+def batches(seqs: list[TrainingSequence], per_step: int, seed: int) -> Iterator[list[TrainingSequence]]:
+    """Endless batches of similar-length sequences (length-bucketed, reshuffled every epoch)."""
+    rng = random.Random(seed)
+    while True:
+        order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].input_ids), rng.random()))
+        groups = [order[i : i + per_step] for i in range(0, len(order), per_step)]
+        rng.shuffle(groups)
+        for g in groups:
+            yield [seqs[i] for i in g]
+
+
+GPU_PAD_MULTIPLE = 16  # see Trainer.pad_multiple
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """`length` rounded up to a multiple of `multiple`."""
+    return -(-length // multiple) * multiple
+
+
+def collate(batch: list[TrainingSequence], pad_id: int, multiple: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """input_ids [S, L] (right-padded to a multiple of `multiple`), loss_mask [S, L] (response tokens), lengths [S]."""
+    L = padded_length(max(len(s.input_ids) for s in batch), multiple)
+    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), L), dtype=torch.bool)
+    for i, s in enumerate(batch):
+        ids[i, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        mask[i, s.num_prompt : len(s.input_ids)] = True
+    return ids, mask, torch.tensor([len(s.input_ids) for s in batch])
+
+
+def draft_vocabulary(seqs: list[TrainingSequence], size: int) -> Tensor:
+    """The `size` most frequent response tokens: the loss's vocabulary (cheaper LM head in training)."""
+    counts = torch.zeros(max(max(s.input_ids) for s in seqs) + 1, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(torch.tensor(s.input_ids[s.num_prompt :]), minlength=counts.numel())
+    return counts.argsort(descending=True)[:size].sort().values
+
+
+# ---- the training loop -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    data_dir: str
+    out_dir: str
+    target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    num_layers: int | None = 3  # None: the --init drafter's depth (3 without one)
+    block_size: int = 16
+    gamma: float = 7.0
+    # per-offset loss weights: "decay" (exp(-(k-1)/gamma), the paper's), "dpace" (acceptance_weights, dpace_alpha)
+    loss_weighting: str = "decay"
+    dpace_alpha: float = 0.5
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None  # None: learned mask vector
+    init_from_target: bool = True
+    # start from this drafter's weights (same shape, or fewer layers: deepened); its draft vocabulary is kept
+    init_drafter: str | None = None
+    anchors_per_seq: int = 32
+    seqs_per_step: int = 8
+    grad_accum: int = 1
+    steps: int = 2000
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    max_seq_len: int = 768
+    draft_vocab_size: int | None = 8192  # None: full vocabulary in the loss
+    cache_features: bool = True  # run the target once per sequence; features kept in OUT/features (disk)
+    distill_topk: int = 0  # > 0: also learn the target's own distribution (its top K per position; OUT/soft-labels)
+    distill_weight: float = 0.5  # loss = (1 - w) * hard cross-entropy + w * soft cross-entropy
+    eval_every: int = 250
+    eval_prompts: int = 6
+    eval_sets: list[str] | None = None  # also τ on these evaluation sets' prompts at each evaluation ("mt-bench", ...)
+    eval_set_prompts: int = 4  # prompts per evaluation set (a seeded subset)
+    checkpoint_every: int = 100
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "bf16"  # the drafter's forward: "bf16" autocast over fp32 master weights, or "fp32" throughout
+    compile: bool = False  # the drafter's training forward through torch.compile (inductor); eager where it fails
+    # > 0: train for about this many seconds (from the first step): the step rate measured over early steps (once
+    # the feature caches are full) sizes the schedule (warmup and cosine decay) to end in time; `steps` is then the
+    # most it may run, and the schedule's length until the measurement (keep it near what may fit: its warmup is
+    # the run's first steps')
+    time_budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse settings that would train nothing useful (a NaN loss, a negative rate) before anything runs."""
+        def bad(name: str, why: str) -> InvalidInputError:
+            return InvalidInputError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        for name in ("num_layers", "anchors_per_seq", "seqs_per_step", "grad_accum", "steps", "max_seq_len",
+                     "eval_every", "eval_prompts", "checkpoint_every", "eval_set_prompts"):
+            value = getattr(self, name)
+            if name == "num_layers" and value is None:  # the --init drafter's depth (3 without one)
+                continue
+            least = 0 if name in ("eval_every", "eval_prompts", "checkpoint_every") else 1  # 0: never
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise bad(name, f"must be an integer >= {least}")
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise bad("block_size", "must be an integer >= 2 (the anchor and at least one draft)")
+        for name in ("gamma", "lr"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise bad(name, "must be a finite number > 0")
+        if self.loss_weighting not in ("decay", "dpace"):
+            raise bad("loss_weighting", "must be 'decay' or 'dpace'")
+        if not (0 <= self.dpace_alpha <= 1):
+            raise bad("dpace_alpha", "must be in [0, 1]")
+        if not (0 <= self.warmup_ratio < 1):
+            raise bad("warmup_ratio", "must be a fraction of the steps in [0, 1)")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0) or not (math.isfinite(self.clip) and self.clip > 0):
+            raise InvalidInputError(f"weight_decay must be >= 0 and clip > 0, got {self.weight_decay}, {self.clip}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise bad("draft_vocab_size", "must be a positive number of tokens (None: the whole vocabulary)")
+        if self.distill_topk < 0 or not (0 <= self.distill_weight <= 1):
+            raise InvalidInputError(f"distill_topk must be >= 0 and distill_weight in [0, 1], got "
+                                    f"{self.distill_topk}, {self.distill_weight}")
+        if self.target_layer_ids is not None and (not self.target_layer_ids or any(
+                not isinstance(i, int) or i < 0 for i in self.target_layer_ids)):
+            raise bad("target_layer_ids", "must be a non-empty list of layer indices >= 0")
+        if self.eval_sets is not None:
+            from dflashkit.training.evalsets import INSTALL
+
+            unknown = [name for name in self.eval_sets if name not in INSTALL]
+            if unknown or not self.eval_sets:
+                raise bad("eval_sets", f"must name evaluation sets among {', '.join(INSTALL)}")
+        if self.precision not in ("bf16", "fp32"):
+            raise bad("precision", 'must be "bf16" or "fp32"')
+        if self.time_budget_s is not None and not (math.isfinite(self.time_budget_s) and self.time_budget_s > 0):
+            raise bad("time_budget_s", "must be a number of seconds > 0 (None: no budget)")
+        if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
+            raise InvalidInputError(f"the output {self.out_dir} is a file, not a folder: choose another --out")
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int | None = None) -> float:
+    """Linear warmup, then cosine decay to 0 over ``total`` steps (default: ``cfg.steps``)."""
+    total = cfg.steps if total is None else total
+    warm = max(1, int(cfg.warmup_ratio * total))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def init_from_target(drafter: DFlashDrafter, model: torch.nn.Module) -> None:
+    """Start from the target: its last N decoder layers, fc reading the deepest feature layer, its final norm.
+
+    Measured (training-notes) to start at a lower loss and learn faster than random initialisation.
+    """
+    layers = model.get_decoder().layers
+    src_layers = layers[len(layers) - len(drafter.layers) :]
+    with torch.no_grad():
+        for dst, src in zip(drafter.layers, src_layers):
+            src_state = src.state_dict()
+            for name, p in dst.state_dict().items():
+                if name in src_state and src_state[name].shape == p.shape:
+                    p.copy_(src_state[name])
+        H = drafter.config.hidden_size
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -H:] = torch.eye(H)
+        first_norm = getattr(src_layers[0], "input_layernorm", None)  # the context plays that layer's input
+        if first_norm is not None and first_norm.weight.shape == drafter.hidden_norm.weight.shape:
+            drafter.hidden_norm.weight.copy_(first_norm.weight)
+        final_norm = getattr(model.get_decoder(), "norm", None)
+        if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
+            drafter.norm.weight.copy_(final_norm.weight)
+        if drafter.mask_embedding is not None:
+            drafter.mask_embedding.copy_(model.get_input_embeddings().weight.float().mean(0))
+
+
+def deepened(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
+    """`drafter` with layers appended up to `num_layers`, computing exactly what it computed.
+
+    Each new layer copies one of the existing layers (the last ones first) with its attention and MLP output
+    projections zeroed: its residual branches add nothing until training moves those projections, so a run
+    continues from the trained drafter's own drafts with more depth to learn with.
+    """
+    have = drafter.config.num_hidden_layers
+    if num_layers < have:
+        raise InvalidInputError(f"cannot deepen a {have}-layer drafter to {num_layers} layers")
+    grown = DFlashDrafter(drafter.config.replace(num_hidden_layers=num_layers)).to(drafter.fc.weight.device)
+    state = drafter.state_dict()
+    for new in range(have, num_layers):
+        donor = have - 1 - (new - have) % have
+        for name, value in drafter.layers[donor].state_dict().items():
+            zero = name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"layers.{new}.{name}"] = torch.zeros_like(value) if zero else value.clone()
+    grown.load_state_dict(state)
+    return grown
+
+
+def adds_layers_only(have: list[int], want: list[int]) -> bool:
+    """Whether feature layers ``want`` hold each of ``have`` and others, each once (what :func:`widened` can do)."""
+    return set(have) <= set(want) and len(set(want)) == len(want)
+
+
+def widened(drafter: DFlashDrafter, target_layer_ids: list[int]) -> DFlashDrafter:
+    """`drafter` fed by more target layers (a superset of its own, in any order), computing exactly what it computed.
+
+    The fusion ``fc`` [H, n_feat*H] gets the new layers' columns as zeros, each old layer's block of columns moved to
+    that layer's place in the new order: the fused context is unchanged until training moves the new columns, so a
+    run continues from the trained drafter's own drafts with more of the target to read (the paper's ablation: 5
+    feature layers over 3, +3-5% τ).
+    """
+    have = list(drafter.config.target_layer_ids)
+    if not adds_layers_only(have, target_layer_ids):
+        raise InvalidInputError(f"cannot widen a drafter fed by target layers {have} to {target_layer_ids}: the new "
+                                "list must hold each of its layers (once) and may only add others")
+    grown = DFlashDrafter(drafter.config.replace(target_layer_ids=list(target_layer_ids))).to(drafter.fc.weight.device)
+    state = drafter.state_dict()
+    H = drafter.config.hidden_size
+    old = state["fc.weight"]  # [H, len(have)*H]
+    fc = torch.zeros(old.shape[0], len(target_layer_ids) * H, dtype=old.dtype, device=old.device)
+    for j, layer in enumerate(have):
+        i = target_layer_ids.index(layer)
+        fc[:, i * H : (i + 1) * H] = old[:, j * H : (j + 1) * H]
+    state["fc.weight"] = fc
+    grown.load_state_dict(state)
+    return grown
+
+
+class Trainer:
+    """Holds target, drafter, optimizer and data; `run()` trains with checkpoints and resumes.
+
+    Data parallel (``parallel``, from :func:`dflashkit.training.distributed.from_environment` under torchrun): every
+    process holds the whole target and drafter and draws the same batches and anchors; each runs its share of
+    a step's sequences, and the gradients are averaged, so a step equals the one-process step on the same
+    ``seqs_per_step`` sequences. The first process writes the log, checkpoints and the drafter.
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, model, tokenizer, sequences: list[TrainingSequence] | None = None, log=print,
+        parallel: Parallel = SINGLE,
+    ) -> None:
+        self.cfg, self.model, self.tokenizer, self.parallel = cfg, model, tokenizer, parallel
+        self.log = log if parallel.is_main else (lambda *_: None)
+        self.out = Path(cfg.out_dir)
+        self.ckpt = self.out / "checkpoint"
+        seqs = sequences if sequences is not None else load_sequences(cfg.data_dir, cfg.max_seq_len)
+        vocab_size = model.get_input_embeddings().weight.shape[0]
+        largest = max(max(s.input_ids) for s in seqs)
+        if largest >= vocab_size:
+            raise InvalidInputError(f"{cfg.data_dir}: token id {largest} is outside the target's vocabulary of "
+                                    f"{vocab_size}: data regenerated by another target?")
+        if sequences is None and parallel.is_main:
+            self._record_data_used(seqs)
+        n_eval = min(cfg.eval_prompts, max(0, len(seqs) // 10))
+        self.eval_seqs = seqs[:n_eval]
+        held_out = {tuple(s.input_ids[: s.num_prompt]) for s in self.eval_seqs}  # no other answer of them trains
+        self.train_seqs = [s for s in seqs[n_eval:] if tuple(s.input_ids[: s.num_prompt]) not in held_out]
+        torch.manual_seed(cfg.seed)
+        start = self._initial_drafter(model) if cfg.init_drafter else None
+        if cfg.num_layers is None:  # continuing: its depth unless told otherwise
+            cfg.num_layers = start.config.num_hidden_layers if start is not None else 3
+        layer_ids = cfg.target_layer_ids
+        if layer_ids is None and start is not None:  # continuing: its feature layers unless told otherwise
+            layer_ids = list(start.config.target_layer_ids)
+        shape = drafter_config_for(
+            model, num_layers=cfg.num_layers, block_size=cfg.block_size,
+            target_layer_ids=layer_ids, mask_token_id=cfg.mask_token_id,
+        )  # fmt: skip
+        start = self._fitted(start, shape) if start is not None else None
+        if start is not None:  # continuing: keep its draft vocabulary
+            self.vocab = start.draft_vocab
+        else:
+            self.vocab = draft_vocabulary(self.train_seqs, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
+        self.vocab = self.vocab.to(cfg.device) if self.vocab is not None else None
+        # its context window: the longest context it trains on (at inference it reads no more than that by default)
+        dcfg = shape.replace(draft_vocab=self.vocab.tolist() if self.vocab is not None else None,
+                             context_window=cfg.max_seq_len)
+        self.drafter = DFlashDrafter(dcfg).to(cfg.device)  # fp32 master weights; bf16 autocast by default
+        if start is not None:
+            self.drafter.load_state_dict(start.state_dict())
+        elif cfg.init_from_target:
+            init_from_target(self.drafter, model)
+        self.target = TargetAdapter(model, dcfg.target_layer_ids)
+        self.block_states = BlockStates(self.drafter, self.target.embed_tokens)
+        self.states: torch.nn.Module = self.block_states  # what training steps call
+        if parallel.enabled:  # broadcasts the first process's weights, then averages gradients in backward
+            device = torch.device(cfg.device)
+            self.states = torch.nn.parallel.DistributedDataParallel(
+                self.block_states, device_ids=[device.index] if device.type == "cuda" else None)
+        # what a step's forward calls, spread over the processes or not: compiled on first use with cfg.compile
+        self.forwards: dict[bool, Callable[..., Tensor]] = {True: self.states, False: self.block_states}
+        self.compiled = cfg.compile
+        if cfg.compile:
+            self.forwards = {spread: torch.compile(module, dynamic=True) for spread, module in self.forwards.items()}
+        if self.vocab is not None:  # target token id -> row of the draft vocabulary (-1: not in it)
+            self.vocab_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long, device=cfg.device)
+            self.vocab_index[self.vocab] = torch.arange(self.vocab.numel(), device=cfg.device)
+        self.opt = torch.optim.AdamW(
+            [p for p in self.drafter.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,
+            betas=(0.9, 0.95),
+        )  # fmt: skip
+        if cfg.distill_topk < 0 or not 0 <= cfg.distill_weight <= 1:
+            raise InvalidInputError(f"distillation needs top-k >= 0 and a weight in [0, 1], got {cfg.distill_topk} "
+                                    f"and {cfg.distill_weight}")
+        self.store: FeatureStore | None = None
+        self.soft_store: FeatureStore | None = None
+        if cfg.cache_features:  # data parallel: each process caches what it computes, in its own folder
+            suffix = f"-rank{parallel.rank}" if parallel.enabled else ""
+            self.seq_index = {id(s): i for i, s in enumerate(self.train_seqs)}
+            self.store = FeatureStore(
+                self.out / f"features{suffix}", [s.input_ids for s in self.train_seqs],
+                width=len(dcfg.target_layer_ids) * self.target.hidden_size, dtype=self.target.dtype,
+                signature={"target_layer_ids": list(dcfg.target_layer_ids), "target": target_identity(model)},
+            )  # fmt: skip
+            if cfg.distill_topk:  # ids (exact in fp32 below 2^24) and log-probabilities, side by side
+                self.soft_store = FeatureStore(
+                    self.out / f"soft-labels{suffix}", [s.input_ids for s in self.train_seqs], width=2 * cfg.distill_topk,
+                    dtype=torch.float32, signature={"top_k": cfg.distill_topk, "target": target_identity(model)},
+                )  # fmt: skip
+        self.eval_set_ids: dict[str, list[list[int]]] = {}  # evaluation-set prompts, chat-templated token ids
+        if cfg.eval_sets and parallel.is_main:
+            from dflashkit.training.evalsets import load_set
+            from dflashkit.text import encode_chat
+
+            for name in cfg.eval_sets:
+                self.eval_set_ids[name] = [encode_chat(tokenizer, p)[: cfg.max_seq_len]
+                                           for p in load_set(name, limit=cfg.eval_set_prompts, seed=cfg.seed)]
+        self.step = 0
+        # the schedule's length: cfg.steps, or what a time budget measured fits (fixed once measured, checkpointed)
+        self.total_steps, self.schedule_fixed = cfg.steps, cfg.time_budget_s is None
+        self._rate_from: tuple[float, int] | None = None  # (time, step) where the step rate's measurement began
+        self._warm_from: tuple[float, int, float] | None = None  # (time, step, feature seconds) after the compiling
+        self._feature_seconds, self._features_computed = 0.0, 0  # this run's feature work for the caches so far
+        self.stop_requested = False  # set by a SIGINT/SIGTERM during run(): checkpoint, then stop
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        # batches padded to a multiple of this many positions off a CPU: a GPU's attention builds a plan per new
+        # sequence length (cuDNN), and the length-bucketed batches of v12's data met 348 lengths in an epoch of 535
+        # steps (41 at a multiple of 16), so the first epoch kept building them (session 34, H100: 3.3-3.9 steps/s in
+        # the first epoch, 4.5 after it; the likely cause, not yet measured); a CPU would pay for the padding
+        self.pad_multiple = 1 if torch.device(cfg.device).type == "cpu" else GPU_PAD_MULTIPLE
+
+    def _record_data_used(self, seqs: list[TrainingSequence]) -> None:
+        """OUT/data_used.json: what each data folder contributed when this process started (for model cards)."""
+        used = []
+        for i, folder in enumerate(data_folders(self.cfg.data_dir)):
+            mine = [s for s in seqs if s.source == i]
+            used.append({"folder": str(folder), "sequences": len(mine),
+                         "response_tokens": sum(len(s.input_ids) - s.num_prompt for s in mine)})
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.out / "data_used.json", lambda f: json.dump(used, f, indent=1))
+
+    def _record_run_config(self) -> None:
+        """OUT/run_config.json: the settings and the machine of this process, beside the log (for model cards;
+        unlike the checkpoint it is small enough to bring back from a lent GPU machine)."""
+        device = torch.device(self.cfg.device)
+        machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        atomic_write(self.out / "run_config.json", lambda f: json.dump(
+            {"config": asdict(self.cfg), "machine": machine, "processes": self.parallel.world_size,
+             "torch": torch.__version__}, f, indent=1))
+
+    def _initial_drafter(self, model) -> DFlashDrafter:
+        """The drafter named by cfg.init_drafter, checked against the target."""
+        start = load_drafter(self.cfg.init_drafter, dtype=torch.float32, device=self.cfg.device)
+        check_compatible(start.config, model)
+        return start
+
+    def _fitted(self, start: DFlashDrafter, want: DrafterConfig) -> DFlashDrafter:
+        """`start` checked against this run's shape `want`, deepened where the run asks for more layers."""
+        cfg = self.cfg
+        got = start.config
+        problems = [f"{name} {getattr(got, name)!r} (this run: {getattr(want, name)!r})"
+                    for name in ("block_size", "mask_token_id", "learned_mask_embedding")
+                    if getattr(got, name) != getattr(want, name)]
+        widen = got.target_layer_ids != want.target_layer_ids
+        if widen and not adds_layers_only(got.target_layer_ids, want.target_layer_ids):
+            problems.append(f"target_layer_ids {got.target_layer_ids!r} (this run: {want.target_layer_ids!r}; a run "
+                            "may add feature layers, not drop them)")
+        if got.num_hidden_layers > want.num_hidden_layers:  # deeper runs may grow it (below), never shrink it
+            problems.insert(0, f"num_hidden_layers {got.num_hidden_layers} (this run: {want.num_hidden_layers})")
+        if problems:
+            raise InvalidInputError(f"--init {cfg.init_drafter}: not the shape of this run: " + "; ".join(problems)
+                                    + ". Pass the matching --layers/--block-size/--target-layers/--mask-token-id.")
+        if got.num_hidden_layers < want.num_hidden_layers:
+            self.log(f"--init {cfg.init_drafter}: {got.num_hidden_layers} layers, deepened to "
+                     f"{want.num_hidden_layers} (new layers start as identities)")
+            start = deepened(start, want.num_hidden_layers)
+        if widen:
+            self.log(f"--init {cfg.init_drafter}: fed by target layers {got.target_layer_ids}, widened to "
+                     f"{want.target_layer_ids} (the new layers' fusion columns start at zero)")
+            start = widened(start, want.target_layer_ids)
+        return start
+
+    # ---- one step -------------------------------------------------------------------------------------
+
+    def loss_on(self, batch: list[TrainingSequence], *, spread: bool = True) -> tuple[Tensor, dict[str, Any]]:
+        """The loss of ``batch`` and its figures (``loss``, accuracy per block position, supervised positions).
+
+        Data parallel with ``spread``: the returned loss is this process's part (its share of the sequences,
+        over the whole batch's loss weight: the parts add up to the batch's loss) and the figures are the whole
+        batch's. Without ``spread`` (or one process): this process computes the whole batch."""
+        cfg = self.cfg
+        ids, loss_mask, lengths = (t.to(cfg.device) for t in collate(batch, self.pad_id, self.pad_multiple))  # [S, L]
+        B = cfg.block_size
+        anchors, keep = sample_anchors(loss_mask, cfg.anchors_per_seq, self.gen)  # the same on every process
+        spread = spread and self.parallel.enabled
+        idle = False
+        if spread:  # this process's rows; one with none runs a row at loss weight 0, to join the gradient sync
+            rows = list(self.parallel.share(len(batch)))
+            idle = not rows
+            rows = rows or [0]
+            batch = [batch[i] for i in rows]
+            length = min(ids.shape[1], padded_length(int(lengths[rows].max()), self.pad_multiple))
+            ids, loss_mask = ids[rows, :length], loss_mask[rows, :length]  # [S', L'] (right padding trimmed)
+            lengths, anchors, keep = lengths[rows], anchors[rows], keep[rows]
+        # [S, L, n_feat*H], the target's dtype; [S, L, 2K] or None
+        features, soft = self.batch_features(batch, ids, loss_mask)
+        labels, weights = block_targets(ids, loss_mask, lengths, anchors, keep, B, cfg.gamma)
+        if idle:
+            weights = torch.zeros_like(weights)
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            # [S, N, B-1, H]; the mask vector is learned (the target's token rows are detached inside embed)
+            hidden = self.forwards[spread](ids, anchors, keep, features)
+            head = self.target.lm_head.weight.detach()
+            if self.vocab is not None:  # loss over the draft vocabulary only; other labels carry no loss
+                head = head[self.vocab]
+                labels = self.vocab_index[labels]
+                weights = weights * (labels >= 0)
+                labels = labels.clamp_min(0)
+            logits = hidden @ head.T  # [S, N, B-1, V']
+        ce = block_cross_entropy(logits, labels)  # [S, N, B-1]
+        if cfg.loss_weighting == "dpace":  # weights from the drafter's own chances of reaching each offset
+            weights = acceptance_weights(torch.exp(-ce.detach()), weights > 0, cfg.dpace_alpha)
+        total = self.parallel.all_sum(weights.sum()) if spread else None  # the whole batch's loss weight
+        hard = weighted_block_loss(logits, labels, weights, total, ce=ce)
+        terms = {}
+        loss = hard
+        if soft is not None:
+            K = cfg.distill_topk
+            columns, probs = soft_block_targets(soft[..., :K].long(), soft[..., K:], anchors, B,
+                                                self.vocab_index if self.vocab is not None else None)
+            soft_loss = soft_block_loss(logits, columns, probs, weights, total)
+            loss = (1 - cfg.distill_weight) * hard + cfg.distill_weight * soft_loss
+            terms.update(hard_loss=hard, soft_loss=soft_loss)
+        with torch.no_grad():  # the batch's figures: sums over the processes' parts when spread
+            supervised = (weights > 0).float()
+            figures = torch.cat((torch.stack([loss.detach(), *(t.detach() for t in terms.values())]).float(),
+                                 ((row_argmax(logits) == labels).float() * supervised).sum((0, 1)),  # hits [B-1]
+                                 supervised.sum((0, 1))))  # supervised positions [B-1]
+            if spread:
+                figures = self.parallel.all_sum(figures)
+            values, hits, counts = figures.split([1 + len(terms), B - 1, B - 1])
+            values = values.tolist()
+        info: dict[str, Any] = {"loss": values[0], **dict(zip(terms, values[1:]))}
+        acc = (hits / counts.clamp_min(1)).tolist()
+        return loss, {"acc_per_position": acc, "supervised": int(counts.sum()), **info}
+
+    def batch_features(self, batch: list[TrainingSequence], ids: Tensor, loss_mask: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
+        """Target features [S, L, n_feat*H] of a right-padded batch and, when distilling, its soft labels
+        [S, L, 2K] (top-K ids as floats, then their log-probabilities); cached, each sequence runs once per run.
+        With ``loss_mask`` [S, L], soft labels only where the next token carries loss (the only rows a block's
+        loss reads with a weight: prompts are ~45% of a batch's rows in the shipped drafter's data); elsewhere no
+        mass."""
+        K = self.cfg.distill_topk
+        needed = None
+        if K and loss_mask is not None:  # position p predicts token p+1
+            needed = torch.zeros_like(loss_mask, dtype=torch.bool)
+            needed[:, :-1] = loss_mask[:, 1:].bool()
+
+        def run_target(rows: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor | None]:
+            # the adapter runs in inference mode; clones made outside it are normal tensors that autograd accepts
+            if not K:
+                return self.target.features(rows).clone(), None
+            feats, top_ids, top_lp = self.target.features_and_top_logprobs(rows, K, positions=positions)
+            return feats.clone(), torch.cat((top_ids.float(), top_lp), -1)
+
+        if self.store is None or any(id(s) not in self.seq_index for s in batch):
+            return run_target(ids, needed)
+        index = [self.seq_index[id(s)] for s in batch]
+        stores = [self.store] + ([self.soft_store] if K else [])
+        missing = [row for row, i in enumerate(index) if not all(st.has(i) for st in stores)]
+        if missing:
+            began = time.perf_counter()
+            feats, soft = run_target(ids[missing], needed[missing] if needed is not None else None)
+            for k, row in enumerate(missing):
+                n = len(batch[row].input_ids)
+                self.store.put(index[row], feats[k, :n])
+                if K:
+                    self.soft_store.put(index[row], soft[k, :n])
+            self._feature_seconds += time.perf_counter() - began
+            self._features_computed += len(missing)
+        outs = []
+        for st in stores:
+            out = torch.zeros(ids.shape[0], ids.shape[1], st.width, dtype=st.dtype)
+            for row, (s, i) in enumerate(zip(batch, index)):
+                out[row, : len(s.input_ids)] = st.get(i)
+            outs.append(out.to(ids.device))
+        return outs[0], (outs[1] if K else None)
+
+    def train_step(self, batch_iter: Iterator[list[TrainingSequence]]) -> dict[str, Any]:
+        cfg = self.cfg
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, cfg, self.total_steps)
+        self.opt.zero_grad(set_to_none=True)
+        total, accs, parts = 0.0, [], {}
+        world = self.parallel.world_size
+        for micro in range(cfg.grad_accum):
+            last = micro == cfg.grad_accum - 1
+            # data parallel: gradients are averaged over the processes once, with the last micro-batch; each
+            # process's loss is its part of the batch's, so world x part averages to the batch's gradient
+            with self.states.no_sync() if self.parallel.enabled and not last else contextlib.nullcontext():
+                batch = next(batch_iter)
+                try:
+                    loss, info = self.loss_on(batch)
+                except Exception as exc:  # noqa: BLE001  compiling failed (e.g. no C++ compiler): train eagerly
+                    if not self.compiled:
+                        raise
+                    self.log(f"torch.compile failed ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                             "); training without it")
+                    self.compiled, self.forwards = False, {True: self.states, False: self.block_states}
+                    loss, info = self.loss_on(batch)  # a real error in the step raises here
+                (loss * world / cfg.grad_accum).backward()
+            total += info["loss"] / cfg.grad_accum
+            accs.append(info["acc_per_position"])
+            for name in ("hard_loss", "soft_loss"):  # when distilling: the two terms apart
+                if name in info:
+                    parts[name] = parts.get(name, 0.0) + info[name] / cfg.grad_accum
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.clip))
+        self.opt.step()
+        self.step += 1
+        acc = [sum(a) / len(a) for a in zip(*accs)]
+        lr = lr_at(self.step - 1, cfg, self.total_steps)
+        return {"step": self.step, "loss": total, "grad_norm": grad_norm, "lr": lr, "acc": acc, **parts}
+
+    # ---- evaluation: τ with the real decode loop on held-out prompts -------------------------------
+
+    def heldout_metrics(self) -> dict[str, Any]:
+        """Teacher-forced loss and per-position top-1 accuracy on the held-out sequences (fixed anchors).
+
+        Less noisy than the τ estimate, and comparable to the training figures: a gap between the two
+        measures overfitting.
+        """
+        if not self.eval_seqs:
+            return {}
+        state = self.gen.get_state()
+        self.gen.manual_seed(self.cfg.seed + 1)
+        try:
+            with torch.no_grad():
+                loss, info = self.loss_on(self.eval_seqs, spread=False)
+        finally:
+            self.gen.set_state(state)
+        return {"heldout_loss": float(loss), "heldout_acc": info["acc_per_position"]}
+
+    def estimate_tau(self, max_new_tokens: int = 48) -> float:
+        """τ of the drafter as it is, greedy, with the real decode loop, on the held-out training prompts."""
+        return self.tau_by_set({"": self.heldout_prompts()}, max_new_tokens)[""]
+
+    def heldout_prompts(self) -> list[list[int]]:
+        return [s.input_ids[: s.num_prompt] for s in self.eval_seqs]
+
+    def tau_by_set(self, prompt_sets: dict[str, list[list[int]]], max_new_tokens: int = 48) -> dict[str, float]:
+        """τ (greedy, the real decode loop) on each named list of prompts (token ids; NaN for an empty one), with one
+        inference copy of the drafter as it is."""
+        from dflashkit.decoding.loop import DecodeOptions, decode
+        from dflashkit.decoding.stats import DecodeStats
+
+        drafter = DFlashDrafter(self.drafter.config).to(device=self.model.device, dtype=self.model.dtype)
+        drafter.load_state_dict(self.drafter.state_dict())
+        drafter.eval()
+        target = TargetAdapter(self.model, drafter.config.target_layer_ids)
+        eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        options = DecodeOptions(max_new_tokens=max_new_tokens, stop_token_ids=frozenset(eos))
+        taus = {}
+        for name, prompts in prompt_sets.items():
+            stats = DecodeStats(self.cfg.block_size)
+            for prompt in prompts:
+                for _ in decode(target, drafter, prompt, options, stats):
+                    pass
+            taus[name] = stats.tau if prompts else float("nan")
+        return taus
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """One atomic folder holds the drafter and the trainer state: a kill never leaves half of it.
+
+        Data parallel: every process commits its own feature cache; the first writes the checkpoint (the
+        processes hold the same weights, optimizer state and batch generator) while the others wait."""
+        for store in (self.store, self.soft_store):
+            if store is not None:
+                store.commit()
+        if not self.parallel.is_main:
+            self.parallel.barrier()
+            return
+        state = {
+            "step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
+            "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
+            # a schedule a time budget sized keeps its length when resumed (without a budget: --steps, as given)
+            "total_steps": self.total_steps if self.cfg.time_budget_s is not None and self.schedule_fixed else None,
+        }  # fmt: skip
+        with atomic_dir(self.ckpt) as tmp:
+            write_drafter_files(self.drafter, tmp)
+            torch.save(state, tmp / "trainer_state.pt")
+        self.parallel.barrier()
+
+    def resume(self) -> bool:
+        state_file = self.ckpt / "trainer_state.pt"
+        if not state_file.exists():
+            return False
+        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        loaded = load_drafter(self.ckpt, dtype=torch.float32, device=self.cfg.device)
+        self.drafter.load_state_dict(loaded.state_dict())
+        self.opt.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        if state.get("total_steps"):  # a schedule sized by a time budget keeps its length (its lr so far)
+            self.total_steps, self.schedule_fixed = int(state["total_steps"]), True
+        self.gen.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        return True
+
+    def run(self, resume: bool = True, progress: bool = True) -> Path:
+        cfg, main = self.cfg, self.parallel.is_main
+        if resume and self.resume():
+            self.log(f"resumed at step {self.step}")
+        log_file = None
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._record_run_config()
+            log_path = self.out / "train_log.jsonl"
+            if log_path.exists():  # drop entries of steps past the checkpoint (a killed run redoes them)
+                kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+                log_path.write_text("".join(ln + "\n" for ln in kept))
+            log_file = log_path.open("a")
+        batch_iter = batches(self.train_seqs, cfg.seqs_per_step, cfg.seed)
+        for _ in range(self.step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
+            next(batch_iter)
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and main), desc="train",
+                   dynamic_ncols=True)
+        t0 = time.perf_counter()
+        self.stop_requested = False
+        try:
+            with _graceful_stop(self):
+                self._loop(batch_iter, bar, log_file, t0)
+        finally:
+            bar.close()
+            if log_file is not None:
+                log_file.close()
+        if main:
+            save_drafter(self.drafter.to(torch.bfloat16), self.out / "drafter")
+        self.parallel.barrier()
+        return self.out / "drafter"
+
+    def _size_schedule(self, t0: float, first_step: int, bar) -> bool:
+        """With a time budget: once the steps after the first two (compiling) and after the feature caches are full
+        (a CPU run's first epoch computes the features: slower steps) have run for a while, fix the schedule's length
+        to the steps that fit the rest of the budget at their rate (at most cfg.steps; data parallel: the fewest any
+        process can do). At half the budget it is fixed whatever was measured: with the caches still filling, from the
+        steps' rate without their feature work and the features still to compute at their cost so far (the filling
+        steps' own rate would plan too few steps). True once the budget is spent."""
+        budget, now = self.cfg.time_budget_s, time.perf_counter()
+        if budget is None:
+            return False
+        if self.schedule_fixed:
+            return self.parallel.any(now - t0 >= budget, self.cfg.device)
+        caches_full = all(store is None or bool(store.filled.all()) for store in (self.store, self.soft_store))
+        if self._warm_from is None and self.step >= first_step + 2:  # compiled by now: the fallback's rate from here
+            self._warm_from = (now, self.step, self._feature_seconds)
+        if self._rate_from is None and self.step >= first_step + 2 and caches_full:
+            self._rate_from = (now, self.step)
+        measured = self._rate_from is not None and self.step - self._rate_from[1] >= 5 and (
+            now - self._rate_from[0] >= min(30.0, 0.1 * budget))
+        if not self.parallel.any(measured or now - t0 >= 0.5 * budget, self.cfg.device):
+            return False
+        left = max(0.0, budget - (now - t0))
+        if self._rate_from is not None and self.step > self._rate_from[1]:
+            start_time, start_step = self._rate_from
+            rate = (self.step - start_step) / max(1e-9, now - start_time)  # steps per second
+            how = f"{rate:.2f} steps/s over steps {start_step}-{self.step}"
+        else:  # half the budget gone before a measurement (caches still filling): the steps' rate without the
+            # features (after the first two steps, which compile, where steps ran since), and the time the features
+            # still to compute take at their cost so far
+            start_time, start_step, start_features = t0, first_step, 0.0
+            if self._warm_from is not None and self.step > self._warm_from[1]:
+                start_time, start_step, start_features = self._warm_from
+            work = now - start_time - (self._feature_seconds - start_features)
+            rate = (self.step - start_step) / max(1e-9, work)
+            unfilled = int((~self.store.filled).sum()) if self.store is not None else 0
+            to_fill = unfilled * self._feature_seconds / max(self._features_computed, 1)
+            left = max(0.0, left - to_fill)
+            how = (f"{rate:.2f} steps/s over steps {start_step}-{self.step} without their feature work, and "
+                   f"{to_fill:.0f} s of features still to compute")
+        fit = self.step + int(0.97 * rate * left)
+        total = min([self.cfg.steps, *(int(f) for f in self.parallel.gather_objects(fit))])
+        self.total_steps, self.schedule_fixed = max(total, self.step), True
+        bar.total = self.total_steps
+        bar.refresh()
+        self.log(f"time budget {budget:g} s: {self.total_steps} steps in all ({how})")
+        return False
+
+    def _loop(self, batch_iter, bar, log_file, t0: float) -> None:
+        cfg = self.cfg
+        first_step, self._rate_from, self._warm_from = self.step, None, None
+        self._feature_seconds, self._features_computed = 0.0, 0
+        while self.step < self.total_steps:
+            # Ctrl-C / SIGTERM: keep this step's work, then stop (data parallel: all at the same step)
+            if self.parallel.any(self.stop_requested, cfg.device):
+                self.save()
+                self.log(f"stopped at step {self.step}; checkpoint saved: the same command resumes here")
+                raise KeyboardInterrupt
+            rec = self.train_step(batch_iter)
+            spent = self._size_schedule(t0, first_step, bar)  # the time budget is spent: this run ends here
+            last = spent or self.step == self.total_steps
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or last):
+                if self.parallel.is_main:  # the first process evaluates while the others wait
+                    # the held-out training prompts ("") and the evaluation sets' own (MT-Bench, HumanEval, ...)
+                    taus = self.tau_by_set({"": self.heldout_prompts(), **self.eval_set_ids})
+                    rec["tau"] = taus.pop("")
+                    if taus:
+                        rec["tau_sets"] = taus
+                    rec.update(self.heldout_metrics())
+                self.parallel.barrier()
+            rec["elapsed_s"] = time.perf_counter() - t0
+            if log_file is not None:
+                log_file.write(json.dumps(rec) + "\n")
+                log_file.flush()
+            bar.update(1)
+            shown = {"loss": f"{rec['loss']:.3f}", "acc1": f"{rec['acc'][0]:.2f}"}
+            if "heldout_acc" in rec:
+                shown.update(tau=f"{rec['tau']:.2f}", heldout_acc1=f"{rec['heldout_acc'][0]:.2f}")
+            bar.set_postfix(shown)
+            if self.step % cfg.checkpoint_every == 0 or last:
+                self.save()
+            if spent and self.step < self.total_steps:
+                self.log(f"time budget of {cfg.time_budget_s:g} s spent at step {self.step} of {self.total_steps}; "
+                         "checkpoint saved (the same command resumes here)")
+                break
+
+
+@contextmanager
+def _graceful_stop(trainer: Trainer) -> Iterator[None]:
+    """While training in the main thread, the first SIGINT/SIGTERM asks the loop to checkpoint at the end of the
+    current step and stop (nothing computed is lost); a second SIGINT interrupts at once. Under torchrun a
+    Ctrl-C reaches each process twice (from the terminal, then forwarded by torchrun): a SIGINT within
+    a second of the first is the same request."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    first_at = 0.0  # when the stop was requested
+
+    def request(signum, frame) -> None:
+        nonlocal first_at
+        if trainer.stop_requested and signum == signal.SIGINT:
+            if not (trainer.parallel.enabled and time.monotonic() - first_at < 1.0):
+                raise KeyboardInterrupt
+            return
+        trainer.stop_requested = True
+        first_at = time.monotonic()
+        trainer.log("stopping after this step (checkpointing; Ctrl-C again to stop at once)")
+
+    previous = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
