@@ -1,7 +1,8 @@
 """A multi-turn conversation with a generator, each turn prefilling only what is new (``dflashkit chat``).
 
 Every turn sends the whole conversation through the chat template, as a chat client does; the session's
-:class:`~dflashkit.decoding.prefix_cache.PrefixCache` restores what the previous turn computed (its prompt and answer), so a
+:class:`~dflashkit.decoding.prefix_cache.PrefixCache` restores what the previous turn computed (its prompt and answer),
+so a
 turn costs its new message and its answer, not the history. A chat client re-encodes the answer's text, which may
 give other tokens than the model wrote (SmolLM2 writes "\\n\\n" as one token where its tokenizer, before a digit,
 writes two), and reuse ends at the first token that differs; a session knows the tokens, so its next prompt is the
@@ -14,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from dflashkit.decoding.prefix_cache import PrefixCache
 from dflashkit.errors import InvalidInputError
 from dflashkit.generator import GenerationResult, SpeculativeGenerator
-from dflashkit.decoding.prefix_cache import PrefixCache
 from dflashkit.text import render_chat
 
 
@@ -29,11 +30,12 @@ def continued_prompt(tokenizer: Any, text: str, previous: tuple[str, list[int], 
     head = last_text + tokenizer.decode(answer_ids, skip_special_tokens=True)
     if not text.startswith(head):
         return None
-    return [*last_ids, *answer_ids, *tokenizer.encode(text[len(head):], add_special_tokens=False)]
+    return [*last_ids, *answer_ids, *tokenizer.encode(text[len(head) :], add_special_tokens=False)]
 
 
-def completed_turn(prompt_text: str, prompt_ids: list[int], result: GenerationResult,
-                   eos_token_ids: list[int]) -> tuple[str, list[int], list[int]]:
+def completed_turn(
+    prompt_text: str, prompt_ids: list[int], result: GenerationResult, eos_token_ids: list[int]
+) -> tuple[str, list[int], list[int]]:
     """A finished turn as :func:`continued_prompt` takes it: the prompt's text and ids, the answer's ids without
     its final stop tokens (the template writes its own end of turn)."""
     answer = list(result.token_ids)
@@ -45,16 +47,22 @@ def completed_turn(prompt_text: str, prompt_ids: list[int], result: GenerationRe
 class ChatSession:
     """The messages of one conversation and the cache its turns share; ``options`` are :meth:`stream`'s."""
 
-    def __init__(self, generator: SpeculativeGenerator, system: str | None = None,
-                 prefix_cache: PrefixCache | bool = True, **options: Any) -> None:
+    def __init__(
+        self,
+        generator: SpeculativeGenerator,
+        system: str | None = None,
+        prefix_cache: PrefixCache | bool = True,
+        **options: Any,
+    ) -> None:
         """``prefix_cache``: True (a new 256 MiB cache), False (none: every turn prefills it all) or a cache."""
         if "chat" in options:
             raise InvalidInputError("a chat session sends its messages through the chat template")
         if not isinstance(prefix_cache, (PrefixCache, bool)):
             raise InvalidInputError(f"prefix_cache must be a PrefixCache, True or False, got {prefix_cache!r}")
         self.generator, self.system, self.options = generator, system, options
-        self.cache = (PrefixCache.of_mib(256) if prefix_cache is True
-                      else None if prefix_cache is False else prefix_cache)  # (an empty cache is falsy: len 0)
+        self.cache = (
+            PrefixCache.of_mib(256) if prefix_cache is True else None if prefix_cache is False else prefix_cache
+        )  # (an empty cache is falsy: len 0)
         self.messages: list[dict[str, str]] = []
         self.last: GenerationResult | None = None  # the last turn's result (None when it was interrupted)
         self._previous: tuple[str, list[int], list[int]] | None = None  # last prompt's text, ids; answer ids

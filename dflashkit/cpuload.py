@@ -57,9 +57,11 @@ def threads_hint(threads: int, busy: float | None) -> str | None:
     free = max(1, round(cores - busy))
     if free >= threads:
         return None
-    return (f"other processes are keeping ~{busy:.1f} of this machine's {cores} cores busy; with {threads} "
-            f"threads, decoding steps stall on the shared cores (often several times slower): --threads {free} "
-            "is likely faster here (README: \"Busy machines\")")
+    return (
+        f"other processes are keeping ~{busy:.1f} of this machine's {cores} cores busy; with {threads} "
+        f"threads, decoding steps stall on the shared cores (often several times slower): --threads {free} "
+        'is likely faster here (README: "Busy machines")'
+    )
 
 
 def on_cpu(device: object) -> bool:
@@ -91,8 +93,13 @@ class LoadWatcher:
     machine may get busy after it started (``dflashkit serve``): ``on_sample(busy)`` gets each figure (cores, or
     None off Linux). Sampling sleeps, it costs no CPU."""
 
-    def __init__(self, on_sample: Callable[[float | None], None], period: float = 30.0, interval: float = 0.5,
-                 sample: Callable[[float], float | None] | None = None) -> None:
+    def __init__(
+        self,
+        on_sample: Callable[[float | None], None],
+        period: float = 30.0,
+        interval: float = 0.5,
+        sample: Callable[[float], float | None] | None = None,
+    ) -> None:
         self.on_sample, self.period, self.interval = on_sample, period, interval
         self.sample = sample if sample is not None else busy_cores
         self._stop = threading.Event()

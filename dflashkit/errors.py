@@ -16,3 +16,7 @@ class IncompatibleDrafterError(DFlashError):
 
 class CheckpointError(DFlashError):
     """A drafter checkpoint that is missing, malformed or of an unsupported kind."""
+
+
+class DataError(DFlashError, RuntimeError):
+    """A data source that is missing or unusable, or an output folder that cannot be resumed as asked."""

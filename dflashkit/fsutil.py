@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
+import pathlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+from dflashkit.errors import InvalidInputError
 
 
 def _umask() -> int:
@@ -55,3 +60,30 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
             os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _package_file(package: str, relpath: str) -> pathlib.Path | None:
+    """A file inside an installed package, located without importing the package (None when absent)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / relpath
+    return path if path.is_file() else None
+
+
+def jsonl_records(path: str | os.PathLike, what: str = "file") -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of each non-blank line of a local JSONL file; clear errors for bad lines."""
+    path = pathlib.Path(path).expanduser()
+    if not path.is_file():
+        raise InvalidInputError(f"{what} {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidInputError(f"{path}, line {lineno}: invalid JSON ({e.msg})") from None

@@ -21,85 +21,30 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize, BlockPolicies
 from dflashkit.decoding.batching import BatchMember, ComputeThread, ForwardBatcher, member_thread
-from dflashkit.decoding.loop import DecodeOptions, StepObserver, as_token_list, decode
-from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import InvalidInputError
+from dflashkit.decoding.defaults import (
+    default_block_size,
+    default_lookup,
+    default_sampler,
+    default_tree,
+    default_tree_copies,
+)
 from dflashkit.decoding.grammar import CompiledGrammar, Grammar, grammar_tokenizer
-from dflashkit.drafter.identity import check_compatible
-from dflashkit.target.logprobs import TokenLogprob, check_top_logprobs
+from dflashkit.decoding.loop import DecodeOptions, StepObserver, as_token_list, decode
 from dflashkit.decoding.lossless import Divergence, DivergenceRecorder
 from dflashkit.decoding.penalties import Penalties
 from dflashkit.decoding.prefix_cache import PrefixCache
-from dflashkit.decoding.sampling import SamplingParams, check_sampler
+from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.decoding.tree import check_tree_option
+from dflashkit.drafter.identity import check_compatible
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import InvalidInputError
 from dflashkit.target.adapter import TargetAdapter
+from dflashkit.target.logprobs import TokenLogprob, check_top_logprobs
 from dflashkit.text import IncrementalDetokenizer, StopStringMatcher, check_text, encode_chat, eos_token_ids
 from dflashkit.tool_calls import ToolRequest, check_template, marker_terms, template_messages
-from dflashkit.decoding.tree import check_tree_option
 
 Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
-
-
-def default_block_size(block_size: int | str | None, has_drafter: bool, tree: int | None = None) -> int | str | None:
-    """The block size a generation runs with: an integer or "auto" as given; None (the library's, the CLI's and the
-    server's default) becomes "auto" when a drafter drafts chains, and stays None (the drafter's own size) with a
-    token tree (which picks its own depth and width) or without a drafter. "auto" is the default because with
-    today's drafters (the shipped one: τ ≈ 1.7) a full 16-token verify costs more on a CPU than it yields, and the
-    adaptive policy falls back to the sizes, or plain steps, that pay (see :mod:`dflashkit.decoding.adaptive`)."""
-    if block_size is None and has_drafter and not tree:  # tree None or 0: chains
-        return "auto"
-    return block_size
-
-
-def default_sampler(sampler: str | None, seed: int | None) -> str:
-    """The sampler a sampled generation uses: as asked; None (the default): "coupled" when a seed is given (a seed
-    asks for a reproducible output, and coupled sampling gives the seed's plain output whatever the block sizes,
-    which the adaptive policy picks by timing), "rejection" without one: its chains are as fast as coupled sampling's
-    trees (session 34, `python scripts/tree_candidates.py --default --sampler both --limit 10 --seeds 2`, T=1, against
-    the same plain sampling: 1.26 / 1.28 / 1.17x against 1.26 / 1.26 / 1.14x on MT-Bench / HumanEval / MATH-500;
-    the trees accept more, τ 1.51 / 1.65 / 1.47 against 1.41 / 1.54 / 1.39, but their steps verify more rows and
-    draw Gumbel noise for them, and plain coupled sampling is itself 3-5% slower than plain sampling)."""
-    return check_sampler(sampler) if sampler is not None else ("coupled" if seed is not None else "rejection")
-
-
-# Drafter steps of a seeded sampled generation (coupled sampling) verify token trees of this many nodes by default.
-# Under coupling a tree's candidates are the drafter's top choices under the target's own noise, and more of them
-# are accepted: session 33, `python scripts/tree_candidates.py --default --sampler coupled --trees 4,6 --limit 10
-# --seeds 2` (T=1, the adaptive policy and lookup, a policy per variant): chains 1.24 / 1.39 / 1.30x plain coupled
-# sampling (MT-Bench / HumanEval / MATH-500), trees of 4 nodes 1.28 / 1.43 / 1.38x, of 6 1.30 / 1.45 / 1.37x. With
-# the rejection sampler (no seed) trees gained less (+0-3%) and chains stay. Copied steps stay chains in these default
-# trees (tree_copies): one tree of the copy and the drafter's candidates raised τ (1.70 / 1.83 / 1.60 against 1.48 /
-# 1.53 / 1.46) but ran the drafter on every copied step, 1.17 / 1.19 / 1.07x against 1.24 / 1.30 / 1.14x (session 40,
-# `python scripts/tree_candidates.py --default --sampler coupled --trees 6 --limit 10 --seeds 2`, this CPU). Checked
-# again after session 47 made the noise cheap (`--trees 4,6,9 --limit 8 --seeds 2`, v15, over plain coupled sampling,
-# MT-Bench / HumanEval / MATH-500): chains 1.32 / 1.38 / 1.28x, trees of 4 / 6 / 9 with copies as chains 1.39-1.40 /
-# 1.43-1.46 / 1.36-1.38x, trees holding the copies 1.37-1.46 / 1.38-1.42 / 1.32-1.39x (τ up to 1.93 / 2.14 / 1.88, but
-# the drafter then runs on every step, ~2 ms of a 12-14 ms step): no size stands out, 6 stays.
-COUPLED_TREE = 6
-
-
-def default_tree(tree: int | None, *, has_drafter: bool, sampled: bool, sampler: str, block_size: int | str | None,
-                 batched: bool, supports_trees: bool, constrained: bool = False) -> int | None:
-    """The token tree a generation's drafter steps verify: as given (0: chains, None); None (the default):
-    :data:`COUPLED_TREE` nodes for a sampled generation under coupled sampling with the adaptive block size, decoding
-    alone on a forward that runs trees and without a grammar or penalties (the decode loop keeps chains under
-    those), else chains (None)."""
-    if tree is not None or not (has_drafter and sampled and sampler == "coupled" and block_size == "auto"):
-        return tree or None
-    return COUPLED_TREE if supports_trees and not batched and not constrained else None
-
-
-def default_tree_copies(tree_copies: bool | None, asked_tree: int | None) -> bool:
-    """Whether a greedy or seeded step that copies verifies one tree of the copy and the drafter's candidates: as
-    given; None (the default): for a tree asked for (``asked_tree`` > 0), not in the default seeded trees (see
-    :data:`COUPLED_TREE`)."""
-    return bool(asked_tree) if tree_copies is None else bool(tree_copies)
-
-
-def default_lookup(lookup: bool | None, has_drafter: bool) -> bool:
-    """Prompt lookup as asked; None (the default): on when a drafter drafts (copies cost nothing to propose and
-    are accepted more often than drafts on repetitive text), off without one (plain decoding stays plain)."""
-    return has_drafter if lookup is None else lookup
 
 
 @dataclass
@@ -168,8 +113,13 @@ class SpeculativeGenerator:
     """A target model (+ its tokenizer) and, optionally, a DFlash drafter for it."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter | None = None,
-        *, fast: bool = True, cuda_graphs: bool = True,
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        drafter: DFlashDrafter | None = None,
+        *,
+        fast: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         """``fast`` (default): the fast path: the target decodes through dflashkit's fast forward where its
         architecture is covered (fused prepacked GEMMs, static KV cache; see :class:`TargetAdapter`) and the
@@ -186,8 +136,9 @@ class SpeculativeGenerator:
             if fast and cuda_graphs and next(drafter.parameters()).device.type == "cuda":
                 drafter.use_step_graphs()  # drafting steps replayed from CUDA graphs, as the target's
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
-        self.target = TargetAdapter(model, drafter.config.target_layer_ids if drafter else (), fast=fast,
-                                    cuda_graphs=cuda_graphs)
+        self.target = TargetAdapter(
+            model, drafter.config.target_layer_ids if drafter else (), fast=fast, cuda_graphs=cuda_graphs
+        )
         if not fast:
             self.target.use_packed_linears(False)  # an earlier fast adapter may have packed them
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -240,7 +191,9 @@ class SpeculativeGenerator:
 
     # ---- prompts ---------------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, chat: bool = True, tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: Prompt, chat: bool = True, tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a prompt; text goes through the chat template (as one user turn) when there is one.
 
         ``tools``: OpenAI function tools the template shows the model (a template that writes calls as
@@ -264,8 +217,9 @@ class SpeculativeGenerator:
             if not chat:
                 raise InvalidInputError("tools go through the chat template: they cannot be given with chat=False")
             check_template(self.tokenizer)
-        return encode_chat(self.tokenizer, prompt if isinstance(prompt, str) else messages, chat,
-                           tools=list(tools) if tools else None)
+        return encode_chat(
+            self.tokenizer, prompt if isinstance(prompt, str) else messages, chat, tools=list(tools) if tools else None
+        )
 
     # ---- generation ------------------------------------------------------------------------------------
 
@@ -310,10 +264,12 @@ class SpeculativeGenerator:
         integer fixes it; None (the default) is "auto", or the drafter's own size with ``tree`` (see
         :func:`default_block_size`). ``lookup=True`` (None, the default: on when a drafter drafts): where the
         text so far ends with an n-gram seen before, a step drafts the tokens that followed it instead of running
-        the drafter (:mod:`dflashkit.decoding.lookup`; ``lookup=True`` with no drafter: prompt lookup alone). With lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
+        the drafter (:mod:`dflashkit.decoding.lookup`; ``lookup=True`` with no drafter: prompt lookup alone). With
+        lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
         past answers drafts, if the drafter folder has one (:mod:`dflashkit.drafter.ngram_store`; ``ngram_store=False``
         turns it off). ``tree=N``: drafter steps verify a token tree of up to N nodes (the drafter's likeliest
-        alternatives; with the rejection sampler, candidates drawn from the drafter: :mod:`dflashkit.decoding.tree`) instead of
+        alternatives; with the rejection sampler, candidates drawn from the drafter: :mod:`dflashkit.decoding.tree`)
+        instead of
         a chain; on the fast forward only (elsewhere: chains). ``tree=None`` (the default): trees of
         :data:`COUPLED_TREE` nodes for seeded sampling with the adaptive block size, chains otherwise
         (:func:`default_tree`); ``tree=0``: chains in any case. ``tree_copies``: whether a greedy or seeded step
@@ -329,7 +285,8 @@ class SpeculativeGenerator:
         the drafter's own ``config.proposal_temperature``, 1.0 unless its folder says otherwise); exact at any value.
         ``draft_window=N``: drafting attends to the last N context tokens (0: all; None: the drafter's own
         ``config.context_window``). ``grammar``: structured output, every token one the grammar allows (a
-        :class:`~dflashkit.decoding.grammar.Grammar`: ``Grammar.json_schema(schema)``, ``.json_object()``, ``.regex(...)``,
+        :class:`~dflashkit.decoding.grammar.Grammar`: ``Grammar.json_schema(schema)``, ``.json_object()``,
+        ``.regex(...)``,
         ``.lark(...)``); exact with respect to the target constrained to it; chains only (no trees). Still lossless.
         ``logprobs=K``: every delta (and the result) carries each token's log-probability under the target and
         its K likeliest alternatives (0 to 20; :mod:`dflashkit.target.logprobs`), read off the verify passes.
@@ -337,10 +294,12 @@ class SpeculativeGenerator:
         on the first delta and the result.
         ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over the output), ``repetition_penalty``
         (transformers', over prompt and output), ``logit_bias`` ({token id: bias}): the target decodes with its
-        logits so adjusted (:mod:`dflashkit.decoding.penalties`); exact with respect to that adjusted target; chains only.
+        logits so adjusted (:mod:`dflashkit.decoding.penalties`); exact with respect to that adjusted target; chains
+        only.
         ``batch``: this generation's target passes run together with those of the batcher's other members (a
         :class:`~dflashkit.decoding.batching.BatchMember`; see :meth:`generate_batch`); its tokens are unchanged.
-        ``prefix_cache``: a :class:`~dflashkit.decoding.prefix_cache.PrefixCache` (one per target): the prefill restores the
+        ``prefix_cache``: a :class:`~dflashkit.decoding.prefix_cache.PrefixCache` (one per target): the prefill
+        restores the
         longest prefix of the prompt that an earlier generation kept there (the next turn of a chat) and runs only
         the rest; the result's ``stats.cached_prompt_tokens`` says how many; this generation is kept there too.
         """
@@ -361,9 +320,16 @@ class SpeculativeGenerator:
         sampling = SamplingParams(temperature, top_k, top_p)
         sampler = default_sampler(sampler, seed)
         penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias or {})
-        tree = default_tree(tree, has_drafter=drafter is not None, sampled=not sampling.greedy, sampler=sampler,
-                            block_size=block_size, batched=batch is not None, supports_trees=self.target.supports_trees,
-                            constrained=grammar is not None or penalties.active)
+        tree = default_tree(
+            tree,
+            has_drafter=drafter is not None,
+            sampled=not sampling.greedy,
+            sampler=sampler,
+            block_size=block_size,
+            batched=batch is not None,
+            supports_trees=self.target.supports_trees,
+            constrained=grammar is not None or penalties.active,
+        )
         options = DecodeOptions(
             max_new_tokens=max_new_tokens,
             sampling=sampling,
@@ -395,13 +361,33 @@ class SpeculativeGenerator:
         stream = GenerationStream(iter(()))
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise InvalidInputError(f"prefix_cache must be a PrefixCache, got {type(prefix_cache).__name__}")
-        stream._deltas = self._run(ids, drafter, options, list(stop), observer, stream, policy,
-                                   check_top_logprobs(prompt_logprobs, "prompt_logprobs"), batch, prefix_cache)
+        stream._deltas = self._run(
+            ids,
+            drafter,
+            options,
+            list(stop),
+            observer,
+            stream,
+            policy,
+            check_top_logprobs(prompt_logprobs, "prompt_logprobs"),
+            batch,
+            prefix_cache,
+        )
         return stream
 
-    def _run(self, ids, drafter, options, stop, observer, stream: GenerationStream,
-             policy: AdaptiveBlockSize | None = None, prompt_top: int | None = None,
-             batch: BatchMember | None = None, prefix_cache: PrefixCache | None = None) -> Iterator[TextDelta]:
+    def _run(
+        self,
+        ids,
+        drafter,
+        options,
+        stop,
+        observer,
+        stream: GenerationStream,
+        policy: AdaptiveBlockSize | None = None,
+        prompt_top: int | None = None,
+        batch: BatchMember | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> Iterator[TextDelta]:
         prompt_logprobs = None
         if prompt_top is not None:  # one pass over the prompt (a batch member's, in the batch's compute thread)
             prompt_logprobs = _computed(batch, self.target.prompt_logprobs, ids, prompt_top)
@@ -432,8 +418,14 @@ class SpeculativeGenerator:
                     step_logprobs = step.logprobs[: len(tokens) - start] if logprobs is not None else None
                     if logprobs is not None:
                         logprobs.extend(step_logprobs)
-                    yield TextDelta("".join(pieces), tokens[start:], flags[start:], pieces, step_logprobs,
-                                    prompt_logprobs if start == 0 else None)
+                    yield TextDelta(
+                        "".join(pieces),
+                        tokens[start:],
+                        flags[start:],
+                        pieces,
+                        step_logprobs,
+                        prompt_logprobs if start == 0 else None,
+                    )
                 if matcher.stopped:
                     stats.finish_reason = "stop"
                     break
@@ -441,13 +433,25 @@ class SpeculativeGenerator:
             steps.close()
         stats.new_tokens = len(tokens)
         stream.result = GenerationResult(
-            text=matcher.text, token_ids=tokens, from_draft=flags, stats=stats,
-            finish_reason=stats.finish_reason, prompt_tokens=len(ids), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, stop_string=matcher.matched,
-        )  # fmt: skip
+            text=matcher.text,
+            token_ids=tokens,
+            from_draft=flags,
+            stats=stats,
+            finish_reason=stats.finish_reason,
+            prompt_tokens=len(ids),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            stop_string=matcher.matched,
+        )
 
-    def score(self, prompt: Prompt | list[int], *, prompt_logprobs: int = 0, chat: bool = True,
-              batch: BatchMember | None = None) -> GenerationStream:
+    def score(
+        self,
+        prompt: Prompt | list[int],
+        *,
+        prompt_logprobs: int = 0,
+        chat: bool = True,
+        batch: BatchMember | None = None,
+    ) -> GenerationStream:
         """The prompt's log-probabilities only, nothing generated (the completions API's echo with max_tokens 0):
         a stream of one empty delta carrying `prompt_logprobs`, its result with no tokens. ``batch``: the pass
         runs in that batch member's compute thread."""
@@ -462,9 +466,16 @@ class SpeculativeGenerator:
         def run() -> Iterator[TextDelta]:
             logprobs = _computed(batch, self.target.prompt_logprobs, ids, prompt_logprobs)
             yield TextDelta("", [], [], [], [], logprobs)
-            stream.result = GenerationResult(text="", token_ids=[], from_draft=[], stats=DecodeStats(block_size=1),
-                                             finish_reason="length", prompt_tokens=len(ids), logprobs=[],
-                                             prompt_logprobs=logprobs)  # fmt: skip
+            stream.result = GenerationResult(
+                text="",
+                token_ids=[],
+                from_draft=[],
+                stats=DecodeStats(block_size=1),
+                finish_reason="length",
+                prompt_tokens=len(ids),
+                logprobs=[],
+                prompt_logprobs=logprobs,
+            )
 
         stream._deltas = run()
         return stream
@@ -474,8 +485,9 @@ class SpeculativeGenerator:
         result = _drain(self.stream(prompt, **kwargs))
         return self.compare_ar(result, prompt, **kwargs) if compare_ar else result
 
-    def generate_batch(self, prompts: Sequence[Prompt | list[int]], *, seeds: Sequence[int | None] | None = None,
-                       **kwargs: Any) -> list[GenerationResult]:
+    def generate_batch(
+        self, prompts: Sequence[Prompt | list[int]], *, seeds: Sequence[int | None] | None = None, **kwargs: Any
+    ) -> list[GenerationResult]:
         """Generate for several prompts at once (kwargs as for `stream`, the same for all; ``seeds``: one per prompt):
         one thread per prompt, their target passes batched into one pass per round (:mod:`dflashkit.decoding.batching`).
         Each result is exactly what `generate` gives for its prompt alone (greedy, or sampled with its seed);
@@ -494,8 +506,10 @@ class SpeculativeGenerator:
         batcher = ForwardBatcher(self.target, compute)
         members = [batcher.join() for _ in prompts]  # all joined before any decodes: the first round has them all
         try:
-            streams = [self.stream(p, seed=seeds[i] if seeds is not None else seed, batch=members[i], **kwargs)
-                       for i, p in enumerate(prompts)]  # bad input fails here, before any thread starts
+            streams = [
+                self.stream(p, seed=seeds[i] if seeds is not None else seed, batch=members[i], **kwargs)
+                for i, p in enumerate(prompts)
+            ]  # bad input fails here, before any thread starts
         except BaseException:
             for member in members:
                 batcher.leave(member)
@@ -532,8 +546,11 @@ class SpeculativeGenerator:
         `result.divergence` locates the first differing token and judges it on the plain step's logits (noisy
         scores when coupled): a tie or not (see lossless).
         """
-        kwargs = {k: v for k, v in kwargs.items()
-                  if k not in ("use_drafter", "observer", "block_size", "lookup", "ngram_store", "tree", "prefix_cache")}
+        kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("use_drafter", "observer", "block_size", "lookup", "ngram_store", "tree", "prefix_cache")
+        }
         greedy = SamplingParams(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0)).greedy
         coupled = default_sampler(kwargs.get("sampler"), kwargs.get("seed")) == "coupled"
         recorder = DivergenceRecorder(result.token_ids, self.target.dtype) if greedy or coupled else None

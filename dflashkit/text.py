@@ -24,12 +24,18 @@ def check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidInputError(f"the prompt is not valid Unicode text: {e.reason} at character {e.start} "
-                                f"({text[max(0, e.start - 10):e.start + 10]!r})") from None
+        raise InvalidInputError(
+            f"the prompt is not valid Unicode text: {e.reason} at character {e.start} "
+            f"({text[max(0, e.start - 10) : e.start + 10]!r})"
+        ) from None
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: str | Messages, chat: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+def encode_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | Messages,
+    chat: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """Token ids of a prompt as the target sees it: text is one user turn through the chat template
     (when the tokenizer has one and `chat`, with `tools` if given); without a template, the plain text."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -44,13 +50,15 @@ def encode_chats(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str | Mes
     it over the cores: ~2x faster for 4,096 prompts on 2 cores, more on a GPU machine's many)."""
     if not getattr(tokenizer, "chat_template", None):
         return [encode_chat(tokenizer, p) for p in prompts]
-    texts = [render_chat(tokenizer, [{"role": "user", "content": p}] if isinstance(p, str) else list(p))
-             for p in prompts]
+    texts = [
+        render_chat(tokenizer, [{"role": "user", "content": p}] if isinstance(p, str) else list(p)) for p in prompts
+    ]
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Messages,
-                tools: list[dict[str, Any]] | None = None) -> str | None:
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, tools: list[dict[str, Any]] | None = None
+) -> str | None:
     """The chat template's text of `messages`, ending with the assistant's generation prompt (None: no template)."""
     if not getattr(tokenizer, "chat_template", None):
         return None

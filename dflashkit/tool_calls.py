@@ -5,7 +5,8 @@ writing ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (a bl
 calls): :func:`parse_tool_calls` takes those blocks out of the text as :class:`ToolCall` objects, and
 :class:`ToolCallStream` does it on streamed text (content before a call is released at once, a call when the
 generation ends). With ``tool_choice`` ``"required"`` or a named function, :meth:`ToolRequest.grammar` constrains the
-output (:mod:`dflashkit.decoding.grammar`) to well-formed calls of those tools whose arguments are valid under each tool's
+output (:mod:`dflashkit.decoding.grammar`) to well-formed calls of those tools whose arguments are valid under each
+tool's
 ``parameters`` schema: the output is then exactly the target's, constrained to that grammar. Templates that do not
 use this convention (e.g. SmolLM2's, which has no tools at all) are refused by :func:`check_template`, rather than
 tools being silently dropped.
@@ -21,8 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflashkit.errors import InvalidInputError
 from dflashkit.decoding.grammar import JSON_WHITESPACE, Grammar
+from dflashkit.errors import InvalidInputError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for function names
@@ -53,8 +54,11 @@ class ToolCall:
     id: str = ""
 
     def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return out if index is None else {"index": index, **out}
 
 
@@ -137,8 +141,11 @@ def _parse_tool(tool: Any, index: int) -> Tool:
 def _parse_choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
     if tool_choice is None:
         return "auto", None
-    malformed = ToolError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'type': 'function', 'function': "
-                          f"{{'name': ...}}}}, got {tool_choice!r:.80}", field="tool_choice")
+    malformed = ToolError(
+        f"tool_choice must be one of {', '.join(CHOICES)} or {{'type': 'function', 'function': "
+        f"{{'name': ...}}}}, got {tool_choice!r:.80}",
+        field="tool_choice",
+    )
     if isinstance(tool_choice, str):
         if tool_choice not in CHOICES:
             raise malformed
@@ -148,8 +155,9 @@ def _parse_choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
         raise malformed
     if name not in names:
-        raise ToolError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
-                        field="tool_choice")
+        raise ToolError(
+            f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})", field="tool_choice"
+        )
     return "function", name
 
 
@@ -188,8 +196,10 @@ def check_template(tokenizer: Any) -> None:
     if not isinstance(template, str) or "tools" not in template:
         raise ToolError("this model's chat template has no tools: it cannot be offered functions to call")
     if OPEN not in template:
-        raise ToolError(f"this model's chat template writes tool calls in a convention dflashkit does not parse "
-                        f"(it parses {OPEN}...{CLOSE}, as in Qwen2.5, Qwen3 and Hermes templates)")
+        raise ToolError(
+            f"this model's chat template writes tool calls in a convention dflashkit does not parse "
+            f"(it parses {OPEN}...{CLOSE}, as in Qwen2.5, Qwen3 and Hermes templates)"
+        )
 
 
 def template_messages(messages: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -268,7 +278,7 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str | None, list[
                 break
             return text, []
         calls.append(call)
-        pieces.append(text[end:match.start()])
+        pieces.append(text[end : match.start()])
         end = match.end()
     if not calls:
         return text, []
@@ -305,7 +315,7 @@ def _no_bare_call(text: str, names: Sequence[str]) -> bool:
         elif c in "}]":
             depth -= 1
             if depth == 0:
-                return bool(text[i + 1:].strip())
+                return bool(text[i + 1 :].strip())
         elif c == "," and depth == 1:
             key = None
         elif depth == 1 and key == "name" and not c.isspace() and c != ":":
@@ -351,7 +361,7 @@ class ToolCallStream:
             self._pending, self._held = "", text[at:]
             return text[:at]
         keep = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
-        self._pending = text[len(text) - keep:] if keep else ""
+        self._pending = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
     def finish(self) -> tuple[str, list[ToolCall]]:

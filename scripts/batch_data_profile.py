@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from dflashkit.training import sources as data
-from dflashkit.training.batchgen import generate_batch, generate_static
 from dflashkit.target.fast import FastTargetForward
 from dflashkit.target.loading import load_target
 from dflashkit.text import encode_chat, eos_token_ids
+from dflashkit.training import sources as data
+from dflashkit.training.batchgen import generate_batch, generate_static
 
 
 def sync(device: torch.device) -> None:
@@ -42,10 +42,14 @@ def engine_runner(name: str, model, batch_size: int):
     """(prompts, max_new_tokens, eos, pad) -> answers in the prompts' order, as `data` runs that engine over a shard:
     static batches of `batch_size` one after another, or `batch_size` slots refilled as answers end."""
     if name == "batches":
+
         def run(prompts, n, eos, pad):
-            return [a for i in range(0, len(prompts), batch_size)
-                    for a in generate_batch(model, prompts[i : i + batch_size], max_new_tokens=n, eos_ids=eos,
-                                            pad_id=pad)]
+            return [
+                a
+                for i in range(0, len(prompts), batch_size)
+                for a in generate_batch(model, prompts[i : i + batch_size], max_new_tokens=n, eos_ids=eos, pad_id=pad)
+            ]
+
         return run
     if name == "static":
         forward = FastTargetForward(model)
@@ -53,6 +57,7 @@ def engine_runner(name: str, model, batch_size: int):
         def run(prompts, n, eos, pad):
             got = dict(generate_static(forward, prompts, slots=batch_size, max_new_tokens=n, eos_ids=eos))
             return [got[i] for i in range(len(prompts))]
+
         return run
     raise SystemExit(f"unknown engine {name!r} (static, batches)")
 
@@ -78,8 +83,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--engines", default="static,batches", help="comma-separated: static, batches")
     ap.add_argument("--profile-steps", type=int, default=8, help="decode steps of one batch under torch.profiler")
-    ap.add_argument("--random-weights", default=None, metavar="FOLDER",
-                    help="a random model of the config.json in FOLDER (tokenizer from there too)")
+    ap.add_argument(
+        "--random-weights",
+        default=None,
+        metavar="FOLDER",
+        help="a random model of the config.json in FOLDER (tokenizer from there too)",
+    )
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -96,12 +105,17 @@ def main() -> None:
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    prompts = (list(data.jsonl_prompts(args.jsonl)) if args.jsonl
-               else data.collect_prompts(args.sources, n=args.prompts, seed=5).prompts)[: args.prompts]
+    prompts = (
+        list(data.jsonl_prompts(args.jsonl))
+        if args.jsonl
+        else data.collect_prompts(args.sources, n=args.prompts, seed=5).prompts
+    )[: args.prompts]
     encoded = [ids for ids in (encode_chat(tokenizer, p) for p in prompts) if len(ids) <= args.max_prompt_tokens]
     lengths = sorted(len(ids) for ids in encoded)
-    print(f"{device}: {len(encoded)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {statistics.median(lengths)})"
-          f", batches of {args.batch_size}, at most {args.max_new_tokens} new tokens")
+    print(
+        f"{device}: {len(encoded)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {statistics.median(lengths)})"
+        f", batches of {args.batch_size}, at most {args.max_new_tokens} new tokens"
+    )
     ordered = sorted(encoded, key=len)  # as `data` orders a shard's prompts
     batches = [ordered[i : i + args.batch_size] for i in range(0, len(ordered), args.batch_size)]
     padding = sum(len(b) * max(map(len, b)) - sum(map(len, b)) for b in batches)
@@ -113,18 +127,28 @@ def main() -> None:
     first = next(iter(answers))
     for name in list(answers)[1:]:
         same = sum(a == b for a, b in zip(answers[first], answers[name]))
-        parts = sorted(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                       for a, b in zip(answers[first], answers[name]) if a != b)
-        print(f"greedy answers of the first batch, {name} vs {first}: {same} of {len(batches[0])} identical"
-              + (f"; the others part at token {parts[0]}..{parts[-1]} (median {statistics.median(parts)})"
-                 if parts else ""))
+        parts = sorted(
+            next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            for a, b in zip(answers[first], answers[name])
+            if a != b
+        )
+        print(
+            f"greedy answers of the first batch, {name} vs {first}: {same} of {len(batches[0])} identical"
+            + (
+                f"; the others part at token {parts[0]}..{parts[-1]} (median {statistics.median(parts)})"
+                if parts
+                else ""
+            )
+        )
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.rounds):
-        for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+        for name in list(engines) if r % 2 == 0 else list(reversed(engines)):
             seconds, tokens = timed(engines[name], ordered, args, eos, pad, device)
             rates[name].append(tokens / seconds)
-            print(f"round {r}: {name:8s} {tokens} response tokens in {seconds:6.1f} s = {tokens / seconds:8.0f} "
-                  f"tok/s (batches / slots of {args.batch_size}; static batches' prompt padding {padding} tokens)")
+            print(
+                f"round {r}: {name:8s} {tokens} response tokens in {seconds:6.1f} s = {tokens / seconds:8.0f} "
+                f"tok/s (batches / slots of {args.batch_size}; static batches' prompt padding {padding} tokens)"
+            )
     for name, values in rates.items():
         print(f"median {name:8s} {statistics.median(values):8.0f} tok/s")
 
@@ -146,9 +170,12 @@ def main() -> None:
         with profile(activities=activities) as prof:
             run(batch, args.profile_steps, [], pad)
             sync(device)
-        print(f"{name}: one batch of {len(batch)}: prefill + 1 token {prefill * 1e3:.0f} ms; then ~"
-              f"{unprofiled * 1e3:.1f} ms per decode step ({args.profile_steps} steps, not profiled)")
+        print(
+            f"{name}: one batch of {len(batch)}: prefill + 1 token {prefill * 1e3:.0f} ms; then ~"
+            f"{unprofiled * 1e3:.1f} ms per decode step ({args.profile_steps} steps, not profiled)"
+        )
         print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60))
+
 
 if __name__ == "__main__":
     main()

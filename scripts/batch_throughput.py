@@ -49,7 +49,7 @@ def main() -> None:
         for r in range(args.rounds):
             batch = pool[r * c : (r + 1) * c] if len(pool) >= (r + 1) * c else pool[:c]
             runs = list(itertools.product(modes, (False, True)))
-            runs = runs[r % len(runs):] + runs[: r % len(runs)]
+            runs = runs[r % len(runs) :] + runs[: r % len(runs)]
             outputs: dict[tuple[str, bool], list[list[int]]] = {}
             for mode, batched in runs:
                 kwargs = dict(max_new_tokens=args.max_new_tokens, **modes[mode])
@@ -63,18 +63,26 @@ def main() -> None:
                 outputs[(mode, batched)] = [x.token_ids for x in results]
             for mode in modes:
                 same.setdefault((c, mode), []).extend(
-                    a == b for a, b in zip(outputs[(mode, True)], outputs[(mode, False)]))
-            print(f"batch {c} round {r}: " + ", ".join(f"{m}{' batched' if b else ''} {rate[(c, m, b)][-1]:.1f}"
-                                                        for m, b in runs), flush=True)
-    print(f"\n{args.rounds} rounds per batch size, {args.max_new_tokens} new tokens per prompt, greedy, "
-          f"{args.threads} threads; completion tokens / wall time over the set, prefills included (medians)")
+                    a == b for a, b in zip(outputs[(mode, True)], outputs[(mode, False)])
+                )
+            print(
+                f"batch {c} round {r}: "
+                + ", ".join(f"{m}{' batched' if b else ''} {rate[(c, m, b)][-1]:.1f}" for m, b in runs),
+                flush=True,
+            )
+    print(
+        f"\n{args.rounds} rounds per batch size, {args.max_new_tokens} new tokens per prompt, greedy, "
+        f"{args.threads} threads; completion tokens / wall time over the set, prefills included (medians)"
+    )
     print("| batch | mode | one at a time tok/s | batched tok/s | batched / one at a time | identical |")
     print("|---:|---|---:|---:|---:|---|")
     for c in sizes:
         for mode in modes:
             one, many = statistics.median(rate[(c, mode, False)]), statistics.median(rate[(c, mode, True)])
-            print(f"| {c} | {mode} | {one:.1f} | {many:.1f} | {many / one:.2f}x | "
-                  f"{sum(same[(c, mode)])}/{len(same[(c, mode)])} |")
+            print(
+                f"| {c} | {mode} | {one:.1f} | {many:.1f} | {many / one:.2f}x | "
+                f"{sum(same[(c, mode)])}/{len(same[(c, mode)])} |"
+            )
 
 
 if __name__ == "__main__":

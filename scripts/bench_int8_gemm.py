@@ -63,8 +63,11 @@ def main() -> None:
                 quantize_(ao, Int8WeightOnlyConfig())
             for m in rows:
                 x = torch.randn(m, k, dtype=torch.bfloat16)
-                t = {"bf16": median_us(lambda x=x, w=w: F.linear(x, w)),
-                     "int8": median_us(lambda x=x, qw=qw, s=scale: torch.ops.aten._weight_int8pack_mm(x, qw, s))}  # fmt: skip
+                t = {
+                    "bf16": median_us(lambda x=x, w=w: F.linear(x, w)),
+                    # fmt: skip
+                    "int8": median_us(lambda x=x, qw=qw, s=scale: torch.ops.aten._weight_int8pack_mm(x, qw, s)),
+                }
                 if ao is not None:
                     t["torchao"] = median_us(lambda x=x, ao=ao: ao(x))
                 cells = " | ".join(f"{t[c]:.0f}" for c in cols)

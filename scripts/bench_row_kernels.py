@@ -50,10 +50,14 @@ def main() -> None:
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) if prepacked else w for w in weights]
     ours = [row_kernels.pack(w) for w in weights]
     mb = sum(w.numel() * 2 for w in weights) / 1e6
-    print(f"products: {len(weights)} matrices, {mb:.0f} MB of bf16 weights, {args.threads} threads, "
-          f"median of {args.repeats}")
-    print(f"baseline: {'oneDNN, prepacked' if prepacked else 'F.linear (no oneDNN bf16 packing on this CPU)'}; "
-          f"kernel: {row_kernels.label()}")
+    print(
+        f"products: {len(weights)} matrices, {mb:.0f} MB of bf16 weights, {args.threads} threads, "
+        f"median of {args.repeats}"
+    )
+    print(
+        f"baseline: {'oneDNN, prepacked' if prepacked else 'F.linear (no oneDNN bf16 packing on this CPU)'}; "
+        f"kernel: {row_kernels.label()}"
+    )
     print(f"{'rows':>5} {'oneDNN ms':>10} {'kernel ms':>10} {'ratio':>6} {'kernel GB/s':>12}")
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:

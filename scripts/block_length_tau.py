@@ -17,8 +17,8 @@ from collections import Counter, defaultdict
 
 import torch
 
-from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
 
 
 def answers(gen: SpeculativeGenerator, name: str, limit: int, max_new_tokens: int):
@@ -68,8 +68,16 @@ def main() -> None:
                 runs = [(length, length - 1, "cut") for length in lengths] + [("tail", k, "tail") for k in ks]
                 for i, (column, drafts_asked, fill) in enumerate(runs):
                     drafter.block_fill = fill
-                    scores, columns = drafter.draft_scores(context, new if i == 0 else None, have, y[a], a,
-                                                           drafts_asked, target.embed_tokens, target.lm_head)
+                    scores, columns = drafter.draft_scores(
+                        context,
+                        new if i == 0 else None,
+                        have,
+                        y[a],
+                        a,
+                        drafts_asked,
+                        target.embed_tokens,
+                        target.lm_head,
+                    )
                     best = scores.argmax(-1)
                     drafts = (columns[best] if columns is not None else best).tolist()
                     for k in ks if fill == "cut" else [drafts_asked]:

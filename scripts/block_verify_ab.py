@@ -22,10 +22,10 @@ import statistics
 
 import torch
 
-from dflashkit.training.evalsets import load_set
+from dflashkit.decoding.sampling import over_vocabulary, sample, warp
+from dflashkit.decoding.verify import block_verification, verify_sampled, verify_sampled_logits
 from dflashkit.generator import SpeculativeGenerator
-from dflashkit.decoding.sampling import (block_verification, over_vocabulary, sample, verify_sampled, verify_sampled_logits,
-                                warp)
+from dflashkit.training.evalsets import load_set
 
 decode_module = importlib.import_module("dflashkit.decoding.loop")  # the package re-exports a function named decode
 
@@ -74,10 +74,12 @@ RULES = {"block": verify_sampled, "token": token_by_token}
 
 def on_logits(rule):
     """The decode loop's verify_sampled_logits, in torch with ``rule`` deciding."""
+
     def verify(logits, params, drafts, draft_probs, generator, columns=None):
         if draft_probs is not None and columns is not None:
             draft_probs = over_vocabulary(draft_probs, columns, logits.shape[-1])
         return rule(warp(logits, params), drafts, draft_probs, generator)
+
     return verify
 
 
@@ -86,12 +88,17 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
     ap.add_argument("--sets", default="mt-bench,humaneval,math500")
     ap.add_argument("--limit", type=int, default=12)
-    ap.add_argument("--block-sizes", default="16,auto", help="comma-separated; 'auto' = the adaptive policy with lookup")
+    ap.add_argument(
+        "--block-sizes", default="16,auto", help="comma-separated; 'auto' = the adaptive policy with lookup"
+    )
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--same-drafts", action="store_true", help="record both rules' expected kept drafts on the "
-                    "block rule's drafts (slows the block rule's runs)")
+    ap.add_argument(
+        "--same-drafts",
+        action="store_true",
+        help="record both rules' expected kept drafts on the block rule's drafts (slows the block rule's runs)",
+    )
     args = ap.parse_args()
     if args.same_drafts:
         RULES["block"] = block_recording
@@ -108,8 +115,15 @@ def main() -> None:
                 for rule in order:
                     decode_module.verify_sampled_logits = on_logits(RULES[rule])
                     try:
-                        result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                              sampler="rejection", seed=n, block_size=block, lookup=block == "auto")
+                        result = gen.generate(
+                            prompt,
+                            max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature,
+                            sampler="rejection",
+                            seed=n,
+                            block_size=block,
+                            lookup=block == "auto",
+                        )
                     finally:
                         decode_module.verify_sampled_logits = verify_sampled_logits
                     runs[rule].append(result.stats)
@@ -123,10 +137,16 @@ def main() -> None:
             ratio = statistics.median(b.tokens_per_s / t.tokens_per_s for b, t in zip(runs["block"], runs["token"]))
             kept_block, kept_token = (sum(x) / len(PAIRED) for x in zip(*PAIRED)) if PAIRED else (0.0, 0.0)
             if PAIRED:
-                line.append(f"same drafts ({len(PAIRED)} verifies): kept {kept_block:.3f} vs {kept_token:.3f} "
-                            f"({100 * (kept_block / kept_token - 1):+.1f}%)")
-            print("  ".join(line[:3]) + f"  median tok/s ratio block/token {ratio:.3f}" + "".join(
-                f"; {extra}" for extra in line[3:]), flush=True)
+                line.append(
+                    f"same drafts ({len(PAIRED)} verifies): kept {kept_block:.3f} vs {kept_token:.3f} "
+                    f"({100 * (kept_block / kept_token - 1):+.1f}%)"
+                )
+            print(
+                "  ".join(line[:3])
+                + f"  median tok/s ratio block/token {ratio:.3f}"
+                + "".join(f"; {extra}" for extra in line[3:]),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

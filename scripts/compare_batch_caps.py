@@ -6,7 +6,8 @@
 For each batch size C: C prompts (MT-Bench / HumanEval / MATH-500 first turns in turn, a different group each round)
 generated together with `generate_batch`, plain (no drafter) and speculative with the CLI's defaults (drafter,
 adaptive block size, prompt lookup) under each block cap for the batch's members: a number fixes the cap
-(``BlockPolicies(batch_rows=cap * C)``), ``rule`` is the library's default (:data:`dflashkit.decoding.adaptive.BATCH_ROWS`
+(``BlockPolicies(batch_rows=cap * C)``), ``rule`` is the library's default
+(:data:`dflashkit.decoding.adaptive.BATCH_ROWS`
 rows per pass). The runs of a round go in a rotating order; each cap keeps its own policies across rounds, as a
 server's would. Prints, per C and cap, the median tok/s (completion tokens over wall time, prefills included) and
 the median per-round ratio to plain batched decoding.
@@ -19,7 +20,6 @@ import statistics
 import time
 
 import torch
-
 from batch_throughput import prompts  # scripts/ is on the path when this runs as a script
 
 from dflashkit import SpeculativeGenerator
@@ -40,17 +40,21 @@ def main() -> None:
     gen = SpeculativeGenerator.load()
     pool = prompts(2 * max(sizes))
     gen.generate_batch(pool[:2], max_new_tokens=16)  # warm-up: kernels, caches
-    print(f"{args.rounds} rounds, {args.max_new_tokens} new tokens per prompt, greedy, {args.threads} threads\n"
-          "| batch | run | tok/s | over plain batched |\n|---:|---|---:|---:|")
+    print(
+        f"{args.rounds} rounds, {args.max_new_tokens} new tokens per prompt, greedy, {args.threads} threads\n"
+        "| batch | run | tok/s | over plain batched |\n|---:|---|---:|---:|"
+    )
     for size in sizes:
-        policies = {c: BlockPolicies(gen.drafter.block_size,
-                                     batch_rows=BATCH_ROWS if c == "rule" else int(c) * size) for c in caps}
+        policies = {
+            c: BlockPolicies(gen.drafter.block_size, batch_rows=BATCH_ROWS if c == "rule" else int(c) * size)
+            for c in caps
+        }
         runs = ["plain", *caps]
         speeds: dict[str, list[float]] = {r: [] for r in runs}
         for r in range(args.rounds):
             group = r % (len(pool) // size)
             batch = pool[group * size : (group + 1) * size]
-            for run in runs[r % len(runs):] + runs[: r % len(runs)]:
+            for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
                 if run != "plain":
                     gen.block_policies = policies[run]
                 t = time.perf_counter()

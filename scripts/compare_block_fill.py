@@ -41,8 +41,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=1, help="sampling seeds per prompt (temperature > 0)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
-    ap.add_argument("--variants", default="tail,whole,cut",
-                    help="fills to compare (tail, whole, cut), each also as FILL-notext (no text columns)")
+    ap.add_argument(
+        "--variants",
+        default="tail,whole,cut",
+        help="fills to compare (tail, whole, cut), each also as FILL-notext (no text columns)",
+    )
     args = ap.parse_args()
     variants = ("plain", *args.variants.split(","))
     for v in variants[1:]:
@@ -59,8 +62,10 @@ def main() -> None:
     spec = {"block_size": block, "tree": args.tree, "lookup": False if args.no_lookup else None}
     greedy = args.temperature == 0
     seeds = [None] if greedy else list(range(args.seeds))
-    print(f"block size {block}, tree {args.tree}, lookup {not args.no_lookup}, T={args.temperature:g}, "
-          f"{args.limit} prompts per set x {len(seeds)} seed(s), {args.max_new_tokens} new tokens")
+    print(
+        f"block size {block}, tree {args.tree}, lookup {not args.no_lookup}, T={args.temperature:g}, "
+        f"{args.limit} prompts per set x {len(seeds)} seed(s), {args.max_new_tokens} new tokens"
+    )
     for name in args.sets.split(","):
         prompts = load_set(name, limit=args.limit, seed=0)
         for variant in variants[1:]:  # warm-up (kernels, policies' first measurements)
@@ -78,8 +83,13 @@ def main() -> None:
                 for variant in order:
                     options = {} if variant == "plain" else spec
                     results[variant] = gens[variant].generate(
-                        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
-                        use_drafter=variant != "plain", **options)
+                        prompt,
+                        max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature,
+                        seed=seed,
+                        use_drafter=variant != "plain",
+                        **options,
+                    )
                 runs += 1
                 tpot = {}
                 for variant, r in results.items():
@@ -91,8 +101,10 @@ def main() -> None:
                     speedups[variant].append(tpot["plain"] / tpot[variant])
                     same[variant] += results[variant].token_ids == results["plain"].token_ids
         for variant in variants:
-            line = (f"{name:10s} {variant:13s} tau {tokens[variant] / max(1, steps[variant]):5.2f}  "
-                    f"{statistics.median(tps[variant]):6.1f} tok/s")
+            line = (
+                f"{name:10s} {variant:13s} tau {tokens[variant] / max(1, steps[variant]):5.2f}  "
+                f"{statistics.median(tps[variant]):6.1f} tok/s"
+            )
             if variant != "plain":
                 line += f"  speedup {statistics.median(speedups[variant]):.2f}x"
                 if greedy:

@@ -17,9 +17,9 @@ import json
 import torch
 
 from dflashkit.bench.datasets import PACKAGED, load_questions
-from dflashkit.training.evalsets import load_set
-from dflashkit.generator import SpeculativeGenerator
 from dflashkit.decoding.sampling import SamplingParams, warp
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
 
 T1 = SamplingParams(temperature=1.0)
 
@@ -49,8 +49,15 @@ def first_draft_acceptance(gen: SpeculativeGenerator, prompts: list, seeds: int,
     try:
         for prompt in prompts:
             for seed in range(seeds):
-                stats = gen.generate(prompt, max_new_tokens=max_new, temperature=1.0, seed=seed, block_size=4,
-                                     lookup=False, observer=observer).stats
+                stats = gen.generate(
+                    prompt,
+                    max_new_tokens=max_new,
+                    temperature=1.0,
+                    seed=seed,
+                    block_size=4,
+                    lookup=False,
+                    observer=observer,
+                ).stats
                 tokens, passes = tokens + stats.new_tokens - 1, passes + stats.target_forwards - 1
     finally:
         del drafter.draft_scores
@@ -68,8 +75,11 @@ def greedy_tau(gen: SpeculativeGenerator, prompts: list, block: int, max_new: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafters", nargs="+")
-    ap.add_argument("--sets", default="mt-bench,humaneval,math500",
-                    help="comma-separated: the packaged sets, or any bench data set (jsonl:PATH, hf:NAME...)")
+    ap.add_argument(
+        "--sets",
+        default="mt-bench,humaneval,math500",
+        help="comma-separated: the packaged sets, or any bench data set (jsonl:PATH, hf:NAME...)",
+    )
     ap.add_argument("--limit", type=int, default=12, help="prompts per set (seeded subset, as the bench)")
     ap.add_argument("--seeds", type=int, default=3, help="sampling seeds per prompt at T=1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -79,7 +89,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sets = {}
-    for spec in args.sets.split(","):  # packaged sets as before; any bench data set (jsonl:PATH, hf:...) by its first turns
+    for spec in args.sets.split(
+        ","
+    ):  # packaged sets as before; any bench data set (jsonl:PATH, hf:...) by its first turns
         if spec in PACKAGED:
             sets[spec] = load_set(spec, limit=args.limit, seed=0)
         else:

@@ -33,12 +33,12 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-
-from dflashkit.kernels import row_kernels
-from dflashkit.training.evalsets import load_set
-from dflashkit.target.fast import ForwardCall
-from dflashkit.generator import SpeculativeGenerator
 from step_cost import tree_shape  # scripts/step_cost.py
+
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.kernels import row_kernels
+from dflashkit.target.fast import ForwardCall
+from dflashkit.training.evalsets import load_set
 
 
 def load_build(directory: Path) -> ModuleType:
@@ -63,8 +63,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: the weight-only int8 target")
     ap.add_argument("--sequences", type=int, default=1, help="sequences per step, batched (default 1)")
-    ap.add_argument("--decode", type=int, default=0, metavar="N",
-                    help="compare whole generations on N prompts per evaluation set instead of single steps")
+    ap.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compare whole generations on N prompts per evaluation set instead of single steps",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     builds = {"old": load_build(args.old), "new": load_build(args.new)}
@@ -104,8 +109,10 @@ def main() -> None:
                         times[(name, shape)].append(elapsed)
     weights = ", int8 weights" if args.quantize == "int8" else ""
     each = f", {args.sequences} sequences batched (rows per sequence)" if args.sequences > 1 else ""
-    print(f"target step at {args.context} cached positions{weights}{each}, {args.threads} threads, median of "
-          f"{args.rounds}")
+    print(
+        f"target step at {args.context} cached positions{weights}{each}, {args.threads} threads, median of "
+        f"{args.rounds}"
+    )
     for shape in shapes:
         old, new = (statistics.median(times[(b, shape)]) * 1e3 for b in ("old", "new"))
         print(f"  {shape}: old {old:7.2f} ms  new {new:7.2f} ms  new/old {new / old:.3f}")
@@ -133,13 +140,17 @@ def compare_decoding(builds: dict[str, ModuleType], running: dict, args: argpars
             speeds[(name, "speculative")].append(spec.stats.tokens_per_s)
             speeds[(name, "plain")].append(plain.stats.tokens_per_s)
     weights = "int8" if args.quantize == "int8" else "bf16"
-    print(f"{len(prompts)} prompts, 128 tokens, {weights} target, {args.threads} threads; each build's speculative "
-          "output equal to its plain output")
+    print(
+        f"{len(prompts)} prompts, 128 tokens, {weights} target, {args.threads} threads; each build's speculative "
+        "output equal to its plain output"
+    )
     for mode in ("speculative", "plain"):
         old, new = speeds[("old", mode)], speeds[("new", mode)]
         ratio = statistics.median(n / o for o, n in zip(old, new))
-        print(f"  {mode:11s}: old {statistics.median(old):6.1f} tok/s  new {statistics.median(new):6.1f} tok/s  "
-              f"new/old (median per prompt) {ratio:.3f}")
+        print(
+            f"  {mode:11s}: old {statistics.median(old):6.1f} tok/s  new {statistics.median(new):6.1f} tok/s  "
+            f"new/old (median per prompt) {ratio:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import statistics
 
 import torch
 
-from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
 
 CONFIGS = {
     "plain": {"use_drafter": False},
@@ -67,8 +67,12 @@ def main() -> None:
             plain = statistics.mean(tpot["plain"])
             cells = [f"{m} {plain / statistics.mean(tpot[m]):.2f}x τ {statistics.mean(tau[m]):.2f}" for m in names[1:]]
             taus = ", ".join(f"{kind} steps τ {tok / steps:.2f}" for kind, (steps, tok) in kinds.items() if steps)
-            print(f"{dataset} T={temperature:g}: " + " | ".join(cells)
-                  + f" | store drafted {store_steps} of {copied_steps} copied steps | block 4: {taus}", flush=True)
+            print(
+                f"{dataset} T={temperature:g}: "
+                + " | ".join(cells)
+                + f" | store drafted {store_steps} of {copied_steps} copied steps | block 4: {taus}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

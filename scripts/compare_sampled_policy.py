@@ -47,10 +47,16 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--fresh", action="store_true",
-                    help="a fresh policy for every prompt (a one-shot CLI run), instead of one carried across prompts")
-    ap.add_argument("--baseline-ref", default=None,
-                    help="also run the default policy as defined at this git revision (variant 'at-REF')")
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="a fresh policy for every prompt (a one-shot CLI run), instead of one carried across prompts",
+    )
+    ap.add_argument(
+        "--baseline-ref",
+        default=None,
+        help="also run the default policy as defined at this git revision (variant 'at-REF')",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,14 +82,19 @@ def main() -> None:
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for name in args.sets.split(","):
         for i, prompt in enumerate(load_set(name, limit=args.limit)):
-            for v in variants[i % len(variants):] + variants[: i % len(variants)]:  # rotate the order per prompt
+            for v in variants[i % len(variants) :] + variants[: i % len(variants)]:  # rotate the order per prompt
                 if v in policies:
                     if args.fresh:
                         policies[v] = factories[v]()
                     gen.block_policies = policies[v]  # each variant's estimates carry over between its prompts
-                kw = {"use_drafter": False} if v == "plain" else {"lookup": True, "block_size": 4 if v == "block-4" else "auto"}
-                stats = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                     seed=i, **kw).stats
+                kw = (
+                    {"use_drafter": False}
+                    if v == "plain"
+                    else {"lookup": True, "block_size": 4 if v == "block-4" else "auto"}
+                )
+                stats = gen.generate(
+                    prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=i, **kw
+                ).stats
                 results.setdefault((name, v), []).append((stats.new_tokens / stats.decode_s, stats.tau))
     for name in args.sets.split(","):
         plain = results[(name, "plain")]
@@ -91,8 +102,10 @@ def main() -> None:
         for v in variants:
             rows = results[(name, v)]
             speedup = statistics.median(a[0] / b[0] for a, b in zip(rows, plain))
-            cells.append(f"{v} {statistics.median(r[0] for r in rows):.1f} tok/s τ {statistics.mean(r[1] for r in rows):.2f}"
-                         f" x{speedup:.2f}")
+            cells.append(
+                f"{v} {statistics.median(r[0] for r in rows):.1f} tok/s τ {statistics.mean(r[1] for r in rows):.2f}"
+                f" x{speedup:.2f}"
+            )
         print(f"{name}: " + " | ".join(cells))
 
 

@@ -57,9 +57,15 @@ def main() -> None:
             for seed in range(args.seeds):
                 results = {}
                 for variant, (use_drafter, sampler) in VARIANTS.items():
-                    results[variant] = gen.generate(prompt, max_new_tokens=args.max_new_tokens,
-                                                    temperature=args.temperature, seed=seed, sampler=sampler,
-                                                    use_drafter=use_drafter, **(spec_options if use_drafter else {}))
+                    results[variant] = gen.generate(
+                        prompt,
+                        max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature,
+                        seed=seed,
+                        sampler=sampler,
+                        use_drafter=use_drafter,
+                        **(spec_options if use_drafter else {}),
+                    )
                 base = results["plain-rejection"].stats
                 base_tpot = base.decode_s / max(1, base.new_tokens - 1)
                 for variant, r in results.items():
@@ -69,12 +75,16 @@ def main() -> None:
                     speedups[variant].append(base_tpot / (s.decode_s / max(1, s.new_tokens - 1)))
                 same += results["spec-coupled"].token_ids == results["plain-coupled"].token_ids
                 runs += 1
-        print(f"{name} (T={args.temperature}, {len(prompts)} prompts x {args.seeds} seeds, "
-              f"{args.max_new_tokens} new tokens, speculative options {spec_options}):")
+        print(
+            f"{name} (T={args.temperature}, {len(prompts)} prompts x {args.seeds} seeds, "
+            f"{args.max_new_tokens} new tokens, speculative options {spec_options}):"
+        )
         for variant in VARIANTS:
-            print(f"  {variant:16s} τ {statistics.mean(taus[variant]):.2f}  "
-                  f"{statistics.median(tps[variant]):6.1f} tok/s  "
-                  f"speedup over plain-rejection (median per prompt) {statistics.median(speedups[variant]):.2f}x")
+            print(
+                f"  {variant:16s} τ {statistics.mean(taus[variant]):.2f}  "
+                f"{statistics.median(tps[variant]):6.1f} tok/s  "
+                f"speedup over plain-rejection (median per prompt) {statistics.median(speedups[variant]):.2f}x"
+            )
         print(f"  spec-coupled output == plain-coupled output of the seed: {same}/{runs}")
 
 

@@ -3,7 +3,8 @@ in static batches, on the same prompts, in one process, the order alternating pe
 
     .venv/bin/python scripts/data_speed.py [--prompts 128] [--rounds 2] [--continuous-batch 64] [--batches-batch 32]
 
-Each run is `dflashkit.training.sources.regenerate` into a fresh temporary folder (the embedded target, bf16, greedy, at most 192
+Each run is `dflashkit.training.sources.regenerate` into a fresh temporary folder (the embedded target, bf16, greedy,
+at most 192
 new tokens, prompts of at most 512 tokens from `sharegpt:0.8,math:0.2`). Prints each run's response tokens per
 second (the prefills included), their medians and ratio, and how many answers the two engines share token for token
 (in bf16 the two decoders round differently, so long greedy answers can part at near-ties; the prefix they share is
@@ -18,8 +19,8 @@ import tempfile
 
 import torch
 
-from dflashkit.training import sources as data
 from dflashkit.target.loading import load_target
+from dflashkit.training import sources as data
 
 
 def main() -> None:
@@ -41,13 +42,24 @@ def main() -> None:
         order = ["continuous", "batches"] if r % 2 == 0 else ["batches", "continuous"]
         for engine in order:
             with tempfile.TemporaryDirectory() as out:
-                summary = data.regenerate(model, tokenizer, prompts, out, batch_size=batch[engine],
-                                          max_new_tokens=args.max_new_tokens, shard_size=len(prompts),
-                                          progress=False, engine=engine)
+                summary = data.regenerate(
+                    model,
+                    tokenizer,
+                    prompts,
+                    out,
+                    batch_size=batch[engine],
+                    max_new_tokens=args.max_new_tokens,
+                    shard_size=len(prompts),
+                    progress=False,
+                    engine=engine,
+                )
                 answers[engine] = {rec["id"]: rec["response_ids"] for rec in data.load_shards(out)}
             rates[engine].append(summary["run_tokens_per_s"])
-            print(f"round {r} {engine} (batch {batch[engine]}): {summary['run_response_tokens']} tokens, "
-                  f"{summary['run_seconds']:.1f} s, {summary['run_tokens_per_s']:.1f} tok/s", flush=True)
+            print(
+                f"round {r} {engine} (batch {batch[engine]}): {summary['run_response_tokens']} tokens, "
+                f"{summary['run_seconds']:.1f} s, {summary['run_tokens_per_s']:.1f} tok/s",
+                flush=True,
+            )
     a, b = answers["continuous"], answers["batches"]
     same = sum(a[i] == b[i] for i in a)
     shared = []
@@ -56,8 +68,10 @@ def main() -> None:
         shared.append(n / max(len(a[i]), len(b[i]), 1))
     cont, stat = statistics.median(rates["continuous"]), statistics.median(rates["batches"])
     print(f"\n{len(a)} answers, {args.rounds} rounds, {args.threads} threads, greedy bf16")
-    print(f"continuous (batch {args.continuous_batch}): {cont:.1f} tok/s; batches (batch {args.batches_batch}): "
-          f"{stat:.1f} tok/s; continuous / batches {cont / stat:.2f}x (medians)")
+    print(
+        f"continuous (batch {args.continuous_batch}): {cont:.1f} tok/s; batches (batch {args.batches_batch}): "
+        f"{stat:.1f} tok/s; continuous / batches {cont / stat:.2f}x (medians)"
+    )
     print(f"identical answers: {same}/{len(a)}; mean shared prefix {100 * statistics.mean(shared):.1f}% of the answer")
 
 

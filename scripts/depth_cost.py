@@ -22,9 +22,9 @@ import torch
 
 from dflashkit import SpeculativeGenerator, save_drafter
 from dflashkit.drafter.checkpoint import load_drafter
-from dflashkit.training.evalsets import load_set
 from dflashkit.drafter.ngram_store import FILENAME as NGRAM_STORE
-from dflashkit.training.trainer import deepened
+from dflashkit.training.evalsets import load_set
+from dflashkit.training.warm_start import deepened
 
 SHIPPED = Path(__file__).resolve().parents[1] / "dflashkit" / "drafters" / "smollm2-135m-instruct"
 
@@ -79,13 +79,17 @@ def main() -> None:
                     tps[n].append(r.stats.tokens_per_s)
                     taus[n].append(r.stats.tau)
                     speedups[n].append(base_tpot / (r.stats.decode_s / max(1, r.stats.new_tokens - 1)))
-            print(f"{name} ({len(prompts)} prompts, greedy, {args.max_new_tokens} new tokens, options {options}; "
-                  f"plain {statistics.median(plain_tps):.1f} tok/s; outputs differing from plain: {differ}):")
+            print(
+                f"{name} ({len(prompts)} prompts, greedy, {args.max_new_tokens} new tokens, options {options}; "
+                f"plain {statistics.median(plain_tps):.1f} tok/s; outputs differing from plain: {differ}):"
+            )
             for n in gens:
                 ratio = statistics.median(a / b for a, b in zip(tps[n], tps[own]))
-                print(f"  {n} layers  τ {statistics.mean(taus[n]):.2f}  {statistics.median(tps[n]):6.1f} tok/s  "
-                      f"speedup over plain (median per prompt) {statistics.median(speedups[n]):.2f}x  "
-                      f"tok/s against {own} layers (median per prompt) {ratio:.3f}")
+                print(
+                    f"  {n} layers  τ {statistics.mean(taus[n]):.2f}  {statistics.median(tps[n]):6.1f} tok/s  "
+                    f"speedup over plain (median per prompt) {statistics.median(speedups[n]):.2f}x  "
+                    f"tok/s against {own} layers (median per prompt) {ratio:.3f}"
+                )
 
 
 if __name__ == "__main__":

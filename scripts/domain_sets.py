@@ -19,8 +19,8 @@ import pathlib
 
 import torch
 
-from dflashkit.training import sources as data
 from dflashkit.target.loading import load_target
+from dflashkit.training import sources as data
 
 
 def write_questions(path: pathlib.Path, prompts: list[str], category: str) -> None:
@@ -44,8 +44,14 @@ def main() -> None:
 
     model, tokenizer = load_target()
     answerer = data.Answerer.for_target(model, tokenizer, engine="auto", batch_size=32)
-    magpie = data.collect_prompts("magpie", args.n, seed=args.seed, magpie=lambda seed, budget, system: data.magpie_prompts(
-        answerer, tokenizer, seed=seed, budget=budget, system=system, progress=True))
+    magpie = data.collect_prompts(
+        "magpie",
+        args.n,
+        seed=args.seed,
+        magpie=lambda seed, budget, system: data.magpie_prompts(
+            answerer, tokenizer, seed=seed, budget=budget, system=system, progress=True
+        ),
+    )
     write_questions(out / "magpie.jsonl", magpie.prompts, "magpie")
 
     lines = pathlib.Path(args.prompts).read_text(encoding="utf-8").splitlines()[-3000:]

@@ -25,13 +25,13 @@ import argparse
 
 import torch
 
-from dflashkit.drafter.checkpoint import load_drafter
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.training.evalsets import load_set
-from dflashkit.generator import SpeculativeGenerator
-from dflashkit.drafter.registry import drafter_folder
 from dflashkit.decoding.sampling import SamplingParams
-from dflashkit.training.trainer import block_hidden
+from dflashkit.drafter.checkpoint import load_drafter
+from dflashkit.drafter.registry import drafter_folder
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
+from dflashkit.training.losses import block_hidden
 
 TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
 
@@ -56,8 +56,9 @@ def scores_and_target(gen: SpeculativeGenerator, ids: list[int], start: int, pos
     return head(hidden).float(), p, anchors[0]
 
 
-def coupled_acceptance(p: torch.Tensor, scores: torch.Tensor, draws: int, generator: torch.Generator,
-                       chunk: int = 16) -> list[torch.Tensor]:
+def coupled_acceptance(
+    p: torch.Tensor, scores: torch.Tensor, draws: int, generator: torch.Generator, chunk: int = 16
+) -> list[torch.Tensor]:
     """Per row and drafter temperature, the share of `draws` Gumbel vectors under which the drafter's noisy argmax is
     the target's: p [n, V'] (within the draft vocabulary), scores [n, V']; returns one [n] tensor per temperature."""
     rest = (1 - p.sum(-1, keepdim=True)).clamp_min(0)  # the mass outside, one bucket
@@ -81,21 +82,38 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--full-vocab", action="store_true",
-                    help="q over the whole vocabulary (the drafter's hidden states through the target's head)")
-    ap.add_argument("--coupled", type=int, default=0, metavar="M",
-                    help="also coupled sampling's acceptance per drafter temperature, over M Gumbel draws per position")
-    ap.add_argument("--contexts", choices=("sampled", "greedy"), default="sampled",
-                    help="teacher-force on the target's T=1 answers (what T=1 decoding meets; default) or on its "
-                    "greedy ones")
+    ap.add_argument(
+        "--full-vocab",
+        action="store_true",
+        help="q over the whole vocabulary (the drafter's hidden states through the target's head)",
+    )
+    ap.add_argument(
+        "--coupled",
+        type=int,
+        default=0,
+        metavar="M",
+        help="also coupled sampling's acceptance per drafter temperature, over M Gumbel draws per position",
+    )
+    ap.add_argument(
+        "--contexts",
+        choices=("sampled", "greedy"),
+        default="sampled",
+        help="teacher-force on the target's T=1 answers (what T=1 decoding meets; default) or on its greedy ones",
+    )
     ap.add_argument("--drafters", default="auto", help="comma-separated drafter folders, scored on the same contexts")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = args.drafters.split(",")
     gen = SpeculativeGenerator.load(drafter=paths[0])  # also decodes the contexts
-    gens = [gen] + [SpeculativeGenerator(gen.model, gen.tokenizer, load_drafter(
-        drafter_folder(path, None), dtype=gen.model.dtype, device=gen.model.device)) for path in paths[1:]]
+    gens = [gen] + [
+        SpeculativeGenerator(
+            gen.model,
+            gen.tokenizer,
+            load_drafter(drafter_folder(path, None), dtype=gen.model.dtype, device=gen.model.device),
+        )
+        for path in paths[1:]
+    ]
     generator = torch.Generator().manual_seed(0)
     labels = [f"q at T={t:g}" for t in TEMPERATURES] + ["argmax q", "top-2 of q", "top-3 of q", "max p", "mass of p"]
     if args.coupled:
@@ -106,15 +124,17 @@ def main() -> None:
         for i, prompt in enumerate(load_set(name, limit=args.limit, seed=0)):
             ids = gen.encode_prompt(prompt)
             temperature = 1.0 if args.contexts == "sampled" else 0.0
-            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=i,
-                                    sampling=SamplingParams(temperature=temperature),
-                                    stop_token_ids=frozenset(gen.eos_token_ids))
+            options = DecodeOptions(
+                max_new_tokens=args.max_new_tokens,
+                seed=i,
+                sampling=SamplingParams(temperature=temperature),
+                stop_token_ids=frozenset(gen.eos_token_ids),
+            )
             out = [t for step in decode(gen.target, None, ids, options) for t in step.tokens]
             length = len(ids) + len(out)
             for g, scored in enumerate(gens):
                 generator.manual_seed(i)  # every drafter meets the same Gumbel draws
-                scores, p_all, anchors = scores_and_target(scored, ids + out, len(ids), args.positions,
-                                                           args.full_vocab)
+                scores, p_all, anchors = scores_and_target(scored, ids + out, len(ids), args.positions, args.full_vocab)
                 for k in range(args.positions):
                     valid = anchors + k + 1 < length
                     p = p_all[anchors[valid] + k]  # [n, V']: the token at offset k+1

@@ -18,8 +18,8 @@ import statistics
 
 import torch
 
-from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
 
 SETS = {"humaneval": 1.0, "mt-bench": 8 / 3, "math500": 8 / 3}  # context prompts per --context-docs (shorter prompts)
 
@@ -58,16 +58,20 @@ def main() -> None:
                 lengths.append(len(gen.encode_prompt(prompt, True)))
                 texts = set()
                 for w in windows:
-                    r = gen.generate(prompt, max_new_tokens=args.max_new_tokens, block_size=8, lookup=False,
-                                     draft_window=w)
+                    r = gen.generate(
+                        prompt, max_new_tokens=args.max_new_tokens, block_size=8, lookup=False, draft_window=w
+                    )
                     texts.add(r.text)
                     taus[w].append(r.stats.tau)
                     draft_ms[w].append(1e3 * r.stats.draft_s / max(1, r.stats.steps))
                 assert len(texts) == 1, "the output changed with the window: a bug"
             for w in windows:
-                print(f"{name:10s} prompts of ~{int(statistics.mean(lengths)):5d} tokens  window {w or 'all':>4}  "
-                      f"τ {statistics.mean(taus[w]):.3f} {[round(t, 2) for t in taus[w]]}  "
-                      f"draft {statistics.median(draft_ms[w]):.2f} ms/step", flush=True)
+                print(
+                    f"{name:10s} prompts of ~{int(statistics.mean(lengths)):5d} tokens  window {w or 'all':>4}  "
+                    f"τ {statistics.mean(taus[w]):.3f} {[round(t, 2) for t in taus[w]]}  "
+                    f"draft {statistics.median(draft_ms[w]):.2f} ms/step",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -30,11 +30,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from conftest import tiny_drafter, tiny_target  # noqa: E402
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize  # noqa: E402
-from dflashkit.training.batchgen import generate_batch, generate_static  # noqa: E402
-from dflashkit.target.fast import FastTargetForward  # noqa: E402
 from dflashkit.decoding.loop import DecodeOptions, decode  # noqa: E402
 from dflashkit.decoding.sampling import SamplingParams  # noqa: E402
 from dflashkit.target.adapter import TargetAdapter  # noqa: E402
+from dflashkit.target.fast import FastTargetForward  # noqa: E402
+from dflashkit.training.batchgen import generate_batch, generate_static  # noqa: E402
 
 PROMPTS = [[5, 9, 14, 3, 22], [7] * 12, list(range(3, 40)), [11, 4]]
 
@@ -91,25 +91,37 @@ def main() -> int:
                     failures.append(f"{arch} b{block} prompt {i} T=1: graphs and no graphs sample differently")
                 # sampled token trees (candidates drawn on the device, recursive rejection sampling)
                 if tokens(graphed, drafter, prompt, sampling=sampling, seed=7, tree=5) != tokens(
-                        fast, plain_drafter, prompt, sampling=sampling, seed=7, tree=5):
+                    fast, plain_drafter, prompt, sampling=sampling, seed=7, tree=5
+                ):
                     failures.append(f"{arch} b{block} prompt {i} T=1 trees: graphs and no graphs sample differently")
             if not cpu:
                 torch.cuda.synchronize()
             fell_back = {**graphed.graphs.failed, **drafter.graphs.failed}
             failures += [f"{arch} b{block} fell back to eager: {k} {v}" for k, v in fell_back.items()]
-            print(f"{arch:6s} block {block:2d}: {len(PROMPTS)} prompts x 6 checks in {time.perf_counter() - t0:5.1f} s; "
-                  f"target graphs captured {graphed.graphs.captures}, drafter graphs {drafter.graphs.captures}, "
-                  f"fallbacks {len(fell_back)}")
+            print(
+                f"{arch:6s} block {block:2d}: {len(PROMPTS)} prompts x 6 checks in {time.perf_counter() - t0:5.1f} s; "
+                f"target graphs captured {graphed.graphs.captures}, drafter graphs {drafter.graphs.captures}, "
+                f"fallbacks {len(fell_back)}"
+            )
     for arch in ("llama", "qwen2", "qwen3"):  # the data path: one fixed-shape batch, its step a graph
         model = tiny_target(arch, tie_word_embeddings=False).to(device)
         g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(4, 96, (int(n),), generator=g).tolist()
-                   for n in torch.randint(1, 40, (24,), generator=g)]
+        prompts = [
+            torch.randint(4, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (24,), generator=g)
+        ]
         expected = generate_batch(model, prompts, max_new_tokens=24, eos_ids=[2], pad_id=0, compact_fraction=1.0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            answers = dict(generate_static(FastTargetForward(model), prompts, slots=8, max_new_tokens=24,
-                                           eos_ids=[2], graph=ReplayCapture() if cpu else "auto"))
+            answers = dict(
+                generate_static(
+                    FastTargetForward(model),
+                    prompts,
+                    slots=8,
+                    max_new_tokens=24,
+                    eos_ids=[2],
+                    graph=ReplayCapture() if cpu else "auto",
+                )
+            )
             got = [answers[i] for i in range(len(prompts))]
         differ = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
         failures += [f"{arch} static batch: answer {i} parts from generate_batch" for i in differ]

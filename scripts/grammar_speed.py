@@ -39,8 +39,11 @@ SENTIMENT = {
 CASES = [
     ("Extract the person as JSON: Maria Lopez is 34 and lives in Madrid.", Grammar.json_schema(PERSON), PERSON),
     ("Extract the person as JSON: Tom, aged 61, moved to Oslo last year.", Grammar.json_schema(PERSON), PERSON),
-    ("Classify the review as JSON. Review: The battery died after two days.", Grammar.json_schema(SENTIMENT),
-     SENTIMENT),
+    (
+        "Classify the review as JSON. Review: The battery died after two days.",
+        Grammar.json_schema(SENTIMENT),
+        SENTIMENT,
+    ),
     ("Classify the review as JSON. Review: Lovely staff and a quiet room.", Grammar.json_schema(SENTIMENT), SENTIMENT),
     ("Describe a cat as a JSON object.", Grammar.json_object(), None),
     ("Give three facts about Mars as JSON.", Grammar.json_object(), None),
@@ -107,12 +110,19 @@ def main() -> None:
               f"{spec.text[:60]!r}", flush=True)  # fmt: skip
         if llama is not None:
             llama_rows.append(med["spec"] / med["llama"])
-            print(f"            llama-server bf16 under the schema: {med['llama']:5.1f} tok/s -> dflashkit "
-                  f"speculative {llama_rows[-1]:.2f}x, plain {med['plain'] / med['llama']:.2f}x", flush=True)
-    print(f"median speedup over plain decoding: {statistics.median(free_rows):.2f}x unconstrained, "
-          f"{statistics.median(rows):.2f}x under a grammar ({len(rows)} prompts)")
+            print(
+                f"            llama-server bf16 under the schema: {med['llama']:5.1f} tok/s -> dflashkit "
+                f"speculative {llama_rows[-1]:.2f}x, plain {med['plain'] / med['llama']:.2f}x",
+                flush=True,
+            )
+    print(
+        f"median speedup over plain decoding: {statistics.median(free_rows):.2f}x unconstrained, "
+        f"{statistics.median(rows):.2f}x under a grammar ({len(rows)} prompts)"
+    )
     if llama is not None:
-        print(f"median dflashkit speculative / llama-server bf16 under the same schema: {statistics.median(llama_rows):.2f}x")
+        print(
+            f"median dflashkit speculative / llama-server bf16 under the same schema: {statistics.median(llama_rows):.2f}x"
+        )
         llama.close()
 
 

@@ -24,8 +24,11 @@ def run_clients(url: str, prompts: list[list[int]], concurrency: int, max_tokens
 
     def ask(ids: list[int]) -> tuple[int, float]:
         start = time.perf_counter()
-        r = httpx.post(url + "/v1/completions", timeout=900,
-                       json={"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0})
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=900,
+            json={"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0},
+        )
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"], time.perf_counter() - start
 

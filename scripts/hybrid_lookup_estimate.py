@@ -19,13 +19,12 @@ import argparse
 
 import numpy as np
 import torch
-
-from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.training.evalsets import load_set
-from dflashkit.generator import SpeculativeGenerator
-from dflashkit.decoding.lookup import NgramLookup
-
 from tree_estimate import rank_paths
+
+from dflashkit.decoding.lookup import NgramLookup
+from dflashkit.decoding.loop import DecodeOptions, decode
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
 
 
 def match(proposal: list[int], tokens: list[int], at: int) -> int:
@@ -36,8 +35,9 @@ def match(proposal: list[int], tokens: list[int], at: int) -> int:
     return n
 
 
-def walk(answers: list, store, copy: int, draft: int, block: int, hybrid: bool, cost,
-         draft_ms: float) -> tuple[float, float]:
+def walk(
+    answers: list, store, copy: int, draft: int, block: int, hybrid: bool, cost, draft_ms: float
+) -> tuple[float, float]:
     """(tokens per step, modelled ms per token) over the answers: [(prompt ids, answer ids, drafter chain match per
     anchor)]."""
     steps = tokens = ms = 0.0
@@ -69,8 +69,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--costs", default="1:10.55,4:10.69,8:13.11,12:14.96,16:18.26",
-                    help="rows:ms of a target pass (interpolated between)")
+    ap.add_argument(
+        "--costs",
+        default="1:10.55,4:10.69,8:13.11,12:14.96,16:18.26",
+        help="rows:ms of a target pass (interpolated between)",
+    )
     ap.add_argument("--draft-ms", type=float, default=1.7, help="the drafter's pass")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
@@ -91,21 +94,28 @@ def main() -> None:
         rows = []
         for block in (4, 8, 12, 16):
             for copy in (3, 7, 11, 15):
-                rows.append((*walk(answers, store, copy, 0, block, False, cost, args.draft_ms),
-                             f"copy {copy} b{block}"))
+                rows.append(
+                    (*walk(answers, store, copy, 0, block, False, cost, args.draft_ms), f"copy {copy} b{block}")
+                )
                 for draft in (1, 2, 3, 4, 7, 15):
                     if 1 + copy + draft <= 16 or (copy, draft) == (15, 15):
-                        rows.append((*walk(answers, store, copy, draft, block, True, cost, args.draft_ms),
-                                     f"hybrid copy {copy} + draft {draft}, b{block}"))
+                        rows.append(
+                            (
+                                *walk(answers, store, copy, draft, block, True, cost, args.draft_ms),
+                                f"hybrid copy {copy} + draft {draft}, b{block}",
+                            )
+                        )
         best_copy = min((r for r in rows if r[2].startswith("copy")), key=lambda r: r[1])
-        print(f"{name}: best copy-only {best_copy[2]}: τ {best_copy[0]:.3f}, {best_copy[1]:.2f} ms/token",
-              flush=True)
+        print(f"{name}: best copy-only {best_copy[2]}: τ {best_copy[0]:.3f}, {best_copy[1]:.2f} ms/token", flush=True)
         for tau, ms, label in sorted(rows, key=lambda r: r[1])[:4]:
             print(f"    {label:34s} τ {tau:.3f}  {ms:.2f} ms/token  ({best_copy[1] / ms:.3f}x)", flush=True)
         widest = next(r for r in rows if r[2] == "hybrid copy 15 + draft 15, b16")
         plain16 = next(r for r in rows if r[2] == "copy 15 b16")
-        print(f"    at block 16: copy-only τ {plain16[0]:.3f}, hybrid 15 + 15 τ {widest[0]:.3f} "
-              "(31-row passes: on this CPU they leave the row kernels, ~55 ms)", flush=True)
+        print(
+            f"    at block 16: copy-only τ {plain16[0]:.3f}, hybrid 15 + 15 τ {widest[0]:.3f} "
+            "(31-row passes: on this CPU they leave the row kernels, ~55 ms)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from rerank_estimate import proposals, top_choices  # noqa: E402 (scripts/ is on the path when run as a script)
 
-from dflashkit.training.evalsets import load_set
-from dflashkit.generator import SpeculativeGenerator
 from dflashkit.decoding.tree import DraftTree, hybrid_tree
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
 
 
 def accepted(tree: DraftTree, y: list[int], a: int) -> int:
@@ -39,8 +38,16 @@ def accepted(tree: DraftTree, y: list[int], a: int) -> int:
     return n
 
 
-def walk(y: list[int], start: int, choices: dict, props: list[list[int]], rule: str, budget: int,
-          copy_value: float, min_worth: float = 0.0) -> tuple[int, int, int, int]:
+def walk(
+    y: list[int],
+    start: int,
+    choices: dict,
+    props: list[list[int]],
+    rule: str,
+    budget: int,
+    copy_value: float,
+    min_worth: float = 0.0,
+) -> tuple[int, int, int, int]:
     a, steps, drafter_steps, rows = start - 1, 0, 0, 0
     while a < len(y) - 1:
         tokens, probs = choices[a]
@@ -79,8 +86,11 @@ def main() -> None:
     B = gen.drafter.block_size
     budgets = [int(b) for b in args.budgets.split(",")]
     variants = [(rule, b, 0.0, 0.0) for b in budgets for rule in ("copy-chain", "copy-or-tree")] + [
-        ("hybrid", b, float(c), float(m)) for b in budgets for c in args.copy_values.split(",")
-        for m in args.min_worths.split(",")]
+        ("hybrid", b, float(c), float(m))
+        for b in budgets
+        for c in args.copy_values.split(",")
+        for m in args.min_worths.split(",")
+    ]
     means = {}
     for name in args.sets.split(","):
         totals: dict[str, list[int]] = {}
@@ -97,11 +107,16 @@ def main() -> None:
                     acc[j] += got[j]
         for key, (tokens, steps, drafter_steps, rows) in totals.items():
             means.setdefault(key, []).append((tokens / steps, rows / steps))
-            print(f"{name:10s} {key:30s} tau {tokens / steps:.3f}  steps {steps:5d}  drafter passes "
-                  f"{drafter_steps / steps:.2f} of steps  verify rows {rows / steps:.1f} a step", flush=True)
+            print(
+                f"{name:10s} {key:30s} tau {tokens / steps:.3f}  steps {steps:5d}  drafter passes "
+                f"{drafter_steps / steps:.2f} of steps  verify rows {rows / steps:.1f} a step",
+                flush=True,
+            )
     for key, pairs in means.items():
-        print(f"mean       {key:30s} tau {sum(t for t, _ in pairs) / len(pairs):.3f}  verify rows "
-              f"{sum(r for _, r in pairs) / len(pairs):.1f}")
+        print(
+            f"mean       {key:30s} tau {sum(t for t, _ in pairs) / len(pairs):.3f}  verify rows "
+            f"{sum(r for _, r in pairs) / len(pairs):.1f}"
+        )
 
 
 if __name__ == "__main__":

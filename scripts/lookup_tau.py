@@ -25,7 +25,9 @@ def walk(prompt: list[int], answer: list[int], max_tokens: int, min_n: int, max_
     while pos < len(answer):
         proposal = index.propose(max_tokens)
         accepted = 0
-        while accepted < len(proposal) and pos + accepted < len(answer) and proposal[accepted] == answer[pos + accepted]:
+        while (
+            accepted < len(proposal) and pos + accepted < len(answer) and proposal[accepted] == answer[pos + accepted]
+        ):
             accepted += 1
         taken = min(accepted + 1, len(answer) - pos)
         index.extend(answer[pos : pos + taken])
@@ -54,8 +56,10 @@ def main() -> None:
                 for i, v in enumerate(walk(r["prompt_ids"], r["response_ids"], k, min_n, max_n)):
                     totals[i] += v
             steps, tokens, cs, ct = totals
-            print(f"n-grams {min_n}-{max_n}, up to {k:2d} tokens: τ {tokens / steps:.2f}; steps with a match "
-                  f"{cs / steps:.0%}, τ on those {ct / max(cs, 1):.2f}")
+            print(
+                f"n-grams {min_n}-{max_n}, up to {k:2d} tokens: τ {tokens / steps:.2f}; steps with a match "
+                f"{cs / steps:.0%}, τ on those {ct / max(cs, 1):.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.training.sources import load_shards
 from dflashkit.drafter.ngram_store import FILENAME as NGRAM_STORE
 from dflashkit.drafter.ngram_store import NgramStore
+from dflashkit.training.dataset import load_shards
 
 MAX_BYTES = 40_000_000  # issue 3: the shipped drafter, n-gram store included, at most 40 MB
 DRAFTER_FILES = ("config.json", "model.safetensors", "mask_embedding.pt")
@@ -39,10 +39,25 @@ TRAIN_FLAGS = {  # TrainConfig field -> `dflashkit train` flag (fields at their 
 def data_command(folder: Path, meta: dict) -> str:
     collection = meta.get("extra", {}).get("collection", {})
     settings = meta["settings"]
-    args = ["dflashkit", "data", "--sources", collection.get("sources", "?"),
-            "--num-prompts", str(collection.get("num_prompts", meta.get("num_prompts"))),
-            "--max-new-tokens", str(settings["max_new_tokens"]), "--max-prompt-tokens", str(settings["max_prompt_tokens"]),
-            "--temperature", str(settings["temperature"]), "--seed", str(settings["seed"]), "--out", str(folder)]  # fmt: skip
+    args = [
+        "dflashkit",
+        "data",
+        "--sources",
+        collection.get("sources", "?"),
+        "--num-prompts",
+        str(collection.get("num_prompts", meta.get("num_prompts"))),
+        "--max-new-tokens",
+        str(settings["max_new_tokens"]),
+        "--max-prompt-tokens",
+        str(settings["max_prompt_tokens"]),
+        # fmt: skip
+        "--temperature",
+        str(settings["temperature"]),
+        "--seed",
+        str(settings["seed"]),
+        "--out",
+        str(folder),
+    ]
     return shlex.join(args)
 
 
@@ -95,8 +110,10 @@ def lineage(config: dict) -> list[str]:
     log = [json.loads(line) for line in (parent / "train_log.jsonl").read_text().splitlines() if line]
     evals = [r for r in log if "tau" in r]
     last_eval = f"; its last held-out τ {evals[-1]['tau']:.2f}" if evals else ""
-    return [*lineage(config),
-            f"- `{train_command(config)}`: {log[-1]['step']} steps, {wall_minutes(log):.0f} min{last_eval}."]
+    return [
+        *lineage(config),
+        f"- `{train_command(config)}`: {log[-1]['step']} steps, {wall_minutes(log):.0f} min{last_eval}.",
+    ]
 
 
 def card_sections(lines: list[str], names: tuple[str, ...]) -> list[str]:
@@ -112,7 +129,9 @@ def card_sections(lines: list[str], names: tuple[str, ...]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", required=True, type=Path, help="training run folder (drafter/, checkpoint/, train_log.jsonl)")
+    ap.add_argument(
+        "--run", required=True, type=Path, help="training run folder (drafter/, checkpoint/, train_log.jsonl)"
+    )
     ap.add_argument("--bench", required=True, type=Path, help="results.json of a `dflashkit bench` run of this drafter")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--data-note", action="append", default=[], help="a line on how the data was made that no file "
@@ -121,8 +140,13 @@ def main() -> None:
                     "records (e.g. a trainer bug found after the run); repeatable, shown as written")  # fmt: skip
     ap.add_argument("--store-note", action="append", default=[], help="a line on the n-gram store in OUT (the "
                     "`dflashkit ngram-store` command that made it); repeatable, shown as written")  # fmt: skip
-    ap.add_argument("--previous-card", type=Path, default=None, help="the card of the drafter this run started from "
-                    "(--init): its Data and Training sections are kept, as written, as this drafter's history")
+    ap.add_argument(
+        "--previous-card",
+        type=Path,
+        default=None,
+        help="the card of the drafter this run started from "
+        "(--init): its Data and Training sections are kept, as written, as this drafter's history",
+    )
     ap.add_argument("--previous-name", default=None, help="how the card names that drafter's card (default: the path)")
     args = ap.parse_args()
     run = args.run.expanduser()
@@ -139,8 +163,9 @@ def main() -> None:
     store = NgramStore.load(store_file) if store_file.is_file() else None
     size += store_file.stat().st_size if store is not None else 0
     if size > MAX_BYTES:
-        raise SystemExit(f"the drafter is {size / 1e6:.1f} MB ({size / 2**20:.1f} MiB), over the 40 MB limit for the "
-                         "repository")
+        raise SystemExit(
+            f"the drafter is {size / 1e6:.1f} MB ({size / 2**20:.1f} MiB), over the 40 MB limit for the repository"
+        )
 
     lines = ["# DFlash drafter for SmolLM2-135M-Instruct", ""]
     dflash = drafter_cfg["dflash_config"]
@@ -166,13 +191,17 @@ def main() -> None:
         shards = meta.get("shards", {}).values()
         gen_min = sum(s.get("seconds", 0) for s in shards) / 60
         if str(folder) in used:
-            what = f"{used[str(folder)]['sequences']} answers, {used[str(folder)]['response_tokens']} response tokens used"
+            what = (
+                f"{used[str(folder)]['sequences']} answers, {used[str(folder)]['response_tokens']} response tokens used"
+            )
         else:  # a shard cut mid-way (a data phase's time limit) holds answers too, and training read them
             answers = len(load_shards(folder, include_partial=True))
             what = f"(not recorded by this run; the folder now holds {answers} answers)"
-        timing = (f"the folder's generation time {gen_min:.0f} min ({len(shards)}/{meta['num_shards']} shards "
-                  "complete)" if shards
-                  else f"no shard complete of {meta['num_shards']}, so no generation time recorded")
+        timing = (
+            f"the folder's generation time {gen_min:.0f} min ({len(shards)}/{meta['num_shards']} shards complete)"
+            if shards
+            else f"no shard complete of {meta['num_shards']}, so no generation time recorded"
+        )
         lines += [f"- `{data_command(folder, meta)}`: {what}; {timing}."]
     lines += [f"- {note}" for note in args.data_note]
     last = log[-1]
@@ -191,8 +220,11 @@ def main() -> None:
                   "|---:|---:|---|---|"]  # fmt: skip
     else:
         lines += ["", "No held-out evaluation ran during training (`--eval-every 0`)."]
-    lines += [f"| {r['step']} | {r['tau']:.2f} | {', '.join(f'{a:.2f}' for a in r.get('heldout_acc', [])[:3])} | "
-              f"{', '.join(f'{a:.2f}' for a in r['acc'][:3])} |" for r in evals]
+    lines += [
+        f"| {r['step']} | {r['tau']:.2f} | {', '.join(f'{a:.2f}' for a in r.get('heldout_acc', [])[:3])} | "
+        f"{', '.join(f'{a:.2f}' for a in r['acc'][:3])} |"
+        for r in evals
+    ]
     if args.training_note:
         lines += ["", *[f"- {note}" for note in args.training_note]]
     lines += ["", "## Evaluation", "", f"`{bench['command']}`", "",
@@ -212,9 +244,12 @@ def main() -> None:
                          f"{fmt(row['speedup_tokens_per_s'], '.2f', 'x')} |")  # fmt: skip
     names = {row["method"] for row in bench["summary"]}
     if any(n.startswith("dflash-lookup") or n == "lookup" for n in names):
-        lines += ["", "`dflash-lookup-*`: this drafter plus prompt lookup (steps whose text ends with a repeated "
-                  "2-4-gram copy its continuation instead of drafting; their tokens count in τ); `lookup`: prompt "
-                  "lookup alone, no drafter. The drafter's own τ is that of the `dflash-*` rows."]
+        lines += [
+            "",
+            "`dflash-lookup-*`: this drafter plus prompt lookup (steps whose text ends with a repeated "
+            "2-4-gram copy its continuation instead of drafting; their tokens count in τ); `lookup`: prompt "
+            "lookup alone, no drafter. The drafter's own τ is that of the `dflash-*` rows.",
+        ]
     if store is not None:
         lines += ["", "## N-gram store", "",
                   f"`{NGRAM_STORE}`: the most frequent next token after {len(store)} {store.n}-grams "
@@ -223,14 +258,23 @@ def main() -> None:
                   f"text has no repeat of its own ({store_file.stat().st_size / 2**20:.1f} MiB; used with prompt "
                   "lookup, so in the `dflash-lookup-*` rows above; `--no-ngram-store` turns it off).",
                   *[f"- {note}" for note in args.store_note]]  # fmt: skip
-    lines += ["", f"Greedy divergences from plain decoding: {len(bench['divergences'])}, of which not a bf16 tie: "
-              f"{bench['non_tie_divergences_in_dflashkit']}.", ""]
+    lines += [
+        "",
+        f"Greedy divergences from plain decoding: {len(bench['divergences'])}, of which not a bf16 tie: "
+        f"{bench['non_tie_divergences_in_dflashkit']}.",
+        "",
+    ]
     if args.previous_card:
         kept = card_sections(args.previous_card.expanduser().read_text().splitlines(), ("## Data", "## Training"))
-        lines += ["## History: the drafter this one started from", "",
-                  f"From that drafter's card ({args.previous_name or f'`{args.previous_card}`'}), its Data and Training "
-                  "sections as written:", "",
-                  *["#" + line if line.startswith("## ") else line for line in kept], ""]
+        lines += [
+            "## History: the drafter this one started from",
+            "",
+            f"From that drafter's card ({args.previous_name or f'`{args.previous_card}`'}), its Data and Training "
+            "sections as written:",
+            "",
+            *["#" + line if line.startswith("## ") else line for line in kept],
+            "",
+        ]
 
     args.out.mkdir(parents=True, exist_ok=True)
     for f in DRAFTER_FILES:

@@ -17,8 +17,12 @@ import torch
 
 from dflashkit import SpeculativeGenerator
 
-PROMPTS = ["Write a short poem about rain.", "Explain what a prime number is.", "List three uses of copper.",
-           "Write a Python function that reverses a string."]
+PROMPTS = [
+    "Write a short poem about rain.",
+    "Explain what a prime number is.",
+    "List three uses of copper.",
+    "Write a Python function that reverses a string.",
+]
 CASES = {
     "no options": {},
     "logprobs=5": {"logprobs": 5},
@@ -42,24 +46,34 @@ def main() -> None:
         for prompt in PROMPTS:
             for case, options in CASES.items():
                 outputs = {}
-                for speculative in ((True, False) if r % 2 == 0 else (False, True)):
-                    result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, use_drafter=speculative,
-                                          block_size="auto" if speculative else None, lookup=speculative, **options)
+                for speculative in (True, False) if r % 2 == 0 else (False, True):
+                    result = gen.generate(
+                        prompt,
+                        max_new_tokens=args.max_new_tokens,
+                        use_drafter=speculative,
+                        block_size="auto" if speculative else None,
+                        lookup=speculative,
+                        **options,
+                    )
                     s = result.stats
                     rate[(case, speculative)].append((s.new_tokens - 1) / s.decode_s)
                     outputs[speculative] = result.token_ids
                     if speculative:
                         taus[case].append(s.tau)
                 same[case].append(outputs[True] == outputs[False])
-    print(f"{len(PROMPTS)} prompts x {args.rounds} rounds, {args.max_new_tokens} new tokens, greedy, "
-          f"{args.threads} threads; decoding tok/s after the prefill (medians)")
+    print(
+        f"{len(PROMPTS)} prompts x {args.rounds} rounds, {args.max_new_tokens} new tokens, greedy, "
+        f"{args.threads} threads; decoding tok/s after the prefill (medians)"
+    )
     print("| options | speculative tok/s | plain tok/s | speculative / plain | τ | identical |")
     print("|---|---:|---:|---:|---:|---|")
     for case in CASES:
         ratios = [a / b for a, b in zip(rate[(case, True)], rate[(case, False)])]
-        print(f"| {case} | {statistics.median(rate[(case, True)]):.1f} | {statistics.median(rate[(case, False)]):.1f} | "
-              f"{statistics.median(ratios):.2f}x | {statistics.mean(taus[case]):.2f} | "
-              f"{sum(same[case])}/{len(same[case])} |")
+        print(
+            f"| {case} | {statistics.median(rate[(case, True)]):.1f} | {statistics.median(rate[(case, False)]):.1f} | "
+            f"{statistics.median(ratios):.2f}x | {statistics.mean(taus[case]):.2f} | "
+            f"{sum(same[case])}/{len(same[case])} |"
+        )
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.training.evalsets import load_set
-from dflashkit.interop.export import DRAFTER_GGUF, TARGET_GGUF
 from dflashkit.generator import SpeculativeGenerator
+from dflashkit.interop.export import DRAFTER_GGUF, TARGET_GGUF
 from dflashkit.interop.llama_server import LlamaServer, find_llama_server
 from dflashkit.text import encode_chat
+from dflashkit.training.evalsets import load_set
 
 
 def llama_cpp_tau(server: Path, gguf_dir: Path, prompts: list[list[int]], max_tokens: int, threads: int, block: int):
@@ -36,7 +36,9 @@ def llama_cpp_tau(server: Path, gguf_dir: Path, prompts: list[list[int]], max_to
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--gguf-dir", required=True, type=Path, help="output folder of `dflashkit export --format gguf --target-gguf`")
+    ap.add_argument(
+        "--gguf-dir", required=True, type=Path, help="output folder of `dflashkit export --format gguf --target-gguf`"
+    )
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: as `dflashkit bench` finds it)")
     ap.add_argument("--per-set", type=int, default=4, help="prompts per evaluation set (seeded subset)")
     ap.add_argument("--max-tokens", type=int, default=96)

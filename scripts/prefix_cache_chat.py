@@ -51,12 +51,22 @@ def main() -> None:
         for t, user in enumerate(turns):
             messages.append({"role": "user", "content": user})
             runs = {}
-            for mode in (("uncached", "cached") if c % 2 == 0 else ("cached", "uncached")):
+            for mode in ("uncached", "cached") if c % 2 == 0 else ("cached", "uncached"):
                 t0 = time.perf_counter()
                 result = gen.generate(messages, prefix_cache=cache if mode == "cached" else None, **options)
                 runs[mode] = (result, time.perf_counter() - t0)
-            row = rows.setdefault(t, {"prompt": [], "cached_tokens": [], "prefill": [], "prefill_cached": [],
-                                      "total": [], "total_cached": [], "same": []})
+            row = rows.setdefault(
+                t,
+                {
+                    "prompt": [],
+                    "cached_tokens": [],
+                    "prefill": [],
+                    "prefill_cached": [],
+                    "total": [],
+                    "total_cached": [],
+                    "same": [],
+                },
+            )
             plain, cached = runs["uncached"][0], runs["cached"][0]
             row["prompt"].append(plain.prompt_tokens)
             row["cached_tokens"].append(cached.stats.cached_prompt_tokens)
@@ -72,18 +82,26 @@ def main() -> None:
         print(f"chat {c + 1}/{len(questions)} done ({time.perf_counter() - t_all:.0f} s)", flush=True)
 
     med = statistics.median
-    print(f"\n{len(questions)} chats x {args.turns} turns, max_new_tokens {args.max_new_tokens}, greedy, "
-          f"{gen.target.dtype}, {torch.get_num_threads()} threads; engine: {gen.target.engine}")
-    print("| turn | prompt tokens (median) | restored (median) | prefill uncached | prefill cached | ratio | "
-          "turn wall time uncached / cached | identical |")
+    print(
+        f"\n{len(questions)} chats x {args.turns} turns, max_new_tokens {args.max_new_tokens}, greedy, "
+        f"{gen.target.dtype}, {torch.get_num_threads()} threads; engine: {gen.target.engine}"
+    )
+    print(
+        "| turn | prompt tokens (median) | restored (median) | prefill uncached | prefill cached | ratio | "
+        "turn wall time uncached / cached | identical |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---|---|")
     for t, r in rows.items():
         ratios = [a / b for a, b in zip(r["prefill"], r["prefill_cached"])]
-        print(f"| {t + 1} | {med(r['prompt']):.0f} | {med(r['cached_tokens']):.0f} | {1000 * med(r['prefill']):.0f} ms "
-              f"| {1000 * med(r['prefill_cached']):.0f} ms | {med(ratios):.1f}x | {med(r['total']):.2f} / "
-              f"{med(r['total_cached']):.2f} s | {sum(r['same'])}/{len(r['same'])} |")
-    print(f"prefix cache: {len(cache)} sequences, {cache.nbytes / 2**20:.1f} MiB, {cache.hits} hits, "
-          f"{cache.misses} misses, {cache.reused_tokens} tokens restored")
+        print(
+            f"| {t + 1} | {med(r['prompt']):.0f} | {med(r['cached_tokens']):.0f} | {1000 * med(r['prefill']):.0f} ms "
+            f"| {1000 * med(r['prefill_cached']):.0f} ms | {med(ratios):.1f}x | {med(r['total']):.2f} / "
+            f"{med(r['total_cached']):.2f} s | {sum(r['same'])}/{len(r['same'])} |"
+        )
+    print(
+        f"prefix cache: {len(cache)} sequences, {cache.nbytes / 2**20:.1f} MiB, {cache.hits} hits, "
+        f"{cache.misses} misses, {cache.reused_tokens} tokens restored"
+    )
     for c, t, at in differences:
         print(f"chat {c + 1} turn {t + 1}: cached and uncached answers differ from token {at}")
 

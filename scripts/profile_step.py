@@ -16,22 +16,50 @@ from collections import defaultdict
 
 import torch
 
-from dflashkit.kernels import row_kernels
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.generator import SpeculativeGenerator
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.kernels import row_kernels
 
 PROMPT = "Write a short story about a robot who learns to paint."
 CLASSES = {
-    "GEMM (linear layers, LM head)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
-                                      "mkldnn::_linear_pointwise"),
+    "GEMM (linear layers, LM head)": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::matmul",
+        "aten::linear",
+        "mkldnn::_linear_pointwise",
+    ),
     "attention (SDPA)": ("scaled_dot_product", "flash_attention"),
-    "copies, cat, cache": ("aten::copy_", "aten::cat", "aten::index", "aten::clone", "aten::contiguous",
-                           "aten::_to_copy", "aten::narrow", "aten::slice"),
-    "elementwise, norms, RoPE, softmax": ("aten::mul", "aten::add", "aten::pow", "aten::rsqrt", "aten::mean",
-                                          "aten::silu", "aten::neg", "aten::softmax", "aten::_softmax", "aten::sub",
-                                          "aten::div", "aten::cos", "aten::sin", "aten::argmax", "aten::exp"),
+    "copies, cat, cache": (
+        "aten::copy_",
+        "aten::cat",
+        "aten::index",
+        "aten::clone",
+        "aten::contiguous",
+        "aten::_to_copy",
+        "aten::narrow",
+        "aten::slice",
+    ),
+    "elementwise, norms, RoPE, softmax": (
+        "aten::mul",
+        "aten::add",
+        "aten::pow",
+        "aten::rsqrt",
+        "aten::mean",
+        "aten::silu",
+        "aten::neg",
+        "aten::softmax",
+        "aten::_softmax",
+        "aten::sub",
+        "aten::div",
+        "aten::cos",
+        "aten::sin",
+        "aten::argmax",
+        "aten::exp",
+    ),
 }
 
 
@@ -42,12 +70,17 @@ def classify(name: str) -> str:
     return "other ops"
 
 
-def run(gen: SpeculativeGenerator, use_drafter: bool, block: int | None, tokens: int,
-        temperature: float = 0.0) -> DecodeStats:
+def run(
+    gen: SpeculativeGenerator, use_drafter: bool, block: int | None, tokens: int, temperature: float = 0.0
+) -> DecodeStats:
     ids = gen.encode_prompt(PROMPT)
     stats = DecodeStats(1)
-    options = DecodeOptions(max_new_tokens=tokens, block_size=block if use_drafter else None,
-                            stop_token_ids=frozenset(), sampling=SamplingParams(temperature=temperature))
+    options = DecodeOptions(
+        max_new_tokens=tokens,
+        block_size=block if use_drafter else None,
+        stop_token_ids=frozenset(),
+        sampling=SamplingParams(temperature=temperature),
+    )
     gen.target.set_feature_layers(gen.drafter.config.target_layer_ids if use_drafter else ())
     for _ in decode(gen.target, gen.drafter if use_drafter else None, ids, options, stats):
         pass
@@ -77,10 +110,12 @@ def main() -> None:
             times.append((time.perf_counter() - t, s))
         wall, s = sorted(times, key=lambda x: x[0])[1]  # the median run
         steps = max(1, s.steps)
-        print(f"\n{label}: {s.new_tokens} tokens, {steps} steps, τ {s.tau:.2f}, {s.new_tokens / wall:.1f} tok/s "
-              f"(prefill included); per step: draft {1e3 * s.draft_s / steps:.2f} ms, verify "
-              f"{1e3 * s.verify_s / steps:.2f} ms, other {1e3 * s.other_s / steps:.2f} ms, "
-              f"total {1e3 * s.decode_s / steps:.2f} ms")
+        print(
+            f"\n{label}: {s.new_tokens} tokens, {steps} steps, τ {s.tau:.2f}, {s.new_tokens / wall:.1f} tok/s "
+            f"(prefill included); per step: draft {1e3 * s.draft_s / steps:.2f} ms, verify "
+            f"{1e3 * s.verify_s / steps:.2f} ms, other {1e3 * s.other_s / steps:.2f} ms, "
+            f"total {1e3 * s.decode_s / steps:.2f} ms"
+        )
         with torch.profiler.profile() as prof:
             s = run(gen, use, args.block_size, args.tokens, args.temperature)
         per_class: dict[str, float] = defaultdict(float)
@@ -88,15 +123,23 @@ def main() -> None:
             per_class[classify(e.key)] += e.self_cpu_time_total / 1e3
         total = sum(per_class.values())
         steps = max(1, s.steps)
-        print(f"  operator self time per step (profiled run: {total / steps:.2f} ms of operators in "
-              f"{1e3 * s.decode_s / steps:.2f} ms per step):")
+        print(
+            f"  operator self time per step (profiled run: {total / steps:.2f} ms of operators in "
+            f"{1e3 * s.decode_s / steps:.2f} ms per step):"
+        )
         for label_, ms in sorted(per_class.items(), key=lambda x: -x[1]):
             print(f"    {label_:38s} {ms / steps:7.2f} ms  {100 * ms / total:5.1f}%")
-    print(f"\nmedian of 3 runs each; prompt: {PROMPT!r}. Operator time below the step's wall time is Python and "
-          "framework overhead (the profiler adds some)", end="")
+    print(
+        f"\nmedian of 3 runs each; prompt: {PROMPT!r}. Operator time below the step's wall time is Python and "
+        "framework overhead (the profiler adds some)",
+        end="",
+    )
     if row_kernels.kernel() is not None:
-        print(", and dflashkit's AVX512-BF16 products and attention (dflashkit.kernels.row_kernels), which are not torch "
-              "operators: time them with scripts/bench_row_kernels.py", end="")
+        print(
+            ", and dflashkit's AVX512-BF16 products and attention (dflashkit.kernels.row_kernels), which are not torch "
+            "operators: time them with scripts/bench_row_kernels.py",
+            end="",
+        )
     print(".")
 
 

@@ -23,7 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflashkit.target.loading import load_target
-from dflashkit.training.trainer import TrainConfig, Trainer, batches
+from dflashkit.training.dataset import batches
+from dflashkit.training.trainer import TrainConfig, Trainer
 
 
 def main() -> None:
@@ -40,9 +41,20 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    cfg = TrainConfig(data_dir=args.data, out_dir="/tmp/dflashkit-profile-train", init_drafter=args.init,
-                      seqs_per_step=args.seqs_per_step, steps=10_000, lr=6e-4, eval_every=0, checkpoint_every=10**9,
-                      distill_topk=32, distill_weight=0.5, device=str(device), cache_features=device.type == "cpu")
+    cfg = TrainConfig(
+        data_dir=args.data,
+        out_dir="/tmp/dflashkit-profile-train",
+        init_drafter=args.init,
+        seqs_per_step=args.seqs_per_step,
+        steps=10_000,
+        lr=6e-4,
+        eval_every=0,
+        checkpoint_every=10**9,
+        distill_topk=32,
+        distill_weight=0.5,
+        device=str(device),
+        cache_features=device.type == "cpu",
+    )
     model, tokenizer = load_target(dtype=torch.bfloat16, device=str(device))
     trainer = Trainer(cfg, model, tokenizer, log=print)
     # the timed and profiled steps cycle over --steps batches that the warm-up has run once each: a GPU builds
@@ -76,8 +88,10 @@ def main() -> None:
         trainer.train_step(step_batches)
     sync()
     plain = (time.perf_counter() - began) / args.steps
-    print(f"{args.steps} steps of {cfg.seqs_per_step} sequences: {plain * 1e3:.1f} ms a step, "
-          f"{cfg.seqs_per_step / plain:.0f} sequences/s ({device}, unsynchronised)")
+    print(
+        f"{args.steps} steps of {cfg.seqs_per_step} sequences: {plain * 1e3:.1f} ms a step, "
+        f"{cfg.seqs_per_step / plain:.0f} sequences/s ({device}, unsynchronised)"
+    )
 
     trainer.batch_features = timed("target features (and soft labels)", trainer.batch_features)
     # the decoder's pass alone (its features and last hidden states): the rest of the phase is the soft labels

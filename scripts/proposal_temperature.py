@@ -18,8 +18,8 @@ import statistics
 
 import torch
 
-from dflashkit.training.evalsets import load_set
 from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
 
 
 def tau(gen: SpeculativeGenerator, prompts: list, seeds: int, ratio: float, args: argparse.Namespace) -> float:
@@ -27,9 +27,16 @@ def tau(gen: SpeculativeGenerator, prompts: list, seeds: int, ratio: float, args
     block = args.block_size if args.block_size == "auto" else int(args.block_size)
     for prompt in prompts:
         for seed in range(args.first_seed, args.first_seed + seeds):
-            stats = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 block_size=block, lookup=not args.no_lookup, seed=seed, sampler=args.sampler,
-                                 proposal_temperature=ratio).stats
+            stats = gen.generate(
+                prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                block_size=block,
+                lookup=not args.no_lookup,
+                seed=seed,
+                sampler=args.sampler,
+                proposal_temperature=ratio,
+            ).stats
             tokens, passes = tokens + stats.new_tokens - 1, passes + stats.target_forwards - 1  # after the prefill
     return tokens / max(passes, 1)
 
@@ -56,13 +63,20 @@ def main() -> None:
     for path in args.drafters.split(","):
         gen = SpeculativeGenerator.load(drafter=path)
         gen.warmup()
-        print(f"drafter {path} (its own proposal temperature {gen.drafter.config.proposal_temperature}); "
-              f"T={args.temperature}, {args.sampler} sampler, block {args.block_size}, lookup {not args.no_lookup}, "
-              f"{args.limit} prompts x {args.seeds} seeds a set", flush=True)
+        print(
+            f"drafter {path} (its own proposal temperature {gen.drafter.config.proposal_temperature}); "
+            f"T={args.temperature}, {args.sampler} sampler, block {args.block_size}, lookup {not args.no_lookup}, "
+            f"{args.limit} prompts x {args.seeds} seeds a set",
+            flush=True,
+        )
         for ratio in ratios:
             taus = {name: tau(gen, prompts, args.seeds, ratio, args) for name, prompts in sets.items()}
-            print(f"  ratio {ratio:4.2f}  " + "  ".join(f"{n} {t:.3f}" for n, t in taus.items())
-                  + f"  mean {statistics.fmean(taus.values()):.3f}", flush=True)
+            print(
+                f"  ratio {ratio:4.2f}  "
+                + "  ".join(f"{n} {t:.3f}" for n, t in taus.items())
+                + f"  mean {statistics.fmean(taus.values()):.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ import argparse
 
 import torch
 
-from dflashkit.training.evalsets import load_set
-from dflashkit.generator import SpeculativeGenerator
 from dflashkit.decoding.lookup import NgramLookup
-from dflashkit.training.trainer import teacher_forced_scores
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
+from dflashkit.training.losses import teacher_forced_scores
 
 
 def top_choices(gen: SpeculativeGenerator, ids: list[int], start: int, k: int):
@@ -47,8 +47,9 @@ def proposals(gen: SpeculativeGenerator, ids: list[int], max_tokens: int) -> lis
     return out
 
 
-def chain(tokens: list[list[int]], probs: list[list[float]], guide: list[int | None], rule: str,
-          ratio: float) -> list[int]:
+def chain(
+    tokens: list[list[int]], probs: list[list[float]], guide: list[int | None], rule: str, ratio: float
+) -> list[int]:
     """The drafts of one step from the drafter's top choices per offset and the guide's token per offset:
     ``drafter``: the argmaxes; ``copy``: the guide's tokens up to the first offset where it has none;
     ``copyfirst``: the guide's token where it has one, else the argmax; ``rerank``: the guide's token where it is
@@ -69,8 +70,9 @@ def chain(tokens: list[list[int]], probs: list[list[float]], guide: list[int | N
     return out
 
 
-def walk(y: list[int], start: int, choices: dict, props: list[list[int]], rule: str, ratio: float,
-         per_offset: bool) -> tuple[int, int, int]:
+def walk(
+    y: list[int], start: int, choices: dict, props: list[list[int]], rule: str, ratio: float, per_offset: bool
+) -> tuple[int, int, int]:
     """Greedy decoding of y replayed from ``start``: (tokens emitted, steps, drafter steps). A step whose text has
     a lookup or store proposal drafts by ``rule`` (the loop today: ``copy``), any other the drafter's argmaxes.
     The guide at offset k is, with ``per_offset``, the proposal for the text up to that offset (a probe per offset;
@@ -127,8 +129,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load(drafter=args.drafter)
     ratios = [float(r) for r in args.ratios.split(",")]
-    variants = ([("copy", 0.0, False), ("copyfirst", 0.0, False), ("copyfirst", 0.0, True), ("oracle", 0.0, False)]
-                + [("choose", r, False) for r in ratios] + [("drafter-rerank", r, True) for r in ratios])
+    variants = (
+        [("copy", 0.0, False), ("copyfirst", 0.0, False), ("copyfirst", 0.0, True), ("oracle", 0.0, False)]
+        + [("choose", r, False) for r in ratios]
+        + [("drafter-rerank", r, True) for r in ratios]
+    )
     B = gen.drafter.block_size
     for name in args.sets.split(","):
         totals: dict[str, list[int]] = {}
@@ -138,15 +143,21 @@ def main() -> None:
             choices = {a: (t, p) for a, t, p in top_choices(gen, y, len(ids) - 1, args.top_k)}
             props = proposals(gen, y, B - 1)
             for rule, ratio, per_offset in variants:
-                key = rule + (f" r{ratio:g}" if rule in ("choose", "drafter-rerank") else "") + (
-                    " per-offset" if per_offset else "")
+                key = (
+                    rule
+                    + (f" r{ratio:g}" if rule in ("choose", "drafter-rerank") else "")
+                    + (" per-offset" if per_offset else "")
+                )
                 got = walk(y, len(ids), choices, props, rule, ratio, per_offset)
                 acc = totals.setdefault(key, [0, 0, 0])
                 for j in range(3):
                     acc[j] += got[j]
         for key, (tokens, steps, drafter_steps) in totals.items():
-            print(f"{name:10s} {key:26s} tau {tokens / steps:.3f}  steps {steps:5d}  drafter passes "
-                  f"{drafter_steps / steps:.2f} of steps", flush=True)
+            print(
+                f"{name:10s} {key:26s} tau {tokens / steps:.3f}  steps {steps:5d}  drafter passes "
+                f"{drafter_steps / steps:.2f} of steps",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

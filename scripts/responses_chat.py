@@ -32,8 +32,14 @@ MODEL = "smollm2"
 
 def serve(gen: SpeculativeGenerator) -> tuple[uvicorn.Server, threading.Thread, openai.OpenAI]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(gen, model_id=MODEL, block_size="auto", lookup=True),
-                                           port=port, log_level="warning", log_config=None))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(gen, model_id=MODEL, block_size="auto", lookup=True),
+            port=port,
+            log_level="warning",
+            log_config=None,
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -44,8 +50,9 @@ def serve(gen: SpeculativeGenerator) -> tuple[uvicorn.Server, threading.Thread, 
 def chat_turn(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[str, int, int, float]:
     """(answer, prompt tokens, restored tokens, seconds to the first token) of one streamed chat request."""
     t0, first, text, usage = time.perf_counter(), None, [], None
-    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
-                                                temperature=0, stream=True):
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter() - t0
             text.append(chunk.choices[0].delta.content)
@@ -53,20 +60,21 @@ def chat_turn(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> t
     return "".join(text), usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, first or 0.0
 
 
-def responses_turn(client: openai.OpenAI, user: str, previous: str | None,
-                   max_tokens: int) -> tuple[str, int, int, float, str]:
+def responses_turn(
+    client: openai.OpenAI, user: str, previous: str | None, max_tokens: int
+) -> tuple[str, int, int, float, str]:
     """(answer, prompt tokens, restored tokens, seconds to the first token, response id) of one streamed turn."""
     t0, first, final = time.perf_counter(), None, None
-    for event in client.responses.create(model=MODEL, input=user, previous_response_id=previous, temperature=0,
-                                         max_output_tokens=max_tokens, stream=True):
+    for event in client.responses.create(
+        model=MODEL, input=user, previous_response_id=previous, temperature=0, max_output_tokens=max_tokens, stream=True
+    ):
         if event.type == "response.output_text.delta" and event.delta:
             first = first or time.perf_counter() - t0
         if event.type in ("response.completed", "response.incomplete"):
             final = event.response
     assert final is not None
     usage = final.usage
-    return (final.output_text, usage.input_tokens, usage.input_tokens_details.cached_tokens, first or 0.0,
-            final.id)
+    return (final.output_text, usage.input_tokens, usage.input_tokens_details.cached_tokens, first or 0.0, final.id)
 
 
 def main() -> None:
@@ -91,13 +99,14 @@ def main() -> None:
             for t, user in enumerate(turns):
                 messages.append({"role": "user", "content": user})
                 answers = {}
-                for mode in (("chat", "responses") if c % 2 == 0 else ("responses", "chat")):
+                for mode in ("chat", "responses") if c % 2 == 0 else ("responses", "chat"):
                     client = servers[mode][2]
                     if mode == "chat":
                         answer, prompt, cached, ttft = chat_turn(client, messages, args.max_new_tokens)
                     else:
-                        answer, prompt, cached, ttft, previous = responses_turn(client, user, previous,
-                                                                                args.max_new_tokens)
+                        answer, prompt, cached, ttft, previous = responses_turn(
+                            client, user, previous, args.max_new_tokens
+                        )
                     answers[mode] = answer
                     rows.setdefault((t, mode), []).append((prompt, cached, ttft))
                 messages.append({"role": "assistant", "content": answers["chat"]})
@@ -113,16 +122,20 @@ def main() -> None:
         for server, thread, _ in servers.values():
             server.should_exit = True
             thread.join(30)
-    print(f"\n{args.chats} MT-Bench chats x up to {args.turns} turns, greedy, {args.max_new_tokens} new tokens; "
-          f"medians per turn (restored / prompt tokens, time to the first token):")
+    print(
+        f"\n{args.chats} MT-Bench chats x up to {args.turns} turns, greedy, {args.max_new_tokens} new tokens; "
+        f"medians per turn (restored / prompt tokens, time to the first token):"
+    )
     for t in range(args.turns):
         line = []
         for mode in ("chat", "responses"):
             got = rows.get((t, mode), [])
             if got:
-                line.append(f"{mode} {statistics.median(r[1] for r in got):.0f} / "
-                            f"{statistics.median(r[0] for r in got):.0f}, "
-                            f"{statistics.median(r[2] for r in got) * 1000:.0f} ms (n={len(got)})")
+                line.append(
+                    f"{mode} {statistics.median(r[1] for r in got):.0f} / "
+                    f"{statistics.median(r[0] for r in got):.0f}, "
+                    f"{statistics.median(r[2] for r in got) * 1000:.0f} ms (n={len(got)})"
+                )
         print(f"turn {t + 1}: " + "; ".join(line))
     print(f"answers equal in both modes: {same} of {total}")
 

@@ -5,7 +5,8 @@
 
 Starts, on loopback, the dflashkit server (shipped drafter, the serve command's defaults: adaptive block size,
 prompt lookup) with `--max-batch 1` (one generation at a time), the same server with no drafter, both again with
-`--max-batch N` (N generations at once, their target passes batched; the serve default is 4), and llama-server on the bf16 and Q4_1 GGUFs of the target with
+`--max-batch N` (N generations at once, their target passes batched; the serve default is 4), and llama-server on the
+bf16 and Q4_1 GGUFs of the target with
 as many slots as the largest concurrency (continuous batching: its slots decode together). For each concurrency C,
 each round sends the same greedy requests to every server in turn (the order rotates per round): the prompts
 (MT-Bench / HumanEval / MATH-500 questions through the chat template, as token ids, so every server gets the same
@@ -28,15 +29,14 @@ import time
 
 import torch
 import uvicorn
-
 from http_clients import run_clients  # this script's folder is on the path when it runs
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.decoding.batching import ComputeThread
 from dflashkit.bench.assets import target_bf16_gguf, target_gguf
-from dflashkit.training.evalsets import load_set
+from dflashkit.decoding.batching import ComputeThread
 from dflashkit.interop.llama_server import LlamaServer, find_llama_server, free_port
 from dflashkit.server import create_app
+from dflashkit.training.evalsets import load_set
 
 
 class InProcessServer:
@@ -66,15 +66,17 @@ class InProcessServer:
 CLIENTS = pathlib.Path(__file__).with_name("http_clients.py")
 
 
-def run_batch(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int, clients: str = "process"
-              ) -> tuple[float, int, list[float]]:
+def run_batch(
+    url: str, prompts: list[list[int]], concurrency: int, max_tokens: int, clients: str = "process"
+) -> tuple[float, int, list[float]]:
     """All prompts from `concurrency` client threads: (wall seconds, completion tokens, latencies). The threads run in
     a process of their own (``clients="process"``, scripts/http_clients.py), or in this one (``"threads"``, where
     they share the interpreter lock with the in-process dflashkit servers)."""
     if clients == "process":
         job = {"url": url, "prompts": prompts, "concurrency": concurrency, "max_tokens": max_tokens}
-        done = subprocess.run([sys.executable, str(CLIENTS)], input=json.dumps(job), capture_output=True, text=True,
-                              check=True)
+        done = subprocess.run(
+            [sys.executable, str(CLIENTS)], input=json.dumps(job), capture_output=True, text=True, check=True
+        )
         out = json.loads(done.stdout)
     else:
         out = run_clients(url, prompts, concurrency, max_tokens)
@@ -91,9 +93,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=4, help="the batched dflashkit servers' --max-batch (1: none)")
-    ap.add_argument("--clients", choices=["process", "threads"], default="process",
-                    help="where the client threads run: a process of their own (default) or this one (before session "
-                    "29: they then share the interpreter lock with the in-process dflashkit servers)")
+    ap.add_argument(
+        "--clients",
+        choices=["process", "threads"],
+        default="process",
+        help="where the client threads run: a process of their own (default) or this one (before session "
+        "29: they then share the interpreter lock with the in-process dflashkit servers)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = SpeculativeGenerator.load()
@@ -116,8 +122,9 @@ def main() -> None:
     thread.join()
 
 
-def run(args: argparse.Namespace, spec: SpeculativeGenerator, plain: SpeculativeGenerator,
-        compute: ComputeThread) -> None:
+def run(
+    args: argparse.Namespace, spec: SpeculativeGenerator, plain: SpeculativeGenerator, compute: ComputeThread
+) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     per_set = -(-args.prompts // 3)
     texts = [t for name in ("mt-bench", "humaneval", "math500") for t in load_set(name, limit=per_set)][: args.prompts]
@@ -125,12 +132,23 @@ def run(args: argparse.Namespace, spec: SpeculativeGenerator, plain: Speculative
 
     servers: dict[str, str] = {}
     closers = []
-    variants = [("dflashkit (drafter + lookup, auto block), --max-batch 1", spec,
-                 {"block_size": "auto", "lookup": True, "max_batch": 1}),
-                ("dflashkit, no drafter, --max-batch 1", plain, {"max_batch": 1})]
+    variants = [
+        (
+            "dflashkit (drafter + lookup, auto block), --max-batch 1",
+            spec,
+            {"block_size": "auto", "lookup": True, "max_batch": 1},
+        ),
+        ("dflashkit, no drafter, --max-batch 1", plain, {"max_batch": 1}),
+    ]
     if args.max_batch > 1:  # the same generators: one server is asked at a time
-        variants += [(name.replace("--max-batch 1", f"--max-batch {args.max_batch}"), gen,
-                      {**settings, "max_batch": args.max_batch}) for name, gen, settings in variants]
+        variants += [
+            (
+                name.replace("--max-batch 1", f"--max-batch {args.max_batch}"),
+                gen,
+                {**settings, "max_batch": args.max_batch},
+            )
+            for name, gen, settings in variants
+        ]
     for name, gen, settings in variants:
         s = InProcessServer(gen, compute, **settings).start()
         servers[name], closers = s.url, [*closers, s.close]
@@ -150,21 +168,28 @@ def run(args: argparse.Namespace, spec: SpeculativeGenerator, plain: Speculative
         names = list(servers)
         for c in levels:
             for r in range(args.rounds):
-                for name in names[r % len(names):] + names[: r % len(names)]:
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     wall, tokens, latencies = run_batch(servers[name], prompts, c, args.max_tokens, args.clients)
                     results.setdefault((name, c), []).append((tokens / wall, statistics.median(latencies)))
-                    print(f"  C={c} round {r} {name}: {tokens / wall:.1f} tok/s, median latency "
-                          f"{statistics.median(latencies):.2f} s", flush=True)
-        print(f"\n{len(prompts)} greedy requests of at most {args.max_tokens} tokens per batch, {args.rounds} rounds, "
-              f"{args.threads} threads per server, clients in "
-              f"{'their own process' if args.clients == 'process' else 'this process'}; medians over rounds")
+                    print(
+                        f"  C={c} round {r} {name}: {tokens / wall:.1f} tok/s, median latency "
+                        f"{statistics.median(latencies):.2f} s",
+                        flush=True,
+                    )
+        print(
+            f"\n{len(prompts)} greedy requests of at most {args.max_tokens} tokens per batch, {args.rounds} rounds, "
+            f"{args.threads} threads per server, clients in "
+            f"{'their own process' if args.clients == 'process' else 'this process'}; medians over rounds"
+        )
         print("| server | " + " | ".join(f"C={c}: tok/s, latency" for c in levels) + " |")
         print("|---|" + "---:|" * len(levels))
         for name in names:
             cells = []
             for c in levels:
                 rows = results[(name, c)]
-                cells.append(f"{statistics.median(t for t, _ in rows):.1f}, {statistics.median(l for _, l in rows):.2f} s")
+                cells.append(
+                    f"{statistics.median(t for t, _ in rows):.1f}, {statistics.median(l for _, l in rows):.2f} s"
+                )
             print(f"| {name} | " + " | ".join(cells) + " |")
     finally:
         for close in closers:

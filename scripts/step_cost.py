@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from dflashkit.generator import SpeculativeGenerator
 from dflashkit.decoding.tree import DraftTree, best_first
+from dflashkit.generator import SpeculativeGenerator
 
 
 def tree_shape(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +58,10 @@ def main() -> None:
                 if round_ >= 2:
                     times[name].append(elapsed)
     weights = f", {args.quantize} weights" if args.quantize else ""
-    print(f"target step at {args.context} cached positions{weights}, {torch.get_num_threads()} threads, engine {target.engine}, "
-          f"median of {args.repeats}")
+    print(
+        f"target step at {args.context} cached positions{weights}, {torch.get_num_threads()} threads, engine {target.engine}, "
+        f"median of {args.repeats}"
+    )
     for name, ts in times.items():
         print(f"  {name:18s} {statistics.median(ts) * 1e3:7.2f} ms")
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import random
 
-from dflashkit.training.sources import load_shards
 from dflashkit.drafter.ngram_store import NgramStore, find_store
+from dflashkit.training.dataset import load_shards
 
 
 def store_tau(store: NgramStore, records: list[dict], block: int) -> float:
@@ -47,8 +47,12 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n", type=int, default=3, help="context length of the training part's store (default 3)")
-    ap.add_argument("--max-entries", default="", help="also each merged store cut to these sizes, comma-separated "
-                    "(`dflashkit ngram-store --max-entries`: the n-grams counted most often kept)")
+    ap.add_argument(
+        "--max-entries",
+        default="",
+        help="also each merged store cut to these sizes, comma-separated "
+        "(`dflashkit ngram-store --max-entries`: the n-grams counted most often kept)",
+    )
     args = ap.parse_args()
     records = load_shards(args.data, include_partial=True)
     random.Random(args.seed).shuffle(records)
@@ -61,8 +65,10 @@ def main() -> None:
         store = NgramStore.load(find_store(path) or path)
         merged = own.merged(store)
         rows += [(path, store), (f"training part's + {path}", merged)]
-        rows += [(f"training part's + {path}, cut to {int(size):,d}", merged.pruned(int(size)))
-                 for size in filter(None, args.max_entries.split(","))]
+        rows += [
+            (f"training part's + {path}, cut to {int(size):,d}", merged.pruned(int(size)))
+            for size in filter(None, args.max_entries.split(","))
+        ]
     for name, store in rows:
         print(f"{store_tau(store, held, args.block):.3f}  {len(store):8,d} {store.n}-grams  {name}")
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from block_length_tau import answers, leading_matches  # scripts/block_length_tau.py
 
 from dflashkit.generator import SpeculativeGenerator
-
-from block_length_tau import answers, leading_matches  # scripts/block_length_tau.py
 
 VARIANTS = ("draft vocabulary", "+ text", "whole vocabulary")
 
@@ -45,7 +44,7 @@ def main() -> None:
         first = dict.fromkeys(VARIANTS, 0)
         anchors = outside = 0  # anchors: one per answer token (the last prompt token's, then all but the last)
         for ids, y, features in answers(gen, name, args.limit, args.max_new_tokens):
-            outside += sum(t not in in_vocab for t in y[len(ids):])
+            outside += sum(t not in in_vocab for t in y[len(ids) :])
             anchors += len(y) - len(ids)
             for variant in VARIANTS:
                 drafter.draft_vocab = None if variant == "whole vocabulary" else draft_vocab
@@ -55,8 +54,9 @@ def main() -> None:
                 have = 0  # context rows taken so far: positions < have
                 for a in range(len(ids) - 1, len(y) - 1):  # anchor y[a] at position a, context = positions < a
                     new = features[:, have:a] if a > have else None
-                    scores, columns = drafter.draft_scores(context, new, have, y[a], a, args.k,
-                                                           target.embed_tokens, target.lm_head)
+                    scores, columns = drafter.draft_scores(
+                        context, new, have, y[a], a, args.k, target.embed_tokens, target.lm_head
+                    )
                     best = scores.argmax(-1)
                     drafts = (columns[best] if columns is not None else best).tolist()
                     m = leading_matches(drafts, y, a, args.k)
@@ -66,8 +66,11 @@ def main() -> None:
                     context.note_text([y[a + 1]])  # the answer's next token, verified before the next anchor
         drafter.draft_vocab, drafter.text_columns = draft_vocab, True
         cells = [f"{v}: τ {1 + matched[v] / anchors:.3f} p1 {first[v] / anchors:.3f}" for v in VARIANTS]
-        print(f"{name} ({anchors} anchors; {outside / anchors:.1%} of the answers' tokens outside the draft "
-              f"vocabulary)\n  " + "\n  ".join(cells), flush=True)
+        print(
+            f"{name} ({anchors} anchors; {outside / anchors:.1%} of the answers' tokens outside the draft "
+            f"vocabulary)\n  " + "\n  ".join(cells),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -78,39 +78,63 @@ def main() -> None:
         show("1. weather, auto", first)
         if first.message.tool_calls:
             call = first.message.tool_calls[0]
-            messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                         {"role": "tool", "tool_call_id": call.id,
-                          "content": json.dumps({"temperature": 14, "unit": "celsius", "sky": "light rain"})}]
+            messages += [
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": json.dumps({"temperature": 14, "unit": "celsius", "sky": "light rain"}),
+                },
+            ]
             show("2. with the tool's answer", client.chat.completions.create(messages=messages, **ask).choices[0])
         joke = [{"role": "user", "content": "Tell me a joke."}]
-        chunks = list(client.chat.completions.create(messages=joke, tool_choice="required", parallel_tool_calls=False,
-                                                     stream=True, **ask))
+        chunks = list(
+            client.chat.completions.create(
+                messages=joke, tool_choice="required", parallel_tool_calls=False, stream=True, **ask
+            )
+        )
         deltas = [c.choices[0] for c in chunks if c.choices]
         calls = [(t.function.name, t.function.arguments) for d in deltas for t in (d.delta.tool_calls or [])]
-        print(f"3. joke, required, streamed: finish_reason {deltas[-1].finish_reason}, content "
-              f"{''.join(d.delta.content or '' for d in deltas)!r}, tool_calls {calls}")
+        print(
+            f"3. joke, required, streamed: finish_reason {deltas[-1].finish_reason}, content "
+            f"{''.join(d.delta.content or '' for d in deltas)!r}, tool_calls {calls}"
+        )
         show("4. joke, auto", client.chat.completions.create(messages=joke, **ask).choices[0])
         weather = "What is the weather like in Paris right now?"
         answer = json.dumps({"temperature": 14, "unit": "celsius", "sky": "light rain"})
         tool = {"type": "function", **WEATHER["function"]}
-        resp = client.responses.create(model="qwen", input=weather, tools=[tool], temperature=0,
-                                       max_output_tokens=args.max_tokens)
+        resp = client.responses.create(
+            model="qwen", input=weather, tools=[tool], temperature=0, max_output_tokens=args.max_tokens
+        )
         print(f"5. Responses API: status {resp.status}, output {[_item(i) for i in resp.output]}")
         call = next((i for i in resp.output if i.type == "function_call"), None)
         if call is not None:
-            more = client.responses.create(model="qwen", previous_response_id=resp.id, tools=[tool], temperature=0,
-                                           max_output_tokens=args.max_tokens, input=[
-                                               {"type": "function_call_output", "call_id": call.call_id,
-                                                "output": answer}])
-            print(f"   with the tool's answer: {more.output_text!r} ({more.usage.input_tokens_details.cached_tokens} "
-                  f"of {more.usage.input_tokens} prompt tokens restored)")
-        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused", max_retries=0,
-                                     timeout=600)
-        anthropic_tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
-                          "input_schema": WEATHER["function"]["parameters"]}
+            more = client.responses.create(
+                model="qwen",
+                previous_response_id=resp.id,
+                tools=[tool],
+                temperature=0,
+                max_output_tokens=args.max_tokens,
+                input=[{"type": "function_call_output", "call_id": call.call_id, "output": answer}],
+            )
+            print(
+                f"   with the tool's answer: {more.output_text!r} ({more.usage.input_tokens_details.cached_tokens} "
+                f"of {more.usage.input_tokens} prompt tokens restored)"
+            )
+        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused", max_retries=0, timeout=600)
+        anthropic_tool = {
+            "name": "get_weather",
+            "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"],
+        }
         asked = [{"role": "user", "content": weather}]
-        msg = claude.messages.create(model="qwen", max_tokens=args.max_tokens, tools=[anthropic_tool],
-                                     messages=asked, extra_body={"temperature": 0})
+        msg = claude.messages.create(
+            model="qwen",
+            max_tokens=args.max_tokens,
+            tools=[anthropic_tool],
+            messages=asked,
+            extra_body={"temperature": 0},
+        )
         print(f"6. Messages API: stop_reason {msg.stop_reason}, content {[_item(b) for b in msg.content]}")
         use = next((b for b in msg.content if b.type == "tool_use"), None)
         if use is not None:

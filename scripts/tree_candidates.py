@@ -30,16 +30,23 @@ from dflashkit.training.evalsets import load_set
 
 def variants(tree: int, default: bool = False, trees: str = "", sampler: str = "rejection") -> dict[str, dict]:
     if default and sampler == "both":  # each sampler as generate uses it by default, against plain rejection sampling
-        return {"plain": {"use_drafter": False, "sampler": "rejection"},
-                "plain, coupled": {"use_drafter": False, "sampler": "coupled"},
-                "rejection (chains)": {"sampler": "rejection"},
-                f"coupled (trees of {generator.COUPLED_TREE})": {"sampler": "coupled"}}
+        return {
+            "plain": {"use_drafter": False, "sampler": "rejection"},
+            "plain, coupled": {"use_drafter": False, "sampler": "coupled"},
+            "rejection (chains)": {"sampler": "rejection"},
+            f"coupled (trees of {generator.COUPLED_TREE})": {"sampler": "coupled"},
+        }
     if default:
-        return {"plain": {"use_drafter": False, "sampler": sampler},
-                "default (chains)": {"sampler": sampler, "chains": True},
-                **{f"trees of {n}, copies as chains": {"sampler": sampler, "tree": int(n), "tree_copies": False}
-                   for n in trees.split(",") if n and sampler == "coupled"},
-                **{f"default, trees of {n}": {"sampler": sampler, "tree": int(n)} for n in trees.split(",") if n}}
+        return {
+            "plain": {"use_drafter": False, "sampler": sampler},
+            "default (chains)": {"sampler": sampler, "chains": True},
+            **{
+                f"trees of {n}, copies as chains": {"sampler": sampler, "tree": int(n), "tree_copies": False}
+                for n in trees.split(",")
+                if n and sampler == "coupled"
+            },
+            **{f"default, trees of {n}": {"sampler": sampler, "tree": int(n)} for n in trees.split(",") if n},
+        }
     return {
         "plain": {"use_drafter": False, "sampler": "rejection"},
         "chain, sampled": {"sampler": "rejection"},
@@ -59,12 +66,19 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=2, help="verify depth + 1 (2: the anchor's children only)")
     ap.add_argument("--tree", type=int, default=4, help="nodes per tree")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--default", action="store_true",
-                    help="the adaptive block size and prompt lookup (as `generate`), chains against --trees")
+    ap.add_argument(
+        "--default",
+        action="store_true",
+        help="the adaptive block size and prompt lookup (as `generate`), chains against --trees",
+    )
     ap.add_argument("--trees", default="4", help="with --default: node budgets of the tree variants")
-    ap.add_argument("--sampler", choices=("rejection", "coupled", "both"), default="rejection",
-                    help="with --default: every variant's sampler (coupled: what a seeded request gets); both: the "
-                    "two samplers as generate runs them by default (rejection: chains, coupled: trees)")
+    ap.add_argument(
+        "--sampler",
+        choices=("rejection", "coupled", "both"),
+        default="rejection",
+        help="with --default: every variant's sampler (coupled: what a seeded request gets); both: the "
+        "two samplers as generate runs them by default (rejection: chains, coupled: trees)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,18 +92,24 @@ def main() -> None:
         tokens = {v: [0, 0, 0.0, 0.0, 0.0] for v in runs}  # new tokens, passes, decode, draft, verify seconds
         for i, prompt in enumerate(prompts):
             for seed in range(args.seeds):
-                order = list(runs)[(i + seed) % len(runs):] + list(runs)[: (i + seed) % len(runs)]
+                order = list(runs)[(i + seed) % len(runs) :] + list(runs)[: (i + seed) % len(runs)]
                 for variant in order:
                     gen.block_policies = policies[variant]
-                    options = ({"block_size": "auto"} if args.default
-                               else {"lookup": False, "block_size": args.block_size}) | runs[variant]
+                    options = (
+                        {"block_size": "auto"} if args.default else {"lookup": False, "block_size": args.block_size}
+                    ) | runs[variant]
                     # chains where a seeded (coupled) generation would verify trees by default: the generator has
                     # no per-call opt-out with the adaptive block size, so its default is set aside for this call
                     default_tree_nodes = generator.COUPLED_TREE
                     generator.COUPLED_TREE = None if options.pop("chains", False) else default_tree_nodes
                     try:
-                        s = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                         seed=1000 * i + seed, **options).stats
+                        s = gen.generate(
+                            prompt,
+                            max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature,
+                            seed=1000 * i + seed,
+                            **options,
+                        ).stats
                     finally:
                         generator.COUPLED_TREE = default_tree_nodes
                     drafted = [a for a, d in zip(s.accepted_lengths, s.drafted_lengths) if d > 0]
@@ -101,16 +121,22 @@ def main() -> None:
                     tokens[variant][3] += s.draft_s
                     tokens[variant][4] += s.verify_s
         plain_tpot = tokens["plain"][2] / max(1, tokens["plain"][0])
-        setup = (f"adaptive block size, prompt lookup, {args.sampler} sampler" if args.default
-                 else f"block {args.block_size}, trees of {args.tree} nodes, no lookup")
+        setup = (
+            f"adaptive block size, prompt lookup, {args.sampler} sampler"
+            if args.default
+            else f"block {args.block_size}, trees of {args.tree} nodes, no lookup"
+        )
         print(f"{name} (T={args.temperature}, {len(prompts)} prompts x {args.seeds} seeds, {setup}):")
         for variant in runs:
             n, passes, seconds, draft, verify = tokens[variant]
             accepted, drafted = first[variant]
             share = f"{accepted / drafted:.3f}" if drafted else "  -  "
-            print(f"  {variant:26s} first position accepted {share}  τ {n / max(1, passes):.2f}  "
-                  f"speedup (TPOT) {plain_tpot / (seconds / max(1, n)):.2f}x  step {1e3 * seconds / max(1, passes):.2f} ms "
-                  f"(draft {1e3 * draft / max(1, passes):.2f}, verify {1e3 * verify / max(1, passes):.2f})", flush=True)
+            print(
+                f"  {variant:26s} first position accepted {share}  τ {n / max(1, passes):.2f}  "
+                f"speedup (TPOT) {plain_tpot / (seconds / max(1, n)):.2f}x  step {1e3 * seconds / max(1, passes):.2f} ms "
+                f"(draft {1e3 * draft / max(1, passes):.2f}, verify {1e3 * verify / max(1, passes):.2f})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ from collections import Counter
 import torch
 
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.training.evalsets import load_set
-from dflashkit.generator import SpeculativeGenerator
 from dflashkit.decoding.sampling import SamplingParams
-from dflashkit.training.trainer import teacher_forced_scores
 from dflashkit.decoding.tree import best_first
+from dflashkit.generator import SpeculativeGenerator
+from dflashkit.training.evalsets import load_set
+from dflashkit.training.losses import teacher_forced_scores
 
 MAX_RANK = 8
 
@@ -64,7 +64,8 @@ def node_values(paths: list[tuple[int, ...]], depth: int) -> Counter:
 
 
 def dynamic_tree(top: torch.Tensor, budget: int) -> set:
-    """The nodes (rank paths) dflashkit.decoding.tree.best_first keeps for one anchor's top probabilities [depth, ranks]."""
+    """The nodes (rank paths) dflashkit.decoding.tree.best_first keeps for one anchor's top probabilities [depth,
+    ranks]."""
     parents, _, ranks = best_first(top.tolist(), budget)
     paths: list[tuple[int, ...]] = []
     for parent, rank in zip(parents, ranks):
@@ -108,9 +109,12 @@ def main() -> None:
             paths, tops = [], []
             for i, prompt in enumerate(load_set(name, limit=args.limit, seed=0)):
                 ids = gen.encode_prompt(prompt)
-                options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=i,
-                                        sampling=SamplingParams(temperature=temperature),
-                                        stop_token_ids=frozenset(gen.eos_token_ids))
+                options = DecodeOptions(
+                    max_new_tokens=args.max_new_tokens,
+                    seed=i,
+                    sampling=SamplingParams(temperature=temperature),
+                    stop_token_ids=frozenset(gen.eos_token_ids),
+                )
                 out = [t for step in decode(gen.target, None, ids, options) for t in step.tokens]
                 got = rank_paths(gen, ids + out, len(ids))
                 paths += got[0]
@@ -121,16 +125,23 @@ def main() -> None:
             others = [p for n, ps in per_set.items() if n != name for p in ps]
             values = node_values(others, 15)
             chain = {tuple([0] * d) for d in range(1, 16)}
-            row = [f"chain15 {accepted(paths, chain):.3f}",
-                   f"chain3 {accepted(paths, {tuple([0] * d) for d in range(1, 4)}):.3f}"]
+            row = [
+                f"chain15 {accepted(paths, chain):.3f}",
+                f"chain3 {accepted(paths, {tuple([0] * d) for d in range(1, 4)}):.3f}",
+            ]
             for n in budgets:
                 tree = {k for k, _ in values.most_common(n)}
-                row.append(f"tree{n} {accepted(paths, tree):.3f}/dyn {accepted_dynamic(paths, per_set_tops[name], n):.3f}")
+                row.append(
+                    f"tree{n} {accepted(paths, tree):.3f}/dyn {accepted_dynamic(paths, per_set_tops[name], n):.3f}"
+                )
             print(f"T={temperature:g} {name:10s} anchors {len(paths):5d}  " + "  ".join(row), flush=True)
         first = Counter(p[0] for ps in per_set.values() for p in ps if p)
         total = sum(first.values())
-        print(f"T={temperature:g} rank of the target's next token (depth 1): "
-              + " ".join(f"{r}:{first[r] / total:.3f}" for r in range(MAX_RANK + 1)), flush=True)
+        print(
+            f"T={temperature:g} rank of the target's next token (depth 1): "
+            + " ".join(f"{r}:{first[r] / total:.3f}" for r in range(MAX_RANK + 1)),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ _absl_logging_on_the_real_stderr()
 
 def word_tokenizer():
     """A WordLevel tokenizer whose VOCAB ids match the tiny models: <pad> 0, <s> 1, <eos> 2, <unk> 3, w4...."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "<eos>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
@@ -57,7 +58,8 @@ BYTE_VOCAB = 4 + 256  # <pad> <s> <eos> <unk>, then one token per byte
 def byte_tokenizer():
     """A byte-level tokenizer of BYTE_VOCAB tokens (no merges: one token per byte), for a tiny target built
     with vocab_size=BYTE_VOCAB: it can spell any text, which grammars (JSON) need, and llguidance reads it."""
-    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -82,10 +84,13 @@ def merging_tokenizer():
     backend = Tokenizer(models.BPE(vocab, [("Ċ", "Ċ")], unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<eos>", unk_token="<unk>",
-                                  pad_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     return tok
 
 
@@ -93,9 +98,17 @@ def tiny_target(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.f
     """A random 6-layer causal LM of the given architecture ("llama", "qwen2" or "qwen3")."""
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     common.update(overrides)
     if arch == "llama":

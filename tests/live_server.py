@@ -9,11 +9,11 @@ import time
 import httpx
 import torch
 import uvicorn
-from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target, word_tokenizer
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflashkit import SpeculativeGenerator
+from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target, word_tokenizer
 
 
 class LiveServer:
@@ -100,35 +100,56 @@ def tool_generator() -> SpeculativeGenerator:
     return gen
 
 
-def offline_chat(gen: SpeculativeGenerator, messages: list[dict], max_new_tokens: int, temperature: float = 0.0,
-                 seed: int | None = None, **kw):
+def offline_chat(
+    gen: SpeculativeGenerator,
+    messages: list[dict],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    **kw,
+):
     """An offline run of chat `messages` as the server's endpoints run them ("sample" proposals)."""
-    return gen.generate(gen.encode_prompt(messages, chat=True), max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=seed, proposal="sample", **kw)
+    return gen.generate(
+        gen.encode_prompt(messages, chat=True),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        proposal="sample",
+        **kw,
+    )
 
 
 # an answer with text before its tool call, in the pieces a stream would deliver it
-TEXT_THEN_CALL = ["Let me ", "pick. ", "<tool", "_call>\n", '{"name": "pick_color", ', '"arguments": {"color": "red"}}',
-                  "\n</tool_call>"]
+TEXT_THEN_CALL = [
+    "Let me ",
+    "pick. ",
+    "<tool",
+    "_call>\n",
+    '{"name": "pick_color", ',
+    '"arguments": {"color": "red"}}',
+    "\n</tool_call>",
+]
 
 
 def scripted(app: FastAPI, pieces: list[str], finish_reason: str = "stop") -> None:
     """Make `app` answer every request with `pieces` (one delta each, one token per piece), as a generation that
     ended with `finish_reason`: for answers a random tiny target does not write (text, then a tool call)."""
-    from dflashkit.generator import GenerationResult, GenerationStream, TextDelta
     from dflashkit.decoding.stats import DecodeStats
+    from dflashkit.generator import GenerationResult, GenerationStream, TextDelta
 
     def start(plan, job=0, batch=None) -> GenerationStream:
         ids = list(range(10, 10 + len(pieces)))
-        stats = DecodeStats(block_size=1, prompt_tokens=len(plan.prompts[0]), new_tokens=len(ids),
-                            finish_reason=finish_reason)
+        stats = DecodeStats(
+            block_size=1, prompt_tokens=len(plan.prompts[0]), new_tokens=len(ids), finish_reason=finish_reason
+        )
         stream = GenerationStream(iter(()))
 
         def deltas():
             for i, piece in enumerate(pieces):
                 yield TextDelta(piece, [ids[i]], [False], [piece])
-            stream.result = GenerationResult("".join(pieces), ids, [False] * len(ids), stats, finish_reason,
-                                             len(plan.prompts[0]))
+            stream.result = GenerationResult(
+                "".join(pieces), ids, [False] * len(ids), stats, finish_reason, len(plan.prompts[0])
+            )
 
         stream._deltas = deltas()
         return stream

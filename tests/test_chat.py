@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from tests.conftest import merging_tokenizer, tiny_drafter, tiny_target
-from tests.cli.test_main import make_tokenizer
 
 from dflashkit import PrefixCache, SpeculativeGenerator
 from dflashkit.chat import ChatSession
 from dflashkit.errors import InvalidInputError
+from tests.cli.test_main import make_tokenizer
+from tests.conftest import merging_tokenizer, tiny_drafter, tiny_target
 
 
 def generator() -> SpeculativeGenerator:

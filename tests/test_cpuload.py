@@ -30,8 +30,11 @@ def test_busy_cores_is_the_busy_share_of_the_interval_times_the_cores(tmp_path, 
         clock["wall"] += seconds
         clock["own"] += 0.25 * seconds
 
-    monkeypatch.setattr(cpuload, "time", SimpleNamespace(sleep=later, monotonic=lambda: clock["wall"],
-                                                         process_time=lambda: clock["own"]))
+    monkeypatch.setattr(
+        cpuload,
+        "time",
+        SimpleNamespace(sleep=later, monotonic=lambda: clock["wall"], process_time=lambda: clock["own"]),
+    )
     assert abs(busy_cores(0.1, stat) - 2.75) < 1e-9  # other processes' share only
     assert busy_cores(0.1, tmp_path / "absent") is None  # not Linux: no figure, no hint
     stat.write_text("intr 1 2 3\n")

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from tests.conftest import word_tokenizer, VOCAB, tiny_drafter, tiny_target
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.errors import DFlashError, IncompatibleDrafterError, InvalidInputError
-from dflashkit.generator import SpeculativeGenerator
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.errors import DFlashError, IncompatibleDrafterError, InvalidInputError
+from dflashkit.generator import SpeculativeGenerator
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_drafter, tiny_target, word_tokenizer
 
 MAX_POS = 64
 
@@ -52,8 +52,11 @@ def run(target, drafter, prompt, **options) -> list[int]:
 # ---- prompts -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prompt", [[], torch.tensor([], dtype=torch.long), torch.zeros(1, 0, dtype=torch.long), [[]]],
-                         ids=["list", "tensor", "tensor-1x0", "nested"])
+@pytest.mark.parametrize(
+    "prompt",
+    [[], torch.tensor([], dtype=torch.long), torch.zeros(1, 0, dtype=torch.long), [[]]],
+    ids=["list", "tensor", "tensor-1x0", "nested"],
+)
 @pytest.mark.parametrize("with_drafter", [True, False])
 def test_empty_prompt_tokens(target, drafter, prompt, with_drafter: bool) -> None:
     with pytest.raises(InvalidInputError, match="empty"):
@@ -94,8 +97,11 @@ def test_prompt_longer_than_context(target, drafter, gen, length: int) -> None:
 
 @pytest.mark.parametrize(
     "prompt",
-    [torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0)), [[5, 6, 7], [8, 9, 10]],
-     torch.ones(1, 2, 3, dtype=torch.long)],
+    [
+        torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0)),
+        [[5, 6, 7], [8, 9, 10]],
+        torch.ones(1, 2, 3, dtype=torch.long),
+    ],
     ids=["tensor-2xn", "two-lists", "tensor-3d"],
 )
 def test_batched_input_is_refused(target, drafter, gen, prompt) -> None:
@@ -105,8 +111,11 @@ def test_batched_input_is_refused(target, drafter, gen, prompt) -> None:
         gen.generate(prompt, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("prompt", [torch.tensor([5.0, 6.0]), torch.tensor([[5.0, 6.0]]), [[5.0, 6.0]]],
-                         ids=["float-tensor", "float-tensor-1xn", "nested-float-list"])
+@pytest.mark.parametrize(
+    "prompt",
+    [torch.tensor([5.0, 6.0]), torch.tensor([[5.0, 6.0]]), [[5.0, 6.0]]],
+    ids=["float-tensor", "float-tensor-1xn", "nested-float-list"],
+)
 def test_floating_point_token_ids(target, drafter, prompt) -> None:
     with pytest.raises(InvalidInputError):
         run(target, drafter, prompt, max_new_tokens=4)
@@ -172,15 +181,30 @@ def test_bad_sampling_params(gen, params: dict, field: str) -> None:
 @pytest.mark.parametrize("proposal", ["beam", "ARGMAX", ""])
 def test_unknown_proposal_mode_when_sampling(target, drafter, gen, proposal: str) -> None:
     with pytest.raises(InvalidInputError, match="proposal"):
-        run(target, drafter, [5, 6, 7], max_new_tokens=8, sampling=SamplingParams(temperature=0.8), proposal=proposal, seed=0)
+        run(
+            target,
+            drafter,
+            [5, 6, 7],
+            max_new_tokens=8,
+            sampling=SamplingParams(temperature=0.8),
+            proposal=proposal,
+            seed=0,
+        )
     with pytest.raises(InvalidInputError, match="proposal"):
         gen.generate([5, 6, 7], max_new_tokens=8, temperature=0.8, proposal=proposal, seed=0)
 
 
 @pytest.mark.parametrize("proposal", ["argmax", "sample"])
 def test_known_proposal_modes_sample_fine(target, drafter, proposal: str) -> None:
-    out = run(target, drafter, [5, 6, 7], max_new_tokens=8, sampling=SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
-              proposal=proposal, seed=0)
+    out = run(
+        target,
+        drafter,
+        [5, 6, 7],
+        max_new_tokens=8,
+        sampling=SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
+        proposal=proposal,
+        seed=0,
+    )
     assert 1 <= len(out) <= 8 and all(0 <= t < VOCAB for t in out)
 
 
@@ -197,7 +221,9 @@ def test_drafter_dtype_mismatch(target, drafter, model) -> None:
 
 
 @pytest.mark.parametrize(
-    "other,problem", [(dict(hidden_size=32), "hidden size"), (dict(vocab_size=128), "vocabulary")], ids=["hidden", "vocab"]
+    "other,problem",
+    [(dict(hidden_size=32), "hidden size"), (dict(vocab_size=128), "vocabulary")],
+    ids=["hidden", "vocab"],
 )
 def test_drafter_of_another_shape_given_to_decode(target, other: dict, problem: str) -> None:
     wrong = tiny_drafter(tiny_target("llama", **other), block_size=4)
@@ -256,17 +282,20 @@ def test_all_errors_are_dflash_errors() -> None:
 # ---- wrong types and out-of-range values through the Python API (found by a bad-input sweep) ----------------
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(max_new_tokens=2.5), "max_new_tokens"),
-    (dict(max_new_tokens="4"), "max_new_tokens"),
-    (dict(max_new_tokens=None), "max_new_tokens"),
-    (dict(block_size=4.5), "block_size"),
-    (dict(block_size=10**12), "block_size"),
-    (dict(seed=2**70), "seed"),
-    (dict(seed="x"), "seed"),
-    (dict(temperature="hot"), "temperature"),
-    (dict(top_p="all"), "top_p"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(max_new_tokens="4"), "max_new_tokens"),
+        (dict(max_new_tokens=None), "max_new_tokens"),
+        (dict(block_size=4.5), "block_size"),
+        (dict(block_size=10**12), "block_size"),
+        (dict(seed=2**70), "seed"),
+        (dict(seed="x"), "seed"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(top_p="all"), "top_p"),
+    ],
+)
 def test_wrong_types_and_ranges_are_refused(gen, kwargs: dict, field: str) -> None:
     with pytest.raises(InvalidInputError, match=field):
         gen.generate("w5 w6", **{"max_new_tokens": 4, **kwargs})

@@ -17,9 +17,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.text import IncrementalDetokenizer, StopStringMatcher
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 SEED = 0
 FFFD = "\ufffd"
@@ -61,9 +61,11 @@ def trained_bpe() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=330, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>", "<|eos|>"], show_progress=False,
-    )  # fmt: skip
+        vocab_size=330,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|eos|>"],
+        show_progress=False,
+    )
     backend.train_from_iterator(SENTENCES * 2, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|eos|>", unk_token="<|endoftext|>")
 
@@ -462,10 +464,19 @@ def test_encode_chats_equals_encode_chat_of_each_prompt(tokenizer, templated):
     from dflashkit.text import encode_chat, encode_chats
 
     tok = copy.copy(tokenizer)
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}") if templated else None
-    prompts = ["hello world", "Ünïcode — and 数字 12345", [{"role": "user", "content": "a"},
-                                                          {"role": "assistant", "content": "b c"},
-                                                          {"role": "user", "content": "d"}], "x" * 300]
+    tok.chat_template = (
+        (
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}"
+        )
+        if templated
+        else None
+    )
+    prompts = [
+        "hello world",
+        "Ünïcode — and 数字 12345",
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b c"}, {"role": "user", "content": "d"}],
+        "x" * 300,
+    ]
     assert encode_chats(tok, prompts) == [encode_chat(tok, p) for p in prompts]
     assert encode_chats(tok, []) == []

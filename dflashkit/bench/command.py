@@ -13,16 +13,28 @@ from typing import Any
 
 import torch
 
+from dflashkit.decoding.tree import check_budget
 from dflashkit.errors import InvalidInputError
 from dflashkit.kernels.int8 import METHODS as QUANT_METHODS
-from dflashkit.decoding.tree import check_budget
 
 METHODS = ("ar", "dflash", "dflash-lookup", "lookup", "hf", "hf-pld", "hf-assisted", "llama.cpp", "llama-server")
-DEFAULTS = {"datasets": "mt-bench,humaneval,math500", "limit": 10, "max_new_tokens": 256, "max_turns": None,
-            "temperatures": "0,1", "block_sizes": "4,8,16,auto"}  # fmt: skip
+DEFAULTS = {
+    "datasets": "mt-bench,humaneval,math500",
+    "limit": 10,
+    "max_new_tokens": 256,
+    "max_turns": None,
+    "temperatures": "0,1",
+    "block_sizes": "4,8,16,auto",
+}
 # --quick: about 5 minutes on a 2-core CPU with the default target (first turns, 2 questions per set)
-QUICK = {"datasets": "mt-bench,humaneval,math500", "limit": 2, "max_new_tokens": 64, "max_turns": 1,
-         "temperatures": "0,1", "block_sizes": "4,8,16,auto"}  # fmt: skip
+QUICK = {
+    "datasets": "mt-bench,humaneval,math500",
+    "limit": 2,
+    "max_new_tokens": 64,
+    "max_turns": 1,
+    "temperatures": "0,1",
+    "block_sizes": "4,8,16,auto",
+}
 SMOLLM_NO_DRAFT = (
     "no draft model with the target's tokenizer (SmolLM2-135M is the smallest of its family); pass --assistant "
     "PATH, or bench --target qwen2.5-coder-1.5b, whose 0.5B sibling is assembled from packages"
@@ -40,40 +52,86 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "and its own DFlash with the drafter exported to GGUF). Writes results.json, summary.md and PNG plots. Exits 1 "
         "if a dflashkit method's greedy output parts from the baseline's other than at a bf16 tie.",
     )
-    b.add_argument("--datasets", default=None, help="comma-separated: mt-bench, humaneval, math500, jsonl:PATH "
-                   f"(FastChat / Spec-Bench questions), hf:NAME[:SPLIT[:FIELD]] (default: {DEFAULTS['datasets']})")
-    b.add_argument("--limit", type=int, default=None, help="questions per data set, a seeded random subset; 0 = all "
-                   f"(default: {DEFAULTS['limit']})")  # fmt: skip
+    b.add_argument(
+        "--datasets",
+        default=None,
+        help="comma-separated: mt-bench, humaneval, math500, jsonl:PATH "
+        f"(FastChat / Spec-Bench questions), hf:NAME[:SPLIT[:FIELD]] (default: {DEFAULTS['datasets']})",
+    )
+    b.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"questions per data set, a seeded random subset; 0 = all (default: {DEFAULTS['limit']})",
+    )
     b.add_argument("--seed", type=int, default=0, help="subset and sampling seed")
     b.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default: {DEFAULTS['max_new_tokens']})")
     b.add_argument("--max-turns", type=int, default=None, help="turns per question (default: all)")
     b.add_argument("--temperatures", default=None, help="comma-separated; 0 = greedy (default: 0,1)")
-    b.add_argument("--sampler", choices=["rejection", "coupled"], default="rejection",
-                   help="dflashkit's sampler at temperature > 0 (default: rejection); with 'coupled' its sampled "
-                   "outputs are checked token for token against the baseline's, as greedy ones are, and the adaptive "
-                   "methods verify token trees as seeded generations do by default")
-    b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}; the "
-                   "baseline 'ar' always runs (default: all)")  # fmt: skip
-    b.add_argument("--block-sizes", default=None, help="DFlash block sizes; 'auto' = chosen per step (default: 4,8,16,auto)")
-    b.add_argument("--trees", default=None, help="token-tree node budgets (comma-separated): each adds, per block size, "
-                   "dflash[-lookup]-treeN at the drafter's own block size, -auto-treeN with 'auto' (copies and depths "
-                   "sized per step), -bB-treeN at another (default: none)")
-    b.add_argument("--target", default=None, help="HF model id, local folder or qwen2.5-coder-1.5b (assembled from "
-                   "packages); default: embedded SmolLM2-135M-Instruct")  # fmt: skip
-    b.add_argument("--drafter", default=None, help="drafter folder or 'untrained' (random: τ≈1); default: the "
-                   "drafter shipped for the target; without one the DFlash methods are skipped")  # fmt: skip
-    b.add_argument("--assistant", default="auto", help="draft model for transformers' assisted generation: a folder, "
-                   "hub id, qwen2.5-coder-0.5b, 'none', or 'auto' (the known sibling of the target)")  # fmt: skip
+    b.add_argument(
+        "--sampler",
+        choices=["rejection", "coupled"],
+        default="rejection",
+        help="dflashkit's sampler at temperature > 0 (default: rejection); with 'coupled' its sampled "
+        "outputs are checked token for token against the baseline's, as greedy ones are, and the adaptive "
+        "methods verify token trees as seeded generations do by default",
+    )
+    b.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated subset of {', '.join(METHODS)}; the baseline 'ar' always runs (default: all)",
+    )
+    b.add_argument(
+        "--block-sizes", default=None, help="DFlash block sizes; 'auto' = chosen per step (default: 4,8,16,auto)"
+    )
+    b.add_argument(
+        "--trees",
+        default=None,
+        help="token-tree node budgets (comma-separated): each adds, per block size, "
+        "dflash[-lookup]-treeN at the drafter's own block size, -auto-treeN with 'auto' (copies and depths "
+        "sized per step), -bB-treeN at another (default: none)",
+    )
+    b.add_argument(
+        "--target",
+        default=None,
+        help="HF model id, local folder or qwen2.5-coder-1.5b (assembled from "
+        "packages); default: embedded SmolLM2-135M-Instruct",
+    )
+    b.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter folder or 'untrained' (random: τ≈1); default: the "
+        "drafter shipped for the target; without one the DFlash methods are skipped",
+    )
+    b.add_argument(
+        "--assistant",
+        default="auto",
+        help="draft model for transformers' assisted generation: a folder, "
+        "hub id, qwen2.5-coder-0.5b, 'none', or 'auto' (the known sibling of the target)",
+    )
     b.add_argument("--gguf", default=None, help="GGUF for the llama.cpp peer (default: the target's, when known)")
-    b.add_argument("--llama-server", default=None, help="llama-server binary for the llama-server peers (default: "
-                   "$DFLASHKIT_LLAMA_SERVER, else the one `scripts/get_llama_cpp.sh --build` builds, else on PATH)")
+    b.add_argument(
+        "--llama-server",
+        default=None,
+        help="llama-server binary for the llama-server peers (default: "
+        "$DFLASHKIT_LLAMA_SERVER, else the one `scripts/get_llama_cpp.sh --build` builds, else on PATH)",
+    )
     b.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
     b.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    b.add_argument("--quantize", choices=["none", *QUANT_METHODS], default="none",
-                   help="int8: every method runs on a weight-only int8 target (per-channel scales; CPU); "
-                   "tokens are compared with the int8 baseline, never with the bf16 model")  # fmt: skip
-    b.add_argument("--eager", "--no-compile", dest="eager", action="store_true",
-                   help="dflashkit methods on the eager path (plain nn.Linear layers, no prepacked oneDNN weights)")
+    b.add_argument(
+        "--quantize",
+        choices=["none", *QUANT_METHODS],
+        default="none",
+        help="int8: every method runs on a weight-only int8 target (per-channel scales; CPU); "
+        "tokens are compared with the int8 baseline, never with the bf16 model",
+    )
+    b.add_argument(
+        "--eager",
+        "--no-compile",
+        dest="eager",
+        action="store_true",
+        help="dflashkit methods on the eager path (plain nn.Linear layers, no prepacked oneDNN weights)",
+    )
     b.add_argument("--device", default="cpu")
     b.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's)")
     quick = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items() if k != "datasets")
@@ -117,9 +175,15 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     out["datasets"] = [d.strip() for d in out["datasets"].split(",") if d.strip()]
     from dflashkit.bench.datasets import PACKAGED
 
-    odd = [d for d in out["datasets"] if d not in PACKAGED and not d.startswith(("jsonl:", "hf:")) and not d.endswith(".jsonl")]
+    odd = [
+        d
+        for d in out["datasets"]
+        if d not in PACKAGED and not d.startswith(("jsonl:", "hf:")) and not d.endswith(".jsonl")
+    ]
     if odd:  # before any model loads
-        raise InvalidInputError(f"unknown data set(s) {odd}: use {', '.join(PACKAGED)}, jsonl:PATH or hf:NAME[:SPLIT[:FIELD]]")
+        raise InvalidInputError(
+            f"unknown data set(s) {odd}: use {', '.join(PACKAGED)}, jsonl:PATH or hf:NAME[:SPLIT[:FIELD]]"
+        )
     out["trees"] = [check_budget(n) for n in _ints(args.trees, "trees")] if args.trees else []
     return out
 
@@ -139,8 +203,8 @@ def resolve_target(name: str | None) -> tuple[str | None, str]:
 def resolve_drafter(choice: str | None, target: str | None, model: Any) -> tuple[Any, str | None, str]:
     """(drafter or None, its label, why not): a folder, 'untrained', or the shipped one."""
     from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.drafter.network import DFlashDrafter
     from dflashkit.drafter.identity import drafter_config_for
+    from dflashkit.drafter.network import DFlashDrafter
     from dflashkit.drafter.registry import shipped_drafter
 
     if choice == "none":
@@ -152,24 +216,33 @@ def resolve_drafter(choice: str | None, target: str | None, model: Any) -> tuple
     if choice is None:
         path = shipped_drafter(target)
         if path is None:
-            return None, None, ("no trained drafter ships for this target yet: pass --drafter PATH, or --drafter "
-                                "untrained to exercise the speculative path")  # fmt: skip
+            return (
+                None,
+                None,
+                (
+                    "no trained drafter ships for this target yet: pass --drafter PATH, or --drafter "
+                    "untrained to exercise the speculative path"
+                ),
+            )
         choice = str(path)
     return load_drafter(choice, dtype=model.dtype, device=model.device), choice, ""
 
 
 def resolve_assistant(choice: str, target_label: str, dtype: torch.dtype, device: str) -> tuple[Any, Any, str, str]:
     """(assistant model, its tokenizer, label, why not) for transformers' assisted generation."""
-    from dflashkit.target.loading import DEFAULT_TARGET, load_target
     from dflashkit.bench.assets import AssetError, model_folder, packaged
+    from dflashkit.target.loading import DEFAULT_TARGET, load_target
 
     if choice == "none":
         return None, None, "", "disabled (--assistant none)"
     if choice == "auto":
         pm = packaged(target_label)
         if pm is None or pm.draft is None:
-            why = SMOLLM_NO_DRAFT if target_label == DEFAULT_TARGET else (
-                f"no draft model with the tokenizer of {target_label} is known: pass --assistant PATH")
+            why = (
+                SMOLLM_NO_DRAFT
+                if target_label == DEFAULT_TARGET
+                else (f"no draft model with the tokenizer of {target_label} is known: pass --assistant PATH")
+            )
             return None, None, "", why
         choice = pm.draft
     pm = packaged(choice)
@@ -181,8 +254,14 @@ def resolve_assistant(choice: str, target_label: str, dtype: torch.dtype, device
     return model, tok, pm.name if pm else choice, ""
 
 
-def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespace, target_label: str,
-                  threads: int, log_dir: pathlib.Path | None = None) -> tuple[list[Any], str]:  # fmt: skip
+def build_methods(
+    session: Any,
+    settings: dict[str, Any],
+    args: argparse.Namespace,
+    target_label: str,
+    threads: int,
+    log_dir: pathlib.Path | None = None,
+) -> tuple[list[Any], str]:
     """The methods asked for (unavailable ones as placeholders that the runner lists as skipped)."""
     from dflashkit.bench.assets import target_gguf
     from dflashkit.bench.methods import KERNELS, Autoregressive, DFlash, PromptLookup, Unavailable
@@ -198,13 +277,18 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
         if family not in wanted:
             continue
         if drafter is None:
-            methods += [Unavailable(f"{family}-b{b}", "dflashkit", no_drafter, note=f"dflashkit decode loop, block size {b}")
-                        for b in settings["block_sizes"]]  # fmt: skip
+            methods += [
+                Unavailable(f"{family}-b{b}", "dflashkit", no_drafter, note=f"dflashkit decode loop, block size {b}")
+                for b in settings["block_sizes"]
+            ]
         else:
             drafter_label = drafter_path
             methods += [DFlash(session, drafter, b, drafter_path, lookup=lookup) for b in settings["block_sizes"]]
-            methods += [DFlash(session, drafter, b, drafter_path, lookup=lookup, tree=n)
-                        for n in settings["trees"] for b in settings["block_sizes"]]
+            methods += [
+                DFlash(session, drafter, b, drafter_path, lookup=lookup, tree=n)
+                for n in settings["trees"]
+                for b in settings["block_sizes"]
+            ]
     if "lookup" in wanted:
         methods.append(PromptLookup(session))
     if "hf" in wanted:
@@ -214,10 +298,15 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
     if "hf-assisted" in wanted:
         model, tok, label, why = resolve_assistant(args.assistant, target_label, session.dtype, args.device)
         if model is None:
-            methods.append(Unavailable("hf-assisted", "transformers", why, KERNELS, "transformers generate(assistant_model=...)"))
+            methods.append(
+                Unavailable("hf-assisted", "transformers", why, KERNELS, "transformers generate(assistant_model=...)")
+            )
         else:
-            methods.append(TransformersGenerate(session, "assisted", assistant=model, assistant_tokenizer=tok,
-                                                assistant_label=label))  # fmt: skip
+            methods.append(
+                TransformersGenerate(
+                    session, "assisted", assistant=model, assistant_tokenizer=tok, assistant_label=label
+                )
+            )
     if "llama.cpp" in wanted:
         if importlib.util.find_spec("llama_cpp") is None:  # says so itself; don't assemble a GGUF for nothing
             methods.append(LlamaCpp(args.gguf, threads=threads))
@@ -231,20 +320,32 @@ def build_methods(session: Any, settings: dict[str, Any], args: argparse.Namespa
     return methods, drafter_label
 
 
-def llama_server_methods(args: argparse.Namespace, drafter: str | None, no_drafter: str, block_size: int,
-                         threads: int, log_dir: pathlib.Path | None) -> list[Any]:  # fmt: skip
+def llama_server_methods(
+    args: argparse.Namespace,
+    drafter: str | None,
+    no_drafter: str,
+    block_size: int,
+    threads: int,
+    log_dir: pathlib.Path | None,
+) -> list[Any]:
     """llama-server on the target's bf16 GGUF and on its packaged quantized GGUF (plain decoding), and llama.cpp's
     DFlash on the bf16 GGUF with the drafter exported to GGUF (all converted once by llama.cpp's converter)."""
-    from dflashkit.interop.llama_server import LlamaServerError, find_llama_server
     from dflashkit.bench.assets import drafter_gguf, target_bf16_gguf, target_gguf
     from dflashkit.bench.methods import KERNELS, OTHER_WEIGHTS
     from dflashkit.bench.peers import LlamaServerPeer
+    from dflashkit.interop.llama_server import LlamaServerError, find_llama_server
 
     names = ("llama-server-bf16", "llama-server-q", f"llama-server-dflash-b{block_size}")
     try:
         binary = find_llama_server(args.llama_server)
-        missing = "" if binary else ("no llama-server binary: build one with `bash scripts/get_llama_cpp.sh --build`, "
-                                     "or pass --llama-server PATH")  # fmt: skip
+        missing = (
+            ""
+            if binary
+            else (
+                "no llama-server binary: build one with `bash scripts/get_llama_cpp.sh --build`, "
+                "or pass --llama-server PATH"
+            )
+        )
     except LlamaServerError as e:
         binary, missing = None, str(e)
     if missing:
@@ -257,19 +358,27 @@ def llama_server_methods(args: argparse.Namespace, drafter: str | None, no_draft
     return [
         LlamaServerPeer(names[0], binary, bf16, comparable=KERNELS, missing=why_bf16, **common),
         LlamaServerPeer(names[1], binary, quant, comparable=OTHER_WEIGHTS, missing=why_quant, **common),
-        LlamaServerPeer(names[2], binary, bf16, drafter_gguf=draft, block_size=block_size, comparable=KERNELS,
-                        missing=why_bf16 or why_draft, **common),  # llama.cpp's DFlash runs on the bf16 GGUF
-    ]  # fmt: skip
+        LlamaServerPeer(
+            names[2],
+            binary,
+            bf16,
+            drafter_gguf=draft,
+            block_size=block_size,
+            comparable=KERNELS,
+            missing=why_bf16 or why_draft,
+            **common,
+        ),  # llama.cpp's DFlash runs on the bf16 GGUF
+    ]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from dflashkit.cpuload import apply_threads, busy_cores, on_cpu
-    from dflashkit.target.loading import load_target
     from dflashkit.bench.methods import TargetSession
     from dflashkit.bench.report import as_json, summary_table, write_outputs
     from dflashkit.bench.runner import BenchConfig, run_bench
+    from dflashkit.cpuload import apply_threads, busy_cores, on_cpu
+    from dflashkit.target.loading import load_target
 
     settings = settings_from(args)
     cpu = on_cpu(args.device)
@@ -277,16 +386,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     apply_threads(args.threads, args.device, load_at_start)  # without --threads: a busy-CPU note
     threads = torch.get_num_threads()
     config = BenchConfig(
-        datasets=settings["datasets"], limit=settings["limit"], seed=args.seed,
-        max_new_tokens=settings["max_new_tokens"], temperatures=settings["temperatures"],
-        max_turns=settings["max_turns"], progress=not args.no_progress, sampler=args.sampler,
-    )  # fmt: skip
+        datasets=settings["datasets"],
+        limit=settings["limit"],
+        seed=args.seed,
+        max_new_tokens=settings["max_new_tokens"],
+        temperatures=settings["temperatures"],
+        max_turns=settings["max_turns"],
+        progress=not args.no_progress,
+        sampler=args.sampler,
+    )
     dtype = getattr(torch, args.dtype)
     hf_logging.set_verbosity_error()  # transformers' deprecation chatter would break the progress bar
     source, target_label = resolve_target(args.target)
     quantize = args.quantize
-    print(f"Loading {target_label} ({args.dtype}{', weight-only int8' if quantize == 'int8' else ''})...",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"Loading {target_label} ({args.dtype}{', weight-only int8' if quantize == 'int8' else ''})...", file=sys.stderr
+    )
     model, tokenizer = load_target(source, dtype=dtype, device=args.device, quantize=quantize)
     session = TargetSession(model, tokenizer, fast=not args.eager)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -298,14 +413,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         for m in methods:  # servers and peers' models go, even when the run fails
             m.close()
-    result.extra["settings"] = {"target": target_label, "drafter": drafter_label, "dtype": args.dtype,
-                                "quantize": quantize, "target_weights": session.adapter.weights,
-                                "engine": session.adapter.engine,
-                                "device": args.device, "threads": threads, "quick": args.quick,
-                                "methods": settings["methods"], "block_sizes": settings["block_sizes"],
-                                "trees": settings["trees"],
-                                "other_load_cores": {"start": load_at_start,
-                                                     "end": busy_cores(0.2) if cpu else None}}  # fmt: skip
+    result.extra["settings"] = {
+        "target": target_label,
+        "drafter": drafter_label,
+        "dtype": args.dtype,
+        "quantize": quantize,
+        "target_weights": session.adapter.weights,
+        "engine": session.adapter.engine,
+        "device": args.device,
+        "threads": threads,
+        "quick": args.quick,
+        "methods": settings["methods"],
+        "block_sizes": settings["block_sizes"],
+        "trees": settings["trees"],
+        "other_load_cores": {"start": load_at_start, "end": busy_cores(0.2) if cpu else None},
+    }
     argv = getattr(args, "argv", None)
     result.extra["command"] = "dflashkit " + " ".join(shlex.quote(a) for a in argv) if argv else None
     data = as_json(result)
@@ -314,10 +436,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"\n{'greedy' if t == 0 else f'temperature {t:g}'}:\n{summary_table(data, t)}")
     print("\nwrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     if result.failures:
-        print(f"error: {len(result.failures)} non-tie divergence(s) of dflashkit methods from the baseline: "
-              "a bug, please report it (details in summary.md)", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {len(result.failures)} non-tie divergence(s) of dflashkit methods from the baseline: "
+            "a bug, please report it (details in summary.md)",
+            file=sys.stderr,
+        )
     return result.exit_code
-
 
 
 def bench_parser() -> argparse.ArgumentParser:

@@ -26,9 +26,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from dflashkit.training.sources import EVAL_SOURCES, DataError, _package_file, jsonl_records
-from dflashkit.errors import InvalidInputError
-from dflashkit.training.evalsets import HUMANEVAL_PREFIX, INSTALL, MATH_SUFFIX
+from dflashkit.errors import DataError, InvalidInputError
+from dflashkit.fsutil import _package_file, jsonl_records
+from dflashkit.training.evalsets import EVAL_SOURCES, HUMANEVAL_PREFIX, INSTALL, MATH_SUFFIX
 
 PACKAGED = {"mt-bench": "mt-bench", "humaneval": "humaneval", "math500": "mmath"}  # set name: EVAL_SOURCES key
 HF_FIELDS = ("prompt", "question", "problem", "instruction", "text")

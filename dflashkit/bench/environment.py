@@ -27,7 +27,7 @@ def cpu_model() -> str:
 
 
 def cpu_model_from(cpuinfo: str) -> str:
-    """"NAME (family F, model M)" from the first processor of a /proc/cpuinfo text."""
+    """ "NAME (family F, model M)" from the first processor of a /proc/cpuinfo text."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
@@ -75,8 +75,9 @@ def commit() -> dict[str, Any] | None:
     root = pathlib.Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
 
     try:
         sha = git("rev-parse", "HEAD")

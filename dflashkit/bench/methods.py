@@ -22,13 +22,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize, BlockPolicies
-from dflashkit.decoding.loop import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
-from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.generator import COUPLED_TREE, default_tree, default_tree_copies
+from dflashkit.decoding.defaults import COUPLED_TREE, default_tree, default_tree_copies
 from dflashkit.decoding.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
-from dflashkit.drafter.ngram_store import NgramStore
+from dflashkit.decoding.loop import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.drafter.ngram_store import NgramStore
 from dflashkit.target.adapter import TargetAdapter
 from dflashkit.text import eos_token_ids
 
@@ -138,9 +138,14 @@ class TargetSession:
                 self.model.set_attn_implementation(self.engine_attention)
 
 
-def options_for(request: Request, block_size: int | None = None, lookup: bool = False,
-                lookup_store: NgramStore | None = None, tree: int | None = None,
-                tree_copies: bool = True) -> DecodeOptions:
+def options_for(
+    request: Request,
+    block_size: int | None = None,
+    lookup: bool = False,
+    lookup_store: NgramStore | None = None,
+    tree: int | None = None,
+    tree_copies: bool = True,
+) -> DecodeOptions:
     return DecodeOptions(
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingParams(temperature=request.temperature),
@@ -213,8 +218,15 @@ class DFlash(Method):
     family = "dflashkit"
     comparable = EXACT
 
-    def __init__(self, session: TargetSession, drafter: DFlashDrafter, block_size: int | str, drafter_label: str,
-                 lookup: bool = False, tree: int | None = None) -> None:
+    def __init__(
+        self,
+        session: TargetSession,
+        drafter: DFlashDrafter,
+        block_size: int | str,
+        drafter_label: str,
+        lookup: bool = False,
+        tree: int | None = None,
+    ) -> None:
         self.session, self.drafter, self.block_size, self.lookup = session, drafter, block_size, lookup
         self.tree = tree
         prefix, with_lookup = ("dflash-lookup", " + prompt lookup") if lookup else ("dflash", "")
@@ -229,14 +241,19 @@ class DFlash(Method):
             else:  # the trained block size keeps the plain name (the token-tree benches before sizes were asked)
                 self.name = f"{prefix}-tree{tree}" if block_size == trained else f"{prefix}-b{block_size}-tree{tree}"
                 sizes = f"block size {block_size}"
-            self.note = f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, token trees of up to {tree} nodes, {sizes}"
+            self.note = (
+                f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, "
+                f"token trees of up to {tree} nodes, {sizes}"
+            )
             return
         if block_size == "auto":  # policies for the whole run (greedy, sampled): estimates carry over between prompts
             self.policy = BlockPolicies(trained)
             self.name = f"{prefix}-auto"
-            self.note = (f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, block size chosen per step "
-                         f"among {self.policy.get(True).candidates} (sampling: {self.policy.get(False).candidates}; "
-                         f"under coupled sampling, token trees of {COUPLED_TREE} nodes as by default)")
+            self.note = (
+                f"dflashkit decode loop, drafter {drafter_label}{with_lookup}, block size chosen per step "
+                f"among {self.policy.get(True).candidates} (sampling: {self.policy.get(False).candidates}; "
+                f"under coupled sampling, token trees of {COUPLED_TREE} nodes as by default)"
+            )
             return
         self.name = f"{prefix}-b{block_size}"
         beyond = f", beyond its trained block size {trained}" if block_size > trained else ""
@@ -245,16 +262,36 @@ class DFlash(Method):
     def generate(self, request: Request) -> Record:
         if self.policy is not None and self.tree is not None:  # trees asked for, sized per step
             policy = self.policy.get(request.greedy, tree=True)
-            return run_decode_loop(self.session, self.drafter, request, block_policy=policy, lookup=self.lookup,
-                                   tree=self.tree, tree_copies=default_tree_copies(None, self.tree))
+            return run_decode_loop(
+                self.session,
+                self.drafter,
+                request,
+                block_policy=policy,
+                lookup=self.lookup,
+                tree=self.tree,
+                tree_copies=default_tree_copies(None, self.tree),
+            )
         if self.policy is not None:  # what the library does by default (e.g. token trees under coupled sampling)
-            tree = default_tree(None, has_drafter=True, sampled=not request.greedy, sampler=request.sampler,
-                                block_size="auto", batched=False, supports_trees=self.session.adapter.supports_trees)
+            tree = default_tree(
+                None,
+                has_drafter=True,
+                sampled=not request.greedy,
+                sampler=request.sampler,
+                block_size="auto",
+                batched=False,
+                supports_trees=self.session.adapter.supports_trees,
+            )
             policy = self.policy.get(request.greedy, tree=tree is not None)
-            return run_decode_loop(self.session, self.drafter, request, block_policy=policy, lookup=self.lookup,
-                                   tree=tree, tree_copies=default_tree_copies(None, None))
-        return run_decode_loop(self.session, self.drafter, request, self.block_size, lookup=self.lookup,
-                               tree=self.tree)
+            return run_decode_loop(
+                self.session,
+                self.drafter,
+                request,
+                block_policy=policy,
+                lookup=self.lookup,
+                tree=tree,
+                tree_copies=default_tree_copies(None, None),
+            )
+        return run_decode_loop(self.session, self.drafter, request, self.block_size, lookup=self.lookup, tree=self.tree)
 
 
 class PromptLookup(Method):
@@ -266,8 +303,10 @@ class PromptLookup(Method):
 
     def __init__(self, session: TargetSession, block_size: int = LOOKUP_ONLY_BLOCK) -> None:
         self.session, self.block_size = session, block_size
-        self.note = (f"dflashkit decode loop, prompt lookup ({DEFAULT_MIN_NGRAM}-{DEFAULT_MAX_NGRAM}-grams), no "
-                     f"drafter, block size {block_size}")
+        self.note = (
+            f"dflashkit decode loop, prompt lookup ({DEFAULT_MIN_NGRAM}-{DEFAULT_MAX_NGRAM}-grams), no "
+            f"drafter, block size {block_size}"
+        )
 
     def generate(self, request: Request) -> Record:
         return run_decode_loop(self.session, None, request, self.block_size, lookup=True)

@@ -141,8 +141,9 @@ def summarize(rows: Sequence[RunRow], baseline: Sequence[RunRow]) -> dict[str, A
     n_steps = len(steps) + sum(r.steps_total or 0 for r in totals)
     n_accepted = sum(steps) + sum(r.accepted_total or 0 for r in totals)
     block = max((r.block_size or 1 for r in rows), default=1)
-    speculative = any((r.accepted_lengths is not None or r.steps_total is not None) and (r.block_size or 2) > 1
-                      for r in rows)  # fmt: skip
+    speculative = any(
+        (r.accepted_lengths is not None or r.steps_total is not None) and (r.block_size or 2) > 1 for r in rows
+    )
     with_drafts = [r for r in rows if r.accepted_lengths is not None and r.drafted_lengths is not None]
     acc = [a for r in with_drafts for a in r.accepted_lengths]
     drafted = [d for r in with_drafts for d in r.drafted_lengths]

@@ -2,7 +2,8 @@
 lookup, assisted by a small draft model), llama.cpp through ``llama-cpp-python``, and llama.cpp's
 ``llama-server`` (plain, or its own DFlash with a drafter exported by dflashkit).
 
-Each is a :class:`~dflashkit.bench.methods.Method` with ``unavailable()`` and ``generate()``. A peer that cannot run here (no draft
+Each is a :class:`~dflashkit.bench.methods.Method` with ``unavailable()`` and ``generate()``. A peer that cannot run
+here (no draft
 model with the target's tokenizer, llama-cpp-python not installed, no GGUF) says why in ``unavailable()``
 and the runner skips it with that line.
 
@@ -75,7 +76,8 @@ class TransformersGenerate(Method):
         attention = session.original_attention or "its default"
         self.note = {
             "plain": f"transformers generate(), {attention} attention, dynamic cache",
-            "prompt-lookup": f"transformers generate(prompt_lookup_num_tokens={prompt_lookup_tokens}), {attention} attention",
+            "prompt-lookup": f"transformers generate(prompt_lookup_num_tokens={prompt_lookup_tokens}), "
+            f"{attention} attention",
             "assisted": f"transformers generate(assistant_model={assistant_label or '?'}), {attention} attention",
         }[variant]
 
@@ -91,7 +93,8 @@ class TransformersGenerate(Method):
         return None
 
     def generation_config(self, request: Request) -> GenerationConfig:
-        """The exact settings: greedy, or pure temperature sampling (top-k / top-p off, unlike transformers' defaults)."""
+        """The exact settings: greedy, or pure temperature sampling (top-k / top-p off, unlike transformers'
+        defaults)."""
         pad = self.session.tokenizer.pad_token_id
         kw: dict[str, Any] = {
             "max_new_tokens": request.max_new_tokens,
@@ -113,7 +116,9 @@ class TransformersGenerate(Method):
         torch.manual_seed(request.seed)
         with self.session.transformers_mode() as model, torch.inference_mode():
             timer = _ChunkTimer()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=timer, **extra)
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=timer, **extra
+            )
             total = time.perf_counter() - timer.t0
         tokens = out[0, ids.shape[1] :].tolist()
         speculative = self.variant != "plain"
@@ -172,9 +177,13 @@ class LlamaCpp(Method):
             import llama_cpp
 
             self.llm = llama_cpp.Llama(
-                model_path=str(self.gguf), n_threads=self.threads, n_threads_batch=self.threads, n_ctx=self.n_ctx,
-                seed=0, verbose=False,
-            )  # fmt: skip
+                model_path=str(self.gguf),
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                n_ctx=self.n_ctx,
+                seed=0,
+                verbose=False,
+            )
             n_vocab = self.llm.n_vocab()
             if self.vocab_size is not None and n_vocab != self.vocab_size:
                 raise ValueError(f"{self.gguf.name} has a vocabulary of {n_vocab}, the target {self.vocab_size}")
@@ -190,7 +199,9 @@ class LlamaCpp(Method):
         tokens: list[int] = []
         t0 = time.perf_counter()
         first = None
-        gen = llm.generate(request.prompt_ids, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True, **sampling)
+        gen = llm.generate(
+            request.prompt_ids, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True, **sampling
+        )
         try:
             for token in gen:
                 if first is None:
@@ -244,7 +255,11 @@ class LlamaServerPeer(Method):
             return self.missing
         if self.binary is None or self.model_gguf is None:
             return "no llama-server binary or GGUF given"
-        for what, path in (("llama-server", self.binary), ("GGUF", self.model_gguf), ("drafter GGUF", self.drafter_gguf)):
+        for what, path in (
+            ("llama-server", self.binary),
+            ("GGUF", self.model_gguf),
+            ("drafter GGUF", self.drafter_gguf),
+        ):
             if path is not None and not path.is_file():
                 return f"{what} {path} does not exist"
         return None
@@ -254,21 +269,30 @@ class LlamaServerPeer(Method):
             from dflashkit.interop.llama_server import LlamaServer
 
             log = pathlib.Path(self.log_dir) / f"{self.name}.log" if self.log_dir else None
-            self.server = LlamaServer(self.binary, self.model_gguf, drafter=self.drafter_gguf,
-                                      block_size=self.block_size, threads=self.threads, log_path=log).start()  # fmt: skip
+            self.server = LlamaServer(
+                self.binary,
+                self.model_gguf,
+                drafter=self.drafter_gguf,
+                block_size=self.block_size,
+                threads=self.threads,
+                log_path=log,
+            ).start()
         return self.server
 
     def generate(self, request: Request) -> Record:
-        c = self._server().complete(request.prompt_ids, request.max_new_tokens, temperature=request.temperature,
-                                    seed=request.seed)  # fmt: skip
+        c = self._server().complete(
+            request.prompt_ids, request.max_new_tokens, temperature=request.temperature, seed=request.seed
+        )
         ttft = c.prompt_ms / 1000.0
         speculative = self.drafter_gguf is not None
         return Record(
-            tokens=c.tokens, ttft_s=ttft, total_s=ttft + c.predicted_ms / 1000.0,
+            tokens=c.tokens,
+            ttft_s=ttft,
+            total_s=ttft + c.predicted_ms / 1000.0,
             steps_total=c.target_passes if speculative else None,
             accepted_total=c.draft_n_accepted if speculative else None,
             block_size=self.block_size if speculative else 1,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         if self.server is not None:

@@ -52,7 +52,9 @@ def plot_speedup(data: dict[str, Any], path: pathlib.Path) -> None:
         for j, m in enumerate(methods):
             values = []
             for d in datasets:
-                s = next((s for s in data["summary"] if (s["temperature"], s["dataset"], s["method"]) == (t, d, m)), None)
+                s = next(
+                    (s for s in data["summary"] if (s["temperature"], s["dataset"], s["method"]) == (t, d, m)), None
+                )
                 values.append(s["speedup_tpot"] if s and s["speedup_tpot"] is not None else float("nan"))
             xs = _grouped(range(len(datasets)), j, len(methods), width)
             bars = ax.bar(xs, values, width, label=m)
@@ -72,8 +74,12 @@ def plot_histograms(data: dict[str, Any], path: pathlib.Path) -> None:
     rows = [s for s in data["summary"] if s["accepted_histogram"]]
     methods = list(dict.fromkeys(s["method"] for s in rows))
     temps = list(dict.fromkeys(s["temperature"] for s in rows))
-    fig, axes = plt.subplots(max(1, len(methods)), max(1, len(temps)), figsize=(5.5 * max(1, len(temps)),
-                             2.8 * max(1, len(methods))), squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        max(1, len(methods)),
+        max(1, len(temps)),
+        figsize=(5.5 * max(1, len(temps)), 2.8 * max(1, len(methods))),
+        squeeze=False,
+    )
     if not rows:
         _empty(axes[0][0], "no speculative method ran")
     for i, m in enumerate(methods):
@@ -109,10 +115,15 @@ def plot_acceptance(data: dict[str, Any], path: pathlib.Path) -> None:
         for s in (s for s in rows if s["temperature"] == t):
             alphas = s["acceptance_per_position"]
             ks = [k for k, a in enumerate(alphas, 1) if a is not None]
-            ax.plot(ks, [alphas[k - 1] for k in ks], marker="o", markersize=3,
-                    color=colors[methods.index(s["method"]) % len(colors)],
-                    linestyle=styles[datasets.index(s["dataset"]) % len(styles)] if s["dataset"] in datasets else "-",
-                    label=f"{s['method']} {s['dataset']}")  # fmt: skip
+            ax.plot(
+                ks,
+                [alphas[k - 1] for k in ks],
+                marker="o",
+                markersize=3,
+                color=colors[methods.index(s["method"]) % len(colors)],
+                linestyle=styles[datasets.index(s["dataset"]) % len(styles)] if s["dataset"] in datasets else "-",
+                label=f"{s['method']} {s['dataset']}",
+            )
         width = max((len(s["acceptance_per_position"]) for s in rows if s["temperature"] == t), default=1)
         ax.set_xlim(0.5, width + 0.5)
         ax.set_xticks(range(1, width + 1))

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from dflashkit.fsutil import atomic_write
-from dflashkit.kernels.int8 import is_quantized
 from dflashkit.bench import environment
 from dflashkit.bench.methods import EXACT, KERNELS, OTHER_WEIGHTS
 from dflashkit.bench.metrics import __doc__ as METRICS_DOC
 from dflashkit.bench.runner import BenchResult
+from dflashkit.fsutil import atomic_write
+from dflashkit.kernels.int8 import is_quantized
 
 FORMAT = "dflashkit-bench/1"
 COMPARABLE = {
@@ -110,8 +110,10 @@ def acceptance_table(data: dict[str, Any], temperature: float) -> str | None:
     if not rows:
         return None
     width = max(len(s["acceptance_per_position"]) for s in rows)
-    lines = ["| data set | method | " + " | ".join(f"α{k}" for k in range(1, width + 1)) + " |",
-             "|---|---|" + "---:|" * width]  # fmt: skip
+    lines = [
+        "| data set | method | " + " | ".join(f"α{k}" for k in range(1, width + 1)) + " |",
+        "|---|---|" + "---:|" * width,
+    ]
     for s in rows:
         cells = [_fmt(a) for a in s["acceptance_per_position"]] + [""] * (width - len(s["acceptance_per_position"]))
         lines.append(f"| {s['dataset']} | {s['method']} | " + " | ".join(cells) + " |")
@@ -129,21 +131,29 @@ def retention_table(data: dict[str, Any], temperature: float) -> str | None:
         base = greedy.get((s["dataset"], s["method"]))
         if s["temperature"] != temperature or s["method"] == data["baseline"] or not base or s["speedup_tpot"] is None:
             continue
-        lines.append(f"| {s['dataset']} | {s['method']} | {_fmt(base, '.2f', '×')} | "
-                     f"{_fmt(s['speedup_tpot'], '.2f', '×')} | {s['speedup_tpot'] / base:.0%} |")
+        lines.append(
+            f"| {s['dataset']} | {s['method']} | {_fmt(base, '.2f', '×')} | "
+            f"{_fmt(s['speedup_tpot'], '.2f', '×')} | {s['speedup_tpot'] / base:.0%} |"
+        )
     if not lines:
         return None
-    return "\n".join([f"| data set | method | greedy speedup (TPOT) | T={temperature:g} speedup (TPOT) | kept |",
-                      "|---|---|---:|---:|---:|", *lines])
+    return "\n".join(
+        [
+            f"| data set | method | greedy speedup (TPOT) | T={temperature:g} speedup (TPOT) | kept |",
+            "|---|---|---:|---:|---:|",
+            *lines,
+        ]
+    )
 
 
 def _other_load(load: dict[str, float | None] | None) -> str:
-    """"; other processes' load ..." for the machine line, where the run measured it (CPU runs on Linux)."""
+    """ "; other processes' load ..." for the machine line, where the run measured it (CPU runs on Linux)."""
     if not load or load.get("start") is None:
         return ""
     end = load.get("end")
-    return (f"; other processes kept {load['start']:.1f} cores busy as the run started"
-            + (f", {end:.1f} as it ended" if end is not None else ""))
+    return f"; other processes kept {load['start']:.1f} cores busy as the run started" + (
+        f", {end:.1f} as it ended" if end is not None else ""
+    )
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -155,21 +165,39 @@ def markdown(data: dict[str, Any]) -> str:
     out = [
         "# dflashkit bench",
         "",
-        *(["**Interrupted**: the figures cover the prompts finished before the stop.", ""] if data["interrupted"] else []),
+        *(
+            ["**Interrupted**: the figures cover the prompts finished before the stop.", ""]
+            if data["interrupted"]
+            else []
+        ),
         f"- **command**: `{data['command'] or '(Python API)'}`",
-        (f"- **machine**: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}"
-         + (f", {m['memory_gib']} GiB" if "memory_gib" in m else "") + (f", GPU {m['gpu']}" if "gpu" in m else "")
-         + (f"; dflashkit's CPU kernels: {m['cpu_kernels']}" if "cpu_kernels" in m else "")
-         + _other_load(st.get("other_load_cores"))),
-        (f"- **software**: dflashkit {v.get('dflashkit')} @ {sha}, torch {v.get('torch')}, transformers "
-         f"{v.get('transformers')}" + (f", llama-cpp-python {v['llama-cpp-python']}" if v.get("llama-cpp-python") else "")),
-        (f"- **target**: {st.get('target', '?')} ({st.get('dtype', '?')}"
-         + (f"; weights {st['target_weights']}: every method runs on this quantized target, exact with respect to it"
-            if is_quantized(st.get("target_weights")) else "")
-         + f"); **drafter**: {st.get('drafter', '?')}"),
-        (f"- **settings**: data sets {', '.join(f'{k} ({n} questions)' for k, n in data['datasets'].items())}; "
-         f"max {st['max_new_tokens']} new tokens; turns {st['max_turns'] or 'all'}; seed {st['seed']}; "
-         f"baseline `{data['baseline']}`; run took {data['wall_s'] / 60:.1f} min"),
+        (
+            f"- **machine**: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}"
+            + (f", {m['memory_gib']} GiB" if "memory_gib" in m else "")
+            + (f", GPU {m['gpu']}" if "gpu" in m else "")
+            + (f"; dflashkit's CPU kernels: {m['cpu_kernels']}" if "cpu_kernels" in m else "")
+            + _other_load(st.get("other_load_cores"))
+        ),
+        (
+            f"- **software**: dflashkit {v.get('dflashkit')} @ {sha}, torch {v.get('torch')}, transformers "
+            f"{v.get('transformers')}"
+            + (f", llama-cpp-python {v['llama-cpp-python']}" if v.get("llama-cpp-python") else "")
+        ),
+        (
+            f"- **target**: {st.get('target', '?')} ({st.get('dtype', '?')}"
+            + (
+                f"; weights {st['target_weights']}: every method runs on this quantized target, "
+                "exact with respect to it"
+                if is_quantized(st.get("target_weights"))
+                else ""
+            )
+            + f"); **drafter**: {st.get('drafter', '?')}"
+        ),
+        (
+            f"- **settings**: data sets {', '.join(f'{k} ({n} questions)' for k, n in data['datasets'].items())}; "
+            f"max {st['max_new_tokens']} new tokens; turns {st['max_turns'] or 'all'}; seed {st['seed']}; "
+            f"baseline `{data['baseline']}`; run took {data['wall_s'] / 60:.1f} min"
+        ),
         "",
     ]
     for t in temps:
@@ -179,33 +207,55 @@ def markdown(data: dict[str, Any]) -> str:
             out += ["Per-position acceptance α_k (P(draft k accepted | drafts before it accepted)):", "", acc, ""]
         kept = retention_table(data, t)
         if kept:
-            out += [f"Share of the greedy speedup kept at T={t:g} (each speedup over the baseline at its own "
-                    "temperature):", "", kept, ""]
-    out += ["## Methods", "", "| method | what runs | tokens comparable with the baseline | status |", "|---|---|---|---|"]
+            out += [
+                f"Share of the greedy speedup kept at T={t:g} (each speedup over the baseline at its own temperature):",
+                "",
+                kept,
+                "",
+            ]
+    out += [
+        "## Methods",
+        "",
+        "| method | what runs | tokens comparable with the baseline | status |",
+        "|---|---|---|---|",
+    ]
     for meth in data["methods"]:
         status = "ran" if meth["status"] == "ran" else f"{meth['status']}: {meth['reason']}"
-        out.append(f"| {meth['name']} | {meth['note']} | {COMPARABLE.get(meth['comparable'], meth['comparable'])} | "
-                   f"{status} |")  # fmt: skip
+        out.append(
+            f"| {meth['name']} | {meth['note']} | {COMPARABLE.get(meth['comparable'], meth['comparable'])} | {status} |"
+        )
     divs = [d for d in data["divergences"] if d["comparable"] != OTHER_WEIGHTS]
     out += ["", "## Greedy divergences from the baseline", ""]
     if not divs:
         out.append("None (methods on other weights aside).")
     for d in divs:
         kind = {True: "tie", False: "**NOT a tie**", None: "unjudged"}[d["tie"]]
-        margin = f", margin {d['margin']:.4g} at max |logit| {d['max_abs_logit']:.4g}" if d["margin"] is not None else ""
+        margin = (
+            f", margin {d['margin']:.4g} at max |logit| {d['max_abs_logit']:.4g}" if d["margin"] is not None else ""
+        )
         note = f" ({d['note']})" if d.get("note") else ""
-        out.append(f"- {d['method']} on {d['dataset']}/{d['question_id']} turn {d['turn']}, token {d['index']}: "
-                   f"{d['text']!r} vs {d['baseline_text']!r} after {d['context']!r}{margin}: {kind}{note}")  # fmt: skip
+        out.append(
+            f"- {d['method']} on {d['dataset']}/{d['question_id']} turn {d['turn']}, token {d['index']}: "
+            f"{d['text']!r} vs {d['baseline_text']!r} after {d['context']!r}{margin}: {kind}{note}"
+        )
     if data["non_tie_divergences_in_dflashkit"]:
-        out += ["", (f"**{data['non_tie_divergences_in_dflashkit']} non-tie divergence(s) of dflashkit methods: a "
-                     "bug; the run exited with code 1.**")]  # fmt: skip
+        out += [
+            "",
+            (
+                f"**{data['non_tie_divergences_in_dflashkit']} non-tie divergence(s) of dflashkit methods: a "
+                "bug; the run exited with code 1.**"
+            ),
+        ]
     out += ["", "## How it was measured", "", TIMING, ""]
     return "\n".join(out)
 
 
-def write_outputs(data: dict[str, Any] | BenchResult, out_dir: str | pathlib.Path,
-                  json_path: str | pathlib.Path | None = None,
-                  log: Callable[[str], None] | None = None) -> dict[str, pathlib.Path]:  # fmt: skip
+def write_outputs(
+    data: dict[str, Any] | BenchResult,
+    out_dir: str | pathlib.Path,
+    json_path: str | pathlib.Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, pathlib.Path]:
     """results.json (or json_path), summary.md and the PNG plots of a result (or its :func:`as_json`);
     returns {kind: path}. Without matplotlib the plots are left out with a line saying so."""
     from dflashkit.bench.plots import plots_available, write_plots
@@ -219,7 +269,8 @@ def write_outputs(data: dict[str, Any] | BenchResult, out_dir: str | pathlib.Pat
     paths["markdown"] = md
     if not plots_available():
         (log or (lambda msg: print(msg, file=sys.stderr)))(
-            "plots skipped: matplotlib is not installed (pip install 'dflashkit[bench]')")
+            "plots skipped: matplotlib is not installed (pip install 'dflashkit[bench]')"
+        )
         return paths
     for p in write_plots(data, out):
         paths[p.stem] = p

@@ -28,13 +28,22 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from dflashkit.errors import InvalidInputError
+from dflashkit.bench.datasets import Question, load_questions
+from dflashkit.bench.methods import (
+    EXACT,
+    KERNELS,
+    OTHER_WEIGHTS,
+    Method,
+    Record,
+    Request,
+    TargetSession,
+    run_decode_loop,
+)
+from dflashkit.bench.metrics import RunRow, summarize
 from dflashkit.decoding.lossless import DivergenceRecorder
 from dflashkit.decoding.sampling import check_sampler
+from dflashkit.errors import InvalidInputError
 from dflashkit.text import encode_chat
-from dflashkit.bench.datasets import Question, load_questions
-from dflashkit.bench.methods import EXACT, KERNELS, OTHER_WEIGHTS, Method, Record, Request, TargetSession, run_decode_loop
-from dflashkit.bench.metrics import RunRow, summarize
 
 
 @dataclass
@@ -47,7 +56,9 @@ class BenchConfig:
     max_turns: int | None = None  # None: every turn
     warmup_tokens: int = 16
     progress: bool = True
-    sampler: str = "rejection"  # dflashkit's methods at temperature > 0: "rejection" or "coupled" (dflashkit.decoding.sampling)
+    sampler: str = (
+        "rejection"  # dflashkit's methods at temperature > 0: "rejection" or "coupled" (dflashkit.decoding.sampling)
+    )
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -128,8 +139,13 @@ def run_bench(
         raise InvalidInputError(f"the baseline {baseline!r} cannot run: {described[baseline]['reason']}")
 
     t_start = time.perf_counter()
-    warm = Request(_encode(session, [{"role": "user", "content": sets[0][1][0].turns[0]}]),
-                   config.warmup_tokens, 0.0, config.seed, frozenset(session.eos_token_ids))  # fmt: skip
+    warm = Request(
+        _encode(session, [{"role": "user", "content": sets[0][1][0].turns[0]}]),
+        config.warmup_tokens,
+        0.0,
+        config.seed,
+        frozenset(session.eos_token_ids),
+    )
     for m in list(active):
         try:
             m.warmup(warm)
@@ -141,8 +157,14 @@ def run_bench(
             log(f"skipped {m.name}: failed to run: {type(e).__name__}: {e}")
 
     turns = sum(len(q.turns[: config.max_turns]) for _, qs in sets for q in qs)
-    bar = tqdm(total=turns * len(config.temperatures) * len(active), disable=not config.progress, unit="gen",
-               file=sys.stderr, dynamic_ncols=True, desc="bench")  # fmt: skip
+    bar = tqdm(
+        total=turns * len(config.temperatures) * len(active),
+        disable=not config.progress,
+        unit="gen",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        desc="bench",
+    )
     rows: list[RunRow] = []
     divergences: list[dict[str, Any]] = []
     interrupted = False
@@ -156,11 +178,14 @@ def run_bench(
                     for ti, user in enumerate(q.turns[: config.max_turns]):
                         messages = [*history, {"role": "user", "content": user}]
                         request = Request(
-                            prompt_ids=_encode(session, messages), max_new_tokens=config.max_new_tokens,
-                            temperature=temperature, seed=question_seed(config.seed, dataset, q.question_id, ti),
-                            stop_token_ids=frozenset(session.eos_token_ids), messages=tuple(messages),
+                            prompt_ids=_encode(session, messages),
+                            max_new_tokens=config.max_new_tokens,
+                            temperature=temperature,
+                            seed=question_seed(config.seed, dataset, q.question_id, ti),
+                            stop_token_ids=frozenset(session.eos_token_ids),
+                            messages=tuple(messages),
                             sampler=config.sampler,
-                        )  # fmt: skip
+                        )
                         shift = (qi + ti) % len(active)
                         records: dict[str, Record] = {}
                         for m in active[shift:] + active[:shift]:
@@ -199,14 +224,27 @@ def run_bench(
             for name in ran:
                 mine = [r for r in here if r.method == name]
                 if mine:
-                    summary.append({"temperature": temperature, "dataset": dataset, "method": name,
-                                    "family": by_name[name].family, "comparable": by_name[name].comparable,
-                                    **summarize(mine, base_rows)})  # fmt: skip
+                    summary.append(
+                        {
+                            "temperature": temperature,
+                            "dataset": dataset,
+                            "method": name,
+                            "family": by_name[name].family,
+                            "comparable": by_name[name].comparable,
+                            **summarize(mine, base_rows),
+                        }
+                    )
     return BenchResult(
-        config=config, methods=list(described.values()), datasets={n: len(qs) for n, qs in sets}, rows=rows,
-        summary=summary, divergences=divergences, baseline=baseline, wall_s=time.perf_counter() - t_start,
+        config=config,
+        methods=list(described.values()),
+        datasets={n: len(qs) for n, qs in sets},
+        rows=rows,
+        summary=summary,
+        divergences=divergences,
+        baseline=baseline,
+        wall_s=time.perf_counter() - t_start,
         interrupted=interrupted,
-    )  # fmt: skip
+    )
 
 
 def _bar_writer(bar: tqdm) -> Callable[[str], None]:
@@ -222,25 +260,51 @@ def _text(session: TargetSession, tokens: list[int]) -> str:
 
 
 def _row(
-    session: TargetSession, method: Method, base_method: Method, rec: Record, base: Record, request: Request,
-    dataset: str, q: Question, turn: int,
-) -> tuple[RunRow, dict[str, Any] | None]:  # fmt: skip
+    session: TargetSession,
+    method: Method,
+    base_method: Method,
+    rec: Record,
+    base: Record,
+    request: Request,
+    dataset: str,
+    q: Question,
+    turn: int,
+) -> tuple[RunRow, dict[str, Any] | None]:
     """The raw row of one record; at temperature 0 (or coupled sampling among dflashkit's methods), also its
     divergence from the baseline (judged)."""
     coupled = request.sampler == "coupled" and method.family == base_method.family == "dflashkit"
     compare = (request.greedy or coupled) and method is not base_method
     identical = rec.tokens == base.tokens if compare else None
     row = RunRow(
-        method=method.name, dataset=dataset, question_id=q.question_id, turn=turn, temperature=request.temperature,
-        prompt_tokens=len(request.prompt_ids), new_tokens=rec.new_tokens, ttft_s=rec.ttft_s, total_s=rec.total_s,
-        accepted_lengths=rec.accepted_lengths, drafted_lengths=rec.drafted_lengths, steps_total=rec.steps_total,
-        accepted_total=rec.accepted_total, block_size=rec.block_size, phases_s=rec.phases_s, identical=identical, text=_text(session, rec.tokens),
-    )  # fmt: skip
+        method=method.name,
+        dataset=dataset,
+        question_id=q.question_id,
+        turn=turn,
+        temperature=request.temperature,
+        prompt_tokens=len(request.prompt_ids),
+        new_tokens=rec.new_tokens,
+        ttft_s=rec.ttft_s,
+        total_s=rec.total_s,
+        accepted_lengths=rec.accepted_lengths,
+        drafted_lengths=rec.drafted_lengths,
+        steps_total=rec.steps_total,
+        accepted_total=rec.accepted_total,
+        block_size=rec.block_size,
+        phases_s=rec.phases_s,
+        identical=identical,
+        text=_text(session, rec.tokens),
+    )
     if not compare or identical:
         return row, None
     div = judge_divergence(session, request, rec.tokens, base.tokens, method.comparable)
-    div.update(method=method.name, family=method.family, comparable=method.comparable, dataset=dataset,
-               question_id=q.question_id, turn=turn)  # fmt: skip
+    div.update(
+        method=method.name,
+        family=method.family,
+        comparable=method.comparable,
+        dataset=dataset,
+        question_id=q.question_id,
+        turn=turn,
+    )
     row.divergence = div
     return row, div
 
@@ -255,10 +319,14 @@ def judge_divergence(
         "index": index,
         "token": tokens[index] if index < len(tokens) else None,
         "baseline_token": base_tokens[index] if index < len(base_tokens) else None,
-        "margin": None, "max_abs_logit": None, "tie": None,
-    }  # fmt: skip
-    pieces = {k: _text(session, [v]) if v is not None else None for k, v in (("text", out["token"]),
-                                                                             ("baseline_text", out["baseline_token"]))}
+        "margin": None,
+        "max_abs_logit": None,
+        "tie": None,
+    }
+    pieces = {
+        k: _text(session, [v]) if v is not None else None
+        for k, v in (("text", out["token"]), ("baseline_text", out["baseline_token"]))
+    }
     out.update(pieces, context=_text(session, base_tokens[max(0, index - 12) : index]))
     if comparable == OTHER_WEIGHTS:
         out["note"] = "other weights: not comparable token for token"
@@ -269,8 +337,14 @@ def judge_divergence(
     if again.tokens != base_tokens:
         out["note"] = "the baseline's second decode differed from its timed one: judged on the second"
     if d is not None:
-        out.update(index=d.index, token=d.spec_token, baseline_token=d.ar_token, margin=d.margin,
-                   max_abs_logit=d.max_abs_logit, tie=d.tie)  # fmt: skip
+        out.update(
+            index=d.index,
+            token=d.spec_token,
+            baseline_token=d.ar_token,
+            margin=d.margin,
+            max_abs_logit=d.max_abs_logit,
+            tie=d.tie,
+        )
         if d.margin is None:  # one output ended earlier: no logits pair to judge, so not a tie
             out["note"] = "one output ended before the other"
     if comparable == KERNELS and out["tie"] is False:
@@ -288,5 +362,7 @@ def _log_divergence(d: dict[str, Any], write: Callable[[str], None]) -> None:
     else:
         kind = "not a tie (other kernels)"
     margin = f"margin {d['margin']:.4g} at max |logit| {d['max_abs_logit']:.4g}" if d["margin"] is not None else ""
-    write(f"divergence {d['method']} {d['dataset']}/{d['question_id']} turn {d['turn']} at token {d['index']}: "
-          f"{d['text']!r} vs baseline {d['baseline_text']!r} {margin}: {kind}")  # fmt: skip
+    write(
+        f"divergence {d['method']} {d['dataset']}/{d['question_id']} turn {d['turn']} at token {d['index']}: "
+        f"{d['text']!r} vs baseline {d['baseline_text']!r} {margin}: {kind}"
+    )

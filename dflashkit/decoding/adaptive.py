@@ -5,7 +5,8 @@ target's cost grows with b (its GEMMs are not free at 16 rows), while the tokens
 long as drafts keep being accepted. With α_i = P(draft i accepted | drafts 1..i-1 accepted), a step with
 block b yields E[b] = 1 + Σ_{i<b} Π_{j≤i} α_j tokens. The policy keeps a running estimate of every α_i
 (counts decayed so that it follows the text being generated) and of the wall time of a step at each
-candidate size (the fastest of its last few steps: on a shared machine noise only adds time), and chooses argmax_b E[b] / time(b). Size 1 is a plain
+candidate size (the fastest of its last few steps: on a shared machine noise only adds time), and chooses argmax_b E[b]
+/ time(b). Size 1 is a plain
 autoregressive step (no drafting): when no block pays for its drafting and verification, the loop falls
 back to it.
 
@@ -13,11 +14,13 @@ Three guards against wrong estimates (each seen on the 2-core CPU): (1) the firs
 timed, since a new shape pays one-time costs (oneDNN creates its kernels for it: a 2-token step measured
 45 ms once, 13 ms after); (2) every ``explore_every`` steps the size whose timing is oldest is tried again
 (the largest one first), and a size's time is the fastest of its last steps, so a size judged on a bad
-moment gets another chance and deep positions keep being observed; (3) a position rarely reached borrows its prior from the position before it (acceptance falls
+moment gets another chance and deep positions keep being observed; (3) a position rarely reached borrows its prior from
+the position before it (acceptance falls
 with depth), instead of a flat 1/2 that makes long blocks look better than they are.
 
 Exploration is priced: sizes are tried in increasing order until two of at least 2 tokens are timed; a larger
-size is then tried only when it would win with an optimistic time, the straight line through the two largest timed sizes below it (>= 2, so
+size is then tried only when it would win with an optimistic time, the straight line through the two largest timed
+sizes below it (>= 2, so
 that the drafter's fixed cost is not read as a per-row cost). A verify's cost grows at least linearly with its
 rows on a CPU (compute-bound: 1 / 2 / 4 / 8 / 16 rows 16.7 / 18.5 / 24.9 / 45.3 / 85.8 ms on a 2-core Zen 1),
 so the line underestimates, and a size it rules out would have lost; on a GPU the line is flat and every size
@@ -48,9 +51,16 @@ class AdaptiveBlockSize:
     estimate at the position before.
     """
 
-    def __init__(self, max_block: int, candidates: Sequence[int] = (1, 2, 4, 8, 16), *,
-                 prior: tuple[float, float] = (1.0, 1.0), decay: float = 0.995, time_window: int = 5,
-                 explore_every: int = 16) -> None:
+    def __init__(
+        self,
+        max_block: int,
+        candidates: Sequence[int] = (1, 2, 4, 8, 16),
+        *,
+        prior: tuple[float, float] = (1.0, 1.0),
+        decay: float = 0.995,
+        time_window: int = 5,
+        explore_every: int = 16,
+    ) -> None:
         sizes = sorted({int(c) for c in candidates if 1 <= int(c) <= max_block} | {max_block})
         if max_block < 2:
             raise ValueError(f"adaptive block size needs a drafter block size >= 2, got {max_block}")
@@ -147,8 +157,11 @@ class AdaptiveBlockSize:
         return {
             "candidates": self.candidates,
             "step_ms": {b: round(t * 1e3, 3) for b, t in sorted(self.step_seconds.items())},
-            "step_ms_guessed": {b: round(t * 1e3, 3) for b in self.candidates
-                                if b not in self.step_seconds and (t := self.estimated_seconds(b)) is not None},
+            "step_ms_guessed": {
+                b: round(t * 1e3, 3)
+                for b in self.candidates
+                if b not in self.step_seconds and (t := self.estimated_seconds(b)) is not None
+            },
             "acceptance": [round(self.acceptance(i), 3) for i in range(1, self.max_block)],
             "expected_tokens": {b: round(self.expected_tokens(b), 3) for b in self.candidates},
             **({"copies": self.copies.summary()} if self.copies is not None else {}),
@@ -185,7 +198,12 @@ class BlockPolicies:
     """
 
     def __init__(self, max_block: int, sampled_max_block: int = 4, batch_rows: int = BATCH_ROWS, **kwargs) -> None:
-        self.max_block, self.sampled_max_block, self.batch_rows, self.kwargs = max_block, sampled_max_block, batch_rows, kwargs
+        self.max_block, self.sampled_max_block, self.batch_rows, self.kwargs = (
+            max_block,
+            sampled_max_block,
+            batch_rows,
+            kwargs,
+        )
         self._policies: dict[tuple[bool, bool, int], AdaptiveBlockSize] = {}
         self._lock = threading.Lock()
 

@@ -51,8 +51,8 @@ from torch import Tensor
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize
 from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.target.fast import ForwardCall
 from dflashkit.target.adapter import TargetAdapter
+from dflashkit.target.fast import ForwardCall
 
 
 @dataclass
@@ -151,8 +151,9 @@ class ComputeThread:
         with self._cond:
             if self._thread is None:
                 self._stop = False
-                self._thread = threading.Thread(target=self.serve, args=(lambda: self._stop,),
-                                                name="dflashkit-compute", daemon=True)
+                self._thread = threading.Thread(
+                    target=self.serve, args=(lambda: self._stop,), name="dflashkit-compute", daemon=True
+                )
                 self._thread.start()
         return self
 
@@ -227,12 +228,17 @@ class ForwardBatcher:
         waiting for the target pass, then run with the others' in one drafting round
         (:meth:`DFlashDrafter.draft_scores_batch`). Returns the scores and its share of the round in seconds."""
         pending = _DraftPending(drafter, args)
-        self._rendezvous(pending, self._drafting,  # the round runs when nobody else will draft in it
-                         lambda: len(self._waiting) + len(self._drafting) >= self._members, self._run_drafts)
+        self._rendezvous(
+            pending,
+            self._drafting,  # the round runs when nobody else will draft in it
+            lambda: len(self._waiting) + len(self._drafting) >= self._members,
+            self._run_drafts,
+        )
         return pending.result, pending.share
 
-    def _rendezvous(self, pending: _Pending | _DraftPending, queue: list, ready: Callable[[], bool],
-                    run: Callable[[list], None]) -> None:
+    def _rendezvous(
+        self, pending: _Pending | _DraftPending, queue: list, ready: Callable[[], bool], run: Callable[[list], None]
+    ) -> None:
         """Queue a call and return once it is done: the member that finds ``ready()`` (under the lock, no round
         running) takes the whole queue and runs it as one round, the others wait. Raises the call's error."""
         with self._cond:
@@ -349,8 +355,9 @@ class _BatchedTarget:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)
 
-    def forward(self, input_ids: Tensor, start: int, cache: Any, logits_rows: int,
-                tree: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, input_ids: Tensor, start: int, cache: Any, logits_rows: int, tree: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         started = time.perf_counter()
         result, share = self._member.batcher.forward(ForwardCall(input_ids, start, cache, logits_rows, tree))
         self._member.waited(started, share)

@@ -99,8 +99,9 @@ class Grammar:
         if kind == "json_schema":
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise InvalidInputError('response_format json_schema needs {"json_schema": {"name": ..., '
-                                        '"schema": {...}}}')
+                raise InvalidInputError(
+                    'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}'
+                )
             return cls.json_schema(spec["schema"])
         raise InvalidInputError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
@@ -126,7 +127,9 @@ def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[i
     try:
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
     except ValueError as exc:
-        raise InvalidInputError(f"structured output needs a fast Hugging Face tokenizer llguidance can read: {exc}") from None
+        raise InvalidInputError(
+            f"structured output needs a fast Hugging Face tokenizer llguidance can read: {exc}"
+        ) from None
 
 
 class CompiledGrammar:
@@ -193,6 +196,7 @@ class TokenConstraint:
     def cut(self, drafts: Sequence[int]) -> tuple[int, Tensor]:
         """How many of `drafts` the grammar accepts in order (n), and the allowed sets before each of them and
         after the n-th: [n + 1, vocab] bool, the masks of the n + 1 verify rows. The state is left unchanged."""
+
         def next_draft(i: int, allowed: Tensor) -> int | None:
             return int(drafts[i]) if i < len(drafts) and allowed[int(drafts[i])] else None
 

@@ -29,15 +29,22 @@ DEFAULT_MAX_NGRAM = 4
 class NgramLookup:
     """Latest position of every n-gram (min_n <= n <= max_n) of a growing token list, for prompt lookup."""
 
-    def __init__(self, tokens: Iterable[int] = (), min_ngram: int = DEFAULT_MIN_NGRAM,
-                 max_ngram: int = DEFAULT_MAX_NGRAM, store: NgramStore | None = None) -> None:
+    def __init__(
+        self,
+        tokens: Iterable[int] = (),
+        min_ngram: int = DEFAULT_MIN_NGRAM,
+        max_ngram: int = DEFAULT_MAX_NGRAM,
+        store: NgramStore | None = None,
+    ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.store = store  # fallback where the text has no repeat of its own
         self.from_store = False  # whether the last proposal came from the store
         self.tokens: list[int] = []
-        self._end: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token, latest occurrence with a successor
+        self._end: dict[
+            tuple[int, ...], int
+        ] = {}  # n-gram -> index of its last token, latest occurrence with a successor
         self.extend(tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:

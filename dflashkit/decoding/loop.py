@@ -30,19 +30,28 @@ import torch
 from torch import Tensor
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize
-from dflashkit.drafter.config import check_proposal_temperature
-from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import IncompatibleDrafterError, InvalidInputError
 from dflashkit.decoding.grammar import CompiledGrammar, masked
-from dflashkit.target.logprobs import TokenLogprob, check_top_logprobs, token_logprobs
 from dflashkit.decoding.lookup import NgramLookup
-from dflashkit.drafter.ngram_store import NgramStore
 from dflashkit.decoding.penalties import Penalties
 from dflashkit.decoding.prefix_cache import CachedSequence, PrefixCache
-from dflashkit.decoding.sampling import PositionNoise, SamplingParams, argmax, check_sampler, longest_match, propose, verify_greedy, verify_sampled_logits, over_vocabulary, verify_tree_sampled, warp
+from dflashkit.decoding.sampling import (
+    PositionNoise,
+    SamplingParams,
+    argmax,
+    check_sampler,
+    over_vocabulary,
+    propose,
+    warp,
+)
 from dflashkit.decoding.stats import DecodeStats
-from dflashkit.target.adapter import TargetAdapter
 from dflashkit.decoding.tree import build_tree, check_budget, sample_tree
+from dflashkit.decoding.verify import longest_match, verify_greedy, verify_sampled_logits, verify_tree_sampled
+from dflashkit.drafter.config import check_proposal_temperature
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.drafter.ngram_store import NgramStore
+from dflashkit.errors import IncompatibleDrafterError, InvalidInputError
+from dflashkit.target.adapter import TargetAdapter
+from dflashkit.target.logprobs import TokenLogprob, check_top_logprobs, token_logprobs
 
 LOOKUP_ONLY_BLOCK = 8  # block size of prompt lookup without a drafter, unless given
 NO_DRAFTS = torch.empty(0, dtype=torch.long)
@@ -56,7 +65,9 @@ class DecodeOptions:
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     block_size: int | None = None  # None: the drafter's trained block size
-    proposal: str = "sample"  # when sampling: "sample" (x ~ q, more accepted at T=1) or "argmax" (one-hot q); both exact
+    proposal: str = (
+        "sample"  # when sampling: "sample" (x ~ q, more accepted at T=1) or "argmax" (one-hot q); both exact
+    )
     # when sampling: the drafter proposes at this multiple of the temperature (any q is exact; a drafter flatter than
     # the target is accepted more often sharpened); None: the drafter's own (config.proposal_temperature)
     proposal_temperature: float | None = None
@@ -65,11 +76,15 @@ class DecodeOptions:
     stop_token_ids: frozenset[int] = frozenset()  # eos ids included by the caller
     lookup: bool = False  # draft by copying after a repeated n-gram where one exists (prompt lookup)
     lookup_store: NgramStore | None = None  # with lookup: the target's past answers, where the text has no repeat
-    tree: int | None = None  # drafter steps verify a token tree of this many nodes instead of a chain (dflashkit.decoding.tree)
+    tree: int | None = (
+        None  # drafter steps verify a token tree of this many nodes instead of a chain (dflashkit.decoding.tree)
+    )
     tree_copies: bool = True  # with a tree, greedy or coupled: a copied step's tree also holds the copy (else a chain)
     draft_window: int | None = None  # drafting attends to the last N context tokens; None: the drafter's own, 0: all
     grammar: CompiledGrammar | None = None  # structured output: every token is one the grammar allows (chains only)
-    logprobs: int | None = None  # report each token's log-probability and this many alternatives (dflashkit.target.logprobs)
+    logprobs: int | None = (
+        None  # report each token's log-probability and this many alternatives (dflashkit.target.logprobs)
+    )
     penalties: Penalties | None = None  # presence / frequency / repetition penalties, logit bias (chains only)
 
     def __post_init__(self) -> None:
@@ -158,8 +173,10 @@ def decode(
     prompt_ids = as_token_list(prompt_ids)
     block = _check(target, drafter, prompt_ids, options)
     if block_policy is not None and drafter is not None and block_policy.max_block > block:
-        raise InvalidInputError(f"the adaptive policy allows blocks of {block_policy.max_block}, more than the "
-                                f"block size in force ({block})")
+        raise InvalidInputError(
+            f"the adaptive policy allows blocks of {block_policy.max_block}, more than the "
+            f"block size in force ({block})"
+        )
     policy = block_policy if drafter is not None else None
     largest = policy.max_block if policy else block  # the largest block a step may use (drafted or copied)
     copy_policy = policy.copies if policy is not None else None  # the length of copied drafts (None: largest - 1)
@@ -172,7 +189,9 @@ def decode(
     seed = options.seed if options.seed is not None else random.randrange(1 << 62)
     gen = torch.Generator(device=device).manual_seed(seed)
     # coupled sampling: every decision is the argmax of noisy scores, the noise a function of (seed, position)
-    noise = PositionNoise(seed, target.vocab_size, device) if options.sampler == "coupled" and not params.greedy else None
+    noise = (
+        PositionNoise(seed, target.vocab_size, device) if options.sampler == "coupled" and not params.greedy else None
+    )
     # what sampled drafts are drawn from (the proposal temperature's warping)
     draft_sampling = proposal_params(params, drafter, options) if drafter is not None and not params.greedy else params
     stats.sampler = None if params.greedy else options.sampler
@@ -190,7 +209,9 @@ def decode(
 
     constraint = options.grammar.start() if options.grammar is not None else None
     stats.grammar = options.grammar.kind if options.grammar is not None else None
-    stop_ids = options.stop_token_ids | (constraint.eos_token_ids if constraint else frozenset())  # a grammar ends at eos
+    stop_ids = options.stop_token_ids | (
+        constraint.eos_token_ids if constraint else frozenset()
+    )  # a grammar ends at eos
     penalties = options.penalties if options.penalties is not None and options.penalties.active else None
     history = penalties.start(prompt_ids, target.vocab_size, device) if penalties else None
 
@@ -208,8 +229,11 @@ def decode(
         prefix_cache.bind(target.model)
     reused = prefix_cache.match(prompt_ids, feature_layers) if prefix_cache is not None else None
     cached = reused[1] if reused is not None else 0
-    cache = (target.restore(reused[0].keys, reused[0].values, cached, capacity) if reused is not None
-             else target.new_cache(capacity=capacity))
+    cache = (
+        target.restore(reused[0].keys, reused[0].values, cached, capacity)
+        if reused is not None
+        else target.new_cache(capacity=capacity)
+    )
     prompt = torch.tensor([prompt_ids[cached:]], device=device)
     logits, features = target.forward(prompt, cached, cache, logits_rows=1)
     if reused is not None and features is not None:
@@ -238,8 +262,13 @@ def decode(
         context.note_text(sequence)
     pending, pending_start = features, 0
     lookup = NgramLookup(prompt_ids + [token], store=options.lookup_store) if options.lookup else None
-    use_trees = (options.tree is not None and drafter is not None and target.supports_trees and constraint is None
-                 and penalties is None)
+    use_trees = (
+        options.tree is not None
+        and drafter is not None
+        and target.supports_trees
+        and constraint is None
+        and penalties is None
+    )
     stats.tree = options.tree if use_trees else None
 
     consistent = True  # the cache holds exactly positions < pos (between steps)
@@ -293,8 +322,14 @@ def decode(
                             tree = build_tree(scores, columns, options.tree, copy=copied)
                         drafts = torch.tensor(tree.tokens, dtype=torch.long, device=device)
                     elif constraint:  # each row masked by what the grammar allows after the drafts before it
-                        propose_row = functools.partial(propose, params=draft_params, mode=mode, generator=gen,
-                                                        token_ids=columns, vocab_size=target.vocab_size)
+                        propose_row = functools.partial(
+                            propose,
+                            params=draft_params,
+                            mode=mode,
+                            generator=gen,
+                            token_ids=columns,
+                            vocab_size=target.vocab_size,
+                        )
                         drafts, q, masks = constraint.propose(scores, columns, propose_row)
                         k = drafts.shape[0]
                     else:  # q over the draft vocabulary `columns` (None: the whole vocabulary)
@@ -319,7 +354,8 @@ def decode(
                     else:  # row r decides output position produced + its depth
                         positions = [produced + d for d in (0, *tree.depths)]
                         target_token = functools.partial(
-                            lambda rows_logits, at, r: choose(rows_logits[r], None, at[r]), logits, positions)
+                            lambda rows_logits, at, r: choose(rows_logits[r], None, at[r]), logits, positions
+                        )
                     path, token = tree.walk(target_token)
                 kept = [0] + path  # rows of the anchor and the accepted nodes
                 accepted, accepted_drafts = len(path), [tree.tokens[r - 1] for r in path]
@@ -351,8 +387,9 @@ def decode(
             if features is not None and (drafter or kept_features is not None):
                 new = features[:, kept] if tree is not None else features[:, : accepted + 1]  # [1, accepted+1, F]
                 if drafter:
-                    pending, pending_start = ((new, pos) if pending is None
-                                              else (torch.cat((pending, new), 1), pending_start))
+                    pending, pending_start = (
+                        (new, pos) if pending is None else (torch.cat((pending, new), 1), pending_start)
+                    )
                 if kept_features is not None:
                     kept_features.append(new)
             pos += accepted + 1
@@ -366,9 +403,13 @@ def decode(
                 lookup.extend(emitted)
             if observer:
                 observer(observed, emitted)
-            stats.record_step(tree.depth if tree is not None else k, accepted, copied=bool(copied),
-                              from_store=bool(copied) and lookup.from_store,
-                              tree_nodes=len(tree) if tree is not None else 0)
+            stats.record_step(
+                tree.depth if tree is not None else k,
+                accepted,
+                copied=bool(copied),
+                from_store=bool(copied) and lookup.from_store,
+                tree_nodes=len(tree) if tree is not None else 0,
+            )
             if policy and not copied:  # the policy models the drafter's acceptance and cost
                 policy.observe(size, k, accepted, time.perf_counter() - t_step)
             elif copy_policy is not None and copied:  # ... and its copy policy those of copied drafts
@@ -384,15 +425,25 @@ def decode(
             finished = stop_at is not None or produced >= max_new
             stats.new_tokens = produced
             _finish(stats, finished, stop_at is not None, t_decode)
-            yield Step(emitted, ([True] * accepted + [False])[: len(emitted)], finished,
-                       logprobs_of(logits[kept] if tree is not None else logits, emitted))
+            yield Step(
+                emitted,
+                ([True] * accepted + [False])[: len(emitted)],
+                finished,
+                logprobs_of(logits[kept] if tree is not None else logits, emitted),
+            )
     finally:
         if prefix_cache is not None and consistent:
             _keep(prefix_cache, target, cache, sequence[:pos], kept_features, feature_layers)
 
 
-def _keep(prefix_cache: PrefixCache, target: TargetAdapter, cache: object, token_ids: list[int],
-          kept_features: list[Tensor] | None, feature_layers: tuple[int, ...]) -> None:
+def _keep(
+    prefix_cache: PrefixCache,
+    target: TargetAdapter,
+    cache: object,
+    token_ids: list[int],
+    kept_features: list[Tensor] | None,
+    feature_layers: tuple[int, ...],
+) -> None:
     """Keep a generation's processed sequence (its cache's positions < len(token_ids)) in the prefix cache."""
     one = target.snapshot(cache, 1)  # one position: its size, so that a sequence past the budget is not copied
     if one is None:
@@ -455,8 +506,9 @@ def _check(target: TargetAdapter, drafter: DFlashDrafter | None, prompt_ids: lis
             f"prompt of {len(prompt_ids)} tokens leaves no room in the target's context of {target.max_positions}"
         )
     if options.block_size is not None and options.block_size > target.max_positions:
-        raise InvalidInputError(f"block_size {options.block_size} is larger than the target's context "
-                                f"({target.max_positions} tokens)")
+        raise InvalidInputError(
+            f"block_size {options.block_size} is larger than the target's context ({target.max_positions} tokens)"
+        )
     if drafter is None:
         if options.lookup:  # prompt lookup alone: blocks of options.block_size (default 8)
             return options.block_size if options.block_size is not None else LOOKUP_ONLY_BLOCK
@@ -466,7 +518,9 @@ def _check(target: TargetAdapter, drafter: DFlashDrafter | None, prompt_ids: lis
         raise InvalidInputError(f"block_size must be at least 2 (anchor + one draft), got {block}")
     cfg = drafter.config
     if cfg.hidden_size != target.hidden_size:
-        raise IncompatibleDrafterError(f"drafter hidden size {cfg.hidden_size} != target hidden size {target.hidden_size}")
+        raise IncompatibleDrafterError(
+            f"drafter hidden size {cfg.hidden_size} != target hidden size {target.hidden_size}"
+        )
     if cfg.vocab_size != vocab:
         raise IncompatibleDrafterError(f"drafter vocabulary {cfg.vocab_size} != target vocabulary {vocab}")
     if target.feature_layer_ids != list(cfg.target_layer_ids):

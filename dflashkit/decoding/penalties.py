@@ -73,8 +73,9 @@ class Penalties:
 class PenaltyState:
     """Token counts of one generation's output (and which tokens its prompt holds)."""
 
-    def __init__(self, penalties: Penalties, prompt_ids: Sequence[int], vocab_size: int,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self, penalties: Penalties, prompt_ids: Sequence[int], vocab_size: int, device: torch.device | str
+    ) -> None:
         self.penalties = penalties
         self.counts = torch.zeros(vocab_size, device=device)  # [vocab] output tokens so far
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)

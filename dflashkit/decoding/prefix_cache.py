@@ -41,11 +41,16 @@ class CachedSequence:
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        if self.keys.shape != self.values.shape or self.keys.shape[2] != n or (
-                self.features is not None and self.features.shape[1] != n):
-            raise ValueError(f"a cached sequence of {n} tokens with keys {tuple(self.keys.shape)}, values "
-                             f"{tuple(self.values.shape)}, features "
-                             f"{None if self.features is None else tuple(self.features.shape)}")
+        if (
+            self.keys.shape != self.values.shape
+            or self.keys.shape[2] != n
+            or (self.features is not None and self.features.shape[1] != n)
+        ):
+            raise ValueError(
+                f"a cached sequence of {n} tokens with keys {tuple(self.keys.shape)}, values "
+                f"{tuple(self.values.shape)}, features "
+                f"{None if self.features is None else tuple(self.features.shape)}"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -103,8 +108,9 @@ class PrefixCache:
             if owner is None:
                 self._model, self._kept = weakref.ref(model), OrderedDict()
             elif owner is not model:
-                raise InvalidInputError("this prefix cache holds another target model's keys and values: "
-                                        "use one PrefixCache per model")
+                raise InvalidInputError(
+                    "this prefix cache holds another target model's keys and values: use one PrefixCache per model"
+                )
 
     def match(self, prompt_ids: list[int], feature_layers: tuple[int, ...] = ()) -> tuple[CachedSequence, int] | None:
         """The kept sequence sharing the longest prefix with ``prompt_ids`` and that length, capped so that at

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflashkit.kernels import row_kernels
 from dflashkit.errors import InvalidInputError
-from dflashkit.decoding.tree import DraftTree
+from dflashkit.kernels import row_kernels
 
 
 @dataclass(frozen=True)
@@ -156,7 +155,8 @@ def propose(
     is close to the target, sampling accepts more (P(accept) = sum min(p, q) instead of p(argmax q)):
     measured on the shipped SmolLM2 drafter at temperature 1, τ 1.39 / 1.35 / 1.43 against 1.26 / 1.33 / 1.24
     (MT-Bench / HumanEval / MATH-500, block 4). Warped by a temperature alone on a CPU, the softmax and the draws
-    are one call (:func:`dflashkit.kernels.row_kernels.sample_rows`), which draws as :func:`sample` with the same uniforms.
+    are one call (:func:`dflashkit.kernels.row_kernels.sample_rows`), which draws as :func:`sample` with the same
+    uniforms.
     """
     if mode not in ("argmax", "sample"):
         raise InvalidInputError(f"proposal mode must be 'argmax' or 'sample', got {mode!r}")
@@ -164,8 +164,11 @@ def propose(
         column = argmax(draft_logits)  # [k]
         return (token_ids[column] if token_ids is not None else column), None
     uniforms = torch.rand(draft_logits.shape[0], generator=generator, dtype=torch.float64, device=draft_logits.device)
-    done = row_kernels.sample_rows(draft_logits, params.temperature, uniforms) if _temperature_only(
-        params, draft_logits.shape[-1]) else None
+    done = (
+        row_kernels.sample_rows(draft_logits, params.temperature, uniforms)
+        if _temperature_only(params, draft_logits.shape[-1])
+        else None
+    )
     if done is not None:
         column, q = done  # [k], [k, V']
     else:
@@ -181,171 +184,6 @@ def propose(
 def _temperature_only(params: SamplingParams, vocab: int) -> bool:
     """Whether ``warp`` applies a temperature alone to rows of ``vocab`` entries (no top-k / top-p cut)."""
     return (not params.top_k or params.top_k >= vocab) and params.top_p >= 1.0
-
-
-def verify_greedy(target_logits: Tensor, drafts: Tensor, allowed: Tensor | None = None) -> tuple[int, int]:
-    """Longest prefix of drafts [k] matching the target's argmax, and the target's next token.
-
-    target_logits [k+1, vocab]: row j predicts the token after the j-th verified input; ``allowed`` [k+1, vocab]:
-    each row's tokens under a grammar (None: all).
-    """
-    # compared in Python: each small torch op after the target's pass pays 10-70 µs for the caches it swept
-    # (README "Sampled steps in two calls")
-    return longest_match(drafts.tolist(), argmax(target_logits, allowed).tolist())
-
-
-def longest_match(drafted: list[int], chosen: list[int]) -> tuple[int, int]:
-    """The drafts kept when the target's own choices are ``chosen`` [k+1] (greedy, or coupled sampling's): the
-    longest prefix of ``drafted`` [k] equal to them, and the target's token after it."""
-    accepted = next((i for i, (d, b) in enumerate(zip(drafted, chosen)) if d != b), len(drafted))
-    return accepted, chosen[accepted]
-
-
-def verify_sampled(
-    target_probs: Tensor, drafts: Tensor, draft_probs: Tensor | None, generator: torch.Generator | None,
-    uniforms: list[float] | None = None,
-) -> tuple[int, int]:
-    """Exact speculative sampling over a chain of k drafts.
-
-    target_probs [k+1, vocab] (warped); drafts [k]; draft_probs [k, vocab] or None for one-hot proposals.
-    Returns (number of accepted drafts, the token emitted after them).
-
-    Sampled drafts are verified as a block (:func:`block_verification`), which keeps at least as many drafts in
-    expectation as accepting them token by token; for one-hot proposals (argmax drafts, copies) the two rules
-    have the same law and the token-by-token one, a little cheaper, is used.
-
-    ``uniforms``: the k + 1 numbers in [0, 1) it decides with (drawn from ``generator`` where None): u_i is draft
-    i+1's coin (kept while u_i < p(x) for one-hot drafts; the block's stops otherwise), and the emitted token lies at
-    1 - u_k of its distribution's running sum. :func:`verify_sampled_logits` gives the row kernels' version of this
-    function the same numbers, used the same way.
-    """
-    k = drafts.shape[0]
-    if uniforms is None:
-        uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64, device=target_probs.device).tolist()
-    at = 1 - uniforms[k]
-    if k and draft_probs is not None:
-        weights = block_weights(target_probs, drafts, draft_probs)
-        # the prefix ends at the last offset i whose coin comes up (probability h_i); h_i <= w_i, so a coin at or
-        # above w_i fails without reading the vocabulary row that h_i needs (w_i is tiny beyond a few offsets)
-        accepted = next((i for i in range(k, 0, -1) if uniforms[i - 1] < weights[i]
-                         and uniforms[i - 1] < block_stop(target_probs, draft_probs, weights, i)), 0)
-        if accepted == k:
-            return k, sample_at(target_probs[k], at)
-        return accepted, sample_at(block_residual(target_probs, draft_probs, weights, accepted), at)
-    p_x = target_probs[torch.arange(k, device=drafts.device), drafts].tolist() if k else []  # one-hot q: accept w.p. p(x)
-    accepted = next((i for i in range(k) if not uniforms[i] < p_x[i]), k)
-    if accepted == k:
-        return k, sample_at(target_probs[k], at)
-    residual = target_probs[accepted].clone()
-    residual[drafts[accepted]] = 0
-    return accepted, sample_at(residual if float(residual.sum()) > 0 else target_probs[accepted], at)
-
-
-def verify_sampled_logits(
-    logits: Tensor, params: SamplingParams, drafts: Tensor, draft_probs: Tensor | None,
-    generator: torch.Generator | None, columns: Tensor | None = None,
-) -> tuple[int, int]:
-    """:func:`verify_sampled` on the target's rows of logits [k+1, vocab] (masked or adjusted as the step needs),
-    warped as ``params`` ask; draft_probs [k, vocab], or [k, V'] over the tokens ``columns`` (a draft vocabulary:
-    :func:`propose` with ``dense=False``). Where a temperature alone warps them and the row kernels run (CPU), the
-    whole verification is one call (:func:`dflashkit.kernels.row_kernels.verify_chain`: ~0.2 ms a sampled step against ~0.7
-    for the ~40 torch ops of warping and verifying, each slowed by the caches the target's pass has just swept);
-    elsewhere torch's. Both decide with the same k + 1 uniforms, the same way: they emit the same tokens but where
-    the rounding of a probability decides."""
-    k = drafts.shape[0]
-    uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64, device=logits.device)
-    if _temperature_only(params, logits.shape[-1]):
-        done = row_kernels.verify_chain(logits, params.temperature, drafts, draft_probs, uniforms, columns)
-        if done is not None:
-            return done
-    if draft_probs is not None and columns is not None:
-        draft_probs = over_vocabulary(draft_probs, columns, logits.shape[-1])
-    return verify_sampled(warp(logits, params), drafts, draft_probs, generator, uniforms.tolist())
-
-
-def block_verification(target_probs: Tensor, drafts: Tensor, draft_probs: Tensor) -> tuple[list[float], list[float]]:
-    """The law of block verification (Sun et al. 2024, "Block verification accelerates speculative decoding"):
-    of all exact ways to verify one chain of drafts, the one that keeps the most drafts in expectation.
-
-    With p the target's rows and q the drafter's, the weights are w_0 = 1, w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i))
-    (w_i bounds how much of the target's mass on x_1..x_i the drafts can claim), and the residual after i drafts
-    is r_i = max(0, w_i p_{i+1} - q_{i+1}) (:func:`block_residual`). Walking back from i = k, the kept prefix
-    ends at i with probability h_k = w_k, h_i = |r_i| / (|r_i| + 1 - w_i) for 0 < i < k (:func:`block_stop`),
-    given that it did not end further on; where it ends at i < k the next token is drawn from r_i. With k = 1
-    this is the usual min(1, p / q) acceptance and norm(max(0, p - q)) correction.
-
-    target_probs [k+1, vocab], drafts [k], draft_probs [k, vocab]. Returns (weights w_0..w_k, stops h_1..h_k).
-    """
-    weights = block_weights(target_probs, drafts, draft_probs)
-    return weights, [block_stop(target_probs, draft_probs, weights, i) for i in range(1, drafts.shape[0] + 1)]
-
-
-def block_weights(target_probs: Tensor, drafts: Tensor, draft_probs: Tensor) -> list[float]:
-    """w_0..w_k of :func:`block_verification`: w_0 = 1, w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i))."""
-    idx = torch.arange(drafts.shape[0], device=drafts.device)
-    ratios = (target_probs[idx, drafts].double() / draft_probs[idx, drafts].double()).tolist()  # q(x) > 0: drawn
-    weights = [1.0]
-    for ratio in ratios:
-        weights.append(min(1.0, weights[-1] * ratio))
-    return weights
-
-
-def block_stop(target_probs: Tensor, draft_probs: Tensor, weights: list[float], i: int) -> float:
-    """h_i of :func:`block_verification` (1 <= i <= k): h_k = w_k, else |r_i| / (|r_i| + 1 - w_i) <= w_i."""
-    if i == len(weights) - 1:
-        return weights[i]
-    mass = float((weights[i] * target_probs[i] - draft_probs[i]).clamp_min(0).sum())  # |r_i|, one [vocab] row
-    denominator = mass + 1.0 - weights[i]
-    return mass / denominator if denominator > 0 else 1.0  # 0/0 only where w_i = 1 and r_i = 0
-
-
-def block_residual(target_probs: Tensor, draft_probs: Tensor, weights: list[float], i: int) -> Tensor:
-    """The distribution [vocab] of the token emitted after i kept drafts (i < k): max(0, w_i p_{i+1} - q_{i+1}),
-    normalised (the target's row where rounding left it empty: an event of probability 0)."""
-    residual = (weights[i] * target_probs[i] - draft_probs[i]).clamp_min(0)
-    total = residual.sum()
-    return residual / total if total > 0 else target_probs[i]
-
-
-def verify_tree_sampled(target_probs: Tensor, tree: DraftTree, draft_probs: Tensor,
-                        generator: torch.Generator | None) -> tuple[list[int], int]:
-    """Exact speculative sampling over a token tree (recursive rejection sampling; SpecInfer, Miao et al. 2024;
-    without replacement as in Jeon et al. 2024).
-
-    target_probs [rows, vocab] (warped; row 0 the anchor, row i+1 node i); draft_probs [depth, vocab]: the
-    distribution the candidates at each depth were drawn from, without replacement and in the order the tree
-    lists a node's children (:func:`dflashkit.decoding.tree.sample_tree`). At a node with target distribution p, the
-    i-th child x_i is accepted with probability min(1, p(x_i) / q_i(x_i)), q_i the proposal with the earlier
-    children removed and renormalised; after a rejection p becomes norm(max(0, p - q_i)). An accepted child
-    continues the walk from its own row; where every child is rejected (or there are none) the token is drawn
-    from what p has become. Given the tokens before it each emitted token is distributed as the target's.
-    Returns the rows of the accepted nodes (a path from the anchor) and the token emitted after them.
-    """
-    uniforms = torch.rand(len(tree), generator=generator, dtype=torch.float64,
-                          device=target_probs.device).tolist()  # one per node
-    row, path = 0, []
-    while True:
-        p, reached = target_probs[row], None
-        children = tree.children(row)
-        if children:
-            q = draft_probs[tree.row_depth(row)]
-            left = float(q.sum())  # q's mass not yet proposed: q_i = q / left, the tried children being 0 in p
-            for token, child in children:
-                q_x = float(q[token]) / left
-                if q_x <= 0:  # never for a drawn candidate
-                    break
-                if uniforms[child - 1] * q_x < float(p[token]):  # P(accept) = min(1, p / q_i)
-                    reached = child
-                    break
-                # p <- norm(max(0, p - q_i)): where a tried child's q_i is still counted, p is already 0 there
-                residual = (p - q * (1.0 / left)).clamp_min_(0)
-                total = float(residual.sum())
-                p = residual.div_(total) if total > 0 else p  # total 0 only if p == q_i, where nothing is rejected
-                left -= float(q[token])
-        if reached is None:
-            return path, int(sample(p, generator))
-        path.append(reached)
-        row = reached
 
 
 SAMPLERS = ("rejection", "coupled")
@@ -445,11 +283,13 @@ class PositionNoise:
             return self._kernel_call(logits, params, start, columns, argmax=True)[1].tolist()
         return self.scores(logits, params, start, columns).argmax(-1).tolist()
 
-    def _kernel_call(self, logits: Tensor, params: SamplingParams, start: int, columns: Tensor | None,
-                     **wanted: bool) -> tuple[Tensor | None, Tensor | None]:
+    def _kernel_call(
+        self, logits: Tensor, params: SamplingParams, start: int, columns: Tensor | None, **wanted: bool
+    ) -> tuple[Tensor | None, Tensor | None]:
         rows = logits if logits.dtype in (torch.bfloat16, torch.float32) else logits.float()  # as coupled_scores
-        return row_kernels.coupled(rows.contiguous(), params.temperature, self._key_tensor(start, rows.shape[0]),
-                                   columns, **wanted)
+        return row_kernels.coupled(
+            rows.contiguous(), params.temperature, self._key_tensor(start, rows.shape[0]), columns, **wanted
+        )
 
 
 def coupled_scores(logits: Tensor, params: SamplingParams, noise: Tensor) -> Tensor:
@@ -463,4 +303,3 @@ def coupled_scores(logits: Tensor, params: SamplingParams, noise: Tensor) -> Ten
     if params.top_k or params.top_p < 1.0:  # the filters' dropped tokens (warp's zeros) never win
         scaled = scaled.masked_fill(warp(logits, params) <= 0, float("-inf"))
     return scaled + noise
-

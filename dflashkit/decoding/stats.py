@@ -14,7 +14,9 @@ from typing import Any
 class DecodeStats:
     block_size: int  # 1 for plain autoregressive decoding
     prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # of them, restored from a prefix cache instead of prefilled (dflashkit.decoding.prefix_cache)
+    cached_prompt_tokens: int = (
+        0  # of them, restored from a prefix cache instead of prefilled (dflashkit.decoding.prefix_cache)
+    )
     new_tokens: int = 0
     target_forwards: int = 0  # prefill + one per verification step
     accepted_lengths: list[int] = field(default_factory=list)  # accepted drafts per step (0..block_size-1)
@@ -25,7 +27,9 @@ class DecodeStats:
     decode_s: float = 0.0  # wall time after prefill, all phases
     finish_reason: str | None = None  # "stop" (eos/stop token/stop string) or "length"
     adaptive: bool = False  # block size chosen per step (drafted_lengths + 1 gives each step's block)
-    target_weights: str | None = None  # what the target computed with: "bfloat16", "int8 weight-only (per-channel)", ...
+    target_weights: str | None = (
+        None  # what the target computed with: "bfloat16", "int8 weight-only (per-channel)", ...
+    )
     engine: str | None = None  # which target forward decoded (TargetAdapter.engine): the fast path or eager
     lookup: bool = False  # prompt lookup on: some steps' drafts were copied from earlier text
     copied_steps: list[bool] = field(default_factory=list)  # per step: drafts copied (True) or the drafter's
@@ -34,10 +38,13 @@ class DecodeStats:
     tree_nodes: list[int] = field(default_factory=list)  # per step: nodes of its tree (0: a chain)
     draft_window: int | None = None  # drafting attended to the last this many context tokens (None: all)
     grammar: str | None = None  # structured output: the kind of grammar the output was constrained to
-    sampler: str | None = None  # when sampling: "rejection" or "coupled" (dflashkit.decoding.sampling); None when greedy
+    sampler: str | None = (
+        None  # when sampling: "rejection" or "coupled" (dflashkit.decoding.sampling); None when greedy
+    )
 
-    def record_step(self, drafted: int, accepted: int, copied: bool = False, from_store: bool = False,
-                    tree_nodes: int = 0) -> None:
+    def record_step(
+        self, drafted: int, accepted: int, copied: bool = False, from_store: bool = False, tree_nodes: int = 0
+    ) -> None:
         """`drafted`: block positions proposed (a tree's depth); `accepted`: drafts kept (a tree's path length)."""
         self.drafted_lengths.append(drafted)
         self.accepted_lengths.append(accepted)
@@ -50,11 +57,19 @@ class DecodeStats:
         """The stats of several generations of one prompt as one (the server's n choices): their steps
         together, tokens and times summed; settings (block size, engine, ...) from the first."""
         first = runs[0]
-        out = cls(block_size=max(r.block_size for r in runs), prompt_tokens=first.prompt_tokens,
-                  cached_prompt_tokens=first.cached_prompt_tokens,
-                  adaptive=first.adaptive, target_weights=first.target_weights, engine=first.engine,
-                  lookup=first.lookup, tree=first.tree, draft_window=first.draft_window, grammar=first.grammar,
-                  sampler=first.sampler)
+        out = cls(
+            block_size=max(r.block_size for r in runs),
+            prompt_tokens=first.prompt_tokens,
+            cached_prompt_tokens=first.cached_prompt_tokens,
+            adaptive=first.adaptive,
+            target_weights=first.target_weights,
+            engine=first.engine,
+            lookup=first.lookup,
+            tree=first.tree,
+            draft_window=first.draft_window,
+            grammar=first.grammar,
+            sampler=first.sampler,
+        )
         for r in runs:
             out.new_tokens += r.new_tokens
             out.target_forwards += r.target_forwards
@@ -147,9 +162,12 @@ class DecodeStats:
         """Token-tree steps: the node budget, how many steps verified a tree, their mean nodes and τ."""
         acc = [a for a, n in zip(self.accepted_lengths, self.tree_nodes) if n]
         nodes = [n for n in self.tree_nodes if n]
-        return {"budget": self.tree, "tree_steps": len(acc),
-                "mean_nodes": sum(nodes) / len(nodes) if nodes else None,
-                "tree_tau": sum(acc) / len(acc) + 1.0 if acc else None}
+        return {
+            "budget": self.tree,
+            "tree_steps": len(acc),
+            "mean_nodes": sum(nodes) / len(nodes) if nodes else None,
+            "tree_tau": sum(acc) / len(acc) + 1.0 if acc else None,
+        }
 
     def lookup_summary(self) -> dict[str, Any]:
         """Steps whose drafts were copied (by prompt lookup from the text, or from the n-gram store of past

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dflashkit.kernels import row_kernels
 from dflashkit.errors import InvalidInputError
+from dflashkit.kernels import row_kernels
 
 TOP_CANDIDATES = 4  # candidates per block position a tree may use (the drafter's top-4 of each row)
 # What a copied token (prompt lookup, the n-gram store) is worth per depth in a tree that also holds the drafter's
@@ -167,8 +167,14 @@ def best_first(probs: list[list[float]], budget: int) -> tuple[list[int], list[i
     return parents, depths, ranks
 
 
-def build_tree(scores: Tensor, columns: Tensor | None, budget: int, top: int = TOP_CANDIDATES,
-               copy: Sequence[int] = (), copy_worth: float = COPY_WORTH) -> DraftTree:
+def build_tree(
+    scores: Tensor,
+    columns: Tensor | None,
+    budget: int,
+    top: int = TOP_CANDIDATES,
+    copy: Sequence[int] = (),
+    copy_worth: float = COPY_WORTH,
+) -> DraftTree:
     """The `budget` nodes of largest path probability from drafter scores [k, V'] (row j: block offset j+1).
 
     ``columns`` [V'] maps score columns to token ids (None: the columns are the vocabulary). Each position
@@ -190,8 +196,14 @@ def build_tree(scores: Tensor, columns: Tensor | None, budget: int, top: int = T
     return _best_tree(probs.tolist(), tokens, budget)
 
 
-def hybrid_tree(probs: list[list[float]], tokens: list[list[int]], copy: list[int], budget: int,
-                copy_worth: float = COPY_WORTH, min_worth: float = 0.0) -> DraftTree:
+def hybrid_tree(
+    probs: list[list[float]],
+    tokens: list[list[int]],
+    copy: list[int],
+    budget: int,
+    copy_worth: float = COPY_WORTH,
+    min_worth: float = 0.0,
+) -> DraftTree:
     """Best first over two sources: the copy (its d-th token worth copy_worth^d, offered under the copy's own
     prefix) and the drafter (``tokens[d][r]`` with probability ``probs[d][r]`` at depth d+1, under any node,
     worth the node's value times that probability). A token offered twice under one node is one node. Nodes
@@ -209,7 +221,7 @@ def hybrid_tree(probs: list[list[float]], tokens: list[list[int]], copy: list[in
     def offer(row: int) -> None:
         depth = (depths[row - 1] if row else 0) + 1
         if on_copy[row] and depth <= len(copy):
-            heapq.heappush(heap, (-copy_worth ** depth, next(order), row, depth, copy[depth - 1]))
+            heapq.heappush(heap, (-(copy_worth**depth), next(order), row, depth, copy[depth - 1]))
         if depth <= len(probs):
             for p, t in zip(probs[depth - 1], tokens[depth - 1]):
                 heapq.heappush(heap, (-worth[row] * p, next(order), row, depth, t))
@@ -251,8 +263,9 @@ def sample_without_replacement(probs: Tensor, count: int, generator: torch.Gener
     return top.indices, top.values > 0
 
 
-def sample_tree(probs: Tensor, columns: Tensor | None, budget: int, generator: torch.Generator | None,
-                top: int = TOP_CANDIDATES) -> DraftTree:
+def sample_tree(
+    probs: Tensor, columns: Tensor | None, budget: int, generator: torch.Generator | None, top: int = TOP_CANDIDATES
+) -> DraftTree:
     """A token tree for sampling (temperature > 0), verified by recursive rejection sampling
     (:func:`dflashkit.decoding.sampling.verify_tree_sampled`).
 

@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import CheckpointError
-from dflashkit.fsutil import atomic_dir
 from dflashkit.drafter.ngram_store import FILENAME as NGRAM_STORE_FILE
 from dflashkit.drafter.ngram_store import NgramStore, find_store
+from dflashkit.errors import CheckpointError
+from dflashkit.fsutil import atomic_dir
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 
@@ -68,8 +68,10 @@ def load_drafter(
     mask = _read_mask_embedding(mask_file, raw) if mask_file.exists() else None
     config = DrafterConfig.from_hf_dict(raw)
     if config.learned_mask_embedding and mask is None:  # it would draft with the mask token's own embedding
-        raise CheckpointError(f"{path}: config.json says the drafter learned its mask vector, but {MASK_EMBEDDING_FILE} "
-                              "is missing: copy it from where the drafter was trained")
+        raise CheckpointError(
+            f"{path}: config.json says the drafter learned its mask vector, but {MASK_EMBEDDING_FILE} "
+            "is missing: copy it from where the drafter was trained"
+        )
     config = config.replace(learned_mask_embedding=mask is not None)
     drafter = DFlashDrafter(config)
     state = {}
@@ -88,20 +90,27 @@ def load_drafter(
     if mask is not None:
         state["mask_embedding"] = mask
     expected = drafter.state_dict()
-    wrong = [(k, tuple(v.shape), tuple(expected[k].shape)) for k, v in state.items()
-             if k in expected and v.shape != expected[k].shape]
+    wrong = [
+        (k, tuple(v.shape), tuple(expected[k].shape))
+        for k, v in state.items()
+        if k in expected and v.shape != expected[k].shape
+    ]
     if wrong:
         k, got, want = wrong[0]
-        raise CheckpointError(f"{path}: {k} has shape {list(got)} but config.json (hidden_size {config.hidden_size}, "
-                              f"{config.num_hidden_layers} layers) implies {list(want)}"
-                              + (f", and {len(wrong) - 1} more tensors differ" if len(wrong) > 1 else "")
-                              + ": the config does not belong to these weights")
+        raise CheckpointError(
+            f"{path}: {k} has shape {list(got)} but config.json (hidden_size {config.hidden_size}, "
+            f"{config.num_hidden_layers} layers) implies {list(want)}"
+            + (f", and {len(wrong) - 1} more tensors differ" if len(wrong) > 1 else "")
+            + ": the config does not belong to these weights"
+        )
     try:
         missing, unexpected = drafter.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatches
         raise CheckpointError(f"{path}: weights do not match the config: {e}") from e
     if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"{path}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     store = find_store(path)
     drafter.ngram_store = NgramStore.load(store) if store is not None else None
     return drafter.to(device=device, dtype=dtype).eval()

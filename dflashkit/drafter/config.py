@@ -28,7 +28,8 @@ def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[in
     start, end = 1, num_target_layers - 3
     if end <= start:
         raise InvalidInputError(
-            f"target has {num_target_layers} layers: too few to pick {num_features} feature layers by the default rule; "
+            f"target has {num_target_layers} layers: too few to pick {num_features} feature layers "
+            "by the default rule; "
             "pass target_layer_ids explicitly"
         )
     return [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
@@ -52,8 +53,10 @@ def check_context_window(window: object) -> int | None:
 def check_proposal_temperature(ratio: object) -> float:
     """A proposal temperature: the multiple of the request's temperature the drafter samples at (finite, > 0)."""
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < float("inf"):
-        raise InvalidInputError(f"the proposal temperature must be a finite number > 0 (a multiple of the sampling "
-                                f"temperature), got {ratio!r}")
+        raise InvalidInputError(
+            f"the proposal temperature must be a finite number > 0 (a multiple of the sampling "
+            f"temperature), got {ratio!r}"
+        )
     return float(ratio)
 
 
@@ -212,7 +215,9 @@ class DrafterConfig:
             try:
                 return cast(value)
             except (TypeError, ValueError) as e:
-                raise CheckpointError(f"drafter config.json: field {key!r} must be {cast.__name__}, got {value!r}") from e
+                raise CheckpointError(
+                    f"drafter config.json: field {key!r} must be {cast.__name__}, got {value!r}"
+                ) from e
 
         dflash = d.get("dflash_config") or {}
         ours = d.get("dflashkit") or {}
@@ -223,8 +228,10 @@ class DrafterConfig:
             if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (None, "default"):
                 raise CheckpointError(f"{key} {rope} is not supported yet (only plain RoPE)")
         if any(t != "full_attention" for t in d.get("layer_types") or []) or d.get("use_sliding_window"):
-            raise CheckpointError("sliding-window drafter layers are not supported yet (dflashkit's context window, "
-                                  "`dflashkit generate --draft-window N`, limits what every layer attends to)")
+            raise CheckpointError(
+                "sliding-window drafter layers are not supported yet (dflashkit's context window, "
+                "`dflashkit generate --draft-window N`, limits what every layer attends to)"
+            )
         n_layers = field("num_hidden_layers")
         n_target = field("num_target_layers", default=0)
         layer_ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))

@@ -62,7 +62,9 @@ def check_compatible(config: DrafterConfig, model: nn.Module) -> None:
         problems.append(f"feature layers {config.target_layer_ids} (target has {tc.num_hidden_layers} layers)")
     ident = config.target or {}
     if not problems and ident.get("num_hidden_layers") not in (None, tc.num_hidden_layers):
-        problems.append(f"trained for a {ident['num_hidden_layers']}-layer target (this one has {tc.num_hidden_layers})")
+        problems.append(
+            f"trained for a {ident['num_hidden_layers']}-layer target (this one has {tc.num_hidden_layers})"
+        )
     if not problems and ident.get("embedding_fingerprint"):
         ours = torch.tensor(ident["embedding_fingerprint"])
         theirs = torch.tensor(embedding_fingerprint(embed))

@@ -38,8 +38,14 @@ DEFAULT_MAX_DRAFT = 7  # a chain of most-frequent guesses: each further token is
 class NgramStore:
     """Most frequent next token after each n-gram seen at least ``min_count`` times in a corpus."""
 
-    def __init__(self, table: dict[tuple[int, ...], int], n: int, counts: dict[tuple[int, ...], int] | None = None,
-                 max_draft: int = DEFAULT_MAX_DRAFT, min_count: int | None = None) -> None:
+    def __init__(
+        self,
+        table: dict[tuple[int, ...], int],
+        n: int,
+        counts: dict[tuple[int, ...], int] | None = None,
+        max_draft: int = DEFAULT_MAX_DRAFT,
+        min_count: int | None = None,
+    ) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self.n = n
@@ -57,8 +63,13 @@ class NgramStore:
         return len(self.table)
 
     @classmethod
-    def build(cls, sequences: Iterable[Sequence[int]], n: int = DEFAULT_N, min_count: int = DEFAULT_MIN_COUNT,
-              max_draft: int = DEFAULT_MAX_DRAFT) -> NgramStore:
+    def build(
+        cls,
+        sequences: Iterable[Sequence[int]],
+        n: int = DEFAULT_N,
+        min_count: int = DEFAULT_MIN_COUNT,
+        max_draft: int = DEFAULT_MAX_DRAFT,
+    ) -> NgramStore:
         """The store of ``sequences`` (e.g. the last prompt tokens + the response of every regenerated answer)."""
         if min_count < 1:
             raise ValueError(f"min_count must be >= 1, got {min_count}")
@@ -103,8 +114,13 @@ class NgramStore:
         if len(self.table) <= max_entries:
             return self
         kept = sorted(self.table, key=lambda key: (-self.counts.get(key, 0), key))[:max_entries]
-        return NgramStore({key: self.table[key] for key in kept}, self.n,
-                          {key: self.counts[key] for key in kept if key in self.counts}, self.max_draft, self.min_count)
+        return NgramStore(
+            {key: self.table[key] for key in kept},
+            self.n,
+            {key: self.counts[key] for key in kept if key in self.counts},
+            self.max_draft,
+            self.min_count,
+        )
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` (and ``max_draft``) tokens: the most frequent continuation of the last n tokens,
@@ -124,8 +140,10 @@ class NgramStore:
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse a store whose token ids do not fit the target's vocabulary (made for another tokenizer)."""
         if self.max_token >= vocab_size:
-            raise CheckpointError(f"the n-gram store holds token id {self.max_token}, outside the target's "
-                                  f"vocabulary of {vocab_size}: it was built for another tokenizer")
+            raise CheckpointError(
+                f"the n-gram store holds token id {self.max_token}, outside the target's "
+                f"vocabulary of {vocab_size}: it was built for another tokenizer"
+            )
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the store as safetensors (atomically)."""
@@ -134,9 +152,15 @@ class NgramStore:
         nxt = torch.tensor([self.table[k] for k in keys], dtype=torch.int64)
         counts = torch.tensor([self.counts.get(k, 0) for k in keys], dtype=torch.int64)
         tensors = {"contexts": _narrow(contexts), "next": _narrow(nxt), "counts": _narrow(counts)}
-        blob = save(tensors,
-                    metadata={"format": "dflashkit-ngram-store", "n": str(self.n), "max_draft": str(self.max_draft),
-                              **({"min_count": str(self.min_count)} if self.min_count is not None else {})})
+        blob = save(
+            tensors,
+            metadata={
+                "format": "dflashkit-ngram-store",
+                "n": str(self.n),
+                "max_draft": str(self.max_draft),
+                **({"min_count": str(self.min_count)} if self.min_count is not None else {}),
+            },
+        )
         atomic_write(path, lambda f: f.write(blob), binary=True)  # a kill never leaves a torn store
 
     @classmethod
@@ -152,10 +176,13 @@ class NgramStore:
             raise CheckpointError(f"{path}: contexts {tuple(contexts.shape)} and next {tuple(nxt.shape)} do not match")
         keys = [tuple(row) for row in contexts.long().tolist()]
         counts = tensors.get("counts")
-        return cls(dict(zip(keys, nxt.long().tolist())), contexts.shape[1],
-                   dict(zip(keys, counts.long().tolist())) if counts is not None else None,
-                   int(meta.get("max_draft", DEFAULT_MAX_DRAFT)),
-                   int(meta["min_count"]) if "min_count" in meta else None)  # fmt: skip
+        return cls(
+            dict(zip(keys, nxt.long().tolist())),
+            contexts.shape[1],
+            dict(zip(keys, counts.long().tolist())) if counts is not None else None,
+            int(meta.get("max_draft", DEFAULT_MAX_DRAFT)),
+            int(meta["min_count"]) if "min_count" in meta else None,
+        )
 
 
 def _narrow(values: Tensor) -> Tensor:

@@ -46,8 +46,11 @@ def head_rows(lm_head: nn.Module, ids: Tensor) -> Callable[[Tensor], Tensor]:
     rows = lm_head.weight[ids.to(lm_head.weight.device)].detach()  # [n, hidden]
     if row_kernels.usable(rows):
         packed, n = row_kernels.pack(rows), rows.shape[0]
-        return lambda hidden: (row_kernels.linear(hidden, packed, n) if hidden.dtype == torch.bfloat16
-                               else F.linear(hidden, rows.to(hidden.dtype)))
+        return lambda hidden: (
+            row_kernels.linear(hidden, packed, n)
+            if hidden.dtype == torch.bfloat16
+            else F.linear(hidden, rows.to(hidden.dtype))
+        )
     if rows.device.type == "cpu":
         rows = rows.float()
         return lambda hidden: hidden.float() @ rows.T

@@ -33,11 +33,11 @@ from torch import nn
 
 from dflashkit.drafter.checkpoint import MASK_EMBEDDING_FILE, load_drafter, write_drafter_files
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.identity import check_compatible
 from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.drafter.ngram_store import FILENAME as NGRAM_STORE_FILE
 from dflashkit.errors import DFlashError, IncompatibleDrafterError
 from dflashkit.fsutil import atomic_dir
-from dflashkit.drafter.identity import check_compatible
-from dflashkit.drafter.ngram_store import FILENAME as NGRAM_STORE_FILE
 
 LLAMA_CPP_ENV = "DFLASHKIT_LLAMA_CPP"
 DRAFTER_GGUF = "drafter-bf16.gguf"
@@ -47,22 +47,62 @@ TARGET_GGUF = "target-bf16.gguf"
 # `engine_config`; (dflash_config, key) is a nested field.
 ENGINE_FIELDS: dict[str, list[str | tuple[str, str]]] = {
     "vllm": [  # model_executor/models/qwen3_dflash.py, v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
-        "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters",
-        "max_position_embeddings", "vocab_size", "attention_bias", "layer_types", "is_causal",
-        ("dflash_config", "mask_token_id"), ("dflash_config", "target_layer_ids"),
+        "architectures",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "max_position_embeddings",
+        "vocab_size",
+        "attention_bias",
+        "layer_types",
+        "is_causal",
+        ("dflash_config", "mask_token_id"),
+        ("dflash_config", "target_layer_ids"),
     ],
     "sglang": [  # srt/models/dflash.py, srt/speculative/dflash_utils.py (parse_dflash_draft_config)
-        "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "max_position_embeddings",
-        "attention_bias", "layer_types", "num_target_layers", "block_size",
-        ("dflash_config", "mask_token_id"), ("dflash_config", "target_layer_ids"), ("dflash_config", "block_size"),
+        "architectures",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "attention_bias",
+        "layer_types",
+        "num_target_layers",
+        "block_size",
+        ("dflash_config", "mask_token_id"),
+        ("dflash_config", "target_layer_ids"),
+        ("dflash_config", "block_size"),
     ],
     "llama.cpp": [  # conversion/qwen.py (DFlashModel) on Qwen3Model
-        "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size",
-        "is_causal", "use_sliding_window", ("dflash_config", "mask_token_id"),
-        ("dflash_config", "target_layer_ids"), ("dflash_config", "block_size"),
+        "architectures",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "vocab_size",
+        "is_causal",
+        "use_sliding_window",
+        ("dflash_config", "mask_token_id"),
+        ("dflash_config", "target_layer_ids"),
+        ("dflash_config", "block_size"),
     ],
 }
 
@@ -144,7 +184,9 @@ def target_folder(target: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(target, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+        return Path(
+            snapshot_download(target, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        )
     except Exception as e:
         raise ExportError(f"target {target!r}: no local folder, and the hub download failed ({e})") from e
 
@@ -215,16 +257,19 @@ def check_output_folder(drafter_path: str | os.PathLike, out: Path, replaceable:
     earlier export's files."""
     source, dest = Path(drafter_path).resolve(), out.resolve()
     if dest == source or source.is_relative_to(dest) or dest.is_relative_to(source):
-        raise ExportError(f"the output {out} would overwrite the drafter being exported ({drafter_path}): "
-                          "choose another --out")
+        raise ExportError(
+            f"the output {out} would overwrite the drafter being exported ({drafter_path}): choose another --out"
+        )
     if dest.exists() and not dest.is_dir():
         raise ExportError(f"the output {out} is a file, not a folder: choose another --out")
     if replaceable is not None and dest.is_dir():
         others = sorted(p.name for p in dest.iterdir() if p.name not in replaceable)
         if others:
-            raise ExportError(f"the output folder {out} holds files an export did not write ({', '.join(others[:5])}"
-                              f"{', ...' if len(others) > 5 else ''}); the export would replace it: choose another "
-                              "--out or empty it")
+            raise ExportError(
+                f"the output folder {out} holds files an export did not write ({', '.join(others[:5])}"
+                f"{', ...' if len(others) > 5 else ''}); the export would replace it: choose another "
+                "--out or empty it"
+            )
 
 
 def export_hf(drafter_path: str | os.PathLike, out: str | os.PathLike, *, target: str | None = None) -> ExportResult:
@@ -237,9 +282,11 @@ def export_hf(drafter_path: str | os.PathLike, out: str | os.PathLike, *, target
         write_hf(drafter, model, tmp)
     target_ref = target if target is not None else target_folder(None)
     return ExportResult(
-        "hf", out, hf_commands(target_ref, out.resolve(), drafter.config.block_size),
+        "hf",
+        out,
+        hf_commands(target_ref, out.resolve(), drafter.config.block_size),
         notes=engine_notes(drafter.config, "hf"),
-    )  # fmt: skip
+    )
 
 
 def find_llama_cpp(llama_cpp: str | os.PathLike | None = None) -> Path:
@@ -339,7 +386,10 @@ def check_gguf(path: Path, drafter: DFlashDrafter) -> None:
     if drafter.mask_embedding is not None:
         embd = tensors.get("token_embd.weight")
         if embd is None:
-            wrong["token_embd.weight"] = ("absent", f"the target's table with row {cfg.mask_token_id} = the mask vector")
+            wrong["token_embd.weight"] = (
+                "absent",
+                f"the target's table with row {cfg.mask_token_id} = the mask vector",
+            )
         else:
             row = torch.from_numpy(gguf_rows(embd, [cfg.mask_token_id]))[0]
             want = drafter.mask_embedding.detach().to(torch.bfloat16).float()
@@ -363,7 +413,10 @@ def gguf_rows(tensor: Any, rows: list[int]) -> Any:
 
 
 def export_target_gguf(
-    target: str | None, out_file: str | os.PathLike, *, llama_cpp: str | os.PathLike | None = None,
+    target: str | None,
+    out_file: str | os.PathLike,
+    *,
+    llama_cpp: str | os.PathLike | None = None,
     python: str | None = None,
 ) -> Path:
     """The target itself as a bf16 GGUF (llama.cpp's converter on its cached safetensors), written atomically."""
@@ -403,8 +456,11 @@ def export_gguf(
             stage.mkdir()
             # The draft vocabulary goes in after conversion: the DFlash converter cannot map `d2t`.
             write_hf(drafter, model, stage, draft_vocab=False)
-            run_converter(root, [str(stage), "--target-model-dir", str(target_dir), "--outtype", "bf16",
-                                 "--outfile", str(partial)], python)  # fmt: skip
+            run_converter(
+                root,
+                [str(stage), "--target-model-dir", str(target_dir), "--outtype", "bf16", "--outfile", str(partial)],
+                python,
+            )
         if drafter.config.draft_vocab is not None:
             add_draft_vocab(partial, drafter.config, model.get_output_embeddings())
         check_gguf(partial, drafter)

@@ -97,13 +97,19 @@ class Completion:
         try:
             t = body["timings"]
             return cls(
-                tokens=[int(x) for x in body["tokens"]], prompt_ms=float(t["prompt_ms"]),
-                predicted_ms=float(t["predicted_ms"]), predicted_n=int(t["predicted_n"]),
-                draft_n=int(t.get("draft_n", 0)), draft_n_accepted=int(t.get("draft_n_accepted", 0)),
-                stop_type=str(body.get("stop_type", "")), timings=dict(t),
-            )  # fmt: skip
+                tokens=[int(x) for x in body["tokens"]],
+                prompt_ms=float(t["prompt_ms"]),
+                predicted_ms=float(t["predicted_ms"]),
+                predicted_n=int(t["predicted_n"]),
+                draft_n=int(t.get("draft_n", 0)),
+                draft_n_accepted=int(t.get("draft_n_accepted", 0)),
+                stop_type=str(body.get("stop_type", "")),
+                timings=dict(t),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise LlamaServerError(f"unexpected llama-server answer ({type(e).__name__}: {e}): {str(body)[:300]}") from None
+            raise LlamaServerError(
+                f"unexpected llama-server answer ({type(e).__name__}: {e}): {str(body)[:300]}"
+            ) from None
 
 
 class LlamaServer:
@@ -143,10 +149,34 @@ class LlamaServer:
         self._finalizer: weakref.finalize | None = None  # stops a forgotten server (GC or interpreter exit)
 
     def command(self, port: int) -> list[str]:
-        cmd = [str(self.binary), "-m", str(self.model), "-t", str(self.threads), "-tb", str(self.threads),
-               "-c", str(self.context * self.parallel), "-np", str(self.parallel), "-fa", "on", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        cmd = [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "-t",
+            str(self.threads),
+            "-tb",
+            str(self.threads),
+            "-c",
+            str(self.context * self.parallel),
+            "-np",
+            str(self.parallel),
+            "-fa",
+            "on",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         if self.drafter is not None:
-            cmd += ["-md", str(self.drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(self.block_size - 1)]
+            cmd += [
+                "-md",
+                str(self.drafter),
+                "--spec-type",
+                "draft-dflash",
+                "--spec-draft-n-max",
+                str(self.block_size - 1),
+            ]
         return cmd + list(self.extra_args)
 
     @property
@@ -169,8 +199,9 @@ class LlamaServer:
         self._log_file = self.log_path.open("w")
         self.port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
-        self.proc = subprocess.Popen(self.command(self.port), stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            self.command(self.port), stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
         self._finalizer = weakref.finalize(self, _stop, self.proc, self._log_file)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
@@ -186,7 +217,9 @@ class LlamaServer:
                 pass  # not listening yet, or 503 while loading
             if time.monotonic() > deadline:
                 self.close()
-                raise LlamaServerError(f"llama-server did not become ready in {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
+                raise LlamaServerError(
+                    f"llama-server did not become ready in {self.start_timeout_s:.0f} s:\n{self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def log_tail(self, lines: int = 15) -> str:
@@ -195,7 +228,12 @@ class LlamaServer:
         return "\n".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
 
     def complete(
-        self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0, seed: int = 0,
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
         extra: dict[str, Any] | None = None,
     ) -> Completion:
         """Generate up to `max_tokens` after `prompt_ids`; greedy at temperature 0, else plain sampling at that
@@ -204,21 +242,35 @@ class LlamaServer:
         if not prompt_ids:
             raise ValueError("empty prompt")
         body = {
-            "prompt": list(prompt_ids), "n_predict": max_tokens, "temperature": temperature, "seed": seed,
-            "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
-            "cache_prompt": False, "return_tokens": True, "stream": False, **(extra or {}),
-        }  # fmt: skip
-        request = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})  # fmt: skip
+            "prompt": list(prompt_ids),
+            "n_predict": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "top_k": 0,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "typical_p": 1.0,
+            "repeat_penalty": 1.0,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+            **(extra or {}),
+        }
+        request = urllib.request.Request(
+            self.url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.request_timeout_s) as r:
                 answer = json.load(r)
         except urllib.error.HTTPError as e:
-            raise LlamaServerError(f"llama-server answered {e.code}: {e.read().decode(errors='replace')[:500]}") from None
+            raise LlamaServerError(
+                f"llama-server answered {e.code}: {e.read().decode(errors='replace')[:500]}"
+            ) from None
         except (urllib.error.URLError, OSError) as e:
             alive = self.proc is not None and self.proc.poll() is None
-            raise LlamaServerError(f"llama-server request failed ({e}); "
-                                   f"{'still running' if alive else 'it exited'}:\n{self.log_tail()}") from None  # fmt: skip
+            raise LlamaServerError(
+                f"llama-server request failed ({e}); {'still running' if alive else 'it exited'}:\n{self.log_tail()}"
+            ) from None
         return Completion.from_response(answer)
 
     def close(self) -> None:
@@ -235,4 +287,3 @@ class LlamaServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

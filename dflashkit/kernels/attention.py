@@ -42,10 +42,17 @@ def packed_gqa_attention(
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     per_head_mask = attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1)
-    if (query.device.type != "cpu" or heads % kv_heads or per_head_mask or kwargs.get("s_aux") is not None
-            or attention_mask is not None and attention_mask.dtype != torch.bool):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)  # fmt: skip
+    if (
+        query.device.type != "cpu"
+        or heads % kv_heads
+        or per_head_mask
+        or kwargs.get("s_aux") is not None
+        or attention_mask is not None
+        and attention_mask.dtype != torch.bool
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     group = heads // kv_heads
     mask = attention_mask
     if mask is not None:
@@ -57,8 +64,9 @@ def packed_gqa_attention(
         rows = mask.shape[0]
         mask = mask[:, :, None].expand(rows, 1, group, q_len, kv_len).reshape(rows, 1, group * q_len, kv_len)
     packed = query.reshape(batch, kv_heads, group * q_len, head_dim)  # [batch, kv_heads, group*q_len, head_dim]
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling,
-                                         dropout_p=dropout if module.training else 0.0)
+    out = F.scaled_dot_product_attention(
+        packed, key, value, attn_mask=mask, scale=scaling, dropout_p=dropout if module.training else 0.0
+    )
     out = out.reshape(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()  # [batch, q_len, heads, head_dim]
     return out, None
 

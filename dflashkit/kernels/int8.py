@@ -65,6 +65,8 @@ import torch
 from torch import Tensor, nn
 
 from dflashkit.errors import InvalidInputError
+from dflashkit.kernels import row_kernels
+from dflashkit.kernels.row_kernels import RowKernelProduct
 
 METHODS = ("int8",)
 INT8_WEIGHTS = "int8 weight-only (per-channel)"
@@ -127,16 +129,16 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self._product()(x)
 
-    def _product(self):  # -> kernels.Int8Matmul (imported here: kernels imports this module)
-        """The product of these weights (:class:`dflashkit.kernels.ops.Int8Matmul`: on the row kernel where it runs, AVX2,
+    def _product(self) -> Int8Matmul:
+        """The product of these weights (:class:`Int8Matmul`: on the row kernel where it runs, AVX2,
         AVX512-BF16 or AMX, else ``aten._weight_int8pack_mm``), built on first use and again only when a weight
         changes."""
-        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version)  # inference tensors: no version
-                    for t in (self.qweight, self.scale, *((self.bias,) if self.bias is not None else ())))
+        key = tuple(
+            (t.data_ptr(), -1 if t.is_inference() else t._version)  # inference tensors: no version
+            for t in (self.qweight, self.scale, *((self.bias,) if self.bias is not None else ()))
+        )
         cached = self.__dict__.get("_cached_product")
         if cached is None or cached[0] != key:
-            from dflashkit.kernels.ops import Int8Matmul
-
             cached = (key, Int8Matmul(self.qweight, self.scale, self.bias))
             self.__dict__["_cached_product"] = cached
         return cached[1]
@@ -207,3 +209,26 @@ def target_weights(model: nn.Module) -> str:
     if quant:
         return quant
     return str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+
+
+class Int8Matmul(RowKernelProduct):
+    """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it (which calls one):
+    on the row kernel where it runs (its int8 product), else with ``aten._weight_int8pack_mm``."""
+
+    __slots__ = ("qweight", "scale")
+
+    def __init__(self, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+        self.qweight, self.scale = qweight.contiguous(), scale.contiguous()  # [out, in] int8, [out]
+        self.bias = bias.detach() if bias is not None else None
+        self.out_features = self.qweight.shape[0]
+        usable = row_kernels.int8_usable(self.qweight)
+        # every row count on the kernel: torch's int8 kernel rounds otherwise, and on AMX it prefilled a prompt ~2x
+        # slower than the bf16 target's
+        self._rows_kernel(row_kernels.pack_int8(self.qweight, self.scale) if usable else None, row_kernels.ANY_ROWS)
+
+    def _fallback(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)

@@ -75,7 +75,9 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self._packed: Tensor | None = None
         self._packed_key: tuple | None = None
-        self._small: tuple | None = None  # (key, (packed weight, fp32 bias, row limit) or None): dflashkit.kernels.row_kernels's
+        self._small: tuple | None = (
+            None  # (key, (packed weight, fp32 bias, row limit) or None): dflashkit.kernels.row_kernels's
+        )
         self.original: nn.Module | None = None  # the nn.Linear this replaced (see unpack_linears)
 
     @classmethod
@@ -86,7 +88,12 @@ class PackedLinear(nn.Module):
 
     def _key(self) -> tuple:
         w = self.weight
-        return (w.data_ptr(), -1 if w.is_inference() else w._version, w.dtype, w.device)  # inference tensors: no version
+        return (
+            w.data_ptr(),
+            -1 if w.is_inference() else w._version,
+            w.dtype,
+            w.device,
+        )  # inference tensors: no version
 
     def packed_weight(self) -> Tensor:
         """The oneDNN-blocked weight, packed on first use and again whenever the weight changes."""
@@ -120,7 +127,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in_features] -> [..., out_features]
         w = self.weight
-        if x.dtype != w.dtype or x.device.type != "cpu" or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        if (
+            x.dtype != w.dtype
+            or x.device.type != "cpu"
+            or torch.is_grad_enabled()
+            and (x.requires_grad or w.requires_grad)
+        ):
             return F.linear(x, w, self.bias)
         if x.dtype == torch.bfloat16:
             small = self.small_rows_weight()
@@ -141,8 +153,9 @@ def pack_linears(module: nn.Module) -> int:
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and (packing_supported(child.weight.device, child.weight.dtype)
-                                             or row_kernels.usable(child.weight)):
+            if type(child) is nn.Linear and (
+                packing_supported(child.weight.device, child.weight.dtype) or row_kernels.usable(child.weight)
+            ):
                 packed = getattr(child, "_dflashkit_packed", None)  # left there by unpack_linears
                 if packed is None or packed.weight is not child.weight or packed.bias is not child.bias:
                     packed = PackedLinear.from_linear(child)

@@ -14,33 +14,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflashkit.kernels import row_kernels
+from dflashkit.kernels.int8 import Int8Linear, Int8Matmul
 from dflashkit.kernels.linear import packing_supported
-from dflashkit.kernels.int8 import Int8Linear
+from dflashkit.kernels.row_kernels import RowKernelProduct
 
 
-class _RowKernelProduct:
-    """What :class:`Matmul` and :class:`Int8Matmul` share: the weight packed for :mod:`dflashkit.kernels.row_kernels`'s kernel
-    (``small``, None where it does not run), the most rows that kernel takes (read once, when packed) and the bias
-    in fp32. Products of up to that many bf16 rows run on it; the others on ``_fallback``."""
-
-    __slots__ = ("bias", "bias32", "out_features", "small", "small_rows")
-
-    def _rows_kernel(self, small: Tensor | None, rows: int | None = None) -> None:
-        self.small = small
-        self.small_rows = (rows if rows is not None else row_kernels.max_rows()) if small is not None else 0
-        self.bias32 = self.bias.float().contiguous() if small is not None and self.bias is not None else None
-
-    def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if self.small is not None and x.dtype == torch.bfloat16 and row_kernels.rows_of(x) <= self.small_rows:
-            return row_kernels.linear(x, self.small, self.out_features, self.bias32)
-        return self._fallback(x)
-
-    def _fallback(self, x: Tensor) -> Tensor:
-        raise NotImplementedError
-
-
-class Matmul(_RowKernelProduct):
-    """``x @ weight.T + bias``: up to :func:`row_kernels.max_rows` rows on :mod:`dflashkit.kernels.row_kernels`'s kernel where
+class Matmul(RowKernelProduct):
+    """``x @ weight.T + bias``: up to :func:`row_kernels.max_rows` rows on :mod:`dflashkit.kernels.row_kernels`'s
+    kernel where
     it runs (more rows through ``F.linear``); elsewhere with the weight prepacked for oneDNN where that runs
     (else ``F.linear``)."""
 
@@ -72,8 +53,9 @@ class Matmul(_RowKernelProduct):
         bias = None
         if any(m.bias is not None for m in linears):
             like = linears[0].scale if int8[0] else linears[0].weight
-            bias = torch.cat([m.bias.detach() if m.bias is not None else like.new_zeros(r)
-                              for m, r in zip(linears, rows)])  # fmt: skip
+            bias = torch.cat(
+                [m.bias.detach() if m.bias is not None else like.new_zeros(r) for m, r in zip(linears, rows)]
+            )
         if int8[0]:
             return Int8Matmul(torch.cat([m.qweight for m in linears]), torch.cat([m.scale for m in linears]), bias)
         return cls(torch.cat([m.weight.detach() for m in linears]), bias)
@@ -82,29 +64,6 @@ class Matmul(_RowKernelProduct):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-
-class Int8Matmul(_RowKernelProduct):
-    """``x @ (qweight * scale).T + bias`` with int8 weights, as :class:`Int8Linear` computes it (which calls one):
-    on the row kernel where it runs (its int8 product), else with ``aten._weight_int8pack_mm``."""
-
-    __slots__ = ("qweight", "scale")
-
-    def __init__(self, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
-        self.qweight, self.scale = qweight.contiguous(), scale.contiguous()  # [out, in] int8, [out]
-        self.bias = bias.detach() if bias is not None else None
-        self.out_features = self.qweight.shape[0]
-        usable = row_kernels.int8_usable(self.qweight)
-        # every row count on the kernel: torch's int8 kernel rounds otherwise, and on AMX it prefilled a prompt ~2x
-        # slower than the bf16 target's
-        self._rows_kernel(row_kernels.pack_int8(self.qweight, self.scale) if usable else None, row_kernels.ANY_ROWS)
-
-    def _fallback(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
 
 
 class RMSNorm:

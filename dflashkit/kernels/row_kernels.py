@@ -181,22 +181,34 @@ def _build(isa: Isa, otherwise: str = "oneDNN") -> ModuleType | None:
     try:
         build.mkdir(parents=True, exist_ok=True)
         if not (build / f"{name}.so").exists():
-            print(f"dflashkit: compiling its {isa.name.upper()} CPU kernels (once per machine, 30-60 s)...",
-                  file=sys.stderr)
+            print(
+                f"dflashkit: compiling its {isa.name.upper()} CPU kernels (once per machine, 30-60 s)...",
+                file=sys.stderr,
+            )
         from torch.utils.cpp_extension import load
 
         if shutil.which("ninja") is None:  # the pip package's ninja lies beside this Python, maybe not on PATH
             os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
 
-        module = load(name=name, sources=[str(isa.source)], build_directory=str(build), verbose=False,
-                      extra_cflags=list(isa.cflags), extra_include_paths=[str(CSRC)])
+        module = load(
+            name=name,
+            sources=[str(isa.source)],
+            build_directory=str(build),
+            verbose=False,
+            extra_cflags=list(isa.cflags),
+            extra_include_paths=[str(CSRC)],
+        )
         if not module.ready():  # e.g. a kernel or VM that does not hand out the AMX tile state
             raise RuntimeError("the operating system refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
         return module
     except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, a read-only home...: oneDNN it is)
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else exc
-        warnings.warn(f"dflashkit: the {isa.name.upper()} bf16 CPU kernel could not be built or run here "
-                      f"({type(exc).__name__}: {reason}); using {otherwise}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"dflashkit: the {isa.name.upper()} bf16 CPU kernel could not be built or run here "
+            f"({type(exc).__name__}: {reason}); using {otherwise}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 
@@ -213,8 +225,13 @@ def _capability() -> str:
 
 def usable(weight: Tensor) -> bool:
     """Whether products with this weight [out, in] can run on the kernel here."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % 2 == 0 and kernel() is not None)
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.shape[1] % 2 == 0
+        and kernel() is not None
+    )
 
 
 def attention_usable(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
@@ -290,8 +307,13 @@ def top_probs(scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
     first) and their indices (long [R, k]): ``scores.float().softmax(-1).topk(k)`` in one pass per row, the smaller
     index first among equal scores. None where the kernel does not run here (other dtypes or devices, V < 16, k > 16,
     ``DFLASHKIT_CPU_GEMM=onednn``)."""
-    if scores.dtype != torch.bfloat16 or scores.device.type != "cpu" or scores.dim() != 2 \
-            or not 16 <= scores.shape[-1] < 2**31 or not 1 <= k <= 16:
+    if (
+        scores.dtype != torch.bfloat16
+        or scores.device.type != "cpu"
+        or scores.dim() != 2
+        or not 16 <= scores.shape[-1] < 2**31
+        or not 1 <= k <= 16
+    ):
         return None
     kern = kernel()
     if kern is None:
@@ -299,12 +321,22 @@ def top_probs(scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
     return kern.top_probs_rows(scores if scores.is_contiguous() else scores.contiguous(), k)
 
 
-_NO_PROBS, _NO_COLUMNS = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.long)  # one-hot drafts; q over V
+_NO_PROBS, _NO_COLUMNS = (
+    torch.empty(0, dtype=torch.float32),
+    torch.empty(0, dtype=torch.long),
+)  # one-hot drafts; q over V
 
 
-def verify_chain(logits: Tensor, temperature: float, drafts: Tensor, draft_probs: Tensor | None, uniforms: Tensor,
-                 columns: Tensor | None = None) -> tuple[int, int] | None:
-    """Exact speculative sampling over a chain of k drafts in one call: :func:`dflashkit.decoding.sampling.verify_sampled` on
+def verify_chain(
+    logits: Tensor,
+    temperature: float,
+    drafts: Tensor,
+    draft_probs: Tensor | None,
+    uniforms: Tensor,
+    columns: Tensor | None = None,
+) -> tuple[int, int] | None:
+    """Exact speculative sampling over a chain of k drafts in one call:
+    :func:`dflashkit.decoding.sampling.verify_sampled` on
     CPU logits [k+1, V] (fp32 or bf16) warped by ``temperature`` alone, deciding with ``uniforms`` [k+1] (fp64) as it
     does; draft_probs [k, V] (or [k, V'] over the tokens ``columns`` [V'], a draft vocabulary) or None (one-hot
     drafts). Returns (kept drafts, the token after them), or None where the kernel does not run here or a row it
@@ -316,8 +348,9 @@ def verify_chain(logits: Tensor, temperature: float, drafts: Tensor, draft_probs
         return None
     probs = _NO_PROBS if draft_probs is None else draft_probs.to(torch.float32).contiguous()
     cols = _NO_COLUMNS if columns is None or draft_probs is None else columns.contiguous()
-    kept, token = kern.verify_chain(logits.contiguous(), 1.0 / temperature, drafts.contiguous(), probs, cols,
-                                    uniforms.contiguous())
+    kept, token = kern.verify_chain(
+        logits.contiguous(), 1.0 / temperature, drafts.contiguous(), probs, cols, uniforms.contiguous()
+    )
     return None if token < 0 else (kept, token)
 
 
@@ -336,20 +369,28 @@ def sample_rows(scores: Tensor, temperature: float, uniforms: Tensor) -> tuple[T
 
 
 def gumbel(keys: Tensor, width: int, columns: Tensor | None = None) -> Tensor:
-    """Coupled sampling's Gumbel noise (:class:`dflashkit.decoding.sampling.PositionNoise`) of the positions whose 64-bit keys
+    """Coupled sampling's Gumbel noise (:class:`dflashkit.decoding.sampling.PositionNoise`) of the positions whose
+    64-bit keys
     ``keys`` (int64 [R], the keys' bits) holds, over tokens 0..width-1 or the tokens ``columns`` [width]: fp32
     [R, width]. The kernel must run here (PositionNoise checks)."""
     return kernel().gumbel_rows(keys, width, _NO_COLUMNS if columns is None else columns.contiguous())
 
 
-def coupled(rows: Tensor, temperature: float, keys: Tensor, columns: Tensor | None = None, scores: bool = False,
-            argmax: bool = False) -> tuple[Tensor | None, Tensor | None]:
+def coupled(
+    rows: Tensor,
+    temperature: float,
+    keys: Tensor,
+    columns: Tensor | None = None,
+    scores: bool = False,
+    argmax: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
     """Coupled sampling's decisions on CPU rows [R, W] (bf16 or fp32, contiguous; over the tokens ``columns`` [W]
     where given) in one call: the noisy scores rows x (1 / temperature) + G (fp32 [R, W], if ``scores``) and / or
     each row's first largest one's column (long [R], if ``argmax``: torch's argmax of those scores, a NaN counting
     as the largest), with G the noise of the positions whose keys ``keys`` holds. The kernel must run here."""
-    out, index = kernel().coupled_rows(rows, 1.0 / temperature, keys,
-                                       _NO_COLUMNS if columns is None else columns.contiguous(), scores, argmax)
+    out, index = kernel().coupled_rows(
+        rows, 1.0 / temperature, keys, _NO_COLUMNS if columns is None else columns.contiguous(), scores, argmax
+    )
     return (out if scores else None), (index if argmax else None)
 
 
@@ -366,19 +407,50 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor | None, sc
     return kernel().attention(q.contiguous(), keys, values, hidden, n, scale)
 
 
-def layer_weights(input_norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, o: Tensor, post_norm: Tensor,
-                  gate_up: Tensor, down: Tensor, q_norm: Tensor | None, k_norm: Tensor | None) -> list[Tensor]:
+def layer_weights(
+    input_norm: Tensor,
+    qkv: Tensor,
+    qkv_bias: Tensor | None,
+    o: Tensor,
+    post_norm: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+) -> list[Tensor]:
     """One layer's 8 tensors for :func:`decoder_layers` (products packed by :func:`pack`, the q/k/v bias in fp32;
     absent ones as empty tensors)."""
     empty = input_norm.new_empty(0)
     norms = torch.stack((q_norm, k_norm)).detach().contiguous() if q_norm is not None else empty
-    return [input_norm.detach(), qkv, qkv_bias if qkv_bias is not None else empty.float(), o, post_norm.detach(),
-            gate_up, down, norms]
+    return [
+        input_norm.detach(),
+        qkv,
+        qkv_bias if qkv_bias is not None else empty.float(),
+        o,
+        post_norm.detach(),
+        gate_up,
+        down,
+        norms,
+    ]
 
 
-def decoder_layers(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Tensor, keys: Tensor, values: Tensor,
-                   start: int, hidden: Tensor | None, heads: int, kv_heads: int, intermediate: int, eps: float,
-                   scaling: float, feature_layers: list[int], context_start: int = 0) -> tuple[Tensor, Tensor | None]:
+def decoder_layers(
+    x: Tensor,
+    weights: list[Tensor],
+    cos: Tensor,
+    sin_signed: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    start: int,
+    hidden: Tensor | None,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    eps: float,
+    scaling: float,
+    feature_layers: list[int],
+    context_start: int = 0,
+) -> tuple[Tensor, Tensor | None]:
     """Every decoder layer for the rows x [n, hidden] at positions start..start+n-1, in one call (a Llama / Qwen2 /
     Qwen3 target's, or the drafter's, whose block rows see each other and the whole context: hidden None).
 
@@ -390,15 +462,41 @@ def decoder_layers(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Te
     last layer [n, hidden] and the feature layers' outputs [1, n, len(feature_layers) * hidden] (None without).
     """
     out, features = kernel().decoder_layers(
-        x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), keys, values, start, hidden, heads,
-        kv_heads, intermediate, eps, scaling, list(feature_layers), context_start)
+        x.contiguous(),
+        weights,
+        cos.contiguous(),
+        sin_signed.contiguous(),
+        keys,
+        values,
+        start,
+        hidden,
+        heads,
+        kv_heads,
+        intermediate,
+        eps,
+        scaling,
+        list(feature_layers),
+        context_start,
+    )
     return out, features[None] if feature_layers else None
 
 
-def decoder_layers_batch(x: Tensor, weights: list[Tensor], cos: Tensor, sin_signed: Tensor, caches: list[tuple[Tensor, Tensor]],
-                         starts: list[int], counts: list[int], hiddens: list[Tensor | None], heads: int, kv_heads: int,
-                         intermediate: int, eps: float, scaling: float,
-                         feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+def decoder_layers_batch(
+    x: Tensor,
+    weights: list[Tensor],
+    cos: Tensor,
+    sin_signed: Tensor,
+    caches: list[tuple[Tensor, Tensor]],
+    starts: list[int],
+    counts: list[int],
+    hiddens: list[Tensor | None],
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    eps: float,
+    scaling: float,
+    feature_layers: list[int],
+) -> tuple[Tensor, Tensor | None]:
     """:func:`decoder_layers` for the rows of several sequences at once: x [N, hidden] holds sequence s's
     ``counts[s]`` rows (positions ``starts[s]``..) after those of the sequences before it; each writes and attends
     over its own cache ``caches[s]`` = (keys, values) with its own hidden mask (None: every row sees every key).
@@ -407,19 +505,48 @@ def decoder_layers_batch(x: Tensor, weights: list[Tensor], cos: Tensor, sin_sign
     """
     empty = torch.empty(0, dtype=torch.bool, device=x.device)
     out, features = kernel().decoder_layers_batch(
-        x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), [k for k, _ in caches],
-        [v for _, v in caches], list(starts), list(counts), [h.contiguous() if h is not None else empty for h in hiddens],
-        heads, kv_heads, intermediate, eps, scaling, list(feature_layers), [0] * len(counts))
+        x.contiguous(),
+        weights,
+        cos.contiguous(),
+        sin_signed.contiguous(),
+        [k for k, _ in caches],
+        [v for _, v in caches],
+        list(starts),
+        list(counts),
+        [h.contiguous() if h is not None else empty for h in hiddens],
+        heads,
+        kv_heads,
+        intermediate,
+        eps,
+        scaling,
+        list(feature_layers),
+        [0] * len(counts),
+    )
     return out, features if feature_layers else None
 
 
-def drafter_step_batch(features: list[Tensor], step_weights: tuple, write_rows: list[int],
-                       feature_positions: list[int], embed: Tensor, mask_row: Tensor, anchors: list[int],
-                       block_counts: list[int], block_positions: list[int], tail_gaps: list[int],
-                       rotary: tuple[Tensor, Tensor],
-                       weights: list[Tensor], caches: list[tuple[Tensor, Tensor]], starts: list[int],
-                       context_starts: list[int], heads: int, kv_heads: int, intermediate: int, eps: float,
-                       scaling: float) -> Tensor:
+def drafter_step_batch(
+    features: list[Tensor],
+    step_weights: tuple,
+    write_rows: list[int],
+    feature_positions: list[int],
+    embed: Tensor,
+    mask_row: Tensor,
+    anchors: list[int],
+    block_counts: list[int],
+    block_positions: list[int],
+    tail_gaps: list[int],
+    rotary: tuple[Tensor, Tensor],
+    weights: list[Tensor],
+    caches: list[tuple[Tensor, Tensor]],
+    starts: list[int],
+    context_starts: list[int],
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    eps: float,
+    scaling: float,
+) -> Tensor:
     """A DFlash drafter's inference step for several sequences in one call (``csrc/row_layers.h``): sequence s's
     new target-feature rows ``features[s]`` [n_s, F] (n_s may be 0) enter its context cache (fc product, hidden
     norm, every layer's context K/V product, k norms, rotary: rows ``write_rows[s]``.., positions
@@ -432,7 +559,53 @@ def drafter_step_batch(features: list[Tensor], step_weights: tuple, write_rows: 
     (row p: position p). Returns the final-normed rows after each block's first, [sum(block_counts) - S, hidden]."""
     fc, hidden_norm, hidden_eps, context_kv, final_norm, final_eps = step_weights
     return kernel().drafter_step_batch(
-        features, fc, hidden_norm, hidden_eps, context_kv, list(write_rows), list(feature_positions), embed,
-        mask_row, list(anchors), list(block_counts), list(block_positions), list(tail_gaps), rotary[0], rotary[1], weights,
-        final_norm, final_eps, [k for k, _ in caches], [v for _, v in caches], list(starts), list(context_starts),
-        heads, kv_heads, intermediate, eps, scaling)
+        features,
+        fc,
+        hidden_norm,
+        hidden_eps,
+        context_kv,
+        list(write_rows),
+        list(feature_positions),
+        embed,
+        mask_row,
+        list(anchors),
+        list(block_counts),
+        list(block_positions),
+        list(tail_gaps),
+        rotary[0],
+        rotary[1],
+        weights,
+        final_norm,
+        final_eps,
+        [k for k, _ in caches],
+        [v for _, v in caches],
+        list(starts),
+        list(context_starts),
+        heads,
+        kv_heads,
+        intermediate,
+        eps,
+        scaling,
+    )
+
+
+class RowKernelProduct:
+    """What :class:`Matmul` and :class:`Int8Matmul` share: the weight packed for :mod:`dflashkit.kernels.row_kernels`'s
+    kernel
+    (``small``, None where it does not run), the most rows that kernel takes (read once, when packed) and the bias
+    in fp32. Products of up to that many bf16 rows run on it; the others on ``_fallback``."""
+
+    __slots__ = ("bias", "bias32", "out_features", "small", "small_rows")
+
+    def _rows_kernel(self, small: Tensor | None, rows: int | None = None) -> None:
+        self.small = small
+        self.small_rows = (rows if rows is not None else max_rows()) if small is not None else 0
+        self.bias32 = self.bias.float().contiguous() if small is not None and self.bias is not None else None
+
+    def __call__(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        if self.small is not None and x.dtype == torch.bfloat16 and rows_of(x) <= self.small_rows:
+            return linear(x, self.small, self.out_features, self.bias32)
+        return self._fallback(x)
+
+    def _fallback(self, x: Tensor) -> Tensor:
+        raise NotImplementedError

@@ -6,7 +6,8 @@ prometheus_client).
     uvicorn.run(app, port=8000)          # or: dflashkit serve --drafter path/to/drafter --port 8000
 """
 
-from dflashkit.server.app import ServerSettings, create_app
+from dflashkit.server.app import create_app
 from dflashkit.server.errors import APIError
+from dflashkit.server.service import ServerSettings
 
 __all__ = ["APIError", "ServerSettings", "create_app"]

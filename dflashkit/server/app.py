@@ -9,126 +9,41 @@ at /. Requests are validated and tokenised on arrival
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from importlib import resources
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response
 
-from dflashkit.decoding.batching import BatchMember, ComputeThread, ForwardBatcher
-from dflashkit.chat import completed_turn, continued_prompt
-from dflashkit.drafter.config import check_proposal_temperature
 from dflashkit.cpuload import LoadWatcher, on_cpu, threads_hint
-from dflashkit.decoding.loop import check_draft_window
-from dflashkit.errors import InvalidInputError
-from dflashkit.generator import GenerationResult, GenerationStream, SpeculativeGenerator, TextDelta, default_block_size, default_lookup
-from dflashkit.decoding.grammar import CompiledGrammar, Grammar
-from dflashkit.decoding.penalties import Penalties
-from dflashkit.decoding.prefix_cache import PrefixCache
-from dflashkit.decoding.sampling import SamplingParams, check_sampler
-from dflashkit.text import IncrementalDetokenizer, render_chat
-from dflashkit.tool_calls import ToolError, ToolRequest, template_messages
-from dflashkit.decoding.tree import check_tree_option
+from dflashkit.decoding.batching import ComputeThread, ForwardBatcher
+from dflashkit.generator import SpeculativeGenerator
 from dflashkit.server import messages_api
-from dflashkit.server.errors import APIError, bad_request, from_exception, install_error_handlers
+from dflashkit.server.errors import APIError, install_error_handlers
 from dflashkit.server.metrics import RequestCounter, ServerMetrics
-from dflashkit.server.responses import Echo, ResponseBuilder, sse_event
-from dflashkit.server.responses_api import Continuation, ResponsesBuilder, ResponsesRequest, ResponseStore, StoredResponse, listed_items, next_turn, renamed, stored_messages
-from dflashkit.server.scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
-from dflashkit.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from dflashkit.server.responses_api import ResponsesRequest
+from dflashkit.server.scheduler import Scheduler
+from dflashkit.server.schemas import ChatCompletionRequest, CompletionRequest
+from dflashkit.server.service import ServerSettings, Service
 
 log = logging.getLogger("dflashkit.server")
 
-ENDPOINTS = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses",
-             "/v1/messages", "/v1/messages/count_tokens"}
-DISCONNECT_POLL_S = 0.1
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its answer was ready."""
-
-
-MAX_BATCH = 16  # generations running at once, at most
-
-
-@dataclass
-class ServerSettings:
-    """How the server serves; invalid values raise InvalidInputError."""
-
-    model_id: str | None = None  # the name clients send; None: the target's name or path
-    max_queue: int = 16  # requests that may wait while max_batch run; more are answered 429
-    max_batch: int = 4  # generations that run at once, their target passes batched (dflashkit.decoding.batching)
-    timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
-    default_max_tokens: int = 256  # when a request gives none (capped by the context)
-    block_size: int | str | None = None  # verify block size ("auto": adaptive; None: "auto", with `tree` the drafter's)
-    proposal: str = "sample"  # how drafts are proposed when sampling ("sample" or "argmax"; both exact)
-    proposal_temperature: float | None = None  # drafts drawn at this multiple of the temperature (None: the drafter's)
-    sampler: str | None = None  # "rejection" / "coupled" (None: coupled for requests with a seed; dflashkit.decoding.sampling)
-    lookup: bool | None = None  # prompt lookup: copy a repeated n-gram's continuation (None: on with a drafter)
-    tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: the default; 0: chains)
-    draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
-    prefix_cache_mb: float = 256.0  # finished generations kept for prompts that begin the same way (0: none)
-    stored_responses: int = 256  # /v1/responses kept in memory for previous_response_id (0: none)
-    api_key: str | None = None  # /v1/* then needs "Authorization: Bearer KEY" or "x-api-key: KEY"
-    clamp_max_tokens: bool = False  # a max_tokens past the context is lowered to what fits instead of refused
-    allowed_origins: list[str] = field(default_factory=list)  # browser origins allowed cross-origin calls (CORS)
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        if self.max_queue < 0:
-            raise InvalidInputError(f"max_queue must be >= 0, got {self.max_queue}")
-        if not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= MAX_BATCH:
-            raise InvalidInputError(f"max_batch must be an integer in 1..{MAX_BATCH}, got {self.max_batch!r}")
-        if self.timeout is not None and not self.timeout > 0:
-            raise InvalidInputError(f"timeout must be positive, got {self.timeout}")
-        if self.default_max_tokens < 1:
-            raise InvalidInputError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
-        if self.proposal not in ("argmax", "sample"):
-            raise InvalidInputError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
-        if self.proposal_temperature is not None:
-            check_proposal_temperature(self.proposal_temperature)
-        check_tree_option(self.tree)
-        if self.sampler is not None:
-            check_sampler(self.sampler)
-        check_draft_window(self.draft_window)
-        PrefixCache.of_mib(self.prefix_cache_mb)  # checks the size
-        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
-            raise InvalidInputError("api_key must be non-empty text without surrounding spaces")
-        if not isinstance(self.stored_responses, int) or self.stored_responses < 0:
-            raise InvalidInputError(f"stored_responses must be an integer >= 0, got {self.stored_responses!r}")
-        if self.block_size is not None and self.block_size != "auto" and (
-                not isinstance(self.block_size, int) or self.block_size < 2):
-            raise InvalidInputError(f"block_size must be an integer >= 2 or 'auto', got {self.block_size!r}")
-
-
-@dataclass
-class Plan:
-    """A validated request, ready to queue: one prompt (chat), or the completions prompts in order."""
-
-    body: GenerationRequest
-    chat: bool
-    prompts: list[list[int]]  # token ids of each prompt
-    max_new_tokens: list[int]  # per prompt
-    arrived: float
-    grammar: CompiledGrammar | None = None  # response_format, checked against the tokenizer
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    echoes: list[Echo] | None = None  # completions with echo: each prompt, to put before its completions
-    tools: ToolRequest | None = None  # chat: the request's tools (calls are parsed out of the answer when active)
-
-    @property
-    def generations(self) -> int:
-        """Generations to run: every prompt's n choices (or best_of candidates), one after another."""
-        return len(self.prompts) * self.body.candidates
+ENDPOINTS = {
+    "/",
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+}
 
 
 def busy_load_reporter(metrics: ServerMetrics) -> Callable[[float | None], None]:
@@ -154,8 +69,13 @@ def busy_load_reporter(metrics: ServerMetrics) -> Callable[[float | None], None]
     return report
 
 
-def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None = None, *,
-               compute: ComputeThread | None = None, **kwargs: Any) -> FastAPI:
+def create_app(
+    generator: SpeculativeGenerator,
+    settings: ServerSettings | None = None,
+    *,
+    compute: ComputeThread | None = None,
+    **kwargs: Any,
+) -> FastAPI:
     """An app serving `generator`; `settings`, or ServerSettings fields as keyword arguments.
 
     Every pass of the target and the drafter runs in one thread (:class:`~dflashkit.decoding.batching.ComputeThread`):
@@ -192,14 +112,19 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
                 compute.stop()
 
     dependencies = [Depends(_key_check(settings.api_key))] if settings.api_key is not None else []
-    app = FastAPI(title="dflashkit", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan,
-                  dependencies=dependencies)
+    app = FastAPI(
+        title="dflashkit",
+        summary="OpenAI-compatible speculative decoding server",
+        lifespan=lifespan,
+        dependencies=dependencies,
+    )
     app.state.service, app.state.scheduler, app.state.metrics = service, scheduler, metrics
     install_error_handlers(app, {messages_api.PATH: messages_api.error_body})
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
     if settings.allowed_origins:  # answers browsers' preflight requests itself (before any key check)
-        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -228,8 +153,9 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
         return service.responses.get(response_id).response
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def list_input_items(response_id: str, after: str | None = None, limit: int = 20,
-                               order: str = "desc") -> dict[str, Any]:
+    async def list_input_items(
+        response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
+    ) -> dict[str, Any]:
         return service.responses.input_items(response_id, after, limit, order)
 
     @app.delete("/v1/responses/{response_id}")
@@ -260,17 +186,6 @@ def create_app(generator: SpeculativeGenerator, settings: ServerSettings | None 
     return app
 
 
-def _best(results: list[GenerationResult], n: int) -> list[int]:
-    """The indices of the n results of highest mean log-probability per token, best first (all of them, in
-    order, when there are only n)."""
-    if len(results) == n:
-        return list(range(n))
-    def score(i: int) -> float:
-        lps = results[i].logprobs or []
-        return sum(lp.logprob for lp in lps) / max(1, len(lps))
-    return sorted(range(len(results)), key=lambda i: (-score(i), i))[:n]
-
-
 def _key_check(key: str) -> Callable[[Request], None]:
     """A dependency refusing /v1/* requests that do not carry `key` (OpenAI's bearer header or Anthropic's
     x-api-key); /health, /metrics and the playground page stay open, as in llama-server and vLLM."""
@@ -282,453 +197,15 @@ def _key_check(key: str) -> Callable[[Request], None]:
         bearer = request.headers.get("authorization", "")
         sent = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not secrets.compare_digest(sent.strip().encode(), expected):
-            raise APIError(401, "Invalid or missing API key: this server needs 'Authorization: Bearer KEY' (or "
-                           "'x-api-key: KEY')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "Invalid or missing API key: this server needs 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     return check
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _cancel_all(jobs: list[Job]) -> None:
-    for job in jobs:
-        job.cancel("cancelled")  # a no-op for a job that already ended
-
-
 def _playground_html() -> str:
     return resources.files(__package__).joinpath("static/playground.html").read_text(encoding="utf-8")
-
-
-class Service:
-    """Validates requests, queues them, and turns their events into OpenAI responses."""
-
-    def __init__(self, generator: SpeculativeGenerator, settings: ServerSettings, scheduler: Scheduler) -> None:
-        self.generator, self.settings, self.scheduler = generator, settings, scheduler
-        self.prefix_cache = PrefixCache.of_mib(settings.prefix_cache_mb)
-        self.responses = ResponseStore(settings.stored_responses)
-
-    # ---- small endpoints ---------------------------------------------------------------------------------
-
-    def model_card(self) -> dict[str, Any]:
-        """The served model, in OpenAI's shape (object, created, owned_by) and Anthropic's (type, display_name,
-        created_at)."""
-        created = self.settings.created
-        return {"id": self.settings.model_id, "object": "model", "created": created, "owned_by": "dflashkit",
-                "type": "model", "display_name": self.settings.model_id,
-                "created_at": datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")}
-
-    def check_model(self, model: str) -> None:
-        if model != self.settings.model_id:
-            raise APIError(404, f"The model {model!r} does not exist: this server serves '{self.settings.model_id}'",
-                           param="model", code="model_not_found")
-
-    def health(self) -> dict[str, Any]:
-        drafter = self.generator.drafter
-        block_size = default_block_size(self.settings.block_size, drafter is not None, self.settings.tree)
-        lookup = default_lookup(self.settings.lookup, drafter is not None)
-        return {
-            "status": "ok",
-            "model": self.settings.model_id,
-            "speculative": drafter is not None,
-            "block_size": (drafter.block_size if block_size is None else block_size) if drafter is not None else 1,
-            "adaptive_block_size": drafter is not None and block_size == "auto",
-            "prompt_lookup": lookup,
-            "ngram_store_entries": (len(drafter.ngram_store) if lookup and drafter is not None
-                                    and drafter.ngram_store is not None else None),
-            "context_length": self.generator.target.max_positions,
-            "target_weights": self.generator.target.weights,
-            "engine": self.generator.target.engine,
-            "queued": self.scheduler.queued,
-            "running": self.scheduler.running,
-            "max_queue": self.settings.max_queue,
-            "max_batch": self.settings.max_batch,
-            "prefix_cache": self._prefix_cache_state(),
-            "stored_responses": len(self.responses),
-        }
-
-    def _prefix_cache_state(self) -> dict[str, Any] | None:
-        cache = self.prefix_cache
-        if cache is None:
-            return None
-        return {"max_mib": cache.max_bytes / 2**20, "mib": round(cache.nbytes / 2**20, 3), "sequences": len(cache),
-                "hits": cache.hits, "misses": cache.misses, "reused_tokens": cache.reused_tokens}
-
-    # ---- validation --------------------------------------------------------------------------------------
-
-    def plan(self, body: GenerationRequest, chat: bool, continues: Continuation | None = None) -> Plan:
-        """The request checked and tokenised. ``continues``: the stored turn a chat request continues (its prompt's
-        text and ids and its answer's ids): its tokens begin the prompt when the template renders it so."""
-        arrived = asyncio.get_running_loop().time()
-        self.check_model(body.model)
-        body.check_supported()
-        try:
-            SamplingParams(body.temperature, body.effective_top_k, body.top_p)
-        except InvalidInputError as e:
-            raise bad_request(str(e)) from e
-        logit_bias = body.token_logit_bias()
-        try:
-            Penalties(body.presence_penalty, body.frequency_penalty, body.repetition_penalty,
-                      logit_bias).check_vocab(self.generator.target.vocab_size)
-        except InvalidInputError as e:
-            raise bad_request(str(e), param="logit_bias") from e
-        tools = body.tool_request() if isinstance(body, ChatCompletionRequest) else None
-        prompts = self._encode(body, chat, tools, continues)
-        generations = len(prompts) * body.candidates
-        places = self.settings.max_queue + self.settings.max_batch
-        if generations > places:
-            param = "best_of" if body.candidates > body.n else "n" if len(prompts) == 1 else "prompt"
-            raise bad_request(f"{generations} generations ({len(prompts)} prompt(s) x {body.candidates}) need as many "
-                              f"places in the queue, and this server holds {places} (--max-queue "
-                              f"{self.settings.max_queue} + --max-batch {self.settings.max_batch})", param=param)  # fmt: skip
-        max_new = [self._max_new_tokens(body, chat, ids) for ids in prompts]
-        echoes = None
-        if isinstance(body, CompletionRequest) and body.echo:
-            echoes = [self._echo(prompt, ids) for prompt, ids in zip(body.prompts, prompts)]
-        return Plan(body, chat, prompts, max_new, arrived, logit_bias=logit_bias, echoes=echoes, tools=tools)
-
-    def _max_new_tokens(self, body: GenerationRequest, chat: bool, ids: list[int]) -> int:
-        """The completion's token budget after `ids`: the request's, or the default within the context."""
-        context = self.generator.target.max_positions
-        param = "messages" if chat else "prompt"
-        if len(ids) >= context:
-            raise bad_request(
-                f"This model's maximum context length is {context} tokens, and the prompt alone has {len(ids)} "
-                "tokens: shorten it.", param=param, code="context_length_exceeded")  # fmt: skip
-        room = context - len(ids)
-        requested = body.requested_max_tokens()
-        if requested is not None and requested > room and self.settings.clamp_max_tokens:
-            return room
-        if requested is not None and requested > room:
-            raise bad_request(
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the completion). "
-                f"Please reduce the prompt or max_tokens (at most {room} here).",
-                param="max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens",
-                code="context_length_exceeded",
-            )  # fmt: skip
-        return requested if requested is not None else min(self.settings.default_max_tokens, room)
-
-    def _echo(self, prompt: str | list[int], ids: list[int]) -> Echo:
-        """A completions prompt to echo: the text as sent (token ids: decoded), and each token's piece of it."""
-        tokenizer = self.generator.tokenizer
-        text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-        detok = IncrementalDetokenizer(tokenizer)
-        pieces = [detok.push([t]) for t in ids]
-        pieces[-1] += detok.flush()
-        return Echo(text, list(ids), pieces)
-
-    def _compile(self, grammar: Grammar, body: GenerationRequest) -> CompiledGrammar:
-        """The request's grammar checked against the tokenizer; the first one builds the tokenizer's grammar view
-        (~1 s): called off the event loop. A refused grammar is a 400 naming the field it came from."""
-        try:
-            return self.generator.compile_grammar(grammar)
-        except InvalidInputError as e:
-            field_name = next(n for n in ("response_format", "guided_json", "guided_regex", "guided_choice",
-                                          "guided_grammar") if getattr(body, n, None) is not None)
-            raise bad_request(str(e), param=field_name) from e
-
-    def _compile_tools(self, tools: ToolRequest) -> CompiledGrammar | None:
-        try:
-            return self.generator.tool_call_grammar(tools)
-        except InvalidInputError as e:  # e.g. a parameters schema the grammar compiler refuses
-            raise bad_request(str(e), param="tools") from e
-
-    def _encode(self, body: GenerationRequest, chat: bool, tools: ToolRequest | None = None,
-                continues: Continuation | None = None) -> list[list[int]]:
-        """Token ids of the request's prompt(s) (chat: with the tools the template shows, if any)."""
-        try:
-            if isinstance(body, ChatCompletionRequest):
-                messages = [m.as_template_message() for m in body.messages]
-                ids = self.generator.encode_prompt(messages, chat=True,
-                                                   tools=tools.template_tools() if tools is not None else None)
-                text = self.chat_text(body, tools) if continues is not None else None
-                continued = continued_prompt(self.generator.tokenizer, text, continues) if text is not None else None
-                return [continued if continued is not None else ids]
-            assert isinstance(body, CompletionRequest)
-            out = []
-            vocab = self.generator.target.vocab_size
-            for prompt in body.prompts:
-                if isinstance(prompt, list):
-                    if min(prompt) < 0 or max(prompt) >= vocab:
-                        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
-                    out.append(list(prompt))
-                else:
-                    out.append(self.generator.encode_prompt(prompt, chat=False))
-            return out
-        except ToolError as e:
-            raise bad_request(str(e), param=e.field) from e
-        except InvalidInputError as e:
-            raise bad_request(str(e), param="messages" if chat else "prompt") from e
-
-    def chat_text(self, body: ChatCompletionRequest, tools: ToolRequest | None) -> str | None:
-        """The chat template's text of the request's prompt (None: the tokenizer has no template)."""
-        messages = template_messages(m.as_template_message() for m in body.messages)
-        return render_chat(self.generator.tokenizer, messages, tools.template_tools() if tools is not None else None)
-
-    # ---- serving -----------------------------------------------------------------------------------------
-
-    async def handle(self, request: Request, body: GenerationRequest, chat: bool) -> Response:
-        plan = self.plan(body, chat)
-        jobs, event, deadline = await self._launch(request, plan)
-        response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes)
-        try:
-            if plan.body.stream:  # from here on, the SSE generator owns the jobs
-                return _event_stream(self._sse(jobs, event, response, deadline))
-            results = []
-            for index, job in enumerate(jobs):
-                results.append(await self._collect(job, event if index == 0 else None, deadline, request,
-                                                   functools.partial(response.add, index=index)))
-            per_prompt = body.candidates
-            keep = [p * per_prompt + i for p in range(len(plan.prompts))
-                    for i in _best(results[p * per_prompt : (p + 1) * per_prompt], body.n)]
-            return JSONResponse(response.complete(results, keep=keep))
-        except ClientGone:
-            _cancel_all(jobs)
-            return Response(status_code=499)  # nobody reads it
-        except BaseException:
-            _cancel_all(jobs)  # a no-op for jobs that already ended
-            raise
-
-    async def handle_responses(self, request: Request, body: ResponsesRequest) -> Response:
-        """/v1/responses: the chat request it means, generated as chat is, answered as a response object or its
-        event stream; stored (``store``) with its conversation for ``previous_response_id``."""
-        try:
-            previous = (self.responses.get(body.previous_response_id, param="previous_response_id")
-                        if body.previous_response_id is not None else None)
-            history = previous.messages if previous is not None else []
-            plan, chat_body, messages = self._responses_plan(body, history, previous)
-            jobs, event, deadline = await self._launch(request, plan)
-        except APIError as e:
-            raise renamed(e) from e
-        builder = ResponsesBuilder(plan, body, self.settings.model_id, self.generator.token_bytes)
-
-        def keep(response: dict[str, Any], result: GenerationResult) -> None:
-            """Store the response with its conversation and, for the next turn's prompt, its tokens."""
-            if not body.store:
-                return
-            text = self.chat_text(chat_body, plan.tools)
-            continuation = (completed_turn(text, plan.prompts[0], result, self.generator.eos_token_ids)
-                            if text is not None else None)
-            self.responses.put(StoredResponse(response, stored_messages(messages, history, response), continuation,
-                                              listed_items(body.input)))
-
-        return await self._answer(request, jobs, event, deadline, builder, body.stream,
-                                  lambda result: keep(builder.final, result))
-
-    def _responses_plan(self, body: ResponsesRequest, history: list[dict[str, Any]], previous: StoredResponse | None
-                        ) -> tuple[Plan, ChatCompletionRequest, list[dict[str, Any]]]:
-        """The plan of a Responses request after `history` (with the chat request and its input's messages); with
-        truncation "auto", the conversation's earliest turns are left out until the prompt and its answer fit."""
-        drop = 0
-        while True:
-            chat_body, messages = body.as_chat(history, drop)
-            try:  # a continued turn's own tokens begin the prompt only while nothing is left out
-                continues = previous.continuation if previous is not None and not drop else None
-                return self.plan(chat_body, chat=True, continues=continues), chat_body, messages
-            except APIError as e:
-                later = (next_turn([*history, *messages], drop) if body.truncation == "auto"
-                         and e.code == "context_length_exceeded" else None)
-                if later is None:
-                    raise
-                drop = later
-
-    async def handle_messages(self, request: Request, body: messages_api.MessagesRequest) -> Response:
-        """/v1/messages: the chat request it means, generated as chat is, answered as an Anthropic message or its
-        event stream."""
-        plan = self.plan(body.as_chat(), chat=True)
-        jobs, event, deadline = await self._launch(request, plan)
-        builder = messages_api.MessageBuilder(plan, self.settings.model_id)
-        return await self._answer(request, jobs, event, deadline, builder, body.stream)
-
-    async def _answer(self, request: Request, jobs: list[Job], event: Event, deadline: float | None, builder: Any,
-                      stream: bool, on_done: Callable[[GenerationResult], None] | None = None) -> Response:
-        """One generation answered through a typed-event builder (Responses, Messages): its event stream, or the
-        whole object (``builder.complete``); ``on_done`` is called with the result once the builder's ``final``
-        object is made."""
-        try:
-            if stream:
-                return _event_stream(self._typed_sse(jobs[0], event, builder, deadline, on_done))
-            result = await self._collect(jobs[0], event, deadline, request, builder.add)
-            response = builder.complete(result)
-            if on_done is not None:
-                on_done(result)
-            return JSONResponse(response)
-        except ClientGone:
-            _cancel_all(jobs)
-            return Response(status_code=499)
-        except BaseException:
-            _cancel_all(jobs)
-            raise
-
-    def count_tokens(self, body: messages_api.MessagesRequest) -> dict[str, int]:
-        """/v1/messages/count_tokens: the prompt's tokens as /v1/messages would see them."""
-        self.check_model(body.model)
-        chat_body = body.as_chat(generation=False)
-        return {"input_tokens": len(self._encode(chat_body, True, chat_body.tool_request())[0])}
-
-    async def _launch(self, request: Request, plan: Plan) -> tuple[list[Job], Event, float | None]:
-        """Queue the plan's generations; return them with the first one's first event (a failure raised) and the
-        request's deadline."""
-        body = plan.body
-        grammar = body.grammar()
-        if plan.tools is not None and plan.tools.forced:  # tool_choice required / a named function: its grammar
-            if grammar is not None:
-                raise bad_request(f"tool_choice {body.tool_choice!r} makes the answer a tool call: it cannot also "
-                                  "follow response_format or guided_*", param="tool_choice")
-            plan.grammar = await asyncio.to_thread(self._compile_tools, plan.tools)
-        elif grammar is not None:  # compiled off the event loop
-            plan.grammar = await asyncio.to_thread(self._compile, grammar, body)
-        if body.requested_logprobs() is not None:  # the tokenizer's byte view (built once, ~1 s) off the event loop
-            await asyncio.to_thread(self.generator.token_bytes, 0)
-        loop = asyncio.get_running_loop()
-        try:  # every prompt's n choices (or best_of candidates), queued together, run one after another
-            jobs = self.scheduler.submit_all([functools.partial(self._start, plan, i) for i in range(plan.generations)],
-                                             loop)
-        except QueueFullError as e:
-            raise APIError(429, f"The server is busy ({self.scheduler.queued} requests waiting): retry after "
-                           f"{e.retry_after} s", type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(e.retry_after)}) from e  # fmt: skip
-        deadline = plan.arrived + self.settings.timeout if self.settings.timeout is not None else None
-        try:
-            event = await self._next(jobs[0], deadline, request)  # also waits out the queue
-            if isinstance(event, Failed):
-                raise from_exception(event.error)
-        except ClientGone:
-            _cancel_all(jobs)
-            raise APIError(499, "the client went away") from None  # nobody reads it
-        except BaseException:
-            _cancel_all(jobs)
-            raise
-        return jobs, event, deadline
-
-    async def _collect(self, job: Job, event: Event | None, deadline: float | None, request: Request,
-                       add: Callable[[TextDelta], None]) -> GenerationResult:
-        """The job's result, each delta given to `add` on the way (`event`: its first event, if already taken)."""
-        if event is None:
-            event = await self._next(job, deadline, request)
-        while isinstance(event, Delta):
-            add(event.delta)
-            event = await self._next(job, deadline, request)
-        if isinstance(event, Failed):
-            raise from_exception(event.error)
-        assert isinstance(event, Done)
-        return event.result
-
-    def _start(self, plan: Plan, job: int = 0, batch: BatchMember | None = None) -> GenerationStream:  # worker thread
-        """Generation `job` of the request: choice i of prompt p for job = p * candidates + i; with a seed, choice
-        i > 0 samples with seed + i (mod 2**64). ``batch``: it runs as that member of the server's batcher."""
-        b = plan.body
-        p, index = divmod(job, b.candidates)
-        if plan.max_new_tokens[p] == 0:  # echo with max_tokens 0: the prompt scored, nothing generated
-            return self.generator.score(plan.prompts[p], prompt_logprobs=b.requested_logprobs() or 0, batch=batch)
-        seed = b.seed if b.seed is None or index == 0 else (b.seed + index) % 2**64
-        logprobs = b.requested_logprobs()
-        if b.candidates > b.n and logprobs is None:
-            logprobs = 0  # best_of ranks the candidates by their log-probability per token
-        return self.generator.stream(
-            plan.prompts[p], max_new_tokens=plan.max_new_tokens[p], temperature=b.temperature, top_k=b.effective_top_k,
-            top_p=b.top_p, seed=seed, stop=b.stop_strings, block_size=self.settings.block_size,
-            proposal=self.settings.proposal, proposal_temperature=self.settings.proposal_temperature,
-            sampler=b.sampler or self.settings.sampler, lookup=self.settings.lookup,
-            tree=self.settings.tree,
-            draft_window=self.settings.draft_window, grammar=plan.grammar, logprobs=logprobs,
-            prompt_logprobs=b.requested_logprobs() if plan.echoes is not None else None,
-            presence_penalty=b.presence_penalty, frequency_penalty=b.frequency_penalty,
-            repetition_penalty=b.repetition_penalty, logit_bias=plan.logit_bias, batch=batch,
-            prefix_cache=self.prefix_cache if b.cache_prompt else None,
-        )  # fmt: skip
-
-    async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:
-        """The job's next event; raises APIError 504 past the deadline (cancelling the job), ClientGone when
-        `request` is given and its client disconnected."""
-        loop = asyncio.get_running_loop()
-        getter = asyncio.ensure_future(job.next_event())
-        try:
-            while True:
-                remaining = None if deadline is None else deadline - loop.time()
-                if remaining is not None and remaining <= 0:
-                    job.cancel("timeout")
-                    raise APIError(504, f"The request did not complete within {self.settings.timeout:g} s",
-                                   type="timeout_error", code="timeout")
-                wait = remaining
-                if request is not None:  # poll for a disconnect now and then
-                    wait = DISCONNECT_POLL_S if remaining is None else min(DISCONNECT_POLL_S, remaining)
-                done, _ = await asyncio.wait({getter}, timeout=wait)
-                if done:
-                    return getter.result()
-                if request is not None and await request.is_disconnected():
-                    raise ClientGone
-        finally:
-            if not getter.done():
-                getter.cancel()
-
-    async def _sse(self, jobs: list[Job], first: Event, response: ResponseBuilder,
-                   deadline: float | None) -> AsyncIterator[str]:
-        """Server-sent events: each choice's chunks in turn (its index on each), its finish_reason on its last
-        chunk and, on the last choice's, the usage of all; then [DONE]. A disconnect, an error or a timeout cancels
-        the jobs not yet ended (Starlette cancels this generator when the client goes)."""
-        results: list[GenerationResult] = []
-        try:
-            for index, job in enumerate(jobs):
-                yield sse_event(response.first_chunk(index))
-                event = first if index == 0 else None
-                while True:
-                    if event is None:
-                        try:
-                            event = await self._next(job, deadline, None)
-                        except APIError as e:  # timeout
-                            yield sse_event(e.body())
-                            return
-                    if isinstance(event, Delta):
-                        yield sse_event(response.chunk(event.delta, index))
-                    elif isinstance(event, Done):
-                        results.append(event.result)
-                        for chunk in response.tool_chunks(index):  # calls are known when the answer ends
-                            yield sse_event(chunk)
-                        last = index == len(jobs) - 1
-                        yield sse_event(response.final_chunk(event.result, index, results if last else None))
-                        break
-                    else:
-                        yield sse_event(from_exception(event.error).body())
-                        return
-                    event = None
-            yield "data: [DONE]\n\n"
-        finally:
-            _cancel_all(jobs)
-
-    async def _typed_sse(self, job: Job, event: Event | None, builder: Any, deadline: float | None,
-                         on_done: Callable[[GenerationResult], None] | None = None) -> AsyncIterator[str]:
-        """Typed server-sent events of one generation (the Responses and Messages APIs): the builder's opening
-        events, its events per delta, then its closing events (``on_done`` called with the result before they
-        go out), or its events for an error or a timeout."""
-        try:
-            for chunk in builder.start_events():
-                yield chunk
-            while True:
-                if event is None:
-                    try:
-                        event = await self._next(job, deadline, None)
-                    except APIError as e:  # timeout
-                        for chunk in builder.failed_events(e):
-                            yield chunk
-                        return
-                if isinstance(event, Delta):
-                    for chunk in builder.delta_events(event.delta):
-                        yield chunk
-                elif isinstance(event, Done):
-                    chunks = builder.done_events(event.result)
-                    if on_done is not None:
-                        on_done(event.result)
-                    for chunk in chunks:
-                        yield chunk
-                    return
-                else:
-                    for chunk in builder.failed_events(from_exception(event.error)):
-                        yield chunk
-                    return
-                event = None
-        finally:
-            job.cancel("cancelled")

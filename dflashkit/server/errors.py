@@ -68,8 +68,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return bad_request("invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
-                           code="invalid_json")
+        return bad_request(
+            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+            code="invalid_json",
+        )
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None  # the top-level field, as OpenAI names it; the message has the full path
     message = first.get("msg", "invalid value")

@@ -18,19 +18,26 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field
 
 from dflashkit.generator import GenerationResult, TextDelta
-from dflashkit.tool_calls import ToolCall
 from dflashkit.server.errors import APIError, bad_request
 from dflashkit.server.responses import ResponseBuilder, usage
 from dflashkit.server.schemas import ChatCompletionRequest, OpenAIRequest, chat_request
+from dflashkit.tool_calls import ToolCall
 
 if TYPE_CHECKING:
-    from dflashkit.server.app import Plan
+    from dflashkit.server.plan import Plan
 
 PATH = "/v1/messages"
 # chat request fields, as the Messages API names them (for the error messages)
 PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config"}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+}
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -70,17 +77,27 @@ class MessagesRequest(OpenAIRequest):
             raise bad_request("max_tokens: Field required", param="max_tokens")
         system = [{"role": "system", "content": _text(self.system, "system")}] if self.system is not None else []
         chat: dict[str, Any] = {
-            "model": self.model, "messages": [*system, *chat_messages(self.messages)], "temperature": self.temperature,
-            "top_p": self.top_p, "top_k": self.top_k, "stream": self.stream, "cache_prompt": self.cache_prompt,
+            "model": self.model,
+            "messages": [*system, *chat_messages(self.messages)],
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stream": self.stream,
+            "cache_prompt": self.cache_prompt,
         }
         choice, parallel = chat_tool_choice(self.tool_choice)
-        optional = {"max_completion_tokens": self.max_tokens, "seed": self.seed, "stop": self.stop_sequences,
-                    "sampler": self.sampler,
-                    "tools": chat_tools(self.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
-                    "response_format": self.response_format()}
+        optional = {
+            "max_completion_tokens": self.max_tokens,
+            "seed": self.seed,
+            "stop": self.stop_sequences,
+            "sampler": self.sampler,
+            "tools": chat_tools(self.tools),
+            "tool_choice": choice,
+            "parallel_tool_calls": parallel,
+            "response_format": self.response_format(),
+        }
         chat.update({k: v for k, v in optional.items() if v is not None})
         return chat_request(chat, PARAMS)
-
 
     def response_format(self) -> dict[str, Any] | None:
         """``output_config.format`` as a chat response_format (structured output)."""
@@ -88,8 +105,9 @@ class MessagesRequest(OpenAIRequest):
         if fmt is None:
             return None
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-            raise bad_request('output_config.format must be {"type": "json_schema", "schema": {...}}',
-                              param="output_config")
+            raise bad_request(
+                'output_config.format must be {"type": "json_schema", "schema": {...}}', param="output_config"
+            )
         return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
@@ -97,8 +115,9 @@ def _text(content: Any, where: str) -> str:
     """The text of a string or of a list of text blocks."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                         and isinstance(b.get("text"), str) for b in content):
+    if isinstance(content, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in content
+    ):
         return "".join(b["text"] for b in content)
     raise bad_request(f"{where} must be text or a list of text blocks", param=where.split("[")[0].split(".")[0])
 
@@ -128,8 +147,13 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
                 name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
                 if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, dict):
                     raise bad_request(f"{at}: a tool_use block needs id, name and an input object", param="messages")
-                calls.append({"id": call_id, "type": "function",
-                              "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
+                calls.append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise bad_request(f"{at}: a tool_result block needs the tool_use_id it answers", param="messages")
@@ -140,8 +164,11 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
             elif kind in ("image", "document", "search_result"):
                 raise bad_request(f"{at} is {kind}: this model reads text only", param="messages")
             else:
-                raise bad_request(f"{at}: blocks of type {kind!r} are not supported here (text; tool_use in assistant "
-                                  "turns, tool_result in user turns)", param="messages")
+                raise bad_request(
+                    f"{at}: blocks of type {kind!r} are not supported here (text; tool_use in assistant "
+                    "turns, tool_result in user turns)",
+                    param="messages",
+                )
         if calls:
             out.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls})
         elif texts or role == "assistant":
@@ -157,8 +184,11 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "name" not in tool:
             kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad_request(f"tools[{i}]: only client tools ({{name, description, input_schema}}) are supported by "
-                              f"this server, got type {kind!r}", param="tools")
+            raise bad_request(
+                f"tools[{i}]: only client tools ({{name, description, input_schema}}) are supported by "
+                f"this server, got type {kind!r}",
+                param="tools",
+            )
         function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
@@ -203,23 +233,44 @@ class MessageBuilder:
         """Anthropic's usage: input_tokens are those prefilled, cache_read_input_tokens those restored."""
         prompt = self.chat.prompt_tokens
         if result is None:
-            return {"input_tokens": prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
-                    "cache_creation_input_tokens": 0}
+            return {
+                "input_tokens": prompt,
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            }
         cached = result.stats.cached_prompt_tokens
-        return {"input_tokens": prompt - cached, "output_tokens": len(result.token_ids),
-                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
-                "speculative": usage(result.stats, prompt, len(result.token_ids))["speculative"]}
+        return {
+            "input_tokens": prompt - cached,
+            "output_tokens": len(result.token_ids),
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+            "speculative": usage(result.stats, prompt, len(result.token_ids))["speculative"],
+        }
 
-    def message(self, content: list[dict[str, Any]], result: GenerationResult | None,
-                calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    def message(
+        self, content: list[dict[str, Any]], result: GenerationResult | None, calls: list[ToolCall] | None = None
+    ) -> dict[str, Any]:
         reason, sequence = _stop_reason(result, calls or []) if result is not None else (None, None)
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": sequence, "usage": self.usage(result)}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": self.usage(result),
+        }
 
     @staticmethod
     def tool_use(call: ToolCall) -> dict[str, Any]:
-        return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
-                "input": json.loads(call.arguments)}
+        return {
+            "type": "tool_use",
+            "id": f"toolu_{uuid.uuid4().hex[:24]}",
+            "name": call.name,
+            "input": json.loads(call.arguments),
+        }
 
     # ---- whole -----------------------------------------------------------------------------------------------
 
@@ -267,18 +318,21 @@ class MessageBuilder:
         for call in calls:
             block = self.tool_use(call)
             out.append(self.event("content_block_start", index=self.blocks, content_block={**block, "input": {}}))
-            out.append(self.event("content_block_delta", index=self.blocks,
-                                  delta={"type": "input_json_delta", "partial_json": call.arguments}))
+            out.append(
+                self.event(
+                    "content_block_delta",
+                    index=self.blocks,
+                    delta={"type": "input_json_delta", "partial_json": call.arguments},
+                )
+            )
             out.append(self.event("content_block_stop", index=self.blocks))
             self.blocks += 1
         reason, sequence = _stop_reason(result, calls)
         usage_ = self.usage(result)
-        out.append(self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                              usage=usage_))
+        out.append(self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage_))
         out.append(self.event("message_stop"))
         return out
 
     def failed_events(self, error: APIError) -> list[str]:
         body = error_body(error)
         return [self.event("error", error=body["error"])]
-

@@ -24,35 +24,66 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.requests = Counter("dflashkit_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.generations = Counter("dflashkit_generations", "Generations by outcome (stop, length, cancelled, "
-                                   "timeout, error, shutdown)", ["outcome"], registry=r)
+        self.requests = Counter(
+            "dflashkit_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.generations = Counter(
+            "dflashkit_generations",
+            "Generations by outcome (stop, length, cancelled, timeout, error, shutdown)",
+            ["outcome"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("dflashkit_prompt_tokens", "Prompt tokens of generations run", registry=r)
-        self.cached_prompt_tokens = Counter("dflashkit_prompt_tokens_cached", "Prompt tokens restored from the "
-                                            "prefix cache instead of prefilled", registry=r)
-        self.completion_tokens = Counter("dflashkit_completion_tokens", "Tokens generated (cancelled runs included)",
-                                         registry=r)
-        self.steps = Counter("dflashkit_drafting_steps", "Draft-and-verify steps (target passes after prefill)",
-                             registry=r)
+        self.cached_prompt_tokens = Counter(
+            "dflashkit_prompt_tokens_cached",
+            "Prompt tokens restored from the prefix cache instead of prefilled",
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "dflashkit_completion_tokens", "Tokens generated (cancelled runs included)", registry=r
+        )
+        self.steps = Counter(
+            "dflashkit_drafting_steps", "Draft-and-verify steps (target passes after prefill)", registry=r
+        )
         self.draft_tokens = Counter("dflashkit_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("dflashkit_accepted_tokens", "Draft tokens accepted", registry=r)
-        self.drafted_by_position = Counter("dflashkit_draft_tokens_by_position",
-                                           "Draft tokens proposed at block position k (1 = first draft)",
-                                           ["position"], registry=r)
-        self.accepted_by_position = Counter("dflashkit_accepted_tokens_by_position",
-                                            "Draft tokens accepted at block position k (1 = first draft)",
-                                            ["position"], registry=r)
-        self.queue_wait = Histogram("dflashkit_queue_wait_seconds", "Time from arrival to the start of generation",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("dflashkit_time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.latency = Histogram("dflashkit_request_latency_seconds", "Time from arrival to the end of generation",
-                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.drafted_by_position = Counter(
+            "dflashkit_draft_tokens_by_position",
+            "Draft tokens proposed at block position k (1 = first draft)",
+            ["position"],
+            registry=r,
+        )
+        self.accepted_by_position = Counter(
+            "dflashkit_accepted_tokens_by_position",
+            "Draft tokens accepted at block position k (1 = first draft)",
+            ["position"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "dflashkit_queue_wait_seconds",
+            "Time from arrival to the start of generation",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "dflashkit_time_to_first_token_seconds",
+            "Time from arrival to the first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "dflashkit_request_latency_seconds",
+            "Time from arrival to the end of generation",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queued = Gauge("dflashkit_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("dflashkit_requests_running", "Requests being generated (0 or 1)", registry=r)
-        self.other_cpu_load = Gauge("dflashkit_other_cpu_load_cores", "Cores other processes kept busy, sampled "
-                                    "every 30 s (CPU servers on Linux; README: Busy machines)", registry=r)
+        self.other_cpu_load = Gauge(
+            "dflashkit_other_cpu_load_cores",
+            "Cores other processes kept busy, sampled every 30 s (CPU servers on Linux; README: Busy machines)",
+            registry=r,
+        )
 
     def watch_scheduler(self, queued: Callable[[], float], running: Callable[[], float]) -> None:
         self.queued.set_function(queued)

@@ -6,16 +6,16 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflashkit.generator import GenerationResult, TextDelta
-from dflashkit.target.logprobs import TokenLogprob
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.generator import GenerationResult, TextDelta
+from dflashkit.server.plan import Echo
+from dflashkit.target.logprobs import TokenLogprob
 from dflashkit.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 if TYPE_CHECKING:
-    from dflashkit.server.app import Plan
+    from dflashkit.server.plan import Plan
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -130,15 +130,6 @@ class ChoiceBuilder:
         return entries
 
 
-@dataclass
-class Echo:
-    """A completions prompt to echo: its text, token ids and the text each token releases (for text_offset)."""
-
-    text: str
-    token_ids: list[int]
-    pieces: list[str]
-
-
 def _finish_reason(result: GenerationResult, called: bool) -> str | None:
     """OpenAI's "tool_calls" for an answer that ended (not cut by max_tokens) with tool calls."""
     return "tool_calls" if called and result.finish_reason == "stop" else result.finish_reason
@@ -168,8 +159,10 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.model = model_id
         per_prompt = self.per_prompt = plan.body.candidates
-        self.choices = [ChoiceBuilder(self, i, plan.echoes[i // per_prompt] if plan.echoes else None)
-                        for i in range(plan.generations)]
+        self.choices = [
+            ChoiceBuilder(self, i, plan.echoes[i // per_prompt] if plan.echoes else None)
+            for i in range(plan.generations)
+        ]
 
     def token_entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         assert self.token_bytes is not None
@@ -189,13 +182,22 @@ class ResponseBuilder:
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                             for e in entries],
+            "top_logprobs": [
+                None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                for e in entries
+            ],
             "text_offset": [e["text_offset"] for e in entries],
         }
 
-    def _chunk_choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-                      logprobs: dict[str, Any] | None = None, tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    def _chunk_choice(
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+        tool_calls: list[ToolCall] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
@@ -231,8 +233,9 @@ class ResponseBuilder:
             out.append(self._envelope([self._chunk_choice(index, None, None, tool_calls=state.tool_calls)], chunk=True))
         return out
 
-    def final_chunk(self, result: GenerationResult, index: int = 0,
-                    results: list[GenerationResult] | None = None) -> dict[str, Any]:
+    def final_chunk(
+        self, result: GenerationResult, index: int = 0, results: list[GenerationResult] | None = None
+    ) -> dict[str, Any]:
         """A choice's finish_reason; with `results` (all the choices', on the last one) the request's usage."""
         reason = _finish_reason(result, bool(self.choices[index].tool_calls))
         out = self._envelope([self._chunk_choice(index, None if self.chat else "", reason)], chunk=True)
@@ -264,11 +267,19 @@ class ResponseBuilder:
                 message: dict[str, Any] = {"role": "assistant", "content": content}
                 if calls:
                     message["tool_calls"] = [call.as_openai() for call in calls]
-                choice = {"index": index, "message": message, "logprobs": logprobs,
-                          "finish_reason": _finish_reason(result, bool(calls))}
+                choice = {
+                    "index": index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": _finish_reason(result, bool(calls)),
+                }
             else:
-                choice = {"index": index, "text": "".join(state.text), "logprobs": logprobs,
-                          "finish_reason": result.finish_reason}
+                choice = {
+                    "index": index,
+                    "text": "".join(state.text),
+                    "logprobs": logprobs,
+                    "finish_reason": result.finish_reason,
+                }
             if self.origins:
                 choice["token_origins"] = state.tokens
             if self.token_ids:  # the generated ids, a final stop token included (as vLLM gives them)

@@ -22,18 +22,23 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field
 
 from dflashkit.generator import GenerationResult, TextDelta
-from dflashkit.target.logprobs import MAX_TOP_LOGPROBS
-from dflashkit.tool_calls import ToolCall
 from dflashkit.server.errors import APIError, bad_request
 from dflashkit.server.responses import ResponseBuilder, usage
 from dflashkit.server.schemas import ChatCompletionRequest, OpenAIRequest, Stop, chat_request
+from dflashkit.target.logprobs import MAX_TOP_LOGPROBS
+from dflashkit.tool_calls import ToolCall
 
 if TYPE_CHECKING:
-    from dflashkit.server.app import Plan
+    from dflashkit.server.plan import Plan
 
 # chat request fields, as the Responses API names them (for the `param` of a 400)
-PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-          "response_format": "text", "logprobs": "include"}
+PARAMS = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text",
+    "logprobs": "include",
+}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -77,8 +82,11 @@ class ResponsesRequest(OpenAIRequest):
 
     def check_supported(self) -> None:
         if self.background:
-            raise bad_request("background responses are not supported by this server: leave background false",
-                              param="background", code="unsupported_parameter")
+            raise bad_request(
+                "background responses are not supported by this server: leave background false",
+                param="background",
+                code="unsupported_parameter",
+            )
         for name in ("conversation", "prompt"):
             if (self.model_extra or {}).get(name) is not None:
                 raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
@@ -94,21 +102,34 @@ class ResponsesRequest(OpenAIRequest):
             raise bad_request(f"text.format must be an object, got {fmt!r:.80}", param="text")
         return fmt
 
-    def as_chat(self, history: list[dict[str, Any]], drop: int = 0) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+    def as_chat(
+        self, history: list[dict[str, Any]], drop: int = 0
+    ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
         """The chat request this request means, after the conversation `history` (chat messages) less its first
         `drop` messages (truncation), and the messages of its input (to store with its answer)."""
         self.check_supported()
         messages = input_messages(self.input)
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         chat: dict[str, Any] = {
-            "model": self.model, "messages": [*system, *[*history, *messages][drop:]], "temperature": self.temperature,
-            "top_p": self.top_p, "stream": self.stream, "parallel_tool_calls": self.parallel_tool_calls,
-            "top_k": self.top_k, "cache_prompt": self.cache_prompt,
+            "model": self.model,
+            "messages": [*system, *[*history, *messages][drop:]],
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stream": self.stream,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "top_k": self.top_k,
+            "cache_prompt": self.cache_prompt,
         }
-        optional = {"max_completion_tokens": self.max_output_tokens, "seed": self.seed, "stop": self.stop,
-                    "sampler": self.sampler,
-                    "tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
-                    "response_format": response_format(self.text_format()), "user": self.user}
+        optional = {
+            "max_completion_tokens": self.max_output_tokens,
+            "seed": self.seed,
+            "stop": self.stop,
+            "sampler": self.sampler,
+            "tools": chat_tools(self.tools),
+            "tool_choice": chat_tool_choice(self.tool_choice),
+            "response_format": response_format(self.text_format()),
+            "user": self.user,
+        }
         chat.update({k: v for k, v in optional.items() if v is not None})
         if self.logprobs:
             chat.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
@@ -117,22 +138,26 @@ class ResponsesRequest(OpenAIRequest):
 
 # ---- request items → chat messages ----------------------------------------------------------------------------
 
+
 def _text_of(content: Any, where: str, kinds: tuple[str, ...]) -> str:
     """The text of a message's content: a string, or parts of the given types (input_text, output_text...)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be text or a list of content parts, got {content!r:.80}",
-                          param="input")
+        raise bad_request(
+            f"{where}.content must be text or a list of content parts, got {content!r:.80}", param="input"
+        )
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_image", "input_file", "input_audio"):
-            raise bad_request(f"{where}.content[{i}] is {kind}: this model reads text only", param="input",
-                              code="unsupported_content")
+            raise bad_request(
+                f"{where}.content[{i}] is {kind}: this model reads text only", param="input", code="unsupported_content"
+            )
         if kind not in kinds or not isinstance(part.get("text" if kind != "refusal" else "refusal"), str):
-            raise bad_request(f"{where}.content[{i}] must be one of {', '.join(kinds)} with its text, got "
-                              f"{part!r:.80}", param="input")
+            raise bad_request(
+                f"{where}.content[{i}] must be one of {', '.join(kinds)} with its text, got {part!r:.80}", param="input"
+            )
         texts.append(part["text" if kind != "refusal" else "refusal"])
     return "".join(texts)
 
@@ -154,20 +179,29 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}.role must be user, system, developer or assistant, got {role!r}",
-                                  param="input")
+                raise bad_request(
+                    f"{where}.role must be user, system, developer or assistant, got {role!r}", param="input"
+                )
             kinds = ("output_text", "refusal", "input_text") if role == "assistant" else ("input_text",)
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text_of(item.get("content"), where, kinds)})
+            out.append(
+                {
+                    "role": "system" if role == "developer" else role,
+                    "content": _text_of(item.get("content"), where, kinds),
+                }
+            )
         elif kind == "function_call":
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not all(isinstance(v, str) for v in (name, arguments, call_id)):
-                raise bad_request(f"{where}: a function_call item needs name, arguments (JSON text) and call_id",
-                                  param="input")
+                raise bad_request(
+                    f"{where}: a function_call item needs name, arguments (JSON text) and call_id", param="input"
+                )
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and items[i - 1].get("type", "message") in (
-                    "message", "function_call"):
+            if (
+                last is not None
+                and last["role"] == "assistant"
+                and items[i - 1].get("type", "message") in ("message", "function_call")
+            ):
                 last.setdefault("tool_calls", []).append(call)
                 if not last["content"]:
                     last["content"] = None
@@ -177,15 +211,27 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise bad_request(f"{where}: a function_call_output item needs the call_id it answers", param="input")
-            out.append({"role": "tool", "tool_call_id": call_id,
-                        "content": _text_of(output, where, ("input_text", "output_text"))})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": _text_of(output, where, ("input_text", "output_text")),
+                }
+            )
         elif kind == "item_reference":
-            raise bad_request(f"{where}: item references are not supported by this server; send the item itself or "
-                              "continue a stored response with previous_response_id", param="input",
-                              code="unsupported_content")
+            raise bad_request(
+                f"{where}: item references are not supported by this server; send the item itself or "
+                "continue a stored response with previous_response_id",
+                param="input",
+                code="unsupported_content",
+            )
         else:
-            raise bad_request(f"{where}: items of type {kind!r} are not supported (message, function_call and "
-                              "function_call_output are)", param="input", code="unsupported_content")
+            raise bad_request(
+                f"{where}: items of type {kind!r} are not supported (message, function_call and "
+                "function_call_output are)",
+                param="input",
+                code="unsupported_content",
+            )
     return out
 
 
@@ -218,8 +264,9 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
-            raise bad_request(f"tools[{i}]: only function tools are supported by this server, got type {kind!r}",
-                              param="tools")
+            raise bad_request(
+                f"tools[{i}]: only function tools are supported by this server, got type {kind!r}", param="tools"
+            )
         function = {k: v for k, v in tool.items() if k != "type" and v is not None}
         out.append({"type": "function", "function": function})
     return out
@@ -278,9 +325,14 @@ class ResponseStore:
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
         stored = self._items.get(response_id)
         if stored is None:
-            raise APIError(404, f"No response with id {response_id!r} is stored here (this server keeps the last "
-                           f"{self.capacity} responses made with store true, in memory)", param=param,
-                           type="not_found_error", code="response_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"No response with id {response_id!r} is stored here (this server keeps the last "
+                f"{self.capacity} responses made with store true, in memory)",
+                param=param,
+                type="not_found_error",
+                code="response_not_found",
+            )
         self._items.move_to_end(response_id)
         return stored
 
@@ -288,8 +340,9 @@ class ResponseStore:
         self.get(response_id)
         del self._items[response_id]
 
-    def input_items(self, response_id: str, after: str | None = None, limit: int = 20,
-                    order: str = "desc") -> dict[str, Any]:
+    def input_items(
+        self, response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
+    ) -> dict[str, Any]:
         """GET /v1/responses/{id}/input_items: the response's input items, a page of them (OpenAI's list shape)."""
         if not 1 <= limit <= 100:
             raise bad_request(f"limit must be in 1..100, got {limit}", param="limit")
@@ -301,13 +354,19 @@ class ResponseStore:
             ids = [item["id"] for item in items]
             if after not in ids:
                 raise bad_request(f"after names no input item of this response: {after!r}", param="after")
-            items = items[ids.index(after) + 1:]
+            items = items[ids.index(after) + 1 :]
         page = items[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
 
 
 # ---- the answer ----------------------------------------------------------------------------------------------
+
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -316,8 +375,9 @@ def _item_id(prefix: str) -> str:
 class ResponsesBuilder:
     """One response: the whole object at the end, or the stream of its events."""
 
-    def __init__(self, plan: Plan, body: ResponsesRequest, model_id: str,
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+    def __init__(
+        self, plan: Plan, body: ResponsesRequest, model_id: str, token_bytes: Callable[[int], bytes] | None = None
+    ) -> None:
         self.body = body
         self.chat = ResponseBuilder(plan, model_id, token_bytes)  # text pieces, logprob entries, usage
         self.id = _item_id("resp")
@@ -331,22 +391,42 @@ class ResponsesBuilder:
         self.pending: list[dict[str, Any]] = []  # logprob entries whose text is still held back
         self.final: dict[str, Any] = {}  # streamed: the response the last event carries
 
-    def envelope(self, status: str, output: list[dict[str, Any]], result: GenerationResult | None = None,
-                 error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def envelope(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        result: GenerationResult | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         b = self.body
         incomplete = result is not None and result.finish_reason == "length"
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
-            "error": error, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
-            "output": output, "parallel_tool_calls": b.parallel_tool_calls,
-            "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
-            "store": b.store, "temperature": b.temperature, "text": {"format": b.text_format()},
-            "tool_choice": self._tool_choice(), "tools": b.tools or [], "top_p": b.top_p,
-            "top_logprobs": b.top_logprobs, "truncation": b.truncation, "user": b.user, "metadata": b.metadata or {},
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": b.parallel_tool_calls,
+            "previous_response_id": b.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": b.store,
+            "temperature": b.temperature,
+            "text": {"format": b.text_format()},
+            "tool_choice": self._tool_choice(),
+            "tools": b.tools or [],
+            "top_p": b.top_p,
+            "top_logprobs": b.top_logprobs,
+            "truncation": b.truncation,
+            "user": b.user,
+            "metadata": b.metadata or {},
             "usage": self.usage(result) if result is not None else None,
-        }  # fmt: skip
+        }
 
     def _tool_choice(self) -> str | dict[str, Any]:
         choice = self.body.tool_choice
@@ -354,9 +434,14 @@ class ResponsesBuilder:
 
     def usage(self, result: GenerationResult) -> dict[str, Any]:
         chat = usage(result.stats, self.chat.prompt_tokens, len(result.token_ids), result.stats.cached_prompt_tokens)
-        return {"input_tokens": chat["prompt_tokens"], "input_tokens_details": chat["prompt_tokens_details"],
-                "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": chat["total_tokens"], "speculative": chat["speculative"]}
+        return {
+            "input_tokens": chat["prompt_tokens"],
+            "input_tokens_details": chat["prompt_tokens_details"],
+            "output_tokens": chat["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat["total_tokens"],
+            "speculative": chat["speculative"],
+        }
 
     def message(self, text: str, entries: list[dict[str, Any]], status: str) -> dict[str, Any]:
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
@@ -366,16 +451,24 @@ class ResponsesBuilder:
 
     @staticmethod
     def function_call(call: ToolCall, status: str = "completed") -> dict[str, Any]:
-        return {"type": "function_call", "id": _item_id("fc"), "call_id": call.id, "name": call.name,
-                "arguments": call.arguments, "status": status}
+        return {
+            "type": "function_call",
+            "id": _item_id("fc"),
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": status,
+        }
 
-    def output(self, text: str | None, calls: list[ToolCall], entries: list[dict[str, Any]],
-               result: GenerationResult) -> list[dict[str, Any]]:
+    def output(
+        self, text: str | None, calls: list[ToolCall], entries: list[dict[str, Any]], result: GenerationResult
+    ) -> list[dict[str, Any]]:
         """A message when there is text (or no call), then the calls."""
         items = []
         if text or not calls:
-            items.append(self.message(text or "", entries, "incomplete" if result.finish_reason == "length"
-                                      else "completed"))
+            items.append(
+                self.message(text or "", entries, "incomplete" if result.finish_reason == "length" else "completed")
+            )
         items.extend(self.function_call(call) for call in calls)
         return items
 
@@ -391,8 +484,7 @@ class ResponsesBuilder:
     def complete(self, result: GenerationResult) -> dict[str, Any]:
         state = self.chat.choices[0]
         text, calls = state.whole()
-        self.final = self.envelope(self.status(result), self.output(text, calls, state.logprob_entries, result),
-                                   result)
+        self.final = self.envelope(self.status(result), self.output(text, calls, state.logprob_entries, result), result)
         return self.final
 
     # ---- streamed ----------------------------------------------------------------------------------------------
@@ -404,7 +496,10 @@ class ResponsesBuilder:
 
     def start_events(self) -> list[str]:
         snapshot = self.envelope("in_progress", [])
-        return [self.event("response.created", response=snapshot), self.event("response.in_progress", response=snapshot)]
+        return [
+            self.event("response.created", response=snapshot),
+            self.event("response.in_progress", response=snapshot),
+        ]
 
     def _open_message(self) -> list[str]:
         if self.message_open:
@@ -414,9 +509,12 @@ class ResponsesBuilder:
         part = {"type": "output_text", "text": "", "annotations": []}
         if self.body.logprobs:
             part["logprobs"] = []
-        return [self.event("response.output_item.added", output_index=0, item=item),
-                self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
-                           part=part)]
+        return [
+            self.event("response.output_item.added", output_index=0, item=item),
+            self.event(
+                "response.content_part.added", item_id=self.message_id, output_index=0, content_index=0, part=part
+            ),
+        ]
 
     def _text_events(self, text: str) -> list[str]:
         """A text delta of the message (opened first if need be), with the logprob entries held for it."""
@@ -426,8 +524,16 @@ class ResponsesBuilder:
         self.text.append(text)
         entries, self.pending = self.pending, []
         self.entries.extend(entries)
-        out.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
-                              delta=text, logprobs=entries))
+        out.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=self.message_id,
+                output_index=0,
+                content_index=0,
+                delta=text,
+                logprobs=entries,
+            )
+        )
         return out
 
     def delta_events(self, delta: TextDelta) -> list[str]:
@@ -457,12 +563,30 @@ class ResponsesBuilder:
         for call in calls:
             index = len(items)
             item = self.function_call(call)
-            out.append(self.event("response.output_item.added", output_index=index,
-                                  item={**item, "arguments": "", "status": "in_progress"}))
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                  delta=call.arguments))
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=call.name, arguments=call.arguments))
+            out.append(
+                self.event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "arguments": "", "status": "in_progress"},
+                )
+            )
+            out.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=call.arguments,
+                )
+            )
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=call.name,
+                    arguments=call.arguments,
+                )
+            )
             out.append(self.event("response.output_item.done", output_index=index, item=item))
             items.append(item)
         self.final = response = self.envelope(self.status(result), items, result)
@@ -472,21 +596,31 @@ class ResponsesBuilder:
 
     def failed_events(self, error: APIError) -> list[str]:
         """An error mid-stream: the error event, then the response failed."""
-        return [self.event("error", code=error.code or error.type, message=error.message, param=error.param),
-                self.event("response.failed", response=self.envelope(
-                    "failed", [], error={"code": error.code or error.type, "message": error.message}))]
+        return [
+            self.event("error", code=error.code or error.type, message=error.message, param=error.param),
+            self.event(
+                "response.failed",
+                response=self.envelope(
+                    "failed", [], error={"code": error.code or error.type, "message": error.message}
+                ),
+            ),
+        ]
 
 
-def stored_messages(input_messages_: list[dict[str, Any]], history: list[dict[str, Any]],
-                    response: dict[str, Any]) -> list[dict[str, Any]]:
+def stored_messages(
+    input_messages_: list[dict[str, Any]], history: list[dict[str, Any]], response: dict[str, Any]
+) -> list[dict[str, Any]]:
     """The conversation after `response`: the history, the request's input, then the answer as chat messages."""
     answer: dict[str, Any] | None = None
     for item in response["output"]:
         if item["type"] == "message":
             answer = {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
         else:
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             if answer is None:
                 answer = {"role": "assistant", "content": None}
             answer.setdefault("tool_calls", []).append(call)

@@ -101,8 +101,13 @@ class Job:
 class Scheduler:
     """A bounded FIFO of jobs and the worker threads that run up to ``max_batch`` of them at a time."""
 
-    def __init__(self, max_queue: int = 16, observer: JobObserver | None = None, max_batch: int = 1,
-                 batcher: ForwardBatcher | None = None) -> None:
+    def __init__(
+        self,
+        max_queue: int = 16,
+        observer: JobObserver | None = None,
+        max_batch: int = 1,
+        batcher: ForwardBatcher | None = None,
+    ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if max_batch < 1:
@@ -124,8 +129,10 @@ class Scheduler:
             if self._threads:
                 return
             self._stopping = False
-            self._threads = [threading.Thread(target=self._work, name=f"dflashkit-scheduler-{i}", daemon=True)
-                             for i in range(self.max_batch)]
+            self._threads = [
+                threading.Thread(target=self._work, name=f"dflashkit-scheduler-{i}", daemon=True)
+                for i in range(self.max_batch)
+            ]
             for thread in self._threads:
                 thread.start()
 

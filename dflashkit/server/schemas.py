@@ -10,11 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dflashkit.errors import InvalidInputError
 from dflashkit.decoding.grammar import Grammar
+from dflashkit.errors import InvalidInputError
+from dflashkit.server.errors import bad_request
 from dflashkit.target.logprobs import MAX_TOP_LOGPROBS
 from dflashkit.tool_calls import ToolError, ToolRequest
-from dflashkit.server.errors import bad_request
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # n: choices per request, generated one after another
@@ -74,8 +74,7 @@ class GenerationRequest(OpenAIRequest):
 
     def check_supported(self) -> None:
         """Refuse options the engine does not implement, naming the field."""
-        unsupported = {
-        }
+        unsupported = {}
         for name in self._extra_unsupported():
             unsupported[name] = True
         for name, bad in unsupported.items():
@@ -87,16 +86,23 @@ class GenerationRequest(OpenAIRequest):
 
     def grammar(self) -> Grammar | None:
         """The structured output asked for (None: plain text); a 400 names the field that is wrong."""
-        asked = {name: getattr(self, name) for name in ("response_format", "guided_json", "guided_regex",
-                                                         "guided_choice", "guided_grammar")
-                 if getattr(self, name, None) is not None}
+        asked = {
+            name: getattr(self, name)
+            for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, name, None) is not None
+        }
         if len(asked) > 1:
             raise bad_request(f"give at most one of {', '.join(asked)}", param=list(asked)[1])
         if not asked:
             return None
-        (name, value), = asked.items()
-        make = {"response_format": Grammar.from_response_format, "guided_json": Grammar.json_schema,
-                "guided_regex": Grammar.regex, "guided_choice": Grammar.choice, "guided_grammar": Grammar.lark}[name]
+        ((name, value),) = asked.items()
+        make = {
+            "response_format": Grammar.from_response_format,
+            "guided_json": Grammar.json_schema,
+            "guided_regex": Grammar.regex,
+            "guided_choice": Grammar.choice,
+            "guided_grammar": Grammar.lark,
+        }[name]
         try:
             return make(value)
         except InvalidInputError as e:
@@ -107,7 +113,7 @@ class GenerationRequest(OpenAIRequest):
         out = {}
         for key, bias in (self.logit_bias or {}).items():
             if not key.isascii() or not key.isdigit():
-                raise bad_request(f"logit_bias keys must be token ids (e.g. \"50256\"), got {key!r}", param="logit_bias")
+                raise bad_request(f'logit_bias keys must be token ids (e.g. "50256"), got {key!r}', param="logit_bias")
             out[int(key)] = bias
         return out
 
@@ -136,9 +142,12 @@ class CompletionRequest(GenerationRequest):
     """/v1/completions: raw text (no chat template) or token ids."""
 
     # one text, several texts, one token-id prompt, or several (each prompt's choices follow one another)
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
-             | Annotated[list[int], Field(min_length=1)]
-             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)])
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+    )
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too)
     suffix: str | None = None
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: with echo, the prompt scored, nothing generated
@@ -166,9 +175,12 @@ class CompletionRequest(GenerationRequest):
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise bad_request("best_of > n cannot be streamed: the best are known only at the end", param="best_of")
         if self.top_logprobs is not None:
-            raise bad_request("top_logprobs is a chat completions parameter: /v1/completions takes logprobs=N "
-                              f"(0 to {MAX_TOP_LOGPROBS} alternatives per token)", param="top_logprobs",
-                              code="unsupported_parameter")  # fmt: skip
+            raise bad_request(
+                "top_logprobs is a chat completions parameter: /v1/completions takes logprobs=N "
+                f"(0 to {MAX_TOP_LOGPROBS} alternatives per token)",
+                param="top_logprobs",
+                code="unsupported_parameter",
+            )
 
     def _extra_unsupported(self) -> list[str]:
         return ["suffix"] if self.suffix else []
@@ -254,9 +266,14 @@ class ChatCompletionRequest(GenerationRequest):
             raise bad_request(str(e), param=e.field) from e
 
     def _extra_unsupported(self) -> list[str]:
-        return [name for name, bad in (("functions", bool(self.functions)),
-                                       ("best_of", self.model_extra is not None and
-                                        self.model_extra.get("best_of") not in (None, 1))) if bad]
+        return [
+            name
+            for name, bad in (
+                ("functions", bool(self.functions)),
+                ("best_of", self.model_extra is not None and self.model_extra.get("best_of") not in (None, 1)),
+            )
+            if bad
+        ]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -273,5 +290,6 @@ def chat_request(fields: dict[str, Any], params: dict[str, str]) -> ChatCompleti
     except ValidationError as e:
         first = e.errors()[0]
         loc = [str(x) for x in first.get("loc", ())]
-        raise bad_request(f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}",
-                          param=params.get(loc[0], loc[0]) if loc else None) from e
+        raise bad_request(
+            f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}", param=params.get(loc[0], loc[0]) if loc else None
+        ) from e

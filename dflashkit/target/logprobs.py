@@ -33,10 +33,13 @@ class TokenLogprob:
 
 def check_top_logprobs(top: object, name: str = "logprobs") -> int | None:
     """A requested number of alternatives: None (no log-probabilities) or an integer in [0, 20]."""
-    if top is not None and (not isinstance(top, numbers.Integral) or isinstance(top, bool)
-                            or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise InvalidInputError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
-                                f"listed per token), got {top!r}")
+    if top is not None and (
+        not isinstance(top, numbers.Integral) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS
+    ):
+        raise InvalidInputError(
+            f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
+            f"listed per token), got {top!r}"
+        )
     return top
 
 
@@ -51,6 +54,5 @@ def token_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> list[Toke
         return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
     values, indices = logp.topk(min(top, logp.shape[-1]), dim=-1)  # [n, top], sorted, most likely first
     return [
-        TokenLogprob(t, lp, tuple(zip(i, v)))
-        for t, lp, i, v in zip(tokens, chosen, indices.tolist(), values.tolist())
+        TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, indices.tolist(), values.tolist())
     ]

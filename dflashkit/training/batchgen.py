@@ -32,20 +32,27 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from dflashkit.kernels.attention import use_packed_gqa
-from dflashkit.errors import InvalidInputError
-from dflashkit.kernels.cuda_graphs import Capture, cuda_capture
-from dflashkit.target.fast import FastTargetForward, ForwardCall, StaticKVCache, masked_sdpa
-from dflashkit.kernels.linear import pack_linears
-from dflashkit.target.loading import cache_kwargs
 from dflashkit.decoding.sampling import SamplingParams, argmax, sample, warp
+from dflashkit.errors import InvalidInputError
+from dflashkit.kernels.attention import use_packed_gqa
+from dflashkit.kernels.cuda_graphs import Capture, cuda_capture
+from dflashkit.kernels.linear import pack_linears
+from dflashkit.target.fast import FastTargetForward, ForwardCall, StaticKVCache, masked_sdpa
+from dflashkit.target.loading import cache_kwargs
 
 
 @torch.inference_mode()
-def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                   eos_ids: Sequence[int], pad_id: int, sampling: SamplingParams = SamplingParams(),
-                   generator: torch.Generator | None = None,
-                   compact_fraction: float | None = None) -> list[list[int]]:
+def generate_batch(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    sampling: SamplingParams = SamplingParams(),
+    generator: torch.Generator | None = None,
+    compact_fraction: float | None = None,
+) -> list[list[int]]:
     """Continue every prompt (token ids) until an eos token (kept) or ``max_new_tokens``; returns the new ids.
 
     Prompts are left-padded into one batch. Finished rows leave the batch once they are at least
@@ -73,8 +80,9 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
     alive = list(range(rows))  # original row of each batch row
     done = [False] * rows  # batch rows that ended (still in the batch until the next compaction)
     next_position = positions[:, -1] + 1  # [rows]
-    hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                     use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state[:, -1]  # [rows, hidden]
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache_kwargs(decoder, cache)
+    ).last_hidden_state[:, -1]  # [rows, hidden]
     for step in range(max_new_tokens):
         logits = lm_head(hidden.contiguous())  # [alive, vocab]
         if sampling.greedy:
@@ -95,8 +103,13 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
             tokens, mask, next_position = tokens[keep], mask[keep], next_position[keep]
             alive, done = [alive[i] for i in kept], [False] * len(kept)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [alive, seen + 1]
-        hidden = decoder(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                         use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state[:, -1]
+        hidden = decoder(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=next_position[:, None],
+            use_cache=True,
+            **cache_kwargs(decoder, cache),
+        ).last_hidden_state[:, -1]
         next_position = next_position + 1
     return outputs
 
@@ -112,9 +125,16 @@ class _Answering:
 
 
 @torch.inference_mode()
-def generate_continuous(forward: FastTargetForward, prompts: Sequence[Sequence[int]], *, slots: int,
-                        max_new_tokens: int, eos_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                        seeds: Sequence[int] | None = None) -> Iterator[tuple[int, list[int]]]:
+def generate_continuous(
+    forward: FastTargetForward,
+    prompts: Sequence[Sequence[int]],
+    *,
+    slots: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    sampling: SamplingParams = SamplingParams(),
+    seeds: Sequence[int] | None = None,
+) -> Iterator[tuple[int, list[int]]]:
     """Yields (prompt index, new ids) as each answer ends (an eos token, kept, or ``max_new_tokens``), up to
     ``slots`` prompts decoding together, in the order the answers end.
 
@@ -163,11 +183,13 @@ def generate_continuous(forward: FastTargetForward, prompts: Sequence[Sequence[i
                 answering.append(a)
         if not answering:
             continue
-        calls = [ForwardCall(torch.tensor([[a.tokens[-1]]], device=device), a.cache.length, a.cache, 1)
-                 for a in answering]
+        calls = [
+            ForwardCall(torch.tensor([[a.tokens[-1]]], device=device), a.cache.length, a.cache, 1) for a in answering
+        ]
         limit = max(1, forward.batch_row_limit)
-        logits = torch.cat([rows for c in range(0, len(calls), limit)
-                            for rows, _ in forward.batch(calls[c : c + limit], [])])  # [slots in use, vocab]
+        logits = torch.cat(
+            [rows for c in range(0, len(calls), limit) for rows, _ in forward.batch(calls[c : c + limit], [])]
+        )  # [slots in use, vocab]
         still = []
         for a, token in zip(answering, pick(logits, answering)):
             if ended(a, token):
@@ -183,10 +205,19 @@ GRAPH_CHECK_TOLERANCE = 0.1  # graph vs eager logits: max |difference| / max |lo
 
 
 @torch.inference_mode()
-def generate_static(forward: FastTargetForward, prompts: Sequence[Sequence[int]], *, slots: int,
-                    max_new_tokens: int, eos_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                    generator: torch.Generator | None = None, graph: Capture | None | str = "auto",
-                    prefill_rows: int = 64, check_every: int = 8) -> Iterator[tuple[int, list[int]]]:
+def generate_static(
+    forward: FastTargetForward,
+    prompts: Sequence[Sequence[int]],
+    *,
+    slots: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    sampling: SamplingParams = SamplingParams(),
+    generator: torch.Generator | None = None,
+    graph: Capture | None | str = "auto",
+    prefill_rows: int = 64,
+    check_every: int = 8,
+) -> Iterator[tuple[int, list[int]]]:
     """Yields (prompt index, new ids) as each answer ends (an eos token, kept, or ``max_new_tokens``), ``slots``
     prompts decoding together in one fixed-shape batch, an ended prompt's slot taking the next prompt. The GPU's
     data path.
@@ -197,7 +228,8 @@ def generate_static(forward: FastTargetForward, prompts: Sequence[Sequence[int]]
     at the same column, the next one each step, and attends over the whole ring under a mask of the columns the slot
     holds (a prompt of L tokens plus its answer never spans more than the capacity, so nothing it holds is
     overwritten while it runs). The step's shapes never change, so on CUDA it is recorded once as a CUDA graph and
-    replayed (``graph``: "auto" = on CUDA; None = eager steps; a :data:`dflashkit.kernels.cuda_graphs.Capture` = record with
+    replayed (``graph``: "auto" = on CUDA; None = eager steps; a :data:`dflashkit.kernels.cuda_graphs.Capture` = record
+    with
     it); its first two replays are checked against the eager step and the graph dropped if they differ. The host
     reads the tokens every ``check_every`` steps: answers that ended are yielded and their slots prefilled
     (``prefill_rows`` prompts at a time, through the fast forward's layers) with the next prompts at the columns just
@@ -247,7 +279,8 @@ def generate_static(forward: FastTargetForward, prompts: Sequence[Sequence[int]]
         target_cols = (at - width + where[:, 1]) % capacity  # a prompt's last token just before column `at`
         positions = (real.cumsum(-1) - 1).clamp(min=0)  # [n, width]: padding shares position 0
         visible = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & (
-            real[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None])  # padding sees itself
+            real[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None]
+        )  # padding sees itself
         scores = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
         scores = scores[:, None, None].expand(n, 1, group, width, width).reshape(n, 1, group * width, width)
 
@@ -277,8 +310,9 @@ def generate_static(forward: FastTargetForward, prompts: Sequence[Sequence[int]]
             values[i].index_copy_(2, column, v)
             return keys[i], values[i]
 
-        x, _ = forward.run_layers(forward.embed(tokens[:, None]), cos, sin, functools.partial(masked_sdpa, mask=mask),
-                                  write, [])
+        x, _ = forward.run_layers(
+            forward.embed(tokens[:, None]), cos, sin, functools.partial(masked_sdpa, mask=mask), write, []
+        )
         logits.copy_(forward.head(forward.final_norm(x[:, 0])))  # [slots, vocab]
 
     eos = set(eos_ids)
@@ -315,8 +349,12 @@ def generate_static(forward: FastTargetForward, prompts: Sequence[Sequence[int]]
                     step()
                     scale = logits.float().abs().max().clamp(min=1e-6)
                     if float((replayed - logits.float()).abs().max() / scale) > GRAPH_CHECK_TOLERANCE:
-                        warnings.warn("generate_static: a CUDA graph's step disagreed with the eager step; decoding "
-                                      "without the graph", RuntimeWarning, stacklevel=2)
+                        warnings.warn(
+                            "generate_static: a CUDA graph's step disagreed with the eager step; decoding "
+                            "without the graph",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
                         replay = None
             tokens.copy_(choose(logits))
             recent.append(tokens.clone())

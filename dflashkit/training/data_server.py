@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from dflashkit.errors import DFlashError, InvalidInputError
-from dflashkit.drafter.identity import config_identity
 from dflashkit.decoding.sampling import SamplingParams
+from dflashkit.drafter.identity import config_identity
+from dflashkit.errors import DFlashError, InvalidInputError
 
 
 class ServerError(DFlashError, RuntimeError):
@@ -38,8 +38,18 @@ class ServerTarget:
     token_ids: bool | None = None  # does the server return them (None: not yet known)
 
     @classmethod
-    def connect(cls, url: str, tokenizer: Any, config: Any, eos_ids: list[int], *, model: str | None = None,
-                api_key: str | None = None, concurrency: int = 32, timeout: float = 600.0) -> ServerTarget:
+    def connect(
+        cls,
+        url: str,
+        tokenizer: Any,
+        config: Any,
+        eos_ids: list[int],
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        concurrency: int = 32,
+        timeout: float = 600.0,
+    ) -> ServerTarget:
         """Check that the server answers and pick its model (the first it lists, unless ``model`` names one)."""
         import openai
 
@@ -49,8 +59,10 @@ class ServerTarget:
         try:
             served = [m.id for m in client.models.list().data]
         except openai.APIConnectionError as exc:
-            raise ServerError(f"cannot reach an OpenAI-compatible server at {url} ({exc}); start it first, and give "
-                              "the base URL with /v1, e.g. http://localhost:8000/v1") from None
+            raise ServerError(
+                f"cannot reach an OpenAI-compatible server at {url} ({exc}); start it first, and give "
+                "the base URL with /v1, e.g. http://localhost:8000/v1"
+            ) from None
         except openai.APIStatusError as exc:
             raise ServerError(f"{url}/models answered {exc.status_code}: {exc.message}") from None
         if model is None:
@@ -61,16 +73,27 @@ class ServerTarget:
             raise InvalidInputError(f"{url} does not serve {model!r}; it serves: {', '.join(served)}")
         # dtype not known here: a folder made by a server is not resumed locally, nor the reverse
         identity = {**config_identity(config), "dtype": "server"}
-        return cls(url=url, model=model, tokenizer=tokenizer, eos_ids=list(eos_ids), identity=identity,
-                   concurrency=concurrency, client=client)
+        return cls(
+            url=url,
+            model=model,
+            tokenizer=tokenizer,
+            eos_ids=list(eos_ids),
+            identity=identity,
+            concurrency=concurrency,
+            client=client,
+        )
 
-    def answer(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
-               sampling: SamplingParams) -> list[list[int]]:
+    def answer(
+        self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int, sampling: SamplingParams
+    ) -> list[list[int]]:
         """The answers' token ids, in prompt order; an answer that ended (finish reason "stop") ends with an eos
         id, as a local generation's does."""
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts)) or 1) as pool:
-            return list(pool.map(lambda args: self._one(*args, max_new_tokens=max_new_tokens, sampling=sampling),
-                                 zip(prompts, seeds)))
+            return list(
+                pool.map(
+                    lambda args: self._one(*args, max_new_tokens=max_new_tokens, sampling=sampling), zip(prompts, seeds)
+                )
+            )
 
     def _create(self, request: dict[str, Any]) -> Any:
         """One completion, asking for its token ids until the server refuses the field (then never again)."""
@@ -88,8 +111,13 @@ class ServerTarget:
     def _one(self, prompt: list[int], seed: int, *, max_new_tokens: int, sampling: SamplingParams) -> list[int]:
         import openai
 
-        request = {"model": self.model, "prompt": prompt, "max_tokens": max_new_tokens,
-                   "temperature": sampling.temperature, "top_p": sampling.top_p}
+        request = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+        }
         if sampling.temperature > 0:
             request["seed"] = seed
         try:
@@ -108,6 +136,8 @@ class ServerTarget:
             ids.append(self.eos_ids[0])  # the end of turn the server does not spell out in text
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in ids):
-            raise ServerError(f"{self.url} answered token ids outside the tokenizer's {vocab}: does it serve "
-                              "another model than --target?")
+            raise ServerError(
+                f"{self.url} answered token ids outside the tokenizer's {vocab}: does it serve "
+                "another model than --target?"
+            )
         return ids

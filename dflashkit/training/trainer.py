@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import platform
-import random
 import signal
 import threading
 import time
@@ -26,312 +24,48 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dflashkit.drafter.checkpoint import load_drafter, save_drafter, write_drafter_files
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.training.distributed import SINGLE, Parallel
-from dflashkit.drafter.network import BlockMask, DFlashDrafter
-from dflashkit.errors import InvalidInputError
-from dflashkit.training.features import FeatureStore
-from dflashkit.fsutil import atomic_dir, atomic_write
 from dflashkit.drafter.identity import check_compatible, drafter_config_for, target_identity
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import InvalidInputError
+from dflashkit.fsutil import atomic_dir, atomic_write
 from dflashkit.target.adapter import TargetAdapter
+from dflashkit.training.dataset import (
+    GPU_PAD_MULTIPLE,
+    TrainingSequence,
+    batches,
+    collate,
+    data_folders,
+    draft_vocabulary,
+    load_sequences,
+    padded_length,
+)
+from dflashkit.training.distributed import SINGLE, Parallel
+from dflashkit.training.features import FeatureStore
+from dflashkit.training.losses import (
+    BlockStates,
+    acceptance_weights,
+    block_cross_entropy,
+    block_targets,
+    row_argmax,
+    sample_anchors,
+    soft_block_loss,
+    soft_block_targets,
+    weighted_block_loss,
+)
+from dflashkit.training.warm_start import adds_layers_only, deepened, init_from_target, widened
 
 # ---- the method's pieces (pure functions, tested element-wise) ----------------------------------------------
 
 
-def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Random anchors per sequence among positions i with loss_mask[i] and loss_mask[i+1].
-
-    loss_mask [S, L] bool. Returns sorted anchors [S, N] (long) and keep [S, N] (bool; False marks padding
-    blocks of sequences with fewer than N valid anchors, whose anchor is set to 0).
-    """
-    S, L = loss_mask.shape
-    valid = torch.zeros_like(loss_mask)
-    valid[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
-    scores = torch.rand(S, L, generator=generator).to(loss_mask.device)
-    scores = scores.masked_fill(~valid, 2.0)  # invalid positions sort last
-    order = scores.argsort(dim=1)[:, :num_anchors]  # [S, N] random distinct positions, valid first
-    n = min(num_anchors, L)
-    keep = torch.arange(n, device=loss_mask.device)[None] < valid.sum(1, keepdim=True)
-    anchors = torch.where(keep, order, torch.zeros_like(order))
-    anchors, perm = torch.sort(torch.where(keep, anchors, torch.full_like(anchors, L)), dim=1)
-    keep = torch.gather(keep, 1, perm)
-    return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
-
-
-def context_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_size: int) -> Tensor:
-    """Context keys each block query sees: bool [S, N*B, seq_len], True where j < anchor of its block
-    (strictly: the anchor's own feature is not yet known at inference); padding blocks see none."""
-    anchor_of_query = anchors.repeat_interleave(block_size, 1)  # [S, N*B]
-    visible = torch.arange(seq_len, device=anchors.device)[None, None, :] < anchor_of_query[:, :, None]
-    return visible & keep.repeat_interleave(block_size, 1)[:, :, None]
-
-
-def training_attention_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_size: int) -> Tensor:
-    """The dense form of the training mask: bool [S, 1, N*B, seq_len + N*B].
-
-    Keys are [context 0..seq_len-1 | block 0 | ... | block N-1]; a query of block b sees context j < anchor_b
-    and all B positions of block b; padding blocks (keep False) see nothing. Training computes the same
-    thing block-sparsely (drafter.BlockMask); this form is the reference the tests compare against.
-    """
-    S, N = anchors.shape
-    q_block = torch.arange(N * block_size, device=anchors.device) // block_size
-    own = (q_block[:, None] == q_block[None, :])[None] & keep.repeat_interleave(block_size, 1)[:, :, None]
-    return torch.cat((context_mask(anchors, keep, seq_len, block_size), own), dim=2)[:, None]
-
-
-def block_hidden(drafter: DFlashDrafter, ids: Tensor, anchors: Tensor, keep: Tensor, embed_tokens: torch.nn.Module,
-                 *, features: Tensor | None = None, context: list | None = None) -> Tensor:
-    """Teacher-forced drafter hidden states [S, N, B-1, H] of the blocks anchored at anchors [S, N] in ids [S, L]:
-    each block is its anchor token then mask tokens, and sees the target's features of the positions strictly
-    before its anchor (the mask of §4.3): ``features`` [S, L, n_feat*H], or their injected K/V ``context`` when
-    already computed. What training scores, and what the offline estimates (scripts/) look at."""
-    S, L = ids.shape
-    B, N = drafter.block_size, anchors.shape[1]
-    block_ids = torch.full((S, N, B), drafter.config.mask_token_id, device=ids.device)
-    block_ids[:, :, 0] = torch.gather(ids, 1, anchors)
-    positions = (anchors[:, :, None] + torch.arange(B, device=ids.device)).flatten(1)  # [S, N*B]
-    mask = BlockMask(context_mask(anchors, keep, L, B), B)  # padding blocks see only themselves: no NaN
-    emb = drafter.embed(block_ids.flatten(1), embed_tokens)  # [S, N*B, H]; the target's rows detached inside
-    if context is None:
-        if features is None:
-            raise InvalidInputError("block_hidden needs the target's features or their injected context")
-        context = drafter.context_key_values(features, torch.arange(L, device=ids.device))
-    return drafter(emb, positions, context, mask).view(S, N, B, -1)[:, :, 1:]
-
-
-@torch.inference_mode()
-def teacher_forced_scores(drafter: DFlashDrafter, target, ids: list[int], start: int,
-                          chunk: int = 64) -> Iterator[tuple[Tensor, Tensor]]:
-    """The drafter's scores at every anchor a in [start, len(ids)-2] of one sequence, teacher-forced as training
-    sees it (the target's features of the text before a): (anchors [N], fp32 scores [N, B-1, V']) per chunk of
-    anchors, over the draft vocabulary (``drafter.draft_vocab``; the whole vocabulary without one). ``target``: a
-    :class:`~dflashkit.target.adapter.TargetAdapter`. What the offline estimates of scripts/ read."""
-    L = len(ids)
-    seq = torch.tensor([ids])
-    context = drafter.context_key_values(target.features(seq), torch.arange(L))  # [1, L, F] -> per-layer K/V
-    head, _ = drafter._draft_head(target.lm_head)
-    for first in range(start, L - 1, chunk):
-        anchors = torch.arange(first, min(first + chunk, L - 1))[None]  # [1, N]
-        hidden = block_hidden(drafter, seq, anchors, torch.ones_like(anchors, dtype=torch.bool), target.embed_tokens,
-                              context=context)[0]  # [N, B-1, H]
-        yield anchors[0], head(hidden).float()  # [N], [N, B-1, V']
-
-
-class BlockStates(torch.nn.Module):
-    """:func:`block_hidden` as one module call: what DistributedDataParallel wraps (it syncs the gradients of
-    what its forward runs). Only the drafter is a submodule; the target's frozen embedding table is held
-    outside the module tree, so that data parallelism neither broadcasts nor syncs it."""
-
-    def __init__(self, drafter: DFlashDrafter, embed_tokens: torch.nn.Module) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self._frozen = (embed_tokens,)
-
-    def forward(self, ids: Tensor, anchors: Tensor, keep: Tensor, features: Tensor) -> Tensor:
-        return block_hidden(self.drafter, ids, anchors, keep, self._frozen[0], features=features)
-
-
-LOSS_CHUNK_ROWS = 256  # rows of [rows, V] logits per chunk of the loss on a CPU (256 x 8,192 fp32: 8 MB)
-DEVICE_LOSS_CHUNK_ROWS = 16384  # elsewhere (512 MB): a GPU step is bound by dispatching its operations, and each
 # chunk costs ~40 aten calls (forward, backward, argmax; 11,247 against 10,967 per step for 8 chunks against 1): 256-row
 # chunks of 64 sequences x 32 blocks x 15 positions were ~4,700 more per step
 
 
-def loss_chunk_rows(logits: Tensor) -> int:
-    """Rows per chunk of the loss and the accuracy's argmax over logits [rows, V] on their device."""
-    return LOSS_CHUNK_ROWS if logits.device.type == "cpu" else DEVICE_LOSS_CHUNK_ROWS
-
-
-def position_weights(block_size: int, gamma: float) -> Tensor:
-    """w_k = exp(-(k-1)/γ) for block offsets k = 1..B-1 (offset 0, the anchor, carries no loss)."""
-    k = torch.arange(1, block_size, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)
-
-
-def block_targets(
-    input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, anchors: Tensor, keep: Tensor, block_size: int, gamma: float
-) -> tuple[Tensor, Tensor]:
-    """Labels [S, N, B-1] (the token at anchor+k) and loss weights [S, N, B-1] for offsets k = 1..B-1.
-
-    weight = keep · (anchor+k < length) · loss_mask[anchor+k] · exp(-(k-1)/γ); no cumulative product.
-    """
-    S, L = input_ids.shape
-    k = torch.arange(1, block_size, device=anchors.device)
-    pos = anchors[:, :, None] + k  # [S, N, B-1]
-    inside = pos < lengths[:, None, None]
-    pos_c = pos.clamp(max=L - 1)
-    labels = torch.gather(input_ids, 1, pos_c.flatten(1)).view_as(pos)
-    supervised = torch.gather(loss_mask, 1, pos_c.flatten(1)).view_as(pos)
-    weights = (keep[:, :, None] & inside & supervised).float() * position_weights(block_size, gamma).to(pos.device)
-    return labels, weights
-
-
-def acceptance_weights(label_prob: Tensor, valid: Tensor, alpha: float = 0.5) -> Tensor:
-    """D-PACE's loss weights [..., B-1] (arXiv 2605.18810; ModelOpt's default DFlash objective): the drafter's own
-    (detached) probability q_k of each label gives s_k = (1-α)·q_k + α, a smoothed chance that offset k is accepted;
-    prefix_k = Π_{j<=k} s_j is the chance that the block is accepted through k, and w_k = Σ_{j>=k} prefix_j the
-    accepted length that depends on offset k (every later offset needs it). So the loss spends itself where the
-    drafter already reaches, instead of a fixed decay. An offset without a label (past the sequence end, a token
-    outside the draft vocabulary, not supervised) can never be accepted: s = 0 there, which ends the prefix."""
-    s = torch.where(valid, (1 - alpha) * label_prob.detach().float() + alpha, 0.0)  # [..., B-1]
-    prefix = torch.cumprod(s, -1)
-    return prefix.flip(-1).cumsum(-1).flip(-1) * valid
-
-
-def block_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    """Cross-entropy of every block position [...] (fp32), logits [..., V] and labels [...]: what the losses weight,
-    and exp(-CE) the drafter's own probability of each label (D-PACE's weights)."""
-    # in chunks of rows: each chunk's fp32 copy, log-softmax and their gradients stay in the CPU's caches instead
-    # of making several passes through memory over [rows, V] (the same values: every row's CE is its own)
-    rows, chunk = logits.flatten(0, -2), loss_chunk_rows(logits)
-    return torch.cat([F.cross_entropy(part.float(), part_labels, reduction="none")
-                      for part, part_labels in zip(rows.split(chunk), labels.flatten().split(chunk))]).view_as(labels)
-
-
-def weighted_block_loss(logits: Tensor, labels: Tensor, weights: Tensor, total_weight: Tensor | None = None, *,
-                        ce: Tensor | None = None) -> Tensor:
-    """Σ CE·w / Σ w over all block positions; logits [..., V], labels/weights [...] (``ce``: their
-    :func:`block_cross_entropy`, where already computed).
-
-    ``total_weight``: the denominator when these positions are one process's part of a batch spread over
-    several (Σ w over the whole batch), so that the parts add up to the whole batch's loss."""
-    ce = block_cross_entropy(logits, labels) if ce is None else ce
-    total = weights.sum() if total_weight is None else total_weight
-    return (ce * weights).sum() / total.clamp_min(1e-9)
-
-
-def row_argmax(logits: Tensor) -> Tensor:
-    """argmax over the last dimension of logits [..., V] (any float dtype), in row chunks converted to fp32 (exact;
-    the same index, ties to the first): torch's CPU argmax over bf16 is several times slower than over fp32."""
-    rows = logits.detach().flatten(0, -2)
-    return torch.cat([part.float().argmax(-1) for part in rows.split(loss_chunk_rows(rows))]).view(logits.shape[:-1])
-
-
-def soft_block_targets(
-    top_ids: Tensor, top_logprobs: Tensor, anchors: Tensor, block_size: int, column_of: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """The target's own distribution over the token at anchor+k (k = 1..B-1), as soft labels.
-
-    top_ids / top_logprobs [S, L, K]: the target's K likeliest next tokens after each position and their
-    log-probabilities (TargetAdapter.features_and_top_logprobs); the token at anchor+k is predicted at
-    position anchor+k-1. ``column_of`` [vocab] maps token ids to loss columns (a draft vocabulary; -1: not in
-    it, dropped). Returns columns [S, N, B-1, K] (long; 0 where dropped) and probabilities [S, N, B-1, K]
-    renormalised over the kept entries (all 0 where none is kept). Positions past the sequence end get
-    whatever the padding row holds: their loss weight is 0 (block_targets).
-    """
-    S, L, K = top_ids.shape
-    k = torch.arange(1, block_size, device=anchors.device)
-    rows = (anchors[:, :, None] + k - 1).clamp(max=L - 1).flatten(1)  # [S, N*(B-1)]
-    index = rows[:, :, None].expand(-1, -1, K)
-    ids = torch.gather(top_ids, 1, index).view(S, anchors.shape[1], block_size - 1, K)
-    probs = torch.gather(top_logprobs, 1, index).view_as(ids).float().exp()
-    if column_of is not None:
-        ids = column_of[ids]
-        probs = probs * (ids >= 0)
-        ids = ids.clamp_min(0)
-    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
-    return ids, probs
-
-
-def soft_block_loss(logits: Tensor, columns: Tensor, probs: Tensor, weights: Tensor,
-                    total_weight: Tensor | None = None) -> Tensor:
-    """Σ w · (−Σ_j p_j log softmax(logits)[c_j]) / Σ w: cross-entropy against the target's own distribution
-    (its top K, renormalised), i.e. forward KL up to a constant; logits [..., V], columns/probs [..., K].
-    ``total_weight`` as in :func:`weighted_block_loss`."""
-    logq = logits.float().log_softmax(-1).gather(-1, columns)  # [..., K]
-    ce = -(probs * logq).sum(-1)
-    total = weights.sum() if total_weight is None else total_weight
-    return (ce * weights).sum() / total.clamp_min(1e-9)
-
-
 # ---- data --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainingSequence:
-    input_ids: list[int]
-    num_prompt: int  # tokens before the response
-    source: int = 0  # index of the data folder it came from
-
-
-def data_folders(data_dir: str | os.PathLike) -> list[Path]:
-    """One data folder, or several separated by commas."""
-    return [Path(p).expanduser() for p in str(data_dir).split(",") if p.strip()]
-
-
-def load_sequences(data_dir: str | os.PathLike, max_len: int) -> list[TrainingSequence]:
-    """Prompt + regenerated response pairs from `dflashkit data` shards (one or comma-separated folders, in
-    order; a shard still in progress gives the answers finished in it), cut to max_len tokens.
-
-    A prompt may come with several responses (e.g. sampled regenerations at a temperature): each distinct one
-    is kept. A response that repeats one already kept for the same prompt, or is a prefix of it (the same greedy
-    answer with a shorter length limit), is used once; a longer one replaces the shorter it extends.
-    """
-    from dflashkit.training.sources import load_shards
-
-    kept: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}  # prompt -> [(response, source)]
-    for source, folder in enumerate(data_folders(data_dir)):
-        for rec in load_shards(folder, include_partial=True):  # a shard in progress gives its finished answers
-            prompt, response = tuple(rec["prompt_ids"]), tuple(rec["response_ids"])
-            answers = kept.setdefault(prompt, [])
-            if any(old[: len(response)] == response for old, _ in answers):
-                continue  # the same answer, or a prefix of one already kept
-            extended = [i for i, (old, _) in enumerate(answers) if response[: len(old)] == old]
-            if extended:
-                answers[extended[0]] = (response, answers[extended[0]][1])
-            else:
-                answers.append((response, source))
-    seqs = []
-    for prompt, answers in kept.items():
-        for response, source in answers:
-            ids = list(prompt + response)[:max_len]
-            if len(ids) - len(prompt) >= 2:
-                seqs.append(TrainingSequence(ids, len(prompt), source))
-    if not seqs:
-        raise InvalidInputError(f"{data_dir}: no training sequences with at least 2 response tokens")
-    return seqs
-
-
-def batches(seqs: list[TrainingSequence], per_step: int, seed: int) -> Iterator[list[TrainingSequence]]:
-    """Endless batches of similar-length sequences (length-bucketed, reshuffled every epoch)."""
-    rng = random.Random(seed)
-    while True:
-        order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].input_ids), rng.random()))
-        groups = [order[i : i + per_step] for i in range(0, len(order), per_step)]
-        rng.shuffle(groups)
-        for g in groups:
-            yield [seqs[i] for i in g]
-
-
-GPU_PAD_MULTIPLE = 16  # see Trainer.pad_multiple
-
-
-def padded_length(length: int, multiple: int) -> int:
-    """`length` rounded up to a multiple of `multiple`."""
-    return -(-length // multiple) * multiple
-
-
-def collate(batch: list[TrainingSequence], pad_id: int, multiple: int = 1) -> tuple[Tensor, Tensor, Tensor]:
-    """input_ids [S, L] (right-padded to a multiple of `multiple`), loss_mask [S, L] (response tokens), lengths [S]."""
-    L = padded_length(max(len(s.input_ids) for s in batch), multiple)
-    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), L), dtype=torch.bool)
-    for i, s in enumerate(batch):
-        ids[i, : len(s.input_ids)] = torch.tensor(s.input_ids)
-        mask[i, s.num_prompt : len(s.input_ids)] = True
-    return ids, mask, torch.tensor([len(s.input_ids) for s in batch])
-
-
-def draft_vocabulary(seqs: list[TrainingSequence], size: int) -> Tensor:
-    """The `size` most frequent response tokens: the loss's vocabulary (cheaper LM head in training)."""
-    counts = torch.zeros(max(max(s.input_ids) for s in seqs) + 1, dtype=torch.long)
-    for s in seqs:
-        counts += torch.bincount(torch.tensor(s.input_ids[s.num_prompt :]), minlength=counts.numel())
-    return counts.argsort(descending=True)[:size].sort().values
 
 
 # ---- the training loop -------------------------------------------------------------------------------------
@@ -383,11 +117,22 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Refuse settings that would train nothing useful (a NaN loss, a negative rate) before anything runs."""
+
         def bad(name: str, why: str) -> InvalidInputError:
             return InvalidInputError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        for name in ("num_layers", "anchors_per_seq", "seqs_per_step", "grad_accum", "steps", "max_seq_len",
-                     "eval_every", "eval_prompts", "checkpoint_every", "eval_set_prompts"):
+        for name in (
+            "num_layers",
+            "anchors_per_seq",
+            "seqs_per_step",
+            "grad_accum",
+            "steps",
+            "max_seq_len",
+            "eval_every",
+            "eval_prompts",
+            "checkpoint_every",
+            "eval_set_prompts",
+        ):
             value = getattr(self, name)
             if name == "num_layers" and value is None:  # the --init drafter's depth (3 without one)
                 continue
@@ -405,15 +150,20 @@ class TrainConfig:
             raise bad("dpace_alpha", "must be in [0, 1]")
         if not (0 <= self.warmup_ratio < 1):
             raise bad("warmup_ratio", "must be a fraction of the steps in [0, 1)")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0) or not (math.isfinite(self.clip) and self.clip > 0):
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0) or not (
+            math.isfinite(self.clip) and self.clip > 0
+        ):
             raise InvalidInputError(f"weight_decay must be >= 0 and clip > 0, got {self.weight_decay}, {self.clip}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise bad("draft_vocab_size", "must be a positive number of tokens (None: the whole vocabulary)")
         if self.distill_topk < 0 or not (0 <= self.distill_weight <= 1):
-            raise InvalidInputError(f"distill_topk must be >= 0 and distill_weight in [0, 1], got "
-                                    f"{self.distill_topk}, {self.distill_weight}")
-        if self.target_layer_ids is not None and (not self.target_layer_ids or any(
-                not isinstance(i, int) or i < 0 for i in self.target_layer_ids)):
+            raise InvalidInputError(
+                f"distill_topk must be >= 0 and distill_weight in [0, 1], got "
+                f"{self.distill_topk}, {self.distill_weight}"
+            )
+        if self.target_layer_ids is not None and (
+            not self.target_layer_ids or any(not isinstance(i, int) or i < 0 for i in self.target_layer_ids)
+        ):
             raise bad("target_layer_ids", "must be a non-empty list of layer indices >= 0")
         if self.eval_sets is not None:
             from dflashkit.training.evalsets import INSTALL
@@ -439,83 +189,6 @@ def lr_at(step: int, cfg: TrainConfig, total: int | None = None) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def init_from_target(drafter: DFlashDrafter, model: torch.nn.Module) -> None:
-    """Start from the target: its last N decoder layers, fc reading the deepest feature layer, its final norm.
-
-    Measured (training-notes) to start at a lower loss and learn faster than random initialisation.
-    """
-    layers = model.get_decoder().layers
-    src_layers = layers[len(layers) - len(drafter.layers) :]
-    with torch.no_grad():
-        for dst, src in zip(drafter.layers, src_layers):
-            src_state = src.state_dict()
-            for name, p in dst.state_dict().items():
-                if name in src_state and src_state[name].shape == p.shape:
-                    p.copy_(src_state[name])
-        H = drafter.config.hidden_size
-        drafter.fc.weight.zero_()
-        drafter.fc.weight[:, -H:] = torch.eye(H)
-        first_norm = getattr(src_layers[0], "input_layernorm", None)  # the context plays that layer's input
-        if first_norm is not None and first_norm.weight.shape == drafter.hidden_norm.weight.shape:
-            drafter.hidden_norm.weight.copy_(first_norm.weight)
-        final_norm = getattr(model.get_decoder(), "norm", None)
-        if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
-            drafter.norm.weight.copy_(final_norm.weight)
-        if drafter.mask_embedding is not None:
-            drafter.mask_embedding.copy_(model.get_input_embeddings().weight.float().mean(0))
-
-
-def deepened(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
-    """`drafter` with layers appended up to `num_layers`, computing exactly what it computed.
-
-    Each new layer copies one of the existing layers (the last ones first) with its attention and MLP output
-    projections zeroed: its residual branches add nothing until training moves those projections, so a run
-    continues from the trained drafter's own drafts with more depth to learn with.
-    """
-    have = drafter.config.num_hidden_layers
-    if num_layers < have:
-        raise InvalidInputError(f"cannot deepen a {have}-layer drafter to {num_layers} layers")
-    grown = DFlashDrafter(drafter.config.replace(num_hidden_layers=num_layers)).to(drafter.fc.weight.device)
-    state = drafter.state_dict()
-    for new in range(have, num_layers):
-        donor = have - 1 - (new - have) % have
-        for name, value in drafter.layers[donor].state_dict().items():
-            zero = name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-            state[f"layers.{new}.{name}"] = torch.zeros_like(value) if zero else value.clone()
-    grown.load_state_dict(state)
-    return grown
-
-
-def adds_layers_only(have: list[int], want: list[int]) -> bool:
-    """Whether feature layers ``want`` hold each of ``have`` and others, each once (what :func:`widened` can do)."""
-    return set(have) <= set(want) and len(set(want)) == len(want)
-
-
-def widened(drafter: DFlashDrafter, target_layer_ids: list[int]) -> DFlashDrafter:
-    """`drafter` fed by more target layers (a superset of its own, in any order), computing exactly what it computed.
-
-    The fusion ``fc`` [H, n_feat*H] gets the new layers' columns as zeros, each old layer's block of columns moved to
-    that layer's place in the new order: the fused context is unchanged until training moves the new columns, so a
-    run continues from the trained drafter's own drafts with more of the target to read (the paper's ablation: 5
-    feature layers over 3, +3-5% τ).
-    """
-    have = list(drafter.config.target_layer_ids)
-    if not adds_layers_only(have, target_layer_ids):
-        raise InvalidInputError(f"cannot widen a drafter fed by target layers {have} to {target_layer_ids}: the new "
-                                "list must hold each of its layers (once) and may only add others")
-    grown = DFlashDrafter(drafter.config.replace(target_layer_ids=list(target_layer_ids))).to(drafter.fc.weight.device)
-    state = drafter.state_dict()
-    H = drafter.config.hidden_size
-    old = state["fc.weight"]  # [H, len(have)*H]
-    fc = torch.zeros(old.shape[0], len(target_layer_ids) * H, dtype=old.dtype, device=old.device)
-    for j, layer in enumerate(have):
-        i = target_layer_ids.index(layer)
-        fc[:, i * H : (i + 1) * H] = old[:, j * H : (j + 1) * H]
-    state["fc.weight"] = fc
-    grown.load_state_dict(state)
-    return grown
-
-
 class Trainer:
     """Holds target, drafter, optimizer and data; `run()` trains with checkpoints and resumes.
 
@@ -526,7 +199,12 @@ class Trainer:
     """
 
     def __init__(
-        self, cfg: TrainConfig, model, tokenizer, sequences: list[TrainingSequence] | None = None, log=print,
+        self,
+        cfg: TrainConfig,
+        model,
+        tokenizer,
+        sequences: list[TrainingSequence] | None = None,
+        log=print,
         parallel: Parallel = SINGLE,
     ) -> None:
         self.cfg, self.model, self.tokenizer, self.parallel = cfg, model, tokenizer, parallel
@@ -537,8 +215,10 @@ class Trainer:
         vocab_size = model.get_input_embeddings().weight.shape[0]
         largest = max(max(s.input_ids) for s in seqs)
         if largest >= vocab_size:
-            raise InvalidInputError(f"{cfg.data_dir}: token id {largest} is outside the target's vocabulary of "
-                                    f"{vocab_size}: data regenerated by another target?")
+            raise InvalidInputError(
+                f"{cfg.data_dir}: token id {largest} is outside the target's vocabulary of "
+                f"{vocab_size}: data regenerated by another target?"
+            )
         if sequences is None and parallel.is_main:
             self._record_data_used(seqs)
         n_eval = min(cfg.eval_prompts, max(0, len(seqs) // 10))
@@ -553,9 +233,12 @@ class Trainer:
         if layer_ids is None and start is not None:  # continuing: its feature layers unless told otherwise
             layer_ids = list(start.config.target_layer_ids)
         shape = drafter_config_for(
-            model, num_layers=cfg.num_layers, block_size=cfg.block_size,
-            target_layer_ids=layer_ids, mask_token_id=cfg.mask_token_id,
-        )  # fmt: skip
+            model,
+            num_layers=cfg.num_layers,
+            block_size=cfg.block_size,
+            target_layer_ids=layer_ids,
+            mask_token_id=cfg.mask_token_id,
+        )
         start = self._fitted(start, shape) if start is not None else None
         if start is not None:  # continuing: keep its draft vocabulary
             self.vocab = start.draft_vocab
@@ -563,8 +246,9 @@ class Trainer:
             self.vocab = draft_vocabulary(self.train_seqs, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
         self.vocab = self.vocab.to(cfg.device) if self.vocab is not None else None
         # its context window: the longest context it trains on (at inference it reads no more than that by default)
-        dcfg = shape.replace(draft_vocab=self.vocab.tolist() if self.vocab is not None else None,
-                             context_window=cfg.max_seq_len)
+        dcfg = shape.replace(
+            draft_vocab=self.vocab.tolist() if self.vocab is not None else None, context_window=cfg.max_seq_len
+        )
         self.drafter = DFlashDrafter(dcfg).to(cfg.device)  # fp32 master weights; bf16 autocast by default
         if start is not None:
             self.drafter.load_state_dict(start.state_dict())
@@ -576,7 +260,8 @@ class Trainer:
         if parallel.enabled:  # broadcasts the first process's weights, then averages gradients in backward
             device = torch.device(cfg.device)
             self.states = torch.nn.parallel.DistributedDataParallel(
-                self.block_states, device_ids=[device.index] if device.type == "cuda" else None)
+                self.block_states, device_ids=[device.index] if device.type == "cuda" else None
+            )
         # what a step's forward calls, spread over the processes or not: compiled on first use with cfg.compile
         self.forwards: dict[bool, Callable[..., Tensor]] = {True: self.states, False: self.block_states}
         self.compiled = cfg.compile
@@ -586,35 +271,45 @@ class Trainer:
             self.vocab_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long, device=cfg.device)
             self.vocab_index[self.vocab] = torch.arange(self.vocab.numel(), device=cfg.device)
         self.opt = torch.optim.AdamW(
-            [p for p in self.drafter.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,
+            [p for p in self.drafter.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
             betas=(0.9, 0.95),
-        )  # fmt: skip
+        )
         if cfg.distill_topk < 0 or not 0 <= cfg.distill_weight <= 1:
-            raise InvalidInputError(f"distillation needs top-k >= 0 and a weight in [0, 1], got {cfg.distill_topk} "
-                                    f"and {cfg.distill_weight}")
+            raise InvalidInputError(
+                f"distillation needs top-k >= 0 and a weight in [0, 1], got {cfg.distill_topk} and {cfg.distill_weight}"
+            )
         self.store: FeatureStore | None = None
         self.soft_store: FeatureStore | None = None
         if cfg.cache_features:  # data parallel: each process caches what it computes, in its own folder
             suffix = f"-rank{parallel.rank}" if parallel.enabled else ""
             self.seq_index = {id(s): i for i, s in enumerate(self.train_seqs)}
             self.store = FeatureStore(
-                self.out / f"features{suffix}", [s.input_ids for s in self.train_seqs],
-                width=len(dcfg.target_layer_ids) * self.target.hidden_size, dtype=self.target.dtype,
+                self.out / f"features{suffix}",
+                [s.input_ids for s in self.train_seqs],
+                width=len(dcfg.target_layer_ids) * self.target.hidden_size,
+                dtype=self.target.dtype,
                 signature={"target_layer_ids": list(dcfg.target_layer_ids), "target": target_identity(model)},
-            )  # fmt: skip
+            )
             if cfg.distill_topk:  # ids (exact in fp32 below 2^24) and log-probabilities, side by side
                 self.soft_store = FeatureStore(
-                    self.out / f"soft-labels{suffix}", [s.input_ids for s in self.train_seqs], width=2 * cfg.distill_topk,
-                    dtype=torch.float32, signature={"top_k": cfg.distill_topk, "target": target_identity(model)},
-                )  # fmt: skip
+                    self.out / f"soft-labels{suffix}",
+                    [s.input_ids for s in self.train_seqs],
+                    width=2 * cfg.distill_topk,
+                    dtype=torch.float32,
+                    signature={"top_k": cfg.distill_topk, "target": target_identity(model)},
+                )
         self.eval_set_ids: dict[str, list[list[int]]] = {}  # evaluation-set prompts, chat-templated token ids
         if cfg.eval_sets and parallel.is_main:
-            from dflashkit.training.evalsets import load_set
             from dflashkit.text import encode_chat
+            from dflashkit.training.evalsets import load_set
 
             for name in cfg.eval_sets:
-                self.eval_set_ids[name] = [encode_chat(tokenizer, p)[: cfg.max_seq_len]
-                                           for p in load_set(name, limit=cfg.eval_set_prompts, seed=cfg.seed)]
+                self.eval_set_ids[name] = [
+                    encode_chat(tokenizer, p)[: cfg.max_seq_len]
+                    for p in load_set(name, limit=cfg.eval_set_prompts, seed=cfg.seed)
+                ]
         self.step = 0
         # the schedule's length: cfg.steps, or what a time budget measured fits (fixed once measured, checkpointed)
         self.total_steps, self.schedule_fixed = cfg.steps, cfg.time_budget_s is None
@@ -635,8 +330,13 @@ class Trainer:
         used = []
         for i, folder in enumerate(data_folders(self.cfg.data_dir)):
             mine = [s for s in seqs if s.source == i]
-            used.append({"folder": str(folder), "sequences": len(mine),
-                         "response_tokens": sum(len(s.input_ids) - s.num_prompt for s in mine)})
+            used.append(
+                {
+                    "folder": str(folder),
+                    "sequences": len(mine),
+                    "response_tokens": sum(len(s.input_ids) - s.num_prompt for s in mine),
+                }
+            )
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write(self.out / "data_used.json", lambda f: json.dump(used, f, indent=1))
 
@@ -645,9 +345,19 @@ class Trainer:
         unlike the checkpoint it is small enough to bring back from a lent GPU machine)."""
         device = torch.device(self.cfg.device)
         machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-        atomic_write(self.out / "run_config.json", lambda f: json.dump(
-            {"config": asdict(self.cfg), "machine": machine, "processes": self.parallel.world_size,
-             "torch": torch.__version__}, f, indent=1))
+        atomic_write(
+            self.out / "run_config.json",
+            lambda f: json.dump(
+                {
+                    "config": asdict(self.cfg),
+                    "machine": machine,
+                    "processes": self.parallel.world_size,
+                    "torch": torch.__version__,
+                },
+                f,
+                indent=1,
+            ),
+        )
 
     def _initial_drafter(self, model) -> DFlashDrafter:
         """The drafter named by cfg.init_drafter, checked against the target."""
@@ -659,25 +369,36 @@ class Trainer:
         """`start` checked against this run's shape `want`, deepened where the run asks for more layers."""
         cfg = self.cfg
         got = start.config
-        problems = [f"{name} {getattr(got, name)!r} (this run: {getattr(want, name)!r})"
-                    for name in ("block_size", "mask_token_id", "learned_mask_embedding")
-                    if getattr(got, name) != getattr(want, name)]
+        problems = [
+            f"{name} {getattr(got, name)!r} (this run: {getattr(want, name)!r})"
+            for name in ("block_size", "mask_token_id", "learned_mask_embedding")
+            if getattr(got, name) != getattr(want, name)
+        ]
         widen = got.target_layer_ids != want.target_layer_ids
         if widen and not adds_layers_only(got.target_layer_ids, want.target_layer_ids):
-            problems.append(f"target_layer_ids {got.target_layer_ids!r} (this run: {want.target_layer_ids!r}; a run "
-                            "may add feature layers, not drop them)")
+            problems.append(
+                f"target_layer_ids {got.target_layer_ids!r} (this run: {want.target_layer_ids!r}; a run "
+                "may add feature layers, not drop them)"
+            )
         if got.num_hidden_layers > want.num_hidden_layers:  # deeper runs may grow it (below), never shrink it
             problems.insert(0, f"num_hidden_layers {got.num_hidden_layers} (this run: {want.num_hidden_layers})")
         if problems:
-            raise InvalidInputError(f"--init {cfg.init_drafter}: not the shape of this run: " + "; ".join(problems)
-                                    + ". Pass the matching --layers/--block-size/--target-layers/--mask-token-id.")
+            raise InvalidInputError(
+                f"--init {cfg.init_drafter}: not the shape of this run: "
+                + "; ".join(problems)
+                + ". Pass the matching --layers/--block-size/--target-layers/--mask-token-id."
+            )
         if got.num_hidden_layers < want.num_hidden_layers:
-            self.log(f"--init {cfg.init_drafter}: {got.num_hidden_layers} layers, deepened to "
-                     f"{want.num_hidden_layers} (new layers start as identities)")
+            self.log(
+                f"--init {cfg.init_drafter}: {got.num_hidden_layers} layers, deepened to "
+                f"{want.num_hidden_layers} (new layers start as identities)"
+            )
             start = deepened(start, want.num_hidden_layers)
         if widen:
-            self.log(f"--init {cfg.init_drafter}: fed by target layers {got.target_layer_ids}, widened to "
-                     f"{want.target_layer_ids} (the new layers' fusion columns start at zero)")
+            self.log(
+                f"--init {cfg.init_drafter}: fed by target layers {got.target_layer_ids}, widened to "
+                f"{want.target_layer_ids} (the new layers' fusion columns start at zero)"
+            )
             start = widened(start, want.target_layer_ids)
         return start
 
@@ -727,16 +448,21 @@ class Trainer:
         loss = hard
         if soft is not None:
             K = cfg.distill_topk
-            columns, probs = soft_block_targets(soft[..., :K].long(), soft[..., K:], anchors, B,
-                                                self.vocab_index if self.vocab is not None else None)
+            columns, probs = soft_block_targets(
+                soft[..., :K].long(), soft[..., K:], anchors, B, self.vocab_index if self.vocab is not None else None
+            )
             soft_loss = soft_block_loss(logits, columns, probs, weights, total)
             loss = (1 - cfg.distill_weight) * hard + cfg.distill_weight * soft_loss
             terms.update(hard_loss=hard, soft_loss=soft_loss)
         with torch.no_grad():  # the batch's figures: sums over the processes' parts when spread
             supervised = (weights > 0).float()
-            figures = torch.cat((torch.stack([loss.detach(), *(t.detach() for t in terms.values())]).float(),
-                                 ((row_argmax(logits) == labels).float() * supervised).sum((0, 1)),  # hits [B-1]
-                                 supervised.sum((0, 1))))  # supervised positions [B-1]
+            figures = torch.cat(
+                (
+                    torch.stack([loss.detach(), *(t.detach() for t in terms.values())]).float(),
+                    ((row_argmax(logits) == labels).float() * supervised).sum((0, 1)),  # hits [B-1]
+                    supervised.sum((0, 1)),
+                )
+            )  # supervised positions [B-1]
             if spread:
                 figures = self.parallel.all_sum(figures)
             values, hits, counts = figures.split([1 + len(terms), B - 1, B - 1])
@@ -745,8 +471,9 @@ class Trainer:
         acc = (hits / counts.clamp_min(1)).tolist()
         return loss, {"acc_per_position": acc, "supervised": int(counts.sum()), **info}
 
-    def batch_features(self, batch: list[TrainingSequence], ids: Tensor, loss_mask: Tensor | None = None
-                       ) -> tuple[Tensor, Tensor | None]:
+    def batch_features(
+        self, batch: list[TrainingSequence], ids: Tensor, loss_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """Target features [S, L, n_feat*H] of a right-padded batch and, when distilling, its soft labels
         [S, L, 2K] (top-K ids as floats, then their log-probabilities); cached, each sequence runs once per run.
         With ``loss_mask`` [S, L], soft labels only where the next token carries loss (the only rows a block's
@@ -806,8 +533,10 @@ class Trainer:
                 except Exception as exc:  # noqa: BLE001  compiling failed (e.g. no C++ compiler): train eagerly
                     if not self.compiled:
                         raise
-                    self.log(f"torch.compile failed ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-                             "); training without it")
+                    self.log(
+                        f"torch.compile failed ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                        "); training without it"
+                    )
                     self.compiled, self.forwards = False, {True: self.states, False: self.block_states}
                     loss, info = self.loss_on(batch)  # a real error in the step raises here
                 (loss * world / cfg.grad_accum).backward()
@@ -884,11 +613,14 @@ class Trainer:
             self.parallel.barrier()
             return
         state = {
-            "step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
-            "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
+            "step": self.step,
+            "optimizer": self.opt.state_dict(),
+            "generator": self.gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "config": asdict(self.cfg),
             # a schedule a time budget sized keeps its length when resumed (without a budget: --steps, as given)
             "total_steps": self.total_steps if self.cfg.time_budget_s is not None and self.schedule_fixed else None,
-        }  # fmt: skip
+        }
         with atomic_dir(self.ckpt) as tmp:
             write_drafter_files(self.drafter, tmp)
             torch.save(state, tmp / "trainer_state.pt")
@@ -927,8 +659,9 @@ class Trainer:
             next(batch_iter)
         from tqdm import tqdm
 
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and main), desc="train",
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=self.total_steps, initial=self.step, disable=not (progress and main), desc="train", dynamic_ncols=True
+        )
         t0 = time.perf_counter()
         self.stop_requested = False
         try:
@@ -960,8 +693,11 @@ class Trainer:
             self._warm_from = (now, self.step, self._feature_seconds)
         if self._rate_from is None and self.step >= first_step + 2 and caches_full:
             self._rate_from = (now, self.step)
-        measured = self._rate_from is not None and self.step - self._rate_from[1] >= 5 and (
-            now - self._rate_from[0] >= min(30.0, 0.1 * budget))
+        measured = (
+            self._rate_from is not None
+            and self.step - self._rate_from[1] >= 5
+            and (now - self._rate_from[0] >= min(30.0, 0.1 * budget))
+        )
         if not self.parallel.any(measured or now - t0 >= 0.5 * budget, self.cfg.device):
             return False
         left = max(0.0, budget - (now - t0))
@@ -980,8 +716,10 @@ class Trainer:
             unfilled = int((~self.store.filled).sum()) if self.store is not None else 0
             to_fill = unfilled * self._feature_seconds / max(self._features_computed, 1)
             left = max(0.0, left - to_fill)
-            how = (f"{rate:.2f} steps/s over steps {start_step}-{self.step} without their feature work, and "
-                   f"{to_fill:.0f} s of features still to compute")
+            how = (
+                f"{rate:.2f} steps/s over steps {start_step}-{self.step} without their feature work, and "
+                f"{to_fill:.0f} s of features still to compute"
+            )
         fit = self.step + int(0.97 * rate * left)
         total = min([self.cfg.steps, *(int(f) for f in self.parallel.gather_objects(fit))])
         self.total_steps, self.schedule_fixed = max(total, self.step), True
@@ -1024,8 +762,10 @@ class Trainer:
             if self.step % cfg.checkpoint_every == 0 or last:
                 self.save()
             if spent and self.step < self.total_steps:
-                self.log(f"time budget of {cfg.time_budget_s:g} s spent at step {self.step} of {self.total_steps}; "
-                         "checkpoint saved (the same command resumes here)")
+                self.log(
+                    f"time budget of {cfg.time_budget_s:g} s spent at step {self.step} of {self.total_steps}; "
+                    "checkpoint saved (the same command resumes here)"
+                )
                 break
 
 

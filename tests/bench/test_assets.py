@@ -21,8 +21,16 @@ def fake_parts(tmp_path, monkeypatch, chunks: list[bytes], prefix: str = "fakegg
 
 def model_for(data: bytes, parts: int, **kw) -> PackagedGGUF:
     sha = hashlib.sha256(data).hexdigest()
-    fields = dict(name="fake-model", module_prefix="fakegguf_part", pip_prefix="fakegguf-part", version="1.0",
-                  parts=parts, size=len(data), sha256_head=sha[:8], sha256_tail=sha[-4:])  # fmt: skip
+    fields = dict(
+        name="fake-model",
+        module_prefix="fakegguf_part",
+        pip_prefix="fakegguf-part",
+        version="1.0",
+        parts=parts,
+        size=len(data),
+        sha256_head=sha[:8],
+        sha256_tail=sha[-4:],
+    )
     fields.update(kw)
     return PackagedGGUF(**fields)
 

@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
+import dflashkit.drafter.registry
 import dflashkit.interop.llama_server
 import dflashkit.target.loading
-import dflashkit.drafter.registry
-from tests.conftest import tiny_target, word_tokenizer
 from dflashkit.bench.command import QUICK, bench_parser, settings_from
 from dflashkit.cli.main import main
 from dflashkit.errors import InvalidInputError
 from dflashkit.kernels.int8 import quantize_model
+from tests.conftest import tiny_target, word_tokenizer
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
 
@@ -29,21 +29,46 @@ def tiny_load(monkeypatch):
 
     monkeypatch.setattr(dflashkit.target.loading, "load_target", fake_load_target)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
-    monkeypatch.setattr(dflashkit.interop.llama_server, "find_llama_server", lambda explicit=None: None)  # nor llama-server
+    monkeypatch.setattr(
+        dflashkit.interop.llama_server, "find_llama_server", lambda explicit=None: None
+    )  # nor llama-server
 
 
 @pytest.fixture
 def questions(tmp_path) -> str:
     path = tmp_path / "qs.jsonl"
-    path.write_text("\n".join(json.dumps({"question_id": i, "turns": [f"w{9 + i} w10 w11", "w12 w13"]}) for i in range(2)))
+    path.write_text(
+        "\n".join(json.dumps({"question_id": i, "turns": [f"w{9 + i} w10 w11", "w12 w13"]}) for i in range(2))
+    )
     return str(path)
 
 
 def test_bench_command_writes_outputs_and_skips_missing_peers(tiny_load, questions, tmp_path, capsys) -> None:
     out = tmp_path / "out"
-    rc = main(["bench", "--datasets", questions, "--limit", "1", "--max-new-tokens", "6", "--temperatures", "0,1",
-               "--drafter", "untrained", "--block-sizes", "2,4,auto", "--out", str(out), "--json", str(tmp_path / "r.json"),
-               "--no-progress", "--threads", "1"])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "--datasets",
+            questions,
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--temperatures",
+            "0,1",
+            "--drafter",
+            "untrained",
+            "--block-sizes",
+            "2,4,auto",
+            "--out",
+            str(out),
+            "--json",
+            str(tmp_path / "r.json"),
+            "--no-progress",
+            "--threads",
+            "1",
+        ]
+    )
     stdout, stderr = capsys.readouterr()
     assert rc == 0, stderr
     assert "skipped hf-assisted: no draft model with the target's tokenizer" in stderr
@@ -63,9 +88,29 @@ def test_bench_command_writes_outputs_and_skips_missing_peers(tiny_load, questio
 
 
 def test_without_a_drafter_dflash_is_skipped_with_a_reason(tiny_load, questions, tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(dflashkit.drafter.registry, "DRAFTERS_DIR", tmp_path / "none-shipped")  # a target with no drafter
-    rc = main(["bench", "--datasets", questions, "--limit", "1", "--max-new-tokens", "4", "--temperatures", "0",
-               "--methods", "ar,dflash", "--max-turns", "1", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    monkeypatch.setattr(
+        dflashkit.drafter.registry, "DRAFTERS_DIR", tmp_path / "none-shipped"
+    )  # a target with no drafter
+    rc = main(
+        [
+            "bench",
+            "--datasets",
+            questions,
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--temperatures",
+            "0",
+            "--methods",
+            "ar,dflash",
+            "--max-turns",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     _, stderr = capsys.readouterr()
     assert rc == 0 and "skipped dflash-b16: no trained drafter ships for this target yet" in stderr
 
@@ -78,8 +123,16 @@ def test_options_quick_preset_and_errors(capsys) -> None:
     full = settings_from(parser.parse_args(["--methods", "hf,ar", "--temperatures", "0"]))
     assert full["methods"] == ["ar", "hf"] and full["max_turns"] is None and full["limit"] == 10
     assert full["trees"] == [] and settings_from(parser.parse_args(["--trees", "5,11"]))["trees"] == [5, 11]
-    for bad in (["--methods", "vllm"], ["--block-sizes", "1"], ["--block-sizes", "4,big"], ["--temperatures", "x"],
-                ["--trees", "0"], ["--trees", "five"], ["--datasets", "bogus"], ["--datasets", "mt-bench,gsm9k"]):
+    for bad in (
+        ["--methods", "vllm"],
+        ["--block-sizes", "1"],
+        ["--block-sizes", "4,big"],
+        ["--temperatures", "x"],
+        ["--trees", "0"],
+        ["--trees", "five"],
+        ["--datasets", "bogus"],
+        ["--datasets", "mt-bench,gsm9k"],
+    ):
         with pytest.raises(InvalidInputError):
             settings_from(parser.parse_args(bad))
     assert main(["bench", "--methods", "vllm"]) == 2

@@ -35,10 +35,13 @@ def write_questions(path, rows) -> str:
 
 
 def test_question_file_fastchat_format(tmp_path) -> None:
-    path = write_questions(tmp_path / "spec_bench.jsonl", [
-        {"question_id": 1, "category": "qa", "turns": ["Hi?", "And then?"]},
-        {"question_id": "x2", "category": "math", "turns": ["2+2?"]},
-    ])  # fmt: skip
+    path = write_questions(
+        tmp_path / "spec_bench.jsonl",
+        [
+            {"question_id": 1, "category": "qa", "turns": ["Hi?", "And then?"]},
+            {"question_id": "x2", "category": "math", "turns": ["2+2?"]},
+        ],
+    )
     name, qs = load_questions(path)
     assert name == "spec_bench" and [q.question_id for q in qs] == ["1", "x2"]
     assert qs[0].turns == ("Hi?", "And then?") and qs[1].category == "math"
@@ -47,8 +50,9 @@ def test_question_file_fastchat_format(tmp_path) -> None:
     assert len(a) == 1 and a == load_questions(path, limit=1, seed=5)[1]
 
 
-@pytest.mark.parametrize("line, message", [('{"turns": []}', "turns"), ("{oops", "invalid JSON"),
-                                           ('{"prompt": "x"}', "turns")])  # fmt: skip
+@pytest.mark.parametrize(
+    "line, message", [('{"turns": []}', "turns"), ("{oops", "invalid JSON"), ('{"prompt": "x"}', "turns")]
+)
 def test_question_file_errors_name_the_line(tmp_path, line: str, message: str) -> None:
     path = tmp_path / "q.jsonl"
     path.write_text('{"turns": ["ok"]}\n' + line + "\n")

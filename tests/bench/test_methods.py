@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from tests.conftest import tiny_drafter, tiny_target, word_tokenizer
 from dflashkit.bench.methods import Autoregressive, DFlash, Request, TargetSession, Unavailable
 from dflashkit.decoding.loop import decode
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import tiny_drafter, tiny_target, word_tokenizer
 
 PROMPT = [1, 5, 9, 17, 33, 5, 9, 40]
 
@@ -103,8 +103,8 @@ def test_default_method_keeps_copies_as_chains_in_the_default_trees(monkeypatch)
     import dataclasses
     import sys
 
+    from dflashkit.decoding.defaults import COUPLED_TREE
     from tests.conftest import record_decode_options
-    from dflashkit.generator import COUPLED_TREE
 
     seen = record_decode_options(monkeypatch, sys.modules["dflashkit.bench.methods"], "tree", "tree_copies")
     s = session()

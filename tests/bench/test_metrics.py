@@ -6,8 +6,8 @@ import pytest
 
 from dflashkit.bench.metrics import (
     RunRow,
-    accepted_histogram,
     acceptance_per_position,
+    accepted_histogram,
     question_tokens_per_s,
     speedup_tokens_per_s,
     speedup_tpot,
@@ -18,8 +18,18 @@ from dflashkit.bench.metrics import (
 
 
 def row(method: str, qid: str, new_tokens: int, ttft: float, total: float, turn: int = 0, **kw) -> RunRow:
-    return RunRow(method=method, dataset="d", question_id=qid, turn=turn, temperature=0.0, prompt_tokens=5,
-                  new_tokens=new_tokens, ttft_s=ttft, total_s=total, **kw)  # fmt: skip
+    return RunRow(
+        method=method,
+        dataset="d",
+        question_id=qid,
+        turn=turn,
+        temperature=0.0,
+        prompt_tokens=5,
+        new_tokens=new_tokens,
+        ttft_s=ttft,
+        total_s=total,
+        **kw,
+    )
 
 
 def test_tau_is_accepted_per_step_plus_one() -> None:
@@ -71,13 +81,25 @@ def test_question_tokens_per_s_adds_turns() -> None:
 
 
 def test_summarize_speculative_and_lossless_counts() -> None:
-    base = [row("ar", "a", 5, 0.1, 0.5, accepted_lengths=[0] * 4, drafted_lengths=[0] * 4, block_size=1),
-            row("ar", "b", 5, 0.1, 0.5, accepted_lengths=[0] * 4, drafted_lengths=[0] * 4, block_size=1)]
+    base = [
+        row("ar", "a", 5, 0.1, 0.5, accepted_lengths=[0] * 4, drafted_lengths=[0] * 4, block_size=1),
+        row("ar", "b", 5, 0.1, 0.5, accepted_lengths=[0] * 4, drafted_lengths=[0] * 4, block_size=1),
+    ]
     spec = [
         row("sp", "a", 5, 0.1, 0.3, accepted_lengths=[3, 0], drafted_lengths=[3, 3], block_size=4, identical=True),
-        row("sp", "b", 5, 0.1, 0.3, accepted_lengths=[1, 1], drafted_lengths=[3, 1], block_size=4, identical=False,
-            divergence={"tie": True}),
-    ]  # fmt: skip
+        row(
+            "sp",
+            "b",
+            5,
+            0.1,
+            0.3,
+            accepted_lengths=[1, 1],
+            drafted_lengths=[3, 1],
+            block_size=4,
+            identical=False,
+            divergence={"tie": True},
+        ),
+    ]
     s = summarize(spec, base)
     assert s["tau"] == pytest.approx(5 / 4 + 1)
     assert s["accepted_histogram"] == [1, 2, 0, 1]

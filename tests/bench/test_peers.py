@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from tests.conftest import tiny_target, word_tokenizer
 from dflashkit.bench.methods import KERNELS, OTHER_WEIGHTS, Autoregressive, Request, TargetSession
 from dflashkit.bench.peers import LlamaCpp, TransformersGenerate
+from tests.conftest import tiny_target, word_tokenizer
 
 PROMPT = [1, 5, 9, 17, 33, 5, 9, 40, 5, 9]
 
@@ -28,9 +28,13 @@ def session() -> TargetSession:
 def test_transformers_variants_give_the_baseline_tokens_in_fp32(session) -> None:
     base = Autoregressive(session).generate(request())
     assistant = tiny_target("llama", seed=5, num_hidden_layers=2)
-    for m in (TransformersGenerate(session, "plain"), TransformersGenerate(session, "prompt-lookup", prompt_lookup_tokens=4),
-              TransformersGenerate(session, "assisted", assistant=assistant, assistant_tokenizer=word_tokenizer(),
-                                   assistant_label="tiny")):  # fmt: skip
+    for m in (
+        TransformersGenerate(session, "plain"),
+        TransformersGenerate(session, "prompt-lookup", prompt_lookup_tokens=4),
+        TransformersGenerate(
+            session, "assisted", assistant=assistant, assistant_tokenizer=word_tokenizer(), assistant_label="tiny"
+        ),
+    ):
         assert m.unavailable() is None and m.comparable == KERNELS
         rec = m.generate(request())
         assert rec.tokens == base.tokens, m.name

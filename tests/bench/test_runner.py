@@ -7,24 +7,34 @@ import json
 import pytest
 import torch
 
-from tests.conftest import tiny_drafter, tiny_target, word_tokenizer
-from dflashkit.kernels import row_kernels
 from dflashkit.bench import methods as bench_methods
 from dflashkit.bench.methods import (
-    EXACT, Autoregressive, DFlash, Method, Record, Request, TargetSession, Unavailable, run_decode_loop,
+    EXACT,
+    Autoregressive,
+    DFlash,
+    Method,
+    Record,
+    Request,
+    TargetSession,
+    Unavailable,
+    run_decode_loop,
 )
 from dflashkit.bench.peers import LlamaCpp, TransformersGenerate
 from dflashkit.bench.plots import PLOTS
 from dflashkit.bench.report import as_json, retention_table, summary_table, write_outputs
 from dflashkit.bench.runner import BenchConfig, run_bench
+from dflashkit.decoding.defaults import COUPLED_TREE
 from dflashkit.errors import InvalidInputError
-from dflashkit.generator import COUPLED_TREE
+from dflashkit.kernels import row_kernels
+from tests.conftest import tiny_drafter, tiny_target, word_tokenizer
 
 
 @pytest.fixture
 def questions(tmp_path) -> str:
     path = tmp_path / "tiny.jsonl"
-    rows = [{"question_id": i, "category": "c", "turns": [f"w{10 + i} w11 w12 w13", f"w{20 + i} w21"]} for i in range(3)]
+    rows = [
+        {"question_id": i, "category": "c", "turns": [f"w{10 + i} w11 w12 w13", f"w{20 + i} w21"]} for i in range(3)
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return str(path)
 
@@ -78,10 +88,15 @@ class Broken(Method):
 def test_smoke_run_writes_every_output(tmp_path, questions) -> None:
     s = make_session(torch.bfloat16)
     drafter = tiny_drafter(s.model, block_size=8)
-    methods = [Autoregressive(s), DFlash(s, drafter, 4, "tiny"), DFlash(s, drafter, 8, "tiny"),
-               TransformersGenerate(s, "plain"), TransformersGenerate(s, "prompt-lookup", prompt_lookup_tokens=3),
-               TransformersGenerate(s, "assisted", missing_assistant="no draft model with the target's tokenizer"),
-               LlamaCpp(None, threads=1, missing_gguf="no GGUF of the target")]  # fmt: skip
+    methods = [
+        Autoregressive(s),
+        DFlash(s, drafter, 4, "tiny"),
+        DFlash(s, drafter, 8, "tiny"),
+        TransformersGenerate(s, "plain"),
+        TransformersGenerate(s, "prompt-lookup", prompt_lookup_tokens=3),
+        TransformersGenerate(s, "assisted", missing_assistant="no draft model with the target's tokenizer"),
+        LlamaCpp(None, threads=1, missing_gguf="no GGUF of the target"),
+    ]
     lines: list[str] = []
     config = BenchConfig(datasets=[questions], limit=2, max_new_tokens=12, temperatures=(0.0, 1.0), progress=False)
     result = run_bench(s, methods, config, log=lines.append)
@@ -89,8 +104,15 @@ def test_smoke_run_writes_every_output(tmp_path, questions) -> None:
     assert any(line.startswith("skipped hf-assisted: no draft model") for line in lines)
     assert any(line.startswith("skipped llama.cpp: ") for line in lines)
     status = {m["name"]: m["status"] for m in result.methods}
-    assert status == {"ar": "ran", "dflash-b4": "ran", "dflash-b8": "ran", "hf-generate": "ran",
-                      "hf-prompt-lookup": "ran", "hf-assisted": "skipped", "llama.cpp": "skipped"}  # fmt: skip
+    assert status == {
+        "ar": "ran",
+        "dflash-b4": "ran",
+        "dflash-b8": "ran",
+        "hf-generate": "ran",
+        "hf-prompt-lookup": "ran",
+        "hf-assisted": "skipped",
+        "llama.cpp": "skipped",
+    }
     assert len(result.rows) == 2 * 2 * 2 * 5  # temperatures x questions x turns x methods that ran
     assert len(result.summary) == 2 * 5 and result.exit_code == 0 and not result.failures
 
@@ -112,7 +134,10 @@ def test_smoke_run_writes_every_output(tmp_path, questions) -> None:
     assert "Share of the greedy speedup kept at T=1" in md and retention_table(data, 0.0) is None
     speedups = {(x["temperature"], x["method"]): x["speedup_tpot"] for x in data["summary"]}
     kept = speedups[1.0, "dflash-b8"] / speedups[0.0, "dflash-b8"]
-    assert f"| tiny | dflash-b8 | {speedups[0.0, 'dflash-b8']:.2f}× | {speedups[1.0, 'dflash-b8']:.2f}× | {kept:.0%} |" in md
+    assert (
+        f"| tiny | dflash-b8 | {speedups[0.0, 'dflash-b8']:.2f}× | {speedups[1.0, 'dflash-b8']:.2f}× | {kept:.0%} |"
+        in md
+    )
     assert "| tiny | ar |" not in retention_table(data, 1.0)  # the baseline keeps 100% by definition: left out
 
 
@@ -120,8 +145,12 @@ def test_interleaved_rotating_order_and_multi_turn_context(questions) -> None:
     s = make_session()
     calls: list = []
     methods = [Spy(s, "ar", calls), Spy(s, "b", calls), Spy(s, "c", calls)]
-    result = run_bench(s, methods, BenchConfig(datasets=[questions], limit=0, max_new_tokens=6, temperatures=(0.0,),
-                                               progress=False), log=lambda _: None)  # fmt: skip
+    result = run_bench(
+        s,
+        methods,
+        BenchConfig(datasets=[questions], limit=0, max_new_tokens=6, temperatures=(0.0,), progress=False),
+        log=lambda _: None,
+    )
     calls = calls[3:]  # after the warm-ups
     assert len(calls) == 3 * 2 * 3
     groups = [calls[i : i + 3] for i in range(0, len(calls), 3)]
@@ -137,8 +166,9 @@ def test_interleaved_rotating_order_and_multi_turn_context(questions) -> None:
 def test_non_tie_divergence_of_a_dflashkit_method_fails_the_run(questions) -> None:
     s = make_session()
     lines: list[str] = []
-    config = BenchConfig(datasets=[questions], limit=1, max_new_tokens=8, temperatures=(0.0,), max_turns=1,
-                         progress=False)  # fmt: skip
+    config = BenchConfig(
+        datasets=[questions], limit=1, max_new_tokens=8, temperatures=(0.0,), max_turns=1, progress=False
+    )
     result = run_bench(s, [Autoregressive(s), Corrupt(s)], config, log=lines.append)
     (d,) = result.divergences
     assert d["method"] == "buggy" and d["index"] == 3 and d["tie"] is False and d["margin"] > 0
@@ -163,8 +193,15 @@ def test_coupled_sampling_compares_sampled_outputs_token_for_token(questions, mo
 
     monkeypatch.setattr(bench_methods, "run_decode_loop", recording_loop)
     methods = [Autoregressive(s), DFlash(s, drafter, 4, "tiny"), DFlash(s, drafter, "auto", "tiny", lookup=True)]
-    config = BenchConfig(datasets=[questions], limit=2, max_new_tokens=12, temperatures=(1.0,), max_turns=1,
-                         progress=False, sampler="coupled")  # fmt: skip
+    config = BenchConfig(
+        datasets=[questions],
+        limit=2,
+        max_new_tokens=12,
+        temperatures=(1.0,),
+        max_turns=1,
+        progress=False,
+        sampler="coupled",
+    )
     result = run_bench(s, methods, config, log=lambda _: None)
     spec = [r for r in result.rows if r.method != "ar"]
     assert len(spec) == 4 and all(r.identical is True for r in spec) and not result.divergences
@@ -175,8 +212,12 @@ def test_coupled_sampling_compares_sampled_outputs_token_for_token(questions, mo
     # (the corrupted method needs 4 tokens: a sampled answer that ends sooner drops it, as any failing method)
     assert buggy.failures and buggy.exit_code == 1
     assert all(d["method"] == "buggy" and d["tie"] is False and d["index"] == 3 for d in buggy.divergences)
-    rejection = run_bench(s, methods, BenchConfig(datasets=[questions], limit=1, max_new_tokens=8,
-                                                  temperatures=(1.0,), max_turns=1, progress=False), log=lambda _: None)
+    rejection = run_bench(
+        s,
+        methods,
+        BenchConfig(datasets=[questions], limit=1, max_new_tokens=8, temperatures=(1.0,), max_turns=1, progress=False),
+        log=lambda _: None,
+    )
     assert all(r.identical is None for r in rejection.rows) and not rejection.divergences
     assert trees[-1] is None  # rejection sampling: chains, as by default
     assert "| sampled |" in summary_table(as_json(rejection), 1.0)
@@ -215,8 +256,9 @@ class CtrlC(Broken):
 
 def test_ctrl_c_reports_what_was_finished(questions) -> None:
     s = make_session()
-    config = BenchConfig(datasets=[questions], limit=0, max_new_tokens=4, temperatures=(0.0,), max_turns=1,
-                         progress=False)  # fmt: skip
+    config = BenchConfig(
+        datasets=[questions], limit=0, max_new_tokens=4, temperatures=(0.0,), max_turns=1, progress=False
+    )
     result = run_bench(s, [Autoregressive(s), CtrlC(s, "user", 3)], config, log=lambda _: None)
     assert result.interrupted and result.exit_code == 130
     assert len(result.rows) == 2 and {r.method for r in result.rows} == {"ar", "user"}  # one whole prompt
@@ -226,8 +268,10 @@ def test_cpu_model_names_family_and_model():
     """A virtual machine's bare "AMD EPYC" is told apart by its family and model (Zen 4 is family 25, model 17)."""
     from dflashkit.bench.environment import cpu_model_from, machine
 
-    info = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n\n" \
-           "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: Other\n"
+    info = (
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n\n"
+        "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: Other\n"
+    )
     assert cpu_model_from(info) == "AMD EPYC (family 25, model 17)"
     assert cpu_model_from("model name\t: Apple M2\n") == "Apple M2"
     with pytest.raises(ValueError):

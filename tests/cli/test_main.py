@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import VOCAB, tiny_target
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers import models as tok_models
 from transformers import PreTrainedTokenizerFast
 
 import dflashkit
-import dflashkit.target.loading
 import dflashkit.drafter.registry
-from dflashkit.drafter.checkpoint import save_drafter
+import dflashkit.target.loading
 from dflashkit.cli.main import main
-from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.drafter.checkpoint import save_drafter
 from dflashkit.drafter.identity import drafter_config_for
+from dflashkit.drafter.network import DFlashDrafter
 from dflashkit.kernels.int8 import quantize_model
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_target
 
 SPECIALS = ["<pad>", "<s>", "<eos>", "<unk>"]
 WORDS = ["user", "assistant", "hello", "world", "the", "a", "story", "tell", "me", "about", "sea", "sky"]
@@ -33,8 +33,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant{% endif %}"
 )
 PROMPT = "tell me a story about the sea"
-JSON_KEYS = {"text", "new_tokens", "tau", "tokens_per_s", "dtype", "block_size", "time_s", "ar_text", "identical",
-             "speedup", "divergence"}
+JSON_KEYS = {
+    "text",
+    "new_tokens",
+    "tau",
+    "tokens_per_s",
+    "dtype",
+    "block_size",
+    "time_s",
+    "ar_text",
+    "identical",
+    "speedup",
+    "divergence",
+}
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -120,8 +131,12 @@ def test_drafter_none_is_autoregressive(loads, capsys) -> None:
 def test_prompt_lookup_flags(loads, capsys) -> None:
     """Prompt lookup is on by default with a drafter, off with --no-lookup, and alone with --drafter none --lookup."""
     runs = {}
-    for name, args in {"default": ["--drafter", "untrained"], "off": ["--drafter", "untrained", "--no-lookup"],
-                       "alone": ["--drafter", "none", "--lookup"], "plain": ["--drafter", "none"]}.items():
+    for name, args in {
+        "default": ["--drafter", "untrained"],
+        "off": ["--drafter", "untrained", "--no-lookup"],
+        "alone": ["--drafter", "none", "--lookup"],
+        "plain": ["--drafter", "none"],
+    }.items():
         rc, out, err = cli(capsys, *args, "--json", "--dtype", "float32", "--compare-ar")
         assert rc == 0, err
         runs[name] = json.loads(out)
@@ -129,7 +144,11 @@ def test_prompt_lookup_flags(loads, capsys) -> None:
     assert runs["default"]["stats"]["lookup"] is not None and runs["off"]["stats"]["lookup"] is None
     alone = runs["alone"]["stats"]
     assert alone["lookup"]["drafter_steps"] + alone["lookup"]["copied_steps"] == alone["steps"]
-    assert runs["alone"]["block_size"] > 1 and runs["plain"]["block_size"] == 1 and runs["plain"]["stats"]["lookup"] is None
+    assert (
+        runs["alone"]["block_size"] > 1
+        and runs["plain"]["block_size"] == 1
+        and runs["plain"]["stats"]["lookup"] is None
+    )
 
 
 def test_sampler_flag(loads, capsys) -> None:
@@ -151,8 +170,9 @@ def test_sampler_flag(loads, capsys) -> None:
 
 def test_token_tree_flag(loads, capsys) -> None:
     """--tree N: drafter steps verify token trees (reported in the stats and the summary line); output unchanged."""
-    rc, out, err = cli(capsys, "--drafter", "untrained", "--no-lookup", "--tree", "5", "--json", "--dtype", "float32",
-                       "--compare-ar")
+    rc, out, err = cli(
+        capsys, "--drafter", "untrained", "--no-lookup", "--tree", "5", "--json", "--dtype", "float32", "--compare-ar"
+    )
     assert rc == 0, err
     run = json.loads(out)
     assert run["identical"] is True
@@ -164,8 +184,20 @@ def test_token_tree_flag(loads, capsys) -> None:
     rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "-1", "--json")
     assert rc == 2 and "tree must be" in err
     # 0: chains, even where a seeded sampled generation would verify trees by default
-    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "0", "--temperature", "1", "--seed", "3", "--json",
-                       "--dtype", "float32")
+    rc, out, err = cli(
+        capsys,
+        "--drafter",
+        "untrained",
+        "--tree",
+        "0",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+        "--json",
+        "--dtype",
+        "float32",
+    )
     assert rc == 0, err
     run = json.loads(out)
     assert run["stats"]["tree"] is None and run["stats"]["adaptive"] and "--tree has no effect" not in err
@@ -186,8 +218,18 @@ def test_draft_window_flag(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(DFlashDrafter, "new_context", recording)
     for flag, window in (("3", 3), ("0", None)):
-        rc, out, err = cli(capsys, "--drafter", "untrained", "--no-lookup", "--draft-window", flag, "--json",
-                           "--dtype", "float32", "--compare-ar")
+        rc, out, err = cli(
+            capsys,
+            "--drafter",
+            "untrained",
+            "--no-lookup",
+            "--draft-window",
+            flag,
+            "--json",
+            "--dtype",
+            "float32",
+            "--compare-ar",
+        )
         assert rc == 0, err
         assert json.loads(out)["identical"] is True and windows[-1] == window
     loads.clear()
@@ -199,8 +241,21 @@ def test_proposal_temperature_flag(loads, capsys, proposal_temperatures: list) -
     """--proposal-temperature RATIO reaches the decode loop (default: the drafter's own); bad values refused early."""
     for flags, ratio in ((["--proposal-temperature", "0.6"], 0.6), ([], None)):
         proposal_temperatures.clear()
-        rc, out, err = cli(capsys, "--drafter", "untrained", "--no-lookup", "--temperature", "1", "--seed", "3",
-                           "--sampler", "rejection", "--dtype", "float32", *flags)
+        rc, out, err = cli(
+            capsys,
+            "--drafter",
+            "untrained",
+            "--no-lookup",
+            "--temperature",
+            "1",
+            "--seed",
+            "3",
+            "--sampler",
+            "rejection",
+            "--dtype",
+            "float32",
+            *flags,
+        )
         assert rc == 0, err
         assert proposal_temperatures and set(proposal_temperatures) == {ratio}
     loads.clear()
@@ -254,7 +309,9 @@ def test_drafter_folder(loads, capsys, tmp_path: Path) -> None:
     result = json.loads(out)
     assert result["block_size"] == 5 and result["speculative"] is True
     assert result["identical"] is True and result["divergence"] is None
-    rc, out, err = cli(capsys, "--drafter", str(tmp_path / "drafter"), "--block-size", "3", "--json", "--dtype", "float32")
+    rc, out, err = cli(
+        capsys, "--drafter", str(tmp_path / "drafter"), "--block-size", "3", "--json", "--dtype", "float32"
+    )
     assert rc == 0 and json.loads(out)["block_size"] == 3
 
 
@@ -286,8 +343,14 @@ def test_block_size_zero(loads, capsys) -> None:
     assert rc == 2 and "block_size" in err
 
 
-@pytest.mark.parametrize("args,field", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
-                                        (["--max-new-tokens", "0"], "max_new_tokens")])
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+    ],
+)
 def test_bad_sampling_arguments(loads, capsys, args: list[str], field: str) -> None:
     rc = main(["generate", PROMPT, "--drafter", "untrained", *args])
     out, err = capsys.readouterr()
@@ -315,6 +378,7 @@ def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     """`dflashkit serve` loads the target and drafter as generate does and runs the app with uvicorn."""
     import openai
     import uvicorn
+
     from tests.live_server import LiveServer
 
     served: dict = {}
@@ -327,8 +391,9 @@ def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
         with LiveServer(self.config.app) as live:
             client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
             served["models"] = [m.id for m in client.models.list().data]
-            resp = client.chat.completions.create(model=served["models"][0], messages=[{"role": "user", "content": PROMPT}],
-                                                  max_tokens=5, temperature=0)  # fmt: skip
+            resp = client.chat.completions.create(
+                model=served["models"][0], messages=[{"role": "user", "content": PROMPT}], max_tokens=5, temperature=0
+            )
             served["usage"] = resp.usage
 
     monkeypatch.setattr(uvicorn.Server, "run", fake_run)
@@ -357,13 +422,22 @@ def test_an_absent_device_fails_before_loading(loads, capsys, monkeypatch: pytes
     assert loads == []
 
 
-@pytest.mark.parametrize("args,message", [(["--max-queue", "-1"], "max_queue"), (["--timeout", "-5"], "timeout"),
-                                          (["--port", "70000"], "--port"), (["--block-size", "1"], "block_size"),
-                                          (["--tree", "-1"], "tree"), (["--draft-window", "-1"], "draft_window"),
-                                          (["--proposal-temperature", "0"], "proposal temperature"),
-                                          (["--max-batch", "0"], "max_batch"), (["--max-batch", "17"], "max_batch"),
-                                          (["--stored-responses", "-1"], "stored_responses"),
-                                          (["--api-key", " "], "api_key")])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--max-queue", "-1"], "max_queue"),
+        (["--timeout", "-5"], "timeout"),
+        (["--port", "70000"], "--port"),
+        (["--block-size", "1"], "block_size"),
+        (["--tree", "-1"], "tree"),
+        (["--draft-window", "-1"], "draft_window"),
+        (["--proposal-temperature", "0"], "proposal temperature"),
+        (["--max-batch", "0"], "max_batch"),
+        (["--max-batch", "17"], "max_batch"),
+        (["--stored-responses", "-1"], "stored_responses"),
+        (["--api-key", " "], "api_key"),
+    ],
+)
 def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], message: str) -> None:
     rc = main(["serve", *args])
     _, err = capsys.readouterr()
@@ -412,16 +486,26 @@ def test_structured_output_flags(capsys, monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert json.loads(out)["text"] in ("left", "right turn") and json.loads(out)["identical"] is True
     assert result["stats"]["grammar"] == "regex" and result["finish_reason"] == "stop"
     schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-                                  "additionalProperties": False}))
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            }
+        )
+    )
     rc = main(["generate", "hello", *base, "--json-schema", str(schema)])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert set(json.loads(json.loads(out)["text"])) == {"ok"}
     calls.clear()
-    for bad, message in ((["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
-                         (["--json-schema", "{not json"], "not valid JSON"),
-                         (["--regex", ""], "needs its text")):
+    for bad, message in (
+        (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
+        (["--json-schema", "{not json"], "not valid JSON"),
+        (["--regex", ""], "needs its text"),
+    ):
         rc = main(["generate", "hello", *base, *bad])
         out, err = capsys.readouterr()
         assert rc == 2 and message in err and calls == [], (bad, err)
@@ -470,8 +554,19 @@ def test_penalty_flags(loads, capsys) -> None:
     refused before the model loads."""
     rc, out, err = cli(capsys, "--drafter", "untrained", "--json", "--dtype", "float32", "--compare-ar")
     plain = json.loads(out)
-    rc, out, err = cli(capsys, "--drafter", "untrained", "--json", "--dtype", "float32", "--compare-ar",
-                       "--frequency-penalty", "2", "--repetition-penalty", "3")
+    rc, out, err = cli(
+        capsys,
+        "--drafter",
+        "untrained",
+        "--json",
+        "--dtype",
+        "float32",
+        "--compare-ar",
+        "--frequency-penalty",
+        "2",
+        "--repetition-penalty",
+        "3",
+    )
     assert rc == 0, err
     result = json.loads(out)
     assert result["identical"] is True and result["text"] != plain["text"]
@@ -522,9 +617,20 @@ def test_generate_with_tools(capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
     monkeypatch.setattr(dflashkit.target.loading, "load_target", tool_load_target)
     monkeypatch.setattr(dflashkit.drafter.registry, "DRAFTERS_DIR", Path("/nonexistent"))
-    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
-        "type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
-        "additionalProperties": False}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "pick",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"color": {"enum": ["red", "green"]}},
+                    "required": ["color"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
     path = tmp_path / "tools.json"
     path.write_text(json.dumps(tools))
     base = ["--drafter", "untrained", "--dtype", "float32", "--max-new-tokens", "400", "--tools", str(path)]
@@ -539,12 +645,14 @@ def test_generate_with_tools(capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: 
     out, err = capsys.readouterr()
     assert rc == 0 and re.search(r'^tool call: pick\(\{"color": "(red|green)"\}\)$', out, re.MULTILINE), (out, err)
     calls.clear()
-    for bad, message in ((["--tool-choice", "sometimes"], "not among the tools"),
-                         (["--tools", "[{\"type\": \"x\"}]"], "tools[0] must be"),
-                         (["--tools", "[not json"], "not valid JSON"),
-                         (["--tools", str(tmp_path / "none.json")], "cannot read"),
-                         (["--no-chat"], "--no-chat"),
-                         (["--tool-choice", "required", "--json-object"], "structured-output flag")):
+    for bad, message in (
+        (["--tool-choice", "sometimes"], "not among the tools"),
+        (["--tools", '[{"type": "x"}]'], "tools[0] must be"),
+        (["--tools", "[not json"], "not valid JSON"),
+        (["--tools", str(tmp_path / "none.json")], "cannot read"),
+        (["--no-chat"], "--no-chat"),
+        (["--tool-choice", "required", "--json-object"], "structured-output flag"),
+    ):
         rc = main(["generate", "Pick one.", *base, *bad])
         out, err = capsys.readouterr()
         assert rc == 2 and message in err and calls == [], (bad, err)
@@ -573,8 +681,11 @@ def test_chat_turns_reuse_the_conversation(loads, capsys, monkeypatch: pytest.Mo
     assert len(answers) == len(stats) == 3 and "[new conversation]" in err
     assert "restored" not in stats[0] and int(re.search(r"(\d+) restored", stats[1]).group(1)) > 10
     plain = SpeculativeGenerator(fake_model(), make_tokenizer())  # the same target, no drafter, no cache
-    messages = [{"role": "user", "content": "tell me a story"}, {"role": "assistant", "content": answers[0]},
-                {"role": "user", "content": "about the sea"}]
+    messages = [
+        {"role": "user", "content": "tell me a story"},
+        {"role": "assistant", "content": answers[0]},
+        {"role": "user", "content": "about the sea"},
+    ]
     assert plain.generate(messages, max_new_tokens=6).text == answers[1]
     assert plain.generate("hello world", max_new_tokens=6).text == answers[2]
     n = len(loads)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from tests.conftest import tiny_drafter, tiny_target
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.errors import InvalidInputError
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.errors import InvalidInputError
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import tiny_drafter, tiny_target
 
 
 def test_expected_tokens_follow_the_acceptance_estimates():
@@ -131,7 +131,9 @@ def test_decoding_with_the_policy_is_exact(arch):
     stats = DecodeStats(8)
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     for _ in range(2):  # the policy carries over between requests
-        spec = [t for s in decode(target, drafter, [5, 9, 11, 3], options, stats, block_policy=policy) for t in s.tokens]
+        spec = [
+            t for s in decode(target, drafter, [5, 9, 11, 3], options, stats, block_policy=policy) for t in s.tokens
+        ]
         assert spec == plain
     assert set(policy.step_seconds) >= {1, 2, 4}  # the block size changed mid-generation, more than once
     assert {d + 1 for d in stats.drafted_lengths} >= {1, 2, 4}
@@ -146,9 +148,9 @@ def test_policy_larger_than_the_block_is_refused():
 
 
 def test_generator_auto_block_size():
+    from dflashkit.decoding.defaults import COUPLED_TREE
+    from dflashkit.generator import SpeculativeGenerator
     from tests.conftest import word_tokenizer
-
-    from dflashkit.generator import COUPLED_TREE, SpeculativeGenerator
 
     model = tiny_target("llama")
     gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=8))
@@ -156,8 +158,9 @@ def test_generator_auto_block_size():
     auto = gen.generate(ids, max_new_tokens=30, block_size="auto", lookup=False, compare_ar=True)
     assert auto.identical and auto.stats.adaptive and auto.stats.as_dict()["adaptive"] is True
     assert gen.block_policy.steps == auto.stats.steps
-    sampled = gen.generate(ids, max_new_tokens=30, block_size="auto", lookup=False, temperature=1.0, seed=3,
-                           sampler="rejection")
+    sampled = gen.generate(
+        ids, max_new_tokens=30, block_size="auto", lookup=False, temperature=1.0, seed=3, sampler="rejection"
+    )
     assert sampled.stats.tree is None  # the rejection sampler: chains
     assert gen.block_policies.get(False).steps == sampled.stats.steps  # sampled requests: a policy of their own
     assert gen.block_policies.get(False).candidates == [1, 2, 4] and gen.block_policy.max_block == 8

@@ -6,16 +6,16 @@ import threading
 
 import pytest
 import torch
-from tests.conftest import VOCAB, tiny_drafter, tiny_target, word_tokenizer
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.kernels import row_kernels
 from dflashkit.decoding.batching import ComputeThread, ForwardBatcher, member_thread
-from dflashkit.drafter.network import FastDrafterForward
-from dflashkit.errors import InvalidInputError
-from dflashkit.target.fast import FastTargetForward, ForwardCall
-from dflashkit.target.adapter import TargetAdapter
 from dflashkit.decoding.tree import build_tree
+from dflashkit.drafter.fast import FastDrafterForward
+from dflashkit.errors import InvalidInputError
+from dflashkit.kernels import row_kernels
+from dflashkit.target.adapter import TargetAdapter
+from dflashkit.target.fast import FastTargetForward, ForwardCall
+from tests.conftest import VOCAB, tiny_drafter, tiny_target, word_tokenizer
 
 needs_kernels = pytest.mark.skipif(row_kernels.kernel() is None, reason="the CPU row kernels do not run here")
 
@@ -53,8 +53,9 @@ def test_batched_pass_is_bitwise_each_call_alone(arch, rows, monkeypatch):
     trees = [None, None, None, tree_shape]
     alone, together = _prefilled(forward, prompts), _prefilled(forward, prompts)
     expected = [forward(s, p.shape[1], c, s.shape[1], [1, 3], t) for s, p, c, t in zip(steps, prompts, alone, trees)]
-    got = forward.batch([ForwardCall(s, p.shape[1], c, s.shape[1], t)
-                         for s, p, c, t in zip(steps, prompts, together, trees)], [1, 3])
+    got = forward.batch(
+        [ForwardCall(s, p.shape[1], c, s.shape[1], t) for s, p, c, t in zip(steps, prompts, together, trees)], [1, 3]
+    )
     assert passes == [1]  # one pass for all four calls
     for (l1, f1), (l2, f2), c1, c2 in zip(expected, got, alone, together):
         assert torch.equal(l1, l2) and torch.equal(f1, f2)
@@ -105,15 +106,19 @@ def _count_batched_passes(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("options", [
-    {"block_size": 4, "lookup": False},  # greedy, drafter chains
-    {},  # the defaults: adaptive block size, prompt lookup
-    {"tree": 5},
-    {"temperature": 1.0, "block_size": 4, "lookup": False, "sampler": "rejection"},
-    {"temperature": 1.0},  # seeded: coupled sampling, whatever blocks the adaptive policy picks
-    # a fixed schedule, so that the logprobs come off verify passes of the same shapes (bitwise equal)
-    {"temperature": 0.8, "top_p": 0.9, "logprobs": 2, "block_size": 4, "lookup": False},
-], ids=["greedy", "defaults", "tree", "t1-rejection", "t1-coupled", "t08-logprobs"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"block_size": 4, "lookup": False},  # greedy, drafter chains
+        {},  # the defaults: adaptive block size, prompt lookup
+        {"tree": 5},
+        {"temperature": 1.0, "block_size": 4, "lookup": False, "sampler": "rejection"},
+        {"temperature": 1.0},  # seeded: coupled sampling, whatever blocks the adaptive policy picks
+        # a fixed schedule, so that the logprobs come off verify passes of the same shapes (bitwise equal)
+        {"temperature": 0.8, "top_p": 0.9, "logprobs": 2, "block_size": 4, "lookup": False},
+    ],
+    ids=["greedy", "defaults", "tree", "t1-rejection", "t1-coupled", "t08-logprobs"],
+)
 def test_generate_batch_equals_each_prompt_alone(dtype, options, monkeypatch):
     """Each result of generate_batch is token for token the prompt's own `generate` (greedy, or sampled with its
     seed), with sequences of different lengths ending at different rounds; the rounds really were batched."""
@@ -128,15 +133,20 @@ def test_generate_batch_equals_each_prompt_alone(dtype, options, monkeypatch):
     sizes = _count_batched_passes(monkeypatch)
     one_call_drafts: list[int] = []  # sequences per one-call drafting step (bf16 on the kernels)
     step = FastDrafterForward.step
-    monkeypatch.setattr(FastDrafterForward, "step",
-                        lambda self, drafts, embed: one_call_drafts.append(len(drafts)) or step(self, drafts, embed))
+    monkeypatch.setattr(
+        FastDrafterForward,
+        "step",
+        lambda self, drafts, embed: one_call_drafts.append(len(drafts)) or step(self, drafts, embed),
+    )
     results = [None] * len(PROMPTS)
     # generate_batch takes one set of options; members of one batcher may each have their own (here: lengths)
     compute = ComputeThread()  # served by this thread below, as generate_batch does
     batcher = ForwardBatcher(gen.target, compute)
     members = [batcher.join() for _ in PROMPTS]
-    streams = [gen.stream(p, max_new_tokens=n, seed=s, batch=m, **options)
-               for p, n, s, m in zip(PROMPTS, lengths, seeds, members)]
+    streams = [
+        gen.stream(p, max_new_tokens=n, seed=s, batch=m, **options)
+        for p, n, s, m in zip(PROMPTS, lengths, seeds, members)
+    ]
 
     def run(i: int) -> None:
         member_thread(compute)
@@ -173,7 +183,8 @@ def test_generate_batch_api(monkeypatch):
     results = gen.generate_batch(PROMPTS, max_new_tokens=12, temperature=1.0, seeds=[3, 4, 5, 6], lookup=True)
     assert [r.token_ids for r in results] == [
         gen.generate(p, max_new_tokens=12, temperature=1.0, seed=s, lookup=True).token_ids
-        for p, s in zip(PROMPTS, [3, 4, 5, 6])]
+        for p, s in zip(PROMPTS, [3, 4, 5, 6])
+    ]
     assert sizes and max(sizes) == len(PROMPTS)
     with pytest.raises(InvalidInputError, match="one per prompt"):
         gen.generate_batch(PROMPTS, seeds=[1])

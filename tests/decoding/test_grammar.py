@@ -11,17 +11,17 @@ import re
 import numpy as np
 import pytest
 import torch
-from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target
-from tests.decoding.test_sampling import P_MIN_E2E, assert_matches
 
 from dflashkit import Grammar, SpeculativeGenerator
-from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import InvalidInputError
 from dflashkit.decoding.grammar import CompiledGrammar, grammar_tokenizer, masked
+from dflashkit.decoding.loop import DecodeOptions, decode
 from dflashkit.decoding.sampling import SamplingParams, propose, warp
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import InvalidInputError
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target
+from tests.decoding.test_sampling import P_MIN_E2E, assert_matches
 
 EOS = 2
 TOKENIZER = byte_tokenizer()
@@ -50,16 +50,19 @@ def allowed_tokens(mask: torch.Tensor) -> set[int]:
 # ---- grammars -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [
-    lambda: Grammar("yaml", "x"),
-    lambda: Grammar.regex(""),
-    lambda: Grammar.lark("  "),
-    lambda: Grammar.json_schema("{not json"),
-    lambda: Grammar.json_schema("[1, 2]"),
-    lambda: Grammar.from_response_format({"type": "json_schema"}),
-    lambda: Grammar.from_response_format({"type": "json_schema", "json_schema": {"name": "x"}}),
-    lambda: Grammar.from_response_format({"type": "xml"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Grammar("yaml", "x"),
+        lambda: Grammar.regex(""),
+        lambda: Grammar.lark("  "),
+        lambda: Grammar.json_schema("{not json"),
+        lambda: Grammar.json_schema("[1, 2]"),
+        lambda: Grammar.from_response_format({"type": "json_schema"}),
+        lambda: Grammar.from_response_format({"type": "json_schema", "json_schema": {"name": "x"}}),
+        lambda: Grammar.from_response_format({"type": "xml"}),
+    ],
+)
 def test_bad_grammars_are_refused(make):
     with pytest.raises(InvalidInputError):
         make()
@@ -144,8 +147,9 @@ def test_proposals_over_a_draft_vocabulary_stop_where_the_grammar_allows_none_of
 
     def draft(columns: torch.Tensor):
         scores = torch.zeros(5, len(columns))  # ties: the first allowed column wins
-        return c.propose(scores, columns, lambda row: propose(row, SamplingParams(), "argmax", None, columns,
-                                                               BYTE_VOCAB))  # fmt: skip
+        return c.propose(
+            scores, columns, lambda row: propose(row, SamplingParams(), "argmax", None, columns, BYTE_VOCAB)
+        )
 
     drafts, _, masks = draft(torch.tensor(sorted(ids("a") + ids("b") + ids("z"))))  # no "c", "d" or "x"
     assert TOKENIZER.decode(drafts.tolist()) == "ababa" and masks.shape == (6, BYTE_VOCAB)
@@ -181,8 +185,9 @@ class ContinuationOracle(DFlashDrafter):
 
 
 def run(target, drafter, prompt, grammar, stats=None, **kw) -> list[int]:
-    options = DecodeOptions(max_new_tokens=kw.pop("max_new_tokens", 120), grammar=grammar,
-                            stop_token_ids=frozenset([EOS]), **kw)  # fmt: skip
+    options = DecodeOptions(
+        max_new_tokens=kw.pop("max_new_tokens", 120), grammar=grammar, stop_token_ids=frozenset([EOS]), **kw
+    )
     return [t for step in decode(target, drafter, prompt, options, stats) for t in step.tokens]
 
 
@@ -192,10 +197,16 @@ def in_grammar(grammar: CompiledGrammar, tokens: list[int]) -> bool:
     return n == len(tokens)
 
 
-@pytest.mark.parametrize("grammar,block_size", [
-    (Grammar.regex(REGEX), 4), (Grammar.regex(REGEX), 8), (Grammar.json_schema(SCHEMA), 8),
-    (Grammar.json_object(), 4),
-], ids=["regex-4", "regex-8", "json_schema-8", "json_object-4"])  # fmt: skip
+@pytest.mark.parametrize(
+    "grammar,block_size",
+    [
+        (Grammar.regex(REGEX), 4),
+        (Grammar.regex(REGEX), 8),
+        (Grammar.json_schema(SCHEMA), 8),
+        (Grammar.json_object(), 4),
+    ],
+    ids=["regex-4", "regex-8", "json_schema-8", "json_object-4"],
+)
 def test_greedy_speculative_equals_plain_under_a_grammar(arch, grammar, block_size):
     model = tiny_target(arch, vocab_size=BYTE_VOCAB)
     drafter = tiny_drafter(model, block_size=block_size)

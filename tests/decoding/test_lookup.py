@@ -6,13 +6,13 @@ import random
 
 import pytest
 import torch
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize
-from dflashkit.decoding.loop import LOOKUP_ONLY_BLOCK, DecodeOptions, decode
 from dflashkit.decoding.lookup import NgramLookup
+from dflashkit.decoding.loop import LOOKUP_ONLY_BLOCK, DecodeOptions, decode
 from dflashkit.decoding.stats import DecodeStats
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -89,7 +89,9 @@ def test_lookup_with_adaptive_block_size_and_sampling_runs_exactly_the_same_loop
         assert policy.steps == stats.steps - sum(stats.copied_steps)
     from dflashkit.decoding.sampling import SamplingParams
 
-    runs = [_decode(target, drafter, REPETITIVE[0], lookup=True, sampling=SamplingParams(1.0), seed=7) for _ in range(2)]
+    runs = [
+        _decode(target, drafter, REPETITIVE[0], lookup=True, sampling=SamplingParams(1.0), seed=7) for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -109,12 +111,16 @@ def test_copies_are_no_longer_than_the_policys_largest_block(monkeypatch):
         def extend(self, tokens):
             pass
 
-    monkeypatch.setattr(sys.modules["dflashkit.decoding.loop"], "NgramLookup", AlwaysCopies)  # the module, not the function
+    monkeypatch.setattr(
+        sys.modules["dflashkit.decoding.loop"], "NgramLookup", AlwaysCopies
+    )  # the module, not the function
     model = tiny_target("llama")
     drafter = tiny_drafter(model, block_size=8)
     target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
     for policy, longest in ((None, 7), (AdaptiveBlockSize(8), 7), (AdaptiveBlockSize(4, (1, 2, 4)), 3)):
         stats = DecodeStats(block_size=1)
-        assert _decode(target, drafter, REPETITIVE[0], stats, policy, lookup=True) == _decode(plain, None, REPETITIVE[0])
+        assert _decode(target, drafter, REPETITIVE[0], stats, policy, lookup=True) == _decode(
+            plain, None, REPETITIVE[0]
+        )
         copies = [d for d, c in zip(stats.drafted_lengths, stats.copied_steps) if c]
         assert max(copies) == longest

@@ -8,14 +8,14 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
-from dflashkit.kernels import row_kernels
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import InvalidInputError
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import InvalidInputError
+from dflashkit.kernels import row_kernels
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 N_PROMPTS = 20
 MAX_NEW = 24
@@ -23,7 +23,9 @@ MAX_NEW = 24
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(3, VOCAB, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def run(target: TargetAdapter, drafter, prompt: list[int], stats: DecodeStats | None = None, **kw) -> list[int]:
@@ -57,8 +59,9 @@ class OracleDrafter(DFlashDrafter):
         return logits, None  # over the whole vocabulary
 
 
-def assert_oracle_and_drafter_match_plain(model, drafter, block_size: int, prompt_list: list[list[int]],
-                                          oracle_dtype: torch.dtype = torch.float32) -> DecodeStats:
+def assert_oracle_and_drafter_match_plain(
+    model, drafter, block_size: int, prompt_list: list[list[int]], oracle_dtype: torch.dtype = torch.float32
+) -> DecodeStats:
     """Speculative greedy == plain greedy for every prompt, with `drafter` and with an oracle drafter (same
     weights) that reaches every accepted length; returns the oracle's stats."""
     target, plain = TargetAdapter(model, drafter.config.target_layer_ids), TargetAdapter(model)
@@ -73,7 +76,7 @@ def assert_oracle_and_drafter_match_plain(model, drafter, block_size: int, promp
     return oracle_stats
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plain_outputs(arch: str) -> tuple[tuple[int, ...], ...]:
     """Plain greedy continuations of the shared prompts (computed once per architecture)."""
     plain = TargetAdapter(tiny_target(arch))
@@ -129,12 +132,15 @@ def test_greedy_equality_in_bfloat16_allows_only_ties(arch):
 @pytest.mark.skipif(row_kernels.kernel() is None, reason="the row-by-row AVX512-BF16 kernels do not run here")
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_greedy_in_bfloat16_is_exact_with_the_row_by_row_kernels(arch, block_size):
-    """Where verify rows are computed bitwise like one-token steps (dflashkit.kernels.row_kernels), bf16 speculative greedy
+    """Where verify rows are computed bitwise like one-token steps (dflashkit.kernels.row_kernels), bf16 speculative
+    greedy
     equals plain greedy token for token: no ties to excuse."""
     model = tiny_target(arch, dtype=torch.bfloat16)
     drafter = tiny_drafter(model, block_size=block_size)
     assert TargetAdapter(model, drafter.config.target_layer_ids).fast_forward.row_exact
-    oracle_stats = assert_oracle_and_drafter_match_plain(model, drafter, block_size, prompts(24, seed=5), torch.bfloat16)
+    oracle_stats = assert_oracle_and_drafter_match_plain(
+        model, drafter, block_size, prompts(24, seed=5), torch.bfloat16
+    )
     assert all(count > 0 for count in oracle_stats.acceptance_histogram), str(oracle_stats.acceptance_histogram)
 
 
@@ -190,7 +196,9 @@ def test_caches_equal_a_fresh_prefill_after_every_step(arch):
             torch.testing.assert_close(v_got, v_exp, rtol=1e-4, atol=1e-4)
         checked["target"] += 1
 
-    out = [t for s in decode(target, drafter, prompt, DecodeOptions(max_new_tokens=40), stats, observer) for t in s.tokens]
+    out = [
+        t for s in decode(target, drafter, prompt, DecodeOptions(max_new_tokens=40), stats, observer) for t in s.tokens
+    ]
     assert out == plain
     assert set(stats.accepted_lengths) == set(range(6)), stats.accepted_lengths  # every accepted length 0..5
     assert checked["target"] == stats.steps + 1 and checked["context"] >= stats.steps - 1
@@ -278,8 +286,9 @@ def test_draft_vocabulary_restricts_proposals_not_output(arch):
     torch.testing.assert_close(logits[:, vocab], full[:, vocab])
     for prompt in prompts(5, seed=9):
         assert run(target, drafter, prompt) == run(TargetAdapter(model), None, prompt)
-    sampled = run(target, drafter, [5, 6], max_new_tokens=12, seed=0, proposal="sample",
-                  sampling=SamplingParams(temperature=1.0))  # fmt: skip
+    sampled = run(
+        target, drafter, [5, 6], max_new_tokens=12, seed=0, proposal="sample", sampling=SamplingParams(temperature=1.0)
+    )
     assert len(sampled) == 12
 
 
@@ -301,6 +310,7 @@ def test_the_proposal_temperature_reaches_the_drafters_proposals(monkeypatch):
         def recorded(*args, **kwargs):
             into.append(next(a for a in (*args, *kwargs.values()) if isinstance(a, SamplingParams)).temperature)
             return fn(*args, **kwargs)
+
         return recorded
 
     monkeypatch.setattr(decode_module, "propose", recording(decode_module.propose, temperatures))
@@ -313,14 +323,23 @@ def test_the_proposal_temperature_reaches_the_drafters_proposals(monkeypatch):
     # coupled: the drafter's noisy scores keep the request's temperature, as the target's do (there a sharper
     # proposal lowered τ), and the output stays plain coupled sampling's for the seed
     for name in ("scores", "argmax"):  # every noisy score: the drafter's and the target's decisions
-        monkeypatch.setattr(decode_module.PositionNoise, name, recording(getattr(decode_module.PositionNoise, name),
-                                                                          coupled))
+        monkeypatch.setattr(
+            decode_module.PositionNoise, name, recording(getattr(decode_module.PositionNoise, name), coupled)
+        )
     plain = run(TargetAdapter(model), None, [5, 6, 7], max_new_tokens=10, seed=3, sampling=sampling, sampler="coupled")
     assert set(coupled) == {0.8}
     for ratio, expected in ((None, {0.8}), (1.5, {0.8})):
         coupled.clear()
-        out = run(target, drafter, [5, 6, 7], max_new_tokens=10, seed=3, sampling=sampling, sampler="coupled",
-                  proposal_temperature=ratio)
+        out = run(
+            target,
+            drafter,
+            [5, 6, 7],
+            max_new_tokens=10,
+            seed=3,
+            sampling=sampling,
+            sampler="coupled",
+            proposal_temperature=ratio,
+        )
         assert out == plain and {round(t, 6) for t in coupled} == expected
     for bad in (0, -1.0, float("nan"), "0.5", True):
         with pytest.raises(InvalidInputError, match="proposal temperature"):

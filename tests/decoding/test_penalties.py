@@ -8,17 +8,17 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
-from tests.decoding.test_loop import OracleDrafter
-from tests.decoding.test_sampling import P_MIN_E2E, assert_matches
 
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import InvalidInputError
 from dflashkit.decoding.penalties import Penalties
 from dflashkit.decoding.sampling import SamplingParams, warp
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import InvalidInputError
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
+from tests.decoding.test_loop import OracleDrafter
+from tests.decoding.test_sampling import P_MIN_E2E, assert_matches
 
 STRONG = Penalties(presence=0.7, frequency=0.9, repetition=1.4, logit_bias={7: 3.0, 9: -4.0})
 
@@ -50,11 +50,21 @@ def test_each_verify_row_is_adjusted_by_its_own_history():
     assert Penalties().active is False and STRONG.active
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"presence": 2.5}, {"frequency": float("nan")}, {"frequency": "1"}, {"repetition": 0.0},
-    {"repetition": float("inf")}, {"logit_bias": {-1: 1.0}}, {"logit_bias": {"a": 1.0}}, {"logit_bias": {True: 1.0}},
-    {"logit_bias": {3: 101.0}}, {"logit_bias": [(3, 1.0)]},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"presence": 2.5},
+        {"frequency": float("nan")},
+        {"frequency": "1"},
+        {"repetition": 0.0},
+        {"repetition": float("inf")},
+        {"logit_bias": {-1: 1.0}},
+        {"logit_bias": {"a": 1.0}},
+        {"logit_bias": {True: 1.0}},
+        {"logit_bias": {3: 101.0}},
+        {"logit_bias": [(3, 1.0)]},
+    ],
+)
 def test_bad_penalties_are_refused(kwargs):
     with pytest.raises(InvalidInputError):
         Penalties(**kwargs)
@@ -92,14 +102,17 @@ def test_greedy_speculative_equals_plain_and_the_reference_under_penalties(arch,
         options = DecodeOptions(max_new_tokens=20, penalties=penalties, tree=4)
         plain = [t for s in decode(plain_target, None, prompt, options) for t in s.tokens]
         assert plain == reference_greedy(model, prompt, 20, penalties)
-        changed.append(plain != [t for s in decode(plain_target, None, prompt, DecodeOptions(max_new_tokens=20))
-                                 for t in s.tokens])
+        changed.append(
+            plain != [t for s in decode(plain_target, None, prompt, DecodeOptions(max_new_tokens=20)) for t in s.tokens]
+        )
         assert [t for s in decode(target, drafter, prompt, options) for t in s.tokens] == plain
         oracle.current = prompt + plain
         assert [t for s in decode(target, oracle, prompt, options, stats) for t in s.tokens] == plain
     assert any(changed)  # the penalties changed the output
     assert stats.tree is None  # chains under penalties
-    assert sum(stats.accepted_lengths) > 20 and sum(a < d for a, d in zip(stats.accepted_lengths, stats.drafted_lengths))
+    assert sum(stats.accepted_lengths) > 20 and sum(
+        a < d for a, d in zip(stats.accepted_lengths, stats.drafted_lengths)
+    )
 
 
 N_SAMPLED = 1500
@@ -173,8 +186,9 @@ def test_coupled_sampling_under_penalties_is_the_seeds_plain_output():
     penalties = Penalties(presence=0.6, frequency=0.8, repetition=1.5, logit_bias=bias)
     stats = DecodeStats(block_size=4)
     for seed in range(40):
-        options = DecodeOptions(max_new_tokens=10, sampling=SamplingParams(0.9), seed=seed, penalties=penalties,
-                                sampler="coupled")
+        options = DecodeOptions(
+            max_new_tokens=10, sampling=SamplingParams(0.9), seed=seed, penalties=penalties, sampler="coupled"
+        )
         expected = [t for s in decode(plain, None, [10, 20, 30], options) for t in s.tokens]
         assert set(expected) <= set(ALLOWED)
         assert [t for s in decode(target, drafter, [10, 20, 30], options, stats) for t in s.tokens] == expected

@@ -6,20 +6,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import VOCAB, tiny_drafter, tiny_target, word_tokenizer
 from dflashkit import PrefixCache, SpeculativeGenerator
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.errors import InvalidInputError
 from dflashkit.decoding.prefix_cache import CachedSequence
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.errors import InvalidInputError
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_drafter, tiny_target, word_tokenizer
 
 
 def sequence(ids: list[int], features: bool = True, layers: tuple[int, ...] = (1,)) -> CachedSequence:
     n = len(ids)
-    return CachedSequence(tuple(ids), torch.zeros(2, 1, n, 4), torch.zeros(2, 1, n, 4),
-                          torch.zeros(1, n, 8) if features else None, layers if features else ())
+    return CachedSequence(
+        tuple(ids),
+        torch.zeros(2, 1, n, 4),
+        torch.zeros(2, 1, n, 4),
+        torch.zeros(1, n, 8) if features else None,
+        layers if features else (),
+    )
 
 
 def test_prefix_cache_matches_the_longest_prefix_and_keeps_within_its_budget():
@@ -35,7 +40,9 @@ def test_prefix_cache_matches_the_longest_prefix_and_keeps_within_its_budget():
     cache.add(sequence(a + [1, 2, 3]))  # the next turn of `a`'s conversation replaces it
     assert len(cache) == 2 and cache.match(a + [1, 2, 3, 4])[1] == len(a) + 3
     cache.add(sequence(list(range(100, 160))))  # past the budget: the least recently used goes
-    assert cache.nbytes <= cache.max_bytes and cache.match(b)[1] == 10 and cache.match(a + [1, 2, 3, 4]) is not None  # b gone: only what it shares with a
+    assert (
+        cache.nbytes <= cache.max_bytes and cache.match(b)[1] == 10 and cache.match(a + [1, 2, 3, 4]) is not None
+    )  # b gone: only what it shares with a
     cache.add(sequence(list(range(200, 400))))  # larger than the whole budget: not kept
     assert cache.match(list(range(200, 400))) is None
     cache.bind(object)
@@ -49,7 +56,9 @@ def test_prefix_cache_matches_the_longest_prefix_and_keeps_within_its_budget():
 def run(target, drafter, prompt, cache=None, **kw) -> tuple[list[int], DecodeStats]:
     stats = DecodeStats(block_size=1)
     options = DecodeOptions(**{"max_new_tokens": 20, **kw})
-    return [t for step in decode(target, drafter, prompt, options, stats, prefix_cache=cache) for t in step.tokens], stats
+    return [
+        t for step in decode(target, drafter, prompt, options, stats, prefix_cache=cache) for t in step.tokens
+    ], stats
 
 
 @pytest.mark.parametrize("arch, fast, tree", [("llama", True, None), ("qwen3", True, 4), ("llama", False, None)])

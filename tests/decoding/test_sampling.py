@@ -26,27 +26,29 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import InvalidInputError
 from dflashkit.decoding.sampling import (
     PositionNoise,
     SamplingParams,
     argmax,
-    block_residual,
-    block_verification,
     check_sampler,
     coupled_scores,
     propose,
-    verify_sampled,
-    verify_sampled_logits,
-    verify_tree_sampled,
     warp,
 )
 from dflashkit.decoding.stats import DecodeStats
-from dflashkit.target.adapter import TargetAdapter
 from dflashkit.decoding.tree import sample_tree, sample_without_replacement
+from dflashkit.decoding.verify import (
+    block_residual,
+    block_verification,
+    verify_sampled,
+    verify_sampled_logits,
+    verify_tree_sampled,
+)
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import InvalidInputError
+from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 BASE_SEED = 0  # every random draw in this file derives from it (all pass with 0, 1000, ..., 7000)
 P_MIN = 1e-3  # chi-square p-value threshold of the analytic tests
@@ -206,6 +208,7 @@ def test_warp_matches_naive_reference_for_random_settings():
 
 def test_warp_top_p_keeps_smallest_prefix_reaching_top_p():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+
     def kept(top_p):
         return (warp(logits, SamplingParams(1.0, top_p=top_p)) > 0).tolist()
 
@@ -214,9 +217,7 @@ def test_warp_top_p_keeps_smallest_prefix_reaching_top_p():
     assert kept(0.75) == [True, True, True, False]  # 0.7 < 0.75
     assert kept(0.95) == [True, True, True, True]
     assert kept(1e-9) == [True, False, False, False]  # always keeps the most likely token
-    torch.testing.assert_close(
-        warp(logits, SamplingParams(1.0, top_p=0.5)), torch.tensor([0.4, 0.3, 0.0, 0.0]) / 0.7
-    )
+    torch.testing.assert_close(warp(logits, SamplingParams(1.0, top_p=0.5)), torch.tensor([0.4, 0.3, 0.0, 0.0]) / 0.7)
 
 
 def test_warp_shapes_and_dtypes():
@@ -262,8 +263,9 @@ def test_sampling_params_accept_good_values_and_greedy_flag():
         propose(torch.zeros(2, 5), SamplingParams(1.0), "beam", None)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8),
-                                    SamplingParams(0.0)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8), SamplingParams(0.0)]
+)
 def test_propose_over_a_draft_vocabulary_equals_proposing_over_the_scattered_row(params):
     """Columns [k, V'] of token ids [V'] give the same drafts (argmax) and the same q as the [k, vocab] row with
     -inf outside; sampled drafts are always inside the draft vocabulary and follow q."""
@@ -341,8 +343,9 @@ def test_rejection_step_emits_target_distribution(case, mode):
     sigma = math.sqrt(accept_rate * (1 - accept_rate) / N_ANALYTIC)
     assert abs(accepted / N_ANALYTIC - accept_rate) < 4.5 * sigma + 1e-9, (accepted / N_ANALYTIC, accept_rate)
     assert_matches(first, p.numpy(), f"first emitted token ({case}, {mode})", TV_ANALYTIC)
-    assert_matches(bonus, p_next.numpy(), f"bonus token after acceptance ({case}, {mode})",
-                   tv_tolerance(p_next.numpy(), accepted))  # fmt: skip
+    assert_matches(
+        bonus, p_next.numpy(), f"bonus token after acceptance ({case}, {mode})", tv_tolerance(p_next.numpy(), accepted)
+    )
 
 
 def test_rejection_step_degenerate_cases():
@@ -545,7 +548,8 @@ def rrs_acceptance(p: np.ndarray, q: np.ndarray, width: int) -> float:
 
 @pytest.mark.parametrize("case", ["full_support", "disjoint_zeros"])
 def test_tree_rejection_sampling_emits_target_distribution(case):
-    """A root with 3 sampled candidates tried in turn (dflashkit.decoding.tree.sample_tree + verify_tree_sampled): the first
+    """A root with 3 sampled candidates tried in turn (dflashkit.decoding.tree.sample_tree + verify_tree_sampled): the
+    first
     emitted token is distributed as p, the bonus token after an accepted candidate as that candidate's row, and
     the acceptance is what enumerating the algorithm gives, above a single draft's sum min(p, q)."""
     p, p_next, q = pq_pair(case)
@@ -564,12 +568,18 @@ def test_tree_rejection_sampling_emits_target_distribution(case):
             first[token] += 1
     rate = rrs_acceptance(p.double().numpy(), q.double().numpy(), 3)
     single = float(torch.minimum(p, q).sum())
-    assert rate >= single - 1e-6 and (case != "full_support" or rate > single + 0.05)  # more than one draft accepts more
+    assert rate >= single - 1e-6 and (
+        case != "full_support" or rate > single + 0.05
+    )  # more than one draft accepts more
     sigma = math.sqrt(rate * (1 - rate) / N_ANALYTIC)
     assert abs(accepted / N_ANALYTIC - rate) < 4.5 * sigma, (accepted / N_ANALYTIC, rate)
     assert_matches(first, p.numpy(), f"first emitted token, tree ({case})", TV_ANALYTIC)
-    assert_matches(bonus, p_next.numpy(), f"bonus token after an accepted candidate ({case})",
-                   tv_tolerance(p_next.numpy(), accepted))  # fmt: skip
+    assert_matches(
+        bonus,
+        p_next.numpy(),
+        f"bonus token after an accepted candidate ({case})",
+        tv_tolerance(p_next.numpy(), accepted),
+    )
 
 
 @pytest.mark.parametrize("budget", [3, 6])
@@ -733,9 +743,19 @@ class NoisyOracleVocabDrafter(NoisyOracleDrafter):
 
 
 def sample_sequences(
-    world: World, drafter, params: SamplingParams, proposal: str, n: int, seed0: int, max_new: int = N_TOKENS,
-    prompt: list[int] = PROMPT, lookup: bool = False, copied: list[bool] | None = None, tree: int | None = None,
-    sampler: str = "rejection", block_size: int | None = None,
+    world: World,
+    drafter,
+    params: SamplingParams,
+    proposal: str,
+    n: int,
+    seed0: int,
+    max_new: int = N_TOKENS,
+    prompt: list[int] = PROMPT,
+    lookup: bool = False,
+    copied: list[bool] | None = None,
+    tree: int | None = None,
+    sampler: str = "rejection",
+    block_size: int | None = None,
 ):
     """Decode max_new tokens for seeds seed0..seed0+n-1; counts [V, V, V] of the first N_TOKENS, and the
     decode statistics (per step; `copied`, when given, gets each step's copied flag)."""
@@ -747,8 +767,16 @@ def sample_sequences(
         if isinstance(drafter, NoisyOracleDrafter):
             drafter.start(prompt)
             observer = drafter.observe
-        options = DecodeOptions(max_new_tokens=max_new, sampling=params, seed=s, proposal=proposal, lookup=lookup,
-                                tree=tree, sampler=sampler, block_size=block_size)
+        options = DecodeOptions(
+            max_new_tokens=max_new,
+            sampling=params,
+            seed=s,
+            proposal=proposal,
+            lookup=lookup,
+            tree=tree,
+            sampler=sampler,
+            block_size=block_size,
+        )
         tokens = [t for step in decode(world.target, drafter, prompt, options, stats, observer) for t in step.tokens]
         assert len(tokens) == max_new
         counts[tuple(tokens[:N_TOKENS])] += 1
@@ -871,9 +899,16 @@ def test_prompt_lookup_decode_matches_target_distribution(world, with_drafter):
     setting = "t1.0"
     copied: list[bool] = []
     counts, accepted, drafted, _ = sample_sequences(
-        world, world.drafter if with_drafter else None, SETTINGS[setting], "sample", N_E2E,
-        seed0=BASE_SEED * 10_000 + 70_001, prompt=prompt, lookup=True, copied=copied,
-    )  # fmt: skip
+        world,
+        world.drafter if with_drafter else None,
+        SETTINGS[setting],
+        "sample",
+        N_E2E,
+        seed0=BASE_SEED * 10_000 + 70_001,
+        prompt=prompt,
+        lookup=True,
+        copied=copied,
+    )
     steps = [(acc, d) for acc, d, c in zip(accepted, drafted, copied) if c and d > 0]
     assert len(steps) >= 0.1 * N_E2E, len(steps)
     assert sum(acc for acc, _ in steps) >= 0.05 * len(steps) and sum(acc < d for acc, d in steps) >= 0.05 * len(steps)
@@ -1015,8 +1050,10 @@ def test_coupled_kernel_scores_and_argmax_are_torchs_of_the_same_noise(dtype, te
     assert noise.argmax(logits, params, 40)[1:3] == [7, 0] and noise.argmax(logits, params, 40)[4] == 5
     columns = torch.tensor([2999, 4, 4, 1000, 0, 17, 256, 1])  # over a draft vocabulary's columns
     sub = logits[:, columns].contiguous()
-    assert torch.equal(noise.scores(sub, params, 40, columns).nan_to_num(),
-                       coupled_scores(sub, params, noise.rows(40, 6, columns)).nan_to_num())
+    assert torch.equal(
+        noise.scores(sub, params, 40, columns).nan_to_num(),
+        coupled_scores(sub, params, noise.rows(40, 6, columns)).nan_to_num(),
+    )
     sub_expected = coupled_scores(sub, params, noise.rows(40, 6, columns))
     assert noise.argmax(sub, params, 40, columns) == sub_expected.argmax(-1).tolist()
     filtered = SamplingParams(temperature, top_k=5)  # filters: torch's scores over the kernel's noise
@@ -1062,8 +1099,9 @@ def test_check_sampler():
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_coupled_plain_decode_matches_target_distribution(world, setting):
-    counts, *_ = sample_sequences(world, None, SETTINGS[setting], "sample", N_E2E_PLAIN,
-                                  seed0=BASE_SEED * 10_000 + 110_001, sampler="coupled")
+    counts, *_ = sample_sequences(
+        world, None, SETTINGS[setting], "sample", N_E2E_PLAIN, seed0=BASE_SEED * 10_000 + 110_001, sampler="coupled"
+    )
     check_sequences(counts, world.exact(setting), f"{setting}/coupled/plain")
 
 
@@ -1089,12 +1127,22 @@ def test_coupled_speculative_decode_is_the_seeds_plain_output(world, setting, ki
     common = {"max_new": max_new, "prompt": prompt, "sampler": "coupled"}
     *_, plain = sample_sequences(world, None, params, "sample", n, BASE_SEED + 120_001, **common)
     copied: list[bool] = []
-    _, accepted, drafted, spec = sample_sequences(world, drafter, params, "sample", n, BASE_SEED + 120_001,
-                                                  tree=tree, lookup=lookup, copied=copied, block_size=block, **common)
+    _, accepted, drafted, spec = sample_sequences(
+        world,
+        drafter,
+        params,
+        "sample",
+        n,
+        BASE_SEED + 120_001,
+        tree=tree,
+        lookup=lookup,
+        copied=copied,
+        block_size=block,
+        **common,
+    )
     assert spec == plain
     steps = [(a, d) for a, d in zip(accepted, drafted) if d > 0]
     assert sum(a for a, _ in steps) >= 0.05 * len(steps) and sum(a < d for a, d in steps) >= 0.05 * len(steps)
     if lookup:
         assert sum(copied) >= 0.05 * len(copied)
     assert len({tuple(t) for t in plain}) > 10  # sampled, not one sequence
-

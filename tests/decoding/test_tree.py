@@ -8,14 +8,14 @@ import math
 
 import pytest
 import torch
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 from dflashkit.decoding.loop import DecodeOptions, decode
+from dflashkit.decoding.stats import DecodeStats
+from dflashkit.decoding.tree import DraftTree, build_tree, hybrid_tree, sample_tree
 from dflashkit.drafter.network import DFlashDrafter
 from dflashkit.errors import InvalidInputError
-from dflashkit.decoding.stats import DecodeStats
 from dflashkit.target.adapter import TargetAdapter
-from dflashkit.decoding.tree import DraftTree, build_tree, hybrid_tree, sample_tree
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 # ---- construction -------------------------------------------------------------------------------------
 
@@ -233,8 +233,9 @@ def test_trees_need_the_fast_forward():
     assert not target.supports_trees
     tree = DraftTree(tokens=[3], parents=[0], depths=[1])
     with pytest.raises(InvalidInputError, match="fast forward"):
-        target.forward(torch.tensor([[5, 3]]), 0, target.new_cache(), 2,
-                       tree=(tree.position_offsets(), tree.attention_mask()))
+        target.forward(
+            torch.tensor([[5, 3]]), 0, target.new_cache(), 2, tree=(tree.position_offsets(), tree.attention_mask())
+        )
 
 
 # ---- decoding with trees -------------------------------------------------------------------------------
@@ -278,12 +279,17 @@ def test_tree_decoding_equals_plain_greedy_and_accepts_more_than_a_chain(arch):
             oracle = RankedOracle(base.config, prompt + plain)
             oracle.load_state_dict(base.state_dict())
             stats = DecodeStats(6)
-            out = [t for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=30, tree=tree), stats)
-                   for t in s.tokens]
+            out = [
+                t
+                for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=30, tree=tree), stats)
+                for t in s.tokens
+            ]
             assert out == plain, (kind, seed)
             taus[kind].append(stats.tau)
             if tree:
-                assert stats.tree == 10 and all(n <= 10 for n in stats.tree_nodes) and sum(map(bool, stats.tree_nodes)) > 5
+                assert (
+                    stats.tree == 10 and all(n <= 10 for n in stats.tree_nodes) and sum(map(bool, stats.tree_nodes)) > 5
+                )
     assert sum(taus["tree"]) > sum(taus["chain"]) * 1.2, taus
 
 
@@ -320,12 +326,16 @@ def test_hybrid_trees_hold_copy_and_drafter_and_equal_plain_greedy(arch, monkeyp
         copied_steps, tree_steps, accepted, right = 0, 0, 0, 0
         for seed in range(4):
             prompt = torch.randint(3, VOCAB, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-            plain = [t for s in decode(TargetAdapter(model), None, prompt, DecodeOptions(max_new_tokens=30))
-                     for t in s.tokens]
+            plain = [
+                t
+                for s in decode(TargetAdapter(model), None, prompt, DecodeOptions(max_new_tokens=30))
+                for t in s.tokens
+            ]
             full = prompt + plain
             proposals: list[int] = []
-            monkeypatch.setattr(decode_module, "NgramLookup",
-                                lambda ids, store=None: WrongCopies(full, len(ids) - 1, proposals))
+            monkeypatch.setattr(
+                decode_module, "NgramLookup", lambda ids, store=None: WrongCopies(full, len(ids) - 1, proposals)
+            )
             oracle = RankedOracle(base.config, full)
             oracle.load_state_dict(base.state_dict())
             stats = DecodeStats(8)
@@ -377,8 +387,11 @@ def test_tree_decoding_keeps_the_caches_equal_to_a_fresh_prefill():
             torch.testing.assert_close(k, k_exp, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(v, v_exp, rtol=1e-4, atol=1e-4)
 
-    out = [t for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=40, tree=12), observer=observer)
-           for t in s.tokens]
+    out = [
+        t
+        for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=40, tree=12), observer=observer)
+        for t in s.tokens
+    ]
     assert out == plain
     assert len(lengths) >= 3, lengths  # several accepted path lengths occurred
 
@@ -400,9 +413,9 @@ def test_copies_join_the_trees_asked_for_not_the_default_seeded_ones(monkeypatch
     of seeded sampling (measured slower on a CPU); an explicit value wins either way."""
     import sys
 
+    from dflashkit.decoding.defaults import COUPLED_TREE
+    from dflashkit.generator import SpeculativeGenerator
     from tests.conftest import record_decode_options, word_tokenizer
-
-    from dflashkit.generator import COUPLED_TREE, SpeculativeGenerator
 
     seen = record_decode_options(monkeypatch, sys.modules["dflashkit.generator"], "tree", "tree_copies")
     model = tiny_target("llama")
@@ -417,9 +430,9 @@ def test_copies_join_the_trees_asked_for_not_the_default_seeded_ones(monkeypatch
 def test_seeded_sampling_verifies_trees_by_default_and_keeps_the_seeds_output():
     """A seeded sampled generation (coupled sampling) with the adaptive block size verifies token trees of
     COUPLED_TREE nodes by default, and its output is still plain sampling's for that seed; chains elsewhere."""
+    from dflashkit.decoding.defaults import COUPLED_TREE, default_tree
+    from dflashkit.generator import SpeculativeGenerator
     from tests.conftest import word_tokenizer
-
-    from dflashkit.generator import COUPLED_TREE, SpeculativeGenerator, default_tree
 
     model = tiny_target("llama")
     gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=8))

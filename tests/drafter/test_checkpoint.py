@@ -12,14 +12,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import dflashkit.drafter.checkpoint as checkpoint
-from tests.conftest import VOCAB, tiny_target
-from dflashkit.drafter.checkpoint import MASK_EMBEDDING_FILE, load_drafter, save_drafter
 from dflashkit.decoding.loop import DecodeOptions, decode
+from dflashkit.decoding.stats import DecodeStats
+from dflashkit.drafter.checkpoint import MASK_EMBEDDING_FILE, load_drafter, save_drafter
+from dflashkit.drafter.identity import check_compatible, drafter_config_for
 from dflashkit.drafter.network import DFlashDrafter
 from dflashkit.errors import CheckpointError
-from dflashkit.drafter.identity import check_compatible, drafter_config_for
-from dflashkit.decoding.stats import DecodeStats
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_target
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, DRAFT_LAYERS = 64, 128, 4, 2, 16, 2
 LAYER_KEYS = {  # published names and shapes of one drafter layer
@@ -39,7 +39,9 @@ LAYER_KEYS = {  # published names and shapes of one drafter layer
 
 def published_shapes(num_features: int, num_layers: int = DRAFT_LAYERS) -> dict[str, tuple[int, ...]]:
     shapes = {f"layers.{i}.{k}": s for i in range(num_layers) for k, s in LAYER_KEYS.items()}
-    shapes.update({"fc.weight": (HIDDEN, num_features * HIDDEN), "hidden_norm.weight": (HIDDEN,), "norm.weight": (HIDDEN,)})
+    shapes.update(
+        {"fc.weight": (HIDDEN, num_features * HIDDEN), "hidden_norm.weight": (HIDDEN,), "norm.weight": (HIDDEN,)}
+    )
     return shapes
 
 
@@ -163,7 +165,9 @@ def zlab_config(mask_token_id: int = VOCAB - 1) -> dict:
     }
 
 
-def write_zlab_checkpoint(path: Path, *, prefix: str = "", mask: str | None = None, seed: int = 11) -> dict[str, torch.Tensor]:
+def write_zlab_checkpoint(
+    path: Path, *, prefix: str = "", mask: str | None = None, seed: int = 11
+) -> dict[str, torch.Tensor]:
     """Write config.json + model.safetensors (+ mask_embedding.pt) by hand; returns the unprefixed weights."""
     path.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
@@ -175,16 +179,21 @@ def write_zlab_checkpoint(path: Path, *, prefix: str = "", mask: str | None = No
     save_file({prefix + k: v for k, v in weights.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     if mask is not None:
         emb = (torch.randn(HIDDEN, generator=g) * 0.02).to(torch.bfloat16)
-        torch.save(emb if mask == "tensor" else {"mask_token_id": VOCAB - 1, "embedding": emb}, path / MASK_EMBEDDING_FILE)
+        torch.save(
+            emb if mask == "tensor" else {"mask_token_id": VOCAB - 1, "embedding": emb}, path / MASK_EMBEDDING_FILE
+        )
         weights["mask_embedding"] = emb
     return weights
 
 
 @pytest.mark.parametrize(
-    "prefix,mask", [("", None), ("model.", None), ("", "dict"), ("model.", "tensor")],
+    "prefix,mask",
+    [("", None), ("model.", None), ("", "dict"), ("model.", "tensor")],
     ids=["plain", "model-prefix", "mask-dict", "model-prefix+mask-tensor"],
 )
-def test_hand_written_published_checkpoint_loads_and_decodes(tmp_path: Path, target, prefix: str, mask: str | None) -> None:
+def test_hand_written_published_checkpoint_loads_and_decodes(
+    tmp_path: Path, target, prefix: str, mask: str | None
+) -> None:
     weights = write_zlab_checkpoint(tmp_path / "zlab", prefix=prefix, mask=mask)
     drafter = load_drafter(tmp_path / "zlab", dtype=torch.float32)
     cfg = drafter.config
@@ -325,7 +334,9 @@ def test_config_missing_field(saved: Path) -> None:
         load_drafter(saved)
 
 
-@pytest.mark.parametrize("key,shape", [("fc.weight", (HIDDEN, 3 * HIDDEN)), ("layers.0.self_attn.q_proj.weight", (32, 64))])
+@pytest.mark.parametrize(
+    "key,shape", [("fc.weight", (HIDDEN, 3 * HIDDEN)), ("layers.0.self_attn.q_proj.weight", (32, 64))]
+)
 def test_wrong_weight_shape(saved: Path, key: str, shape: tuple[int, int]) -> None:
     state = load_file(saved / "model.safetensors")
     state[key] = torch.zeros(shape)
@@ -376,7 +387,9 @@ def test_overwrite_leaves_one_complete_checkpoint(tmp_path: Path, target) -> Non
     expected = second.state_dict()
     assert set(state) == set(expected)
     assert all(torch.equal(state[k], expected[k]) for k in state)
-    assert json.loads((tmp_path / "d" / "config.json").read_text()) == json.loads(json.dumps(second.config.to_hf_dict()))
+    assert json.loads((tmp_path / "d" / "config.json").read_text()) == json.loads(
+        json.dumps(second.config.to_hf_dict())
+    )
 
 
 def test_failed_save_keeps_the_old_checkpoint(tmp_path: Path, target, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -425,8 +438,13 @@ def test_draft_vocabulary_round_trip(tmp_path: Path) -> None:
 def test_a_config_that_does_not_belong_to_the_weights(tmp_path: Path, target) -> None:
     """One line naming the first tensor that differs, not the whole state-dict mismatch."""
     path = save_drafter(random_drafter(target, learned=False), tmp_path / "ckpt")
-    edit_config(path, hidden_size=2 * HIDDEN, head_dim=2 * HIDDEN // json.loads((path / "config.json").read_text())
-                ["num_attention_heads"])
-    with pytest.raises(CheckpointError, match=r"has shape .* implies .* more tensors differ: the config does not belong") as info:
+    edit_config(
+        path,
+        hidden_size=2 * HIDDEN,
+        head_dim=2 * HIDDEN // json.loads((path / "config.json").read_text())["num_attention_heads"],
+    )
+    with pytest.raises(
+        CheckpointError, match=r"has shape .* implies .* more tensors differ: the config does not belong"
+    ) as info:
         load_drafter(path)
     assert "\n" not in str(info.value)

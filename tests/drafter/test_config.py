@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from tests.conftest import VOCAB, tiny_target
 from dflashkit.drafter.config import DrafterConfig, build_target_layer_ids
-from dflashkit.errors import CheckpointError, DFlashError, InvalidInputError
 from dflashkit.drafter.identity import drafter_config_for
+from dflashkit.errors import CheckpointError, DFlashError, InvalidInputError
+from tests.conftest import VOCAB, tiny_target
 
 # (target layers, features) -> ids, as in the configs of the published z-lab drafters.
 PUBLISHED = [
@@ -53,9 +53,20 @@ def test_build_target_layer_ids_refuses_impossible_requests(layers: int, feature
 
 def make_config(**changes) -> DrafterConfig:
     fields = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=VOCAB, num_target_layers=6, target_layer_ids=[1, 3], mask_token_id=VOCAB - 1,
-        block_size=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        num_target_layers=6,
+        target_layer_ids=[1, 3],
+        mask_token_id=VOCAB - 1,
+        block_size=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
     )
     fields.update(changes)
     return DrafterConfig(**fields)
@@ -165,7 +176,12 @@ def test_default_rope_scaling_is_accepted() -> None:
 def test_rope_parameters_yarn_is_refused() -> None:
     d = make_config().to_hf_dict()
     del d["rope_scaling"], d["rope_theta"]
-    d["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 4096}
+    d["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 1e6,
+        "factor": 4.0,
+        "original_max_position_embeddings": 4096,
+    }
     with pytest.raises(CheckpointError, match="not supported"):
         DrafterConfig.from_hf_dict(d)
 
@@ -211,7 +227,9 @@ def test_sliding_window_layers_are_refused(change: str) -> None:
         DrafterConfig.from_hf_dict(d)
 
 
-@pytest.mark.parametrize("field", ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"])
+@pytest.mark.parametrize(
+    "field", ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
+)
 def test_missing_required_field(field: str) -> None:
     d = make_config().to_hf_dict()
     del d[field]

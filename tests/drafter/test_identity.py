@@ -8,10 +8,6 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from tests.conftest import word_tokenizer, VOCAB, tiny_target
-from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import IncompatibleDrafterError
-from dflashkit.generator import SpeculativeGenerator
 from dflashkit.drafter.identity import (
     FINGERPRINT_DIMS,
     FINGERPRINT_ROWS,
@@ -20,6 +16,10 @@ from dflashkit.drafter.identity import (
     embedding_fingerprint,
     target_identity,
 )
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import IncompatibleDrafterError
+from dflashkit.generator import SpeculativeGenerator
+from tests.conftest import VOCAB, tiny_target, word_tokenizer
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -44,7 +44,9 @@ def test_identity_metadata(model_a) -> None:
     assert len(ident["embedding_fingerprint"]) == FINGERPRINT_ROWS * FINGERPRINT_DIMS
     cfg = drafter_config_for(model_a, num_layers=2)
     assert cfg.target == ident
-    assert embedding_fingerprint(model_a.get_input_embeddings()) == embedding_fingerprint(model_a.get_input_embeddings())
+    assert embedding_fingerprint(model_a.get_input_embeddings()) == embedding_fingerprint(
+        model_a.get_input_embeddings()
+    )
 
 
 def test_accepted_for_its_own_target(model_a, drafter_a, arch: str) -> None:

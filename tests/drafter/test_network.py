@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from tests.conftest import tiny_drafter, tiny_target
 from dflashkit.drafter.network import DFlashDrafter
 from dflashkit.errors import InvalidInputError
+from tests.conftest import tiny_drafter, tiny_target
 
 
 def naive_layer_attention(layer, block_h, ctx, block_pos, ctx_pos, theta):
@@ -161,8 +161,8 @@ def test_learned_mask_vector_replaces_the_mask_row_only():
 
 
 def test_block_sparse_training_attention_equals_the_dense_mask():
-    from dflashkit.drafter.network import BlockMask
-    from dflashkit.training.trainer import context_mask, sample_anchors, training_attention_mask
+    from dflashkit.drafter.layers import BlockMask
+    from dflashkit.training.losses import context_mask, sample_anchors, training_attention_mask
 
     model = tiny_target("qwen3")
     drafter = tiny_drafter(model, block_size=4)
@@ -207,8 +207,9 @@ def test_a_step_fills_its_block_as_block_fill_says(fast):
             drafter.draft_scores(context, feats, 0, 7, 9, 0, embed, head)  # the context rows only
             ids = torch.full((1, len(offsets)), drafter.config.mask_token_id)
             ids[0, 0] = 7
-            hidden = DFlashDrafter.forward(drafter, drafter.embed(ids, embed), torch.tensor(offsets) + 9,
-                                           context.layers())
+            hidden = DFlashDrafter.forward(
+                drafter, drafter.embed(ids, embed), torch.tensor(offsets) + 9, context.layers()
+            )
             return head(hidden[0, 1:])
 
     whole = scores(7, "whole")

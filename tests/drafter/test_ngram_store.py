@@ -12,18 +12,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
-from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.cli.main import main
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.errors import CheckpointError
-from dflashkit.drafter.ngram_store import FILENAME, NgramStore
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.drafter.checkpoint import load_drafter, save_drafter
+from dflashkit.drafter.ngram_store import FILENAME, NgramStore
+from dflashkit.errors import CheckpointError
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 
 def brute_force_next(sequences: list[list[int]], key: tuple[int, ...], min_count: int) -> int | None:
-    counts = Counter(seq[i] for seq in sequences for i in range(len(key), len(seq)) if tuple(seq[i - len(key) : i]) == key)
+    counts = Counter(
+        seq[i] for seq in sequences for i in range(len(key), len(seq)) if tuple(seq[i - len(key) : i]) == key
+    )
     if not counts or max(counts.values()) < min_count:
         return None
     top = max(counts.values())
@@ -55,8 +57,12 @@ def test_propose_chains_the_most_frequent_continuations():
 
 def test_merged_is_the_union_and_the_counts_decide_where_the_followers_differ():
     a = NgramStore({(1, 2): 3, (2, 3): 4, (5, 5): 1}, n=2, counts={(1, 2): 5, (2, 3): 2, (5, 5): 3}, min_count=2)
-    b = NgramStore({(1, 2): 3, (2, 3): 7, (6, 6): 2, (5, 5): 0}, n=2, counts={(1, 2): 1, (2, 3): 9, (6, 6): 4,
-                                                                             (5, 5): 3}, min_count=3)
+    b = NgramStore(
+        {(1, 2): 3, (2, 3): 7, (6, 6): 2, (5, 5): 0},
+        n=2,
+        counts={(1, 2): 1, (2, 3): 9, (6, 6): 4, (5, 5): 3},
+        min_count=3,
+    )
     m = a.merged(b)
     assert m.table == {(1, 2): 3, (2, 3): 7, (5, 5): 0, (6, 6): 2}
     assert m.counts == {(1, 2): 6, (2, 3): 9, (5, 5): 3, (6, 6): 4}  # same follower: summed; else the larger count
@@ -71,8 +77,12 @@ def test_merged_is_the_union_and_the_counts_decide_where_the_followers_differ():
 
 
 def test_pruned_keeps_the_ngrams_counted_most_often():
-    store = NgramStore({(1, 2): 3, (2, 3): 4, (3, 4): 5, (4, 5): 6}, n=2,
-                       counts={(1, 2): 9, (2, 3): 2, (3, 4): 7, (4, 5): 2}, min_count=2)
+    store = NgramStore(
+        {(1, 2): 3, (2, 3): 4, (3, 4): 5, (4, 5): 6},
+        n=2,
+        counts={(1, 2): 9, (2, 3): 2, (3, 4): 7, (4, 5): 2},
+        min_count=2,
+    )
     kept = store.pruned(3)
     assert kept.table == {(1, 2): 3, (3, 4): 5, (2, 3): 4}  # (4, 5) and (2, 3) tie at 2: the smaller n-gram stays
     assert kept.counts == {(1, 2): 9, (3, 4): 7, (2, 3): 2} and kept.min_count == 2 and kept.n == 2
@@ -93,14 +103,18 @@ def test_save_and_load_round_trip_and_bad_files(tmp_path: Path):
         NgramStore.load(tmp_path / "bad.safetensors")
 
 
-@pytest.mark.parametrize("top_token, top_count, token_width, count_width", [
-    (49150, 33571, torch.uint16, torch.uint16),  # the shipped store's largest token id and count
-    (65535, 65535, torch.uint16, torch.uint16),
-    (70000, 3, torch.int32, torch.uint16),  # a vocabulary over 65,536
-    (5, 70000, torch.uint16, torch.int32),
-])
-def test_saved_as_uint16_where_the_values_fit_and_read_back_the_same(tmp_path: Path, top_token, top_count,
-                                                                      token_width, count_width):
+@pytest.mark.parametrize(
+    "top_token, top_count, token_width, count_width",
+    [
+        (49150, 33571, torch.uint16, torch.uint16),  # the shipped store's largest token id and count
+        (65535, 65535, torch.uint16, torch.uint16),
+        (70000, 3, torch.int32, torch.uint16),  # a vocabulary over 65,536
+        (5, 70000, torch.uint16, torch.int32),
+    ],
+)
+def test_saved_as_uint16_where_the_values_fit_and_read_back_the_same(
+    tmp_path: Path, top_token, top_count, token_width, count_width
+):
     table = {(1, 2, top_token): 3, (top_token, 0, 4): top_token}
     store = NgramStore(table, n=3, counts={(1, 2, top_token): top_count, (top_token, 0, 4): 2}, min_count=2)
     store.save(tmp_path / FILENAME)
@@ -113,9 +127,15 @@ def test_saved_as_uint16_where_the_values_fit_and_read_back_the_same(tmp_path: P
 
 def test_stores_saved_with_int32_tensors_still_load(tmp_path: Path):
     """The format before session 35 (every tensor int32), as the shipped v7-v12 stores were written."""
-    save_file({"contexts": torch.tensor([[1, 2], [2, 3]], dtype=torch.int32),
-               "next": torch.tensor([3, 4], dtype=torch.int32), "counts": torch.tensor([5, 2], dtype=torch.int32)},
-              str(tmp_path / FILENAME), metadata={"format": "dflashkit-ngram-store", "n": "2", "max_draft": "7"})
+    save_file(
+        {
+            "contexts": torch.tensor([[1, 2], [2, 3]], dtype=torch.int32),
+            "next": torch.tensor([3, 4], dtype=torch.int32),
+            "counts": torch.tensor([5, 2], dtype=torch.int32),
+        },
+        str(tmp_path / FILENAME),
+        metadata={"format": "dflashkit-ngram-store", "n": "2", "max_draft": "7"},
+    )
     loaded = NgramStore.load(tmp_path / FILENAME)
     assert loaded.table == {(1, 2): 3, (2, 3): 4} and loaded.counts == {(1, 2): 5, (2, 3): 2}
     assert loaded.propose([1, 2], 4) == [3, 4]
@@ -123,8 +143,9 @@ def test_stores_saved_with_int32_tensors_still_load(tmp_path: Path):
 
 def run(target, drafter, prompt, store, **kw):
     stats = DecodeStats(block_size=1)
-    options = DecodeOptions(max_new_tokens=kw.pop("max_new_tokens", 40), lookup=store is not False,
-                            lookup_store=store or None, **kw)  # fmt: skip
+    options = DecodeOptions(
+        max_new_tokens=kw.pop("max_new_tokens", 40), lookup=store is not False, lookup_store=store or None, **kw
+    )
     tokens = [t for step in decode(target, drafter, prompt, options, stats) for t in step.tokens]
     return tokens, stats
 
@@ -211,8 +232,10 @@ def test_cli_max_entries_caps_the_store_at_the_ngrams_counted_most_often(tmp_pat
     data = tmp_path / "data"
     data.mkdir()
     (data / "meta.json").write_text(json.dumps({"num_shards": 1}))
-    records = [{"id": 0, "prompt_ids": [1], "response_ids": [4, 5, 6, 4, 5, 6, 4, 5, 6, 9], "finished": True},
-               {"id": 1, "prompt_ids": [2], "response_ids": [7, 8, 10], "finished": True}]  # fmt: skip
+    records = [
+        {"id": 0, "prompt_ids": [1], "response_ids": [4, 5, 6, 4, 5, 6, 4, 5, 6, 9], "finished": True},
+        {"id": 1, "prompt_ids": [2], "response_ids": [7, 8, 10], "finished": True},
+    ]
     (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     args = ["ngram-store", "--data", str(data), "--out", str(folder), "--n", "2", "--min-count", "1"]
     assert main(args) == 0

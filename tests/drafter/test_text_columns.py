@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 from dflashkit.decoding.loop import DecodeOptions, decode
 from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.drafter.text_columns import PACK_EVERY, TextColumns
 from dflashkit.kernels.int8 import Int8Linear, quantize_weight
 from dflashkit.target.adapter import TargetAdapter
-from dflashkit.drafter.text_columns import PACK_EVERY, TextColumns
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 DRAFT_VOCAB = list(range(0, VOCAB, 3))  # a draft vocabulary of every third token
 
@@ -49,8 +49,9 @@ def test_text_scores_are_the_full_heads_columns_whether_packed_or_not(dtype):
             torch.testing.assert_close(got, head(hidden)[:, text.columns()])
             assert torch.equal(got[:, : len(base)], base_scores)
         head.weight.mul_(-0.5)  # the caller's key moves with the weights: the rows are taken again
-        torch.testing.assert_close(text.scores(hidden, base_scores, head, 1)[:, len(base):],
-                                   head(hidden)[:, text.tokens])
+        torch.testing.assert_close(
+            text.scores(hidden, base_scores, head, 1)[:, len(base) :], head(hidden)[:, text.tokens]
+        )
 
 
 def test_text_scores_read_an_int8_heads_own_rows():
@@ -161,7 +162,7 @@ def test_decoding_proposes_the_texts_own_tokens_and_stays_plain_decoding(arch, m
 def test_the_decode_loop_reports_the_whole_text_in_order(monkeypatch):
     """The drafter's context hears the prompt, then every emitted token, once and in order (so that a token the
     output brings in becomes a column from the next step on)."""
-    from dflashkit.drafter.network import ContextCache
+    from dflashkit.drafter.context import ContextCache
 
     model = tiny_target("llama")
     drafter = tiny_drafter(model, block_size=4)
@@ -171,6 +172,9 @@ def test_the_decode_loop_reports_the_whole_text_in_order(monkeypatch):
     prompt = [4, 5, 7, 9]
     for block_size in (2, 4):
         heard.clear()
-        out = [t for s in decode(target, drafter, prompt, DecodeOptions(max_new_tokens=11, block_size=block_size))
-               for t in s.tokens]
+        out = [
+            t
+            for s in decode(target, drafter, prompt, DecodeOptions(max_new_tokens=11, block_size=block_size))
+            for t in s.tokens
+        ]
         assert heard == prompt + out

@@ -47,8 +47,12 @@ class Handler(BaseHTTPRequestHandler):
             tokens.append((req["prompt"][-1] + 1 + i) % 50)
             if tokens[-1] == 2:
                 break
-        timings = {"prompt_n": len(req["prompt"]), "prompt_ms": 10.0, "predicted_n": len(tokens),
-                   "predicted_ms": 5.0 * len(tokens)}
+        timings = {
+            "prompt_n": len(req["prompt"]),
+            "prompt_ms": 10.0,
+            "predicted_n": len(tokens),
+            "predicted_ms": 5.0 * len(tokens),
+        }
         if args.md:
             timings.update(draft_n=4 * len(tokens), draft_n_accepted=len(tokens) // 2)
         if "json_schema" in req:  # echoed, so that tests see extra request fields arrive

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import VOCAB, tiny_drafter, tiny_target, word_tokenizer
-from dflashkit.interop import export
-from dflashkit.drafter.checkpoint import MASK_EMBEDDING_FILE, load_drafter, save_drafter
 from dflashkit.cli.main import main
-from dflashkit.errors import IncompatibleDrafterError
+from dflashkit.drafter.checkpoint import MASK_EMBEDDING_FILE, load_drafter, save_drafter
 from dflashkit.drafter.identity import target_identity
+from dflashkit.errors import IncompatibleDrafterError
+from dflashkit.interop import export
+from tests.conftest import VOCAB, tiny_drafter, tiny_target, word_tokenizer
 
 DRAFT_VOCAB = [2, 5, 7, 11, 40, 41, 90, 95]
 
@@ -74,14 +74,23 @@ def target_dir(tmp_path_factory) -> Path:
     sentences = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(500)]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_writer=model, vocab_size=VOCAB, model_type="word",
-        pad_id=0, bos_id=1, eos_id=2, unk_id=3, minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        vocab_size=VOCAB,
+        model_type="word",
+        pad_id=0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=3,
+        minloglevel=2,
+    )
     (path / "tokenizer.model").write_bytes(model.getvalue())
     return path
 
 
-def make_drafter(path: Path, *, learned: bool = True, draft_vocab: list[int] | None = DRAFT_VOCAB, seed: int = 0) -> Path:
+def make_drafter(
+    path: Path, *, learned: bool = True, draft_vocab: list[int] | None = DRAFT_VOCAB, seed: int = 0
+) -> Path:
     model = tiny_target("llama", seed=seed)
     drafter = tiny_drafter(model, block_size=8, mask_token_id=None if learned else 5)
     drafter.config.target = target_identity(model)
@@ -110,7 +119,9 @@ def test_hf_export_files_and_round_trip(tmp_path: Path, target_dir: Path) -> Non
     head = tiny_target("llama").get_output_embeddings().weight.detach()
     # draft vocabulary as vLLM reads it: lm_head rows of the draft ids, d2t = target id - draft index
     assert torch.equal(weights["d2t"] + torch.arange(len(DRAFT_VOCAB)), torch.tensor(DRAFT_VOCAB))
-    assert torch.equal(weights["lm_head.weight"], head[DRAFT_VOCAB].to(torch.bfloat16).to(weights["lm_head.weight"].dtype))
+    assert torch.equal(
+        weights["lm_head.weight"], head[DRAFT_VOCAB].to(torch.bfloat16).to(weights["lm_head.weight"].dtype)
+    )
     mask = torch.load(result.path / MASK_EMBEDDING_FILE, weights_only=True)
     assert mask["mask_token_id"] == VOCAB - 1 and mask["embedding"].shape == (64,)
     # dflashkit reads its own export back (lm_head and d2t are the target's, and ignored here)
@@ -131,7 +142,9 @@ def test_export_refuses_a_drafter_of_another_target(tmp_path: Path, target_dir: 
     with pytest.raises(IncompatibleDrafterError, match="refusing to export.*embedding fingerprint"):
         export.export_hf(drafter, tmp_path / "out", target=str(target_dir))
     assert not (tmp_path / "out").exists()
-    assert main(["export", str(drafter), "--format", "hf", "--target", str(target_dir), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(["export", str(drafter), "--format", "hf", "--target", str(target_dir), "--out", str(tmp_path / "o")]) == 2
+    )
     assert "refusing to export" in capsys.readouterr().err
     if llama_cpp_dir() is not None:
         with pytest.raises(IncompatibleDrafterError):  # before the converter runs
@@ -148,8 +161,13 @@ def test_export_never_destroys_what_is_at_its_output(tmp_path: Path, target_dir:
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
     (tmp_path / "a-file").write_text("keep me too")
-    for out, message in ((drafter, "would overwrite the drafter"), (drafter / "sub", "would overwrite the drafter"),
-                         (tmp_path, "would overwrite the drafter"), (precious, "notes.txt"), (tmp_path / "a-file", "is a file")):
+    for out, message in (
+        (drafter, "would overwrite the drafter"),
+        (drafter / "sub", "would overwrite the drafter"),
+        (tmp_path, "would overwrite the drafter"),
+        (precious, "notes.txt"),
+        (tmp_path / "a-file", "is a file"),
+    ):
         with pytest.raises(export.ExportError, match=message):
             export.export_hf(drafter, out, target=str(target_dir))
         assert main(["export", str(drafter), "--format", "hf", "--target", str(target_dir), "--out", str(out)]) == 2
@@ -211,8 +229,19 @@ def read_gguf(path: Path):
     return fields, {t.name: t for t in reader.tensors}
 
 
-LAYER_TENSORS = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"}  # fmt: skip
+LAYER_TENSORS = {
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "attn_q_norm",
+    "attn_k_norm",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+}
 
 
 def drafter_tensor_names(num_layers: int) -> set[str]:
@@ -223,7 +252,9 @@ def drafter_tensor_names(num_layers: int) -> set[str]:
 def test_gguf_export_reads_back(tmp_path: Path, target_dir: Path) -> None:
     root = gguf_or_skip(target_dir)
     drafter_path = make_drafter(tmp_path / "d")  # learned mask vector + draft vocabulary
-    result = export.export_gguf(drafter_path, tmp_path / "out", target=str(target_dir), llama_cpp=root, target_gguf=True)
+    result = export.export_gguf(
+        drafter_path, tmp_path / "out", target=str(target_dir), llama_cpp=root, target_gguf=True
+    )
     assert result.path == tmp_path / "out" / export.DRAFTER_GGUF and result.path.is_file()
     drafter = load_drafter(drafter_path, dtype=torch.float32)
     c = drafter.config
@@ -245,14 +276,19 @@ def test_gguf_export_reads_back(tmp_path: Path, target_dir: Path) -> None:
     # the draft vocabulary, as llama.cpp's DFlash runtime reads it: absolute ids and those rows of the head
     assert tensors["d2t"].data.tolist() == DRAFT_VOCAB
     head = target.get_output_embeddings().weight.detach().to(torch.bfloat16).float()
-    assert torch.equal(torch.from_numpy(export.gguf_rows(tensors["output.weight"], list(range(len(DRAFT_VOCAB))))), head[DRAFT_VOCAB])
+    assert torch.equal(
+        torch.from_numpy(export.gguf_rows(tensors["output.weight"], list(range(len(DRAFT_VOCAB))))), head[DRAFT_VOCAB]
+    )
     fc = torch.from_numpy(export.gguf_rows(tensors["fc.weight"], list(range(c.hidden_size))))
     assert torch.equal(fc, drafter.fc.weight.detach().to(torch.bfloat16).float())
 
     tfields, ttensors = read_gguf(result.target_gguf)
     assert tfields["general.architecture"] == "llama" and tfields["llama.block_count"] == 6
     assert "-m " + str(result.target_gguf) in result.commands["llama.cpp"]
-    assert "--spec-type draft-dflash" in result.commands["llama.cpp"] and "--spec-draft-n-max 7" in result.commands["llama.cpp"]
+    assert (
+        "--spec-type draft-dflash" in result.commands["llama.cpp"]
+        and "--spec-draft-n-max 7" in result.commands["llama.cpp"]
+    )
 
 
 def test_gguf_export_of_a_plain_drafter_shares_the_target_tables(tmp_path: Path, target_dir: Path) -> None:

@@ -29,7 +29,7 @@ def ggufs(tmp_path: Path) -> tuple[Path, Path]:
 def binary(tmp_path: Path) -> Path:
     """The stand-in as an executable run by this interpreter (its shebang may name another Python)."""
     exe = tmp_path / "llama-server"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
     exe.chmod(0o755)
     return exe
 
@@ -117,8 +117,9 @@ def test_find_llama_server_order(tmp_path, monkeypatch, binary) -> None:
 def test_peer_records_the_servers_own_timings(binary, ggufs, tmp_path) -> None:
     request = Request([3, 4], 6, 0.0, seed=0, stop_token_ids=frozenset({2}))
     plain = LlamaServerPeer("llama-server-bf16", binary, ggufs[0], threads=1, comparable=KERNELS, log_dir=tmp_path)
-    spec = LlamaServerPeer("llama-server-dflash-b8", binary, ggufs[0], drafter_gguf=ggufs[1], block_size=8,
-                           threads=1, comparable=KERNELS)  # fmt: skip
+    spec = LlamaServerPeer(
+        "llama-server-dflash-b8", binary, ggufs[0], drafter_gguf=ggufs[1], block_size=8, threads=1, comparable=KERNELS
+    )
     try:
         assert plain.unavailable() is None and spec.unavailable() is None
         rec = plain.generate(request)
@@ -140,8 +141,10 @@ def test_tau_from_totals_pools_passes() -> None:
         return RunRow(method, "set", "q", 0, 0.0, 4, n, 0.01, 0.01 + 0.01 * n, **kw)
 
     base = [row("ar", 10), row("ar", 10)]
-    rows = [row("ls", 10, steps_total=4, accepted_total=6, block_size=8),
-            row("ls", 10, steps_total=6, accepted_total=4, block_size=8)]  # fmt: skip
+    rows = [
+        row("ls", 10, steps_total=4, accepted_total=6, block_size=8),
+        row("ls", 10, steps_total=6, accepted_total=4, block_size=8),
+    ]
     s = summarize(rows, base)
     assert s["tau"] == pytest.approx(1 + 10 / 10) and s["steps"] == 10 and s["block_size"] == 8
     assert s["accepted_histogram"] is None and s["acceptance_per_position"] is None  # not known per step

@@ -7,9 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from dflashkit.kernels.attention import ATTENTION_NAME, use_packed_gqa
-from dflashkit.target.loading import cache_kwargs
 from dflashkit.target.adapter import TargetAdapter
-
+from dflashkit.target.loading import cache_kwargs
 from tests.conftest import tiny_target
 
 

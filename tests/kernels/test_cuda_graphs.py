@@ -15,19 +15,20 @@ from copy import deepcopy
 
 import pytest
 import torch
-from tests.conftest import VOCAB, ReplayCapture, frozen, tiny_drafter, tiny_target
-from tests.target.test_fast import PROMPTS, run
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize
-from dflashkit.kernels.cuda_graphs import MIN_CAPACITY, GraphCache, GraphedSteps, unsupported_reason
+from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.drafter.network import DFlashDrafter
 from dflashkit.errors import InvalidInputError
-from dflashkit.target.fast import StepInputs
-from dflashkit.decoding.sampling import SamplingParams
+from dflashkit.kernels.cuda_graphs import MIN_CAPACITY
 from dflashkit.target.adapter import TargetAdapter
+from dflashkit.target.cuda_graphs import GraphCache, GraphedSteps, unsupported_reason
+from dflashkit.target.fast import StepInputs
+from tests.conftest import VOCAB, ReplayCapture, frozen, tiny_drafter, tiny_target
+from tests.target.test_fast import PROMPTS, run
 
 
 def pair(arch: str = "llama", block_size: int = 8):
@@ -54,9 +55,16 @@ def graphed_drafter(drafter, capture=None):
 def step_inputs(fast, capacity: int, ids: torch.Tensor, start: int, offsets=None, visible=None) -> StepInputs:
     n = ids.shape[1]
     cos, sin = fast.rotary_tables(capacity)
-    return StepInputs(ids, torch.tensor([start]), torch.arange(n) if offsets is None else offsets, torch.arange(n),
-                      torch.ones(n, n, dtype=torch.bool).tril() if visible is None else visible,
-                      torch.arange(capacity), cos, sin)  # fmt: skip
+    return StepInputs(
+        ids,
+        torch.tensor([start]),
+        torch.arange(n) if offsets is None else offsets,
+        torch.arange(n),
+        torch.ones(n, n, dtype=torch.bool).tril() if visible is None else visible,
+        torch.arange(capacity),
+        cos,
+        sin,
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -92,8 +100,11 @@ class NoValueReads(TorchDispatchMode):
     """Fails on any read of a tensor's value into Python (``item``, ``int``, ``float``, ``bool`` of a tensor)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default,
-                    torch.ops.aten.is_nonzero.default):
+        if func in (
+            torch.ops.aten.item.default,
+            torch.ops.aten._local_scalar_dense.default,
+            torch.ops.aten.is_nonzero.default,
+        ):
             raise AssertionError("the step read a tensor's value: a CUDA graph would replay it as a constant")
         return func(*args, **(kwargs or {}))
 

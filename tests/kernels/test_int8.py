@@ -8,17 +8,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
-from tests.decoding.test_loop import assert_bf16_parts_only_at_ties, assert_oracle_and_drafter_match_plain, prompts, run
 from torch import nn
 
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import InvalidInputError
-from dflashkit.kernels.int8 import INT8_WEIGHTS, Int8Linear, check_method, check_supported, quantize_model, quantize_weight
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.drafter.network import DFlashDrafter
+from dflashkit.errors import InvalidInputError
+from dflashkit.kernels.int8 import (
+    INT8_WEIGHTS,
+    Int8Linear,
+    check_method,
+    check_supported,
+    quantize_model,
+    quantize_weight,
+)
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
+from tests.decoding.test_loop import assert_bf16_parts_only_at_ties, assert_oracle_and_drafter_match_plain, prompts, run
 
 
 def int8_target(arch: str = "llama", dtype: torch.dtype = torch.float32, **kw):
@@ -201,10 +208,9 @@ def test_unknown_methods_and_unsupported_devices_are_refused():
 
 
 def test_generator_load_passes_quantize(monkeypatch):
-    from tests.cli.test_main import make_tokenizer
-
     import dflashkit.target.loading
     from dflashkit.generator import SpeculativeGenerator
+    from tests.cli.test_main import make_tokenizer
 
     seen = {}
 
@@ -220,20 +226,37 @@ def test_generator_load_passes_quantize(monkeypatch):
 
 
 def test_cli_generate_quantize_int8_declares_it(capsys, monkeypatch):
-    from tests.cli.test_main import PROMPT, fake_model, make_tokenizer
-
     import dflashkit
-    import dflashkit.target.loading
     import dflashkit.drafter.registry
+    import dflashkit.target.loading
     from dflashkit.cli.main import main
+    from tests.cli.test_main import PROMPT, fake_model, make_tokenizer
 
     def fake_load_target(name=None, *, dtype=torch.bfloat16, device="cpu", progress=False, quantize=None):
         return quantize_model(fake_model(dtype), quantize), make_tokenizer()
 
     monkeypatch.setattr(dflashkit.target.loading, "load_target", fake_load_target)
     monkeypatch.setattr(dflashkit.drafter.registry, "DRAFTERS_DIR", Path("/nonexistent"))  # no shipped drafter for it
-    rc = main(["generate", PROMPT, "--max-new-tokens", "8", "--dtype", "float32", "--quantize", "int8",
-               "--drafter", "untrained", "--block-size", "4", "--compare-ar", "--json", "--threads", "1"])  # fmt: skip
+    rc = main(
+        [
+            "generate",
+            PROMPT,
+            "--max-new-tokens",
+            "8",
+            "--dtype",
+            "float32",
+            "--quantize",
+            "int8",
+            "--drafter",
+            "untrained",
+            "--block-size",
+            "4",
+            "--compare-ar",
+            "--json",
+            "--threads",
+            "1",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["target_weights"].startswith("int8 weight-only") and out["identical"] is True
     assert out["stats"]["target_weights"] == out["target_weights"]
@@ -251,10 +274,10 @@ def test_cli_generate_quantize_int8_declares_it(capsys, monkeypatch):
 
 def test_server_health_declares_the_quantized_target():
     from fastapi.testclient import TestClient
-    from tests.cli.test_main import make_tokenizer
 
     from dflashkit.generator import SpeculativeGenerator
     from dflashkit.server import create_app
+    from tests.cli.test_main import make_tokenizer
 
     model = int8_target("llama")
     gen = SpeculativeGenerator(model, make_tokenizer(), tiny_drafter(model, block_size=4))
@@ -266,11 +289,10 @@ def test_server_health_declares_the_quantized_target():
 def test_bench_quantize_int8_runs_every_method_on_the_int8_target(capsys, monkeypatch, tmp_path):
     import sys
 
-    from tests.conftest import word_tokenizer
-    from tests.bench.test_command import CHAT_TEMPLATE
-
     import dflashkit.target.loading
     from dflashkit.cli.main import main
+    from tests.bench.test_command import CHAT_TEMPLATE
+    from tests.conftest import word_tokenizer
 
     seen = []
 
@@ -284,9 +306,34 @@ def test_bench_quantize_int8_runs_every_method_on_the_int8_target(capsys, monkey
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     questions = tmp_path / "qs.jsonl"
     questions.write_text(json.dumps({"question_id": 0, "turns": ["w9 w10 w11"]}))
-    rc = main(["bench", "--datasets", str(questions), "--limit", "1", "--max-new-tokens", "6", "--temperatures", "0",
-               "--methods", "ar,dflash,hf", "--drafter", "untrained", "--block-sizes", "4", "--quantize", "int8",
-               "--out", str(tmp_path / "out"), "--no-progress", "--threads", "1", "--dtype", "float32"])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "--datasets",
+            str(questions),
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--temperatures",
+            "0",
+            "--methods",
+            "ar,dflash,hf",
+            "--drafter",
+            "untrained",
+            "--block-sizes",
+            "4",
+            "--quantize",
+            "int8",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+            "--threads",
+            "1",
+            "--dtype",
+            "float32",
+        ]
+    )
     _, stderr = capsys.readouterr()
     assert rc == 0, stderr
     assert seen == ["int8"]  # one target, shared by every method

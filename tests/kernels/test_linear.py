@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.conftest import tiny_target
 from torch import nn
 
 from dflashkit.kernels.linear import PackedLinear, has_packed_linears, pack_linears, packing_supported, unpack_linears
 from dflashkit.target.adapter import TargetAdapter
+from tests.conftest import tiny_target
 
 needs_bf16 = pytest.mark.skipif(not packing_supported("cpu", torch.bfloat16), reason="no oneDNN bf16 on this CPU")
 needs_fp32 = pytest.mark.skipif(not packing_supported("cpu", torch.float32), reason="no oneDNN on this CPU")

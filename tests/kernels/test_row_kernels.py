@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from dflashkit.kernels import row_kernels
-from dflashkit.kernels.ops import Matmul
 from dflashkit.kernels.linear import PackedLinear
+from dflashkit.kernels.ops import Matmul
 
 SUPPORTED = [name for name, isa in row_kernels.ISAS.items() if isa.supported()]
 
@@ -120,12 +120,17 @@ def test_verify_chain_decides_as_verify_sampled_with_the_same_uniforms(isa, dtyp
     uniforms it keeps the same drafts and emits the same token, for sampled drafts (block verification) and one-hot
     ones (token by token), at several temperatures, with masked (-inf) entries and drafts among them, over
     vocabularies around its chunks of 256 and its vector widths."""
-    from dflashkit.decoding.sampling import SamplingParams, over_vocabulary, verify_sampled, warp
+    from dflashkit.decoding.sampling import SamplingParams, over_vocabulary, warp
+    from dflashkit.decoding.verify import verify_sampled
 
     g = torch.Generator().manual_seed(7)
     kept_counts = set()
     for trial in range(300):
-        vocab = int(torch.randint(1, 1100, (1,), generator=g)) if trial % 3 else int(torch.randint(250, 520, (1,), generator=g))
+        vocab = (
+            int(torch.randint(1, 1100, (1,), generator=g))
+            if trial % 3
+            else int(torch.randint(250, 520, (1,), generator=g))
+        )
         k, temperature = trial % 5, (0.6, 1.0, 1.7)[trial % 3]
         logits = (torch.randn(k + 1, vocab, generator=g) * 3).to(dtype)
         if trial % 4 == 3:
@@ -142,8 +147,9 @@ def test_verify_chain_decides_as_verify_sampled_with_the_same_uniforms(isa, dtyp
         if q is not None:  # q over a draft vocabulary that holds the drafts: the same decisions
             columns = torch.unique(torch.cat((drafts, torch.randperm(vocab, generator=g)[: vocab // 3])))
             q_columns = q[:, columns] / q[:, columns].sum(-1, keepdim=True)
-            want = verify_sampled(warp(logits, params), drafts, over_vocabulary(q_columns, columns, vocab), None,
-                                  uniforms.tolist())
+            want = verify_sampled(
+                warp(logits, params), drafts, over_vocabulary(q_columns, columns, vocab), None, uniforms.tolist()
+            )
             assert row_kernels.verify_chain(logits, temperature, drafts, q_columns, uniforms, columns) == want, trial
         assert logits[got[0], got[1]] > float("-inf")  # never a token of probability 0
         kept_counts.add(got[0])
@@ -158,7 +164,11 @@ def test_sample_rows_is_warp_and_sample_with_the_same_uniforms(isa, dtype):
 
     g = torch.Generator().manual_seed(3)
     for trial in range(100):
-        k, vocab, temperature = 1 + trial % 4, int(torch.randint(1, 9000, (1,), generator=g)), (0.5, 1.0, 1.5)[trial % 3]
+        k, vocab, temperature = (
+            1 + trial % 4,
+            int(torch.randint(1, 9000, (1,), generator=g)),
+            (0.5, 1.0, 1.5)[trial % 3],
+        )
         scores = (torch.randn(k, vocab, generator=g) * 3).to(dtype)
         if trial % 4 == 1:
             scores[:, ::2] = float("-inf")
@@ -204,7 +214,9 @@ def assert_rows_independent(packed: torch.Tensor, x: torch.Tensor, n: int) -> No
         together = row_kernels.linear(x, packed, n)
         for rows in (1, 3, 7, x.shape[0]):
             for start in range(0, x.shape[0] - rows + 1, rows):
-                assert torch.equal(row_kernels.linear(x[start:start + rows], packed, n), together[start:start + rows])
+                assert torch.equal(
+                    row_kernels.linear(x[start : start + rows], packed, n), together[start : start + rows]
+                )
 
 
 @pytest.mark.parametrize("k,rows", [(128, 16), (266, 16), (1536, 16), (266, 70)])
@@ -262,18 +274,21 @@ def test_the_setting_turns_the_kernel_off_and_refuses_unknown_values(monkeypatch
         row_kernels.kernel()
 
 
-@pytest.mark.parametrize("capability,bf16,amx,setting,expected", [
-    ("AVX512", True, False, "auto", "avx512"),  # Zen 4: AVX512-BF16, no AMX
-    ("AVX512", True, True, "auto", "amx"),  # Sapphire Rapids: the AVX512-BF16 source with AMX tile products
-    ("AVX512", True, False, "amx", None),  # forced, but the CPU has no AMX
-    ("AVX512", False, False, "auto", None),  # AVX512 without BF16: oneDNN (the AVX2 kernel was not measured there)
-    ("AVX2", False, False, "auto", "avx2"),  # most laptops, the Zen 1 VM
-    ("DEFAULT", False, False, "auto", None),
-    ("AVX512", True, True, "avx512", "avx512"),  # forced
-    ("AVX512", False, False, "avx2", "avx2"),
-    ("AVX2", False, False, "avx512", None),  # forced, but the CPU lacks it
-    ("AVX2", False, False, "onednn", None),
-])
+@pytest.mark.parametrize(
+    "capability,bf16,amx,setting,expected",
+    [
+        ("AVX512", True, False, "auto", "avx512"),  # Zen 4: AVX512-BF16, no AMX
+        ("AVX512", True, True, "auto", "amx"),  # Sapphire Rapids: the AVX512-BF16 source with AMX tile products
+        ("AVX512", True, False, "amx", None),  # forced, but the CPU has no AMX
+        ("AVX512", False, False, "auto", None),  # AVX512 without BF16: oneDNN (the AVX2 kernel was not measured there)
+        ("AVX2", False, False, "auto", "avx2"),  # most laptops, the Zen 1 VM
+        ("DEFAULT", False, False, "auto", None),
+        ("AVX512", True, True, "avx512", "avx512"),  # forced
+        ("AVX512", False, False, "avx2", "avx2"),
+        ("AVX2", False, False, "avx512", None),  # forced, but the CPU lacks it
+        ("AVX2", False, False, "onednn", None),
+    ],
+)
 def test_auto_picks_the_kernel_for_the_cpus_instruction_set(monkeypatch, capability, bf16, amx, setting, expected):
     monkeypatch.setattr(row_kernels, "_capability", lambda: capability)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16, raising=False)
@@ -309,8 +324,9 @@ def test_attention_matches_fp32_softmax_attention(isa, d, mask):
         hidden = chain_hidden(n, m)
     elif mask == "tree":  # the cache, then each row sees itself and some earlier rows
         hidden = torch.zeros(n, m, dtype=torch.bool)
-        hidden[:, m - n:] = ~torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
-                                           [1, 0, 1, 0, 1]], dtype=torch.bool)
+        hidden[:, m - n :] = ~torch.tensor(
+            [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool
+        )
     with torch.inference_mode():
         got = row_kernels.attention(q, keys, values, hidden, d**-0.5)
     ref = attention_reference(q, keys, values, hidden, d**-0.5)
@@ -337,8 +353,7 @@ def test_attention_row_with_a_mask_is_bitwise_attention_over_its_visible_keys(is
         for i in range(n):
             seen = (~hidden[i]).nonzero().flatten()
             rows = q.view(heads, group, n, d)[:, :, i].contiguous()  # [heads, group, d]: row i of each query head
-            alone = row_kernels.attention(rows, keys[:, seen].contiguous(), values[:, seen].contiguous(), None,
-                                          d**-0.5)
+            alone = row_kernels.attention(rows, keys[:, seen].contiguous(), values[:, seen].contiguous(), None, d**-0.5)
             assert torch.equal(got.view(heads, group, n, d)[:, :, i], alone), (i, leads[i])
 
 
@@ -364,9 +379,8 @@ def test_attention_row_of_a_chain_is_bitwise_the_one_row_step(isa, d, start):
 def test_fast_target_verify_rows_are_bitwise_one_token_steps(isa, arch, fused):
     """bf16: a 9-row verify pass gives exactly the logits and features of 9 one-token steps, through the one-call
     C++ layers (decoder_layers) or the Python layer loop with the kernels' products and attention."""
-    from tests.conftest import tiny_target
-
     from dflashkit.target.fast import FastTargetForward
+    from tests.conftest import tiny_target
 
     fast = FastTargetForward(tiny_target(arch, dtype=torch.bfloat16))
     assert fast.row_exact and fast.fused_weights is not None
@@ -395,9 +409,8 @@ def assert_verify_rows_are_one_token_steps(fast, feature_layers: list[int]) -> N
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_one_call_layers_compute_what_the_python_layers_compute(isa, arch):
     """The C++ layer loop is the same maths as the Python one (rounded at other points: bf16 tolerance)."""
-    from tests.conftest import VOCAB, tiny_target
-
     from dflashkit.target.fast import FastTargetForward
+    from tests.conftest import VOCAB, tiny_target
 
     fast = FastTargetForward(tiny_target(arch, dtype=torch.bfloat16))
     weights = fast.fused_weights
@@ -440,10 +453,9 @@ def test_row_limits_for_another_device_never_build_the_kernels(kernels_refused):
 def test_fast_forwards_on_another_device_never_build_the_kernels(kernels_refused):
     """The target's and the drafter's fast forwards built on a device other than the CPU (``meta`` stands in for a
     GPU here) take their row limits without the CPU kernels."""
-    from tests.conftest import tiny_drafter, tiny_target
-
-    from dflashkit.drafter.network import FastDrafterForward
+    from dflashkit.drafter.fast import FastDrafterForward
     from dflashkit.target.fast import FastTargetForward
+    from tests.conftest import tiny_drafter, tiny_target
 
     target = tiny_target("llama", dtype=torch.bfloat16)
     drafter = tiny_drafter(target).to(torch.bfloat16).to("meta")
@@ -478,10 +490,9 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_onednn_with_a_warning(monke
 def test_tree_rows_are_bitwise_fresh_forwards_of_their_paths(isa, arch):
     """bf16: a node's row of a token-tree pass sees exactly its path's keys in the same order, so it is bitwise the
     last row of a fresh forward of the path."""
-    from tests.conftest import tiny_target
-
-    from dflashkit.target.adapter import TargetAdapter
     from dflashkit.decoding.tree import DraftTree
+    from dflashkit.target.adapter import TargetAdapter
+    from tests.conftest import tiny_target
 
     target = TargetAdapter(tiny_target(arch, dtype=torch.bfloat16), [1, 4])
     assert target.fast_forward.fused_weights is not None
@@ -499,8 +510,9 @@ def test_tree_rows_are_bitwise_fresh_forwards_of_their_paths(isa, arch):
             node = tree.parents[node - 1]
         fresh = target.new_cache()
         target.forward(torch.tensor([prefix[:-1]]), 0, fresh, logits_rows=1)  # the same prefill as the tree's
-        expected, expected_features = target.forward(torch.tensor([[prefix[-1]] + path[::-1]]), len(prefix) - 1,
-                                                     fresh, logits_rows=1)
+        expected, expected_features = target.forward(
+            torch.tensor([[prefix[-1]] + path[::-1]]), len(prefix) - 1, fresh, logits_rows=1
+        )
         assert torch.equal(logits[row], expected[0]) and torch.equal(features[0, row], expected_features[0, -1])
 
 
@@ -508,9 +520,8 @@ def test_tree_rows_are_bitwise_fresh_forwards_of_their_paths(isa, arch):
 def test_one_call_drafter_layers_compute_what_the_python_layers_compute(isa, arch):
     """The drafter's block forward in one C++ call (its keys and values in the context's scratch rows): the same
     maths as its Python layers within bf16 rounding; the verified context rows are left as they were."""
-    from tests.conftest import VOCAB, tiny_drafter, tiny_target
-
     from dflashkit.target.adapter import TargetAdapter
+    from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
     model = tiny_target(arch, dtype=torch.bfloat16)
     drafter = tiny_drafter(model, block_size=8)
@@ -536,9 +547,8 @@ def test_one_call_drafter_layers_compute_what_the_python_layers_compute(isa, arc
 def test_one_call_drafter_layers_attend_to_the_context_window_only(isa):
     """With a window, the one-call drafter layers read the last rows only: bitwise the scores over a context that
     holds just those rows, and the Python layers' scores within bf16 rounding."""
-    from tests.conftest import VOCAB, tiny_drafter, tiny_target
-
     from dflashkit.target.adapter import TargetAdapter
+    from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
     model = tiny_target("qwen3", dtype=torch.bfloat16)
     drafter = tiny_drafter(model, block_size=8)
@@ -552,8 +562,9 @@ def test_one_call_drafter_layers_attend_to_the_context_window_only(isa):
 
     def scores(window: int | None, first: int = 0) -> torch.Tensor:
         context = drafter.new_context(capacity=24, window=window)
-        return drafter.draft_scores(context, features[:, first:], first, 7, 20, 5, target.embed_tokens,
-                                    target.lm_head)[0]
+        return drafter.draft_scores(context, features[:, first:], first, 7, 20, 5, target.embed_tokens, target.lm_head)[
+            0
+        ]
 
     windowed = scores(6)
     assert torch.equal(windowed, scores(None, first=14))
@@ -565,9 +576,8 @@ def test_one_call_drafter_layers_attend_to_the_context_window_only(isa):
 
 
 def _drafter_setup(block_size: int = 8):
-    from tests.conftest import tiny_drafter, tiny_target
-
     from dflashkit.target.adapter import TargetAdapter
+    from tests.conftest import tiny_drafter, tiny_target
 
     model = tiny_target("qwen3", dtype=torch.bfloat16)
     drafter = tiny_drafter(model, block_size=block_size)
@@ -579,9 +589,8 @@ def _drafter_setup(block_size: int = 8):
 def test_one_call_drafter_steps_of_several_sequences_are_each_sequences_own(isa):
     """Several sequences' drafting steps in one call (their context rows and blocks batched, different lengths,
     windows and k): every sequence's drafts and context rows are bitwise those of its step alone."""
+    from dflashkit.drafter.fast import DraftStep
     from tests.conftest import VOCAB
-
-    from dflashkit.drafter.network import DraftStep
 
     drafter, target = _drafter_setup()
     fast = drafter._fast_forward()
@@ -638,9 +647,8 @@ def test_one_call_context_rows_do_not_depend_on_how_they_arrive(isa):
 def test_draft_scores_batch_is_each_calls_own_and_undoes_a_failed_round(isa, monkeypatch):
     """DFlashDrafter.draft_scores_batch: each sequence's scores bitwise its call alone; a round that fails after
     its context rows went in leaves every context as it was, so that its calls can run again one by one."""
+    from dflashkit.drafter.fast import FastDrafterForward
     from tests.conftest import VOCAB
-
-    from dflashkit.drafter.network import FastDrafterForward
 
     drafter, target = _drafter_setup()
     args = (target.embed_tokens, target.lm_head)
@@ -669,11 +677,13 @@ def test_draft_scores_batch_is_each_calls_own_and_undoes_a_failed_round(isa, mon
 
 
 def test_the_engine_line_names_the_row_kernels(isa, monkeypatch):
+    from dflashkit.target.adapter import TargetAdapter
     from tests.conftest import tiny_target
 
-    from dflashkit.target.adapter import TargetAdapter
-
-    assert f"{row_kernels.label()} row kernels, one call per step" in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
+    assert (
+        f"{row_kernels.label()} row kernels, one call per step"
+        in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
+    )
     assert "row kernels" not in TargetAdapter(tiny_target()).engine  # fp32: oneDNN
     monkeypatch.setenv("DFLASHKIT_CPU_GEMM", "onednn")
     assert "row kernels" not in TargetAdapter(tiny_target(dtype=torch.bfloat16)).engine
@@ -722,7 +732,7 @@ def test_int8_packing_follows_the_documented_layout(n, k):
             for kk in range(k):
                 assert packed[g, 16 * kk + c] == (q[column, kk] if column < n else 0)
         expected = [float(scale[col]) if col < n else 1.0 for col in range(16 * g, 16 * g + 16)]
-        assert packed[g, 16 * k:].view(torch.float32).tolist() == expected
+        assert packed[g, 16 * k :].view(torch.float32).tolist() == expected
 
 
 @pytest.mark.parametrize("rows,k", [(16, 128), (40, 128), (9, 35)])
@@ -733,8 +743,7 @@ def test_int8_rows_are_bitwise_the_same_whatever_rows_run_with_them(int8_isa, ro
 
 
 def test_int8_layers_run_on_the_kernel_and_repack_after_a_change(int8_isa):
-    from dflashkit.kernels.ops import Int8Matmul
-    from dflashkit.kernels.int8 import Int8Linear
+    from dflashkit.kernels.int8 import Int8Linear, Int8Matmul
 
     q, scale = int8_weight(96, 64, seed=5)
     b, x = bf16(96, seed=6), bf16(3, 64, seed=7)
@@ -753,12 +762,11 @@ def test_int8_layers_run_on_the_kernel_and_repack_after_a_change(int8_isa):
 def test_int8_target_verify_rows_are_bitwise_one_token_steps(int8_isa, arch):
     """The int8 target's fast forward runs every layer and its head on the kernel: a verify pass's rows are its
     one-token steps, bit for bit, so bf16 speculative greedy decoding of the int8 target is its plain decoding."""
-    from tests.conftest import tiny_drafter, tiny_target
-    from tests.decoding.test_loop import run
-
-    from dflashkit.target.fast import FastTargetForward
     from dflashkit.kernels.int8 import quantize_model
     from dflashkit.target.adapter import TargetAdapter
+    from dflashkit.target.fast import FastTargetForward
+    from tests.conftest import tiny_drafter, tiny_target
+    from tests.decoding.test_loop import run
 
     model = quantize_model(tiny_target(arch, dtype=torch.bfloat16), "int8")
     fast = FastTargetForward(model)
@@ -800,9 +808,8 @@ def test_a_batched_pass_of_many_sequences_is_bitwise_each_alone(isa):
     """decoder_layers_batch runs every sequence's attention of a layer in one parallel region (attention_calls):
     9 sequences with contexts of 1-40 positions, 1-2 rows each (13 in all: one pass on every instruction set), give
     the logits and cache rows each gives alone."""
-    from tests.conftest import VOCAB, tiny_target
-
     from dflashkit.target.fast import FastTargetForward, ForwardCall
+    from tests.conftest import VOCAB, tiny_target
 
     forward = FastTargetForward(tiny_target("qwen3", dtype=torch.bfloat16))
     counts = [1 + i % 2 for i in range(9)]
@@ -821,7 +828,7 @@ def test_a_batched_pass_of_many_sequences_is_bitwise_each_alone(isa):
     alone, together = prefilled(), prefilled()
     expected = [forward(s, n, c, s.shape[1], [])[0] for s, n, c in zip(steps, contexts, alone)]
     got = forward.batch([ForwardCall(s, n, c, s.shape[1]) for s, n, c in zip(steps, contexts, together)], [])
-    for e, (l, _), c1, c2 in zip(expected, got, alone, together):
-        assert torch.equal(e, l) and c1.length == c2.length
+    for e, (logits, _), c1, c2 in zip(expected, got, alone, together):
+        assert torch.equal(e, logits) and c1.length == c2.length
         assert torch.equal(c1.keys[:, :, : c1.length], c2.keys[:, :, : c2.length])
         assert torch.equal(c1.values[:, :, : c1.length], c2.values[:, :, : c2.length])

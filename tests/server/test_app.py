@@ -15,14 +15,14 @@ import httpx
 import openai
 import pytest
 import torch
-from tests.live_server import LiveServer, metric, tiny_byte_generator, tiny_generator, tool_generator, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflashkit import Grammar
-from dflashkit.kernels import row_kernels
 from dflashkit.errors import InvalidInputError
+from dflashkit.kernels import row_kernels
 from dflashkit.server import create_app
 from dflashkit.tool_calls import ToolRequest, parse_tool_calls
+from tests.live_server import LiveServer, metric, tiny_byte_generator, tiny_generator, tool_generator, wait_until
 
 MODEL = "tiny-llama"
 SAMPLED = {"temperature": 1.0, "seed": 3, "max_tokens": 40}
@@ -38,7 +38,9 @@ def offline():
 def server():
     # "sample" proposals: the random drafter gets drafts accepted when sampling, so the stats are not trivial;
     # a fixed block and no prompt lookup, so the speculative stats equal the offline run's (not timing-dependent)
-    with LiveServer(create_app(tiny_generator(), model_id=MODEL, proposal="sample", block_size=4, lookup=False)) as live:
+    with LiveServer(
+        create_app(tiny_generator(), model_id=MODEL, proposal="sample", block_size=4, lookup=False)
+    ) as live:
         yield live
 
 
@@ -50,9 +52,14 @@ def client(server) -> openai.OpenAI:
 def reference(offline, prompt: str, chat: bool, *, temperature: float, seed: int | None, max_tokens: int, **kw):
     messages = [{"role": "user", "content": prompt}]
     return offline.generate(
-        messages if chat else prompt, chat=chat, temperature=temperature, seed=seed, max_new_tokens=max_tokens,
-        proposal="sample", **{"block_size": 4, "lookup": False, **kw},
-    )  # fmt: skip
+        messages if chat else prompt,
+        chat=chat,
+        temperature=temperature,
+        seed=seed,
+        max_new_tokens=max_tokens,
+        proposal="sample",
+        **{"block_size": 4, "lookup": False, **kw},
+    )
 
 
 def check_usage(usage: Any, expected) -> None:
@@ -115,9 +122,11 @@ def test_completion_equals_offline(client, offline) -> None:
 
 def test_chat_stream(client, offline) -> None:
     expected = reference(offline, "w40 w41", True, **SAMPLED)
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "w40 w41"}], stream=True, **SAMPLED
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "w40 w41"}], stream=True, **SAMPLED
+        )
+    )
     assert len(chunks) > 3 and len({c.id for c in chunks}) == 1
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -161,22 +170,31 @@ def test_stop_and_sampling_options(client, offline) -> None:
     assert resp.choices[0].finish_reason == "stop"
     # top_k / top_p reach the sampler: the same as offline with the same settings
     expected = reference(offline, "w5 w6 w7", True, **SAMPLED, top_k=5, top_p=0.9)
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}], top_p=0.9,
-                                          extra_body={"top_k": 5}, **SAMPLED)  # fmt: skip
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}], top_p=0.9, extra_body={"top_k": 5}, **SAMPLED
+    )
     assert resp.choices[0].message.content == expected.text
 
 
 def test_token_origins(client, offline) -> None:
     """The extension used by the playground: every token with its text and origin (drafter or target)."""
     expected = reference(offline, "w5 w6 w7", True, **SAMPLED)
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}],
-                                          extra_body={"token_origins": True}, **SAMPLED)  # fmt: skip
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}], extra_body={"token_origins": True}, **SAMPLED
+    )
     origins = resp.choices[0].model_extra["token_origins"]
     assert [t["id"] for t in origins] == expected.token_ids
     assert [t["from_draft"] for t in origins] == expected.from_draft and any(expected.from_draft)
     assert "".join(t["text"] for t in origins) == expected.text
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}],
-                                                 stream=True, extra_body={"token_origins": True}, **SAMPLED))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "w5 w6 w7"}],
+            stream=True,
+            extra_body={"token_origins": True},
+            **SAMPLED,
+        )
+    )
     streamed = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_origins", [])]
     assert streamed == origins
     for c in chunks:
@@ -194,15 +212,19 @@ def test_logprobs_equal_offline_in_chat_and_completions(client, offline) -> None
         assert (entry.token, entry.bytes) == (raw.decode(), list(raw))
         assert entry.logprob == pytest.approx(lp.logprob, abs=1e-6)
         assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
-            (offline.token_bytes(i).decode(), pytest.approx(v, abs=1e-6)) for i, v in lp.top]
+            (offline.token_bytes(i).decode(), pytest.approx(v, abs=1e-6)) for i, v in lp.top
+        ]
 
     resp = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=3, **SAMPLED)
     content = resp.choices[0].logprobs.content
     assert resp.choices[0].message.content == expected.text and len(content) == len(expected.token_ids)
     for entry, lp in zip(content, expected.logprobs):
         check_entry(entry, lp)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=3,
-                                                 stream=True, **SAMPLED))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, logprobs=True, top_logprobs=3, stream=True, **SAMPLED
+        )
+    )
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
     plain = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, **SAMPLED)
@@ -214,13 +236,18 @@ def test_logprobs_equal_offline_in_chat_and_completions(client, offline) -> None
     legacy = resp.choices[0].logprobs
     assert legacy.tokens == [offline.token_bytes(t).decode() for t in expected.token_ids]
     assert legacy.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-6)
-    assert [len(d) for d in legacy.top_logprobs] == [len({offline.token_bytes(i) for i, _ in lp.top})
-                                                     for lp in expected.logprobs]
+    assert [len(d) for d in legacy.top_logprobs] == [
+        len({offline.token_bytes(i) for i, _ in lp.top}) for lp in expected.logprobs
+    ]
     released = [len(piece) for piece in _token_texts(offline, "w5 w6 w7")]
     assert len(released) == len(expected.token_ids)
     assert legacy.text_offset == [sum(released[:i]) for i in range(len(released))]
-    streamed = [t for c in client.completions.create(model=MODEL, prompt="w5 w6 w7", logprobs=2, stream=True, **SAMPLED)
-                if c.choices[0].logprobs for t in c.choices[0].logprobs.text_offset]
+    streamed = [
+        t
+        for c in client.completions.create(model=MODEL, prompt="w5 w6 w7", logprobs=2, stream=True, **SAMPLED)
+        if c.choices[0].logprobs
+        for t in c.choices[0].logprobs.text_offset
+    ]
     assert streamed == legacy.text_offset
 
 
@@ -240,33 +267,46 @@ def test_echo_returns_the_prompt_and_its_logprobs_for_scoring(client, offline) -
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     with torch.no_grad():
         ref = torch.log_softmax(offline.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
-    assert lp.token_logprobs[1 : len(ids)] == pytest.approx([float(ref[i, ids[i + 1]]) for i in range(len(ids) - 1)],
-                                                            abs=1e-5)
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(
+        [float(ref[i, ids[i + 1]]) for i in range(len(ids) - 1)], abs=1e-5
+    )
     assert lp.token_logprobs[len(ids)] == pytest.approx(expected.logprobs[0].logprob, abs=1e-6)
     assert all(len(d) == 1 for d in lp.top_logprobs[1:])
     offsets = lp.text_offset
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[len(ids)] == len(prompt)
     words = prompt.split()
     assert [choice.text[o:].lstrip()[: len(w)] for o, w in zip(offsets, words)] == words
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1,
-                                            temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == choice.text
-    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    assert [
+        t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs
+    ] == lp.token_logprobs
     plain = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=3, temperature=0)
     assert plain.choices[0].text.startswith(offline.tokenizer.decode(ids)) and plain.choices[0].logprobs is None
     scored = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
     assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0  # nothing generated
     assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
     assert scored.choices[0].logprobs.text_offset == offsets[: len(ids)]
-    r = httpx.post(f"{client.base_url}completions", timeout=30,
-                   json={"model": MODEL, "prompt": prompt, "max_tokens": 0})
+    r = httpx.post(
+        f"{client.base_url}completions", timeout=30, json={"model": MODEL, "prompt": prompt, "max_tokens": 0}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def _token_texts(offline, prompt: str) -> list[str]:
     """The text each token of the offline completion released (the pieces of its stream)."""
-    stream = offline.stream(prompt, chat=False, proposal="sample", max_new_tokens=SAMPLED["max_tokens"],
-                            temperature=SAMPLED["temperature"], seed=SAMPLED["seed"])
+    stream = offline.stream(
+        prompt,
+        chat=False,
+        proposal="sample",
+        max_new_tokens=SAMPLED["max_tokens"],
+        temperature=SAMPLED["temperature"],
+        seed=SAMPLED["seed"],
+    )
     return [piece for delta in stream for piece in delta.token_text]
 
 
@@ -276,10 +316,16 @@ def test_penalties_and_logit_bias_equal_offline(client, offline, sampling) -> No
     expected = reference(offline, "w5 w6 w7", True, max_tokens=30, **sampling, **adjust, logit_bias={8: 2.0})
     plain = reference(offline, "w5 w6 w7", True, max_tokens=30, **sampling)
     assert expected.text != plain.text  # the adjustments change the output
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}],
-                                          max_tokens=30, logit_bias={"8": 2.0}, **sampling,
-                                          presence_penalty=0.5, frequency_penalty=1.5,
-                                          extra_body={"repetition_penalty": 1.3})  # fmt: skip
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "w5 w6 w7"}],
+        max_tokens=30,
+        logit_bias={"8": 2.0},
+        **sampling,
+        presence_penalty=0.5,
+        frequency_penalty=1.5,
+        extra_body={"repetition_penalty": 1.3},
+    )
     assert resp.choices[0].message.content == expected.text
 
 
@@ -287,11 +333,11 @@ def test_n_choices_are_generations_with_consecutive_seeds(client, offline) -> No
     """n choices: choice i is the offline generation with seed + i (0: the request's own seed); usage counts
     the prompt once and every choice's tokens and steps; streamed, each choice in turn with its index."""
     messages = [{"role": "user", "content": "w5 w6 w7"}]
-    expected = [reference(offline, "w5 w6 w7", True, logprobs=1, **{**SAMPLED, "seed": SAMPLED["seed"] + i})
-                for i in range(3)]
+    expected = [
+        reference(offline, "w5 w6 w7", True, logprobs=1, **{**SAMPLED, "seed": SAMPLED["seed"] + i}) for i in range(3)
+    ]
     assert len({e.text for e in expected}) == 3
-    resp = client.chat.completions.create(model=MODEL, messages=messages, n=3, logprobs=True, top_logprobs=1,
-                                          **SAMPLED)
+    resp = client.chat.completions.create(model=MODEL, messages=messages, n=3, logprobs=True, top_logprobs=1, **SAMPLED)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert [c.message.content for c in resp.choices] == [e.text for e in expected]
     assert [c.finish_reason for c in resp.choices] == [e.finish_reason for e in expected]
@@ -321,8 +367,9 @@ def test_n_choices_are_generations_with_consecutive_seeds(client, offline) -> No
 
 
 def test_best_of_returns_the_candidates_of_highest_logprob_per_token(client, offline) -> None:
-    candidates = [reference(offline, "w5 w6 w7", False, logprobs=0, **{**SAMPLED, "seed": SAMPLED["seed"] + i})
-                  for i in range(4)]
+    candidates = [
+        reference(offline, "w5 w6 w7", False, logprobs=0, **{**SAMPLED, "seed": SAMPLED["seed"] + i}) for i in range(4)
+    ]
     scores = [sum(lp.logprob for lp in c.logprobs) / len(c.logprobs) for c in candidates]
     ranked = sorted(range(4), key=lambda i: -scores[i])
     assert len({c.text for c in candidates}) == 4 and ranked[0] != 0  # the best is not simply the first
@@ -339,8 +386,9 @@ def test_several_prompts_in_one_completions_request(client, offline) -> None:
     """A list of prompts (texts or token-id lists): prompt p's choice i has index p * n + i, and equals the
     offline generation of that prompt with seed + i; usage counts every prompt once; echo puts each prompt first."""
     texts = ["w5 w6 w7", "w20 w21"]
-    expected = [[reference(offline, t, False, **{**SAMPLED, "seed": SAMPLED["seed"] + i}) for i in range(2)]
-                for t in texts]
+    expected = [
+        [reference(offline, t, False, **{**SAMPLED, "seed": SAMPLED["seed"] + i}) for i in range(2)] for t in texts
+    ]
     for prompt in (texts, [offline.tokenizer.encode(t) for t in texts]):
         resp = client.completions.create(model=MODEL, prompt=prompt, n=2, **SAMPLED)
         assert [c.index for c in resp.choices] == [0, 1, 2, 3]
@@ -356,7 +404,9 @@ def test_several_prompts_in_one_completions_request(client, offline) -> None:
 def test_more_choices_than_the_queue_holds_are_refused() -> None:
     with LiveServer(create_app(tiny_generator(), model_id=MODEL, max_batch=1, max_queue=1)) as live:
         r = httpx.post(live.url + "/v1/chat/completions", json={**CHAT, "n": 3, "max_tokens": 2}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "max-queue" in r.json()["error"]["message"]
+        assert (
+            r.status_code == 400 and r.json()["error"]["param"] == "n" and "max-queue" in r.json()["error"]["message"]
+        )
         r = httpx.post(live.url + "/v1/chat/completions", json={**CHAT, "n": 2, "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
@@ -382,12 +432,15 @@ def test_next_turn_restores_the_cached_prefix(offline) -> None:
         assert two.choices[0].text == expected.text
         health = httpx.get(live.url + "/health", timeout=30).json()["prefix_cache"]
         assert health["hits"] == 1 and health["reused_tokens"] == cached and health["sequences"] == 1
-        off = client.completions.create(model=MODEL, prompt=second, temperature=0, max_tokens=16,
-                                        extra_body={"cache_prompt": False})
+        off = client.completions.create(
+            model=MODEL, prompt=second, temperature=0, max_tokens=16, extra_body={"cache_prompt": False}
+        )
         assert off.usage.prompt_tokens_details.cached_tokens == 0 and off.choices[0].text == expected.text
         metrics = httpx.get(live.url + "/metrics", timeout=30).text
         assert f"dflashkit_prompt_tokens_cached_total {float(cached)}" in metrics
-        bad = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "w5", "cache_prompt": "no"}, timeout=30)
+        bad = httpx.post(
+            live.url + "/v1/completions", json={"model": MODEL, "prompt": "w5", "cache_prompt": "no"}, timeout=30
+        )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prompt"
     with LiveServer(create_app(tiny_generator(), model_id=MODEL, prefix_cache_mb=0)) as live:
         assert httpx.get(live.url + "/health", timeout=30).json()["prefix_cache"] is None
@@ -407,10 +460,17 @@ def test_concurrent_clients_get_their_own_outputs(server, client, offline) -> No
         prompt, seed = cases[i]
         barrier.wait()
         start = time.monotonic()
-        kwargs = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 1.0, "seed": seed,
-                  "max_tokens": 60}  # fmt: skip
+        kwargs = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 1.0,
+            "seed": seed,
+            "max_tokens": 60,
+        }
         if i % 2:
-            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs))
+            text = "".join(
+                c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+            )
         else:
             text = client.chat.completions.create(**kwargs).choices[0].message.content
         spans[i] = (start, time.monotonic())
@@ -431,11 +491,19 @@ def test_batched_server_gives_every_client_its_own_output() -> None:
     # the default adaptive block size and prompt lookup: an adaptive policy learns from every request (and from
     # timing), but seeded requests sample with the coupled sampler, whose output is the seed's whatever the blocks
     app = create_app(tiny_generator(dtype=dtype), model_id=MODEL, proposal="sample", max_batch=3)
-    cases = [("w5 w6 w7", 1.0, 1), ("w20 w21", 0.0, None), ("w9 w9 w10", 1.0, 2), ("w30", 0.7, 3),
-             ("w40 w41 w42 w43", 0.0, None), ("w11 w12", 1.0, 4)]
+    cases = [
+        ("w5 w6 w7", 1.0, 1),
+        ("w20 w21", 0.0, None),
+        ("w9 w9 w10", 1.0, 2),
+        ("w30", 0.7, 3),
+        ("w40 w41 w42 w43", 0.0, None),
+        ("w11 w12", 1.0, 4),
+    ]
     lengths = [40, 25, 33, 50, 12, 44]
-    expected = [reference(offline, p, True, temperature=t, seed=s, max_tokens=n, lookup=True)
-                for (p, t, s), n in zip(cases, lengths)]
+    expected = [
+        reference(offline, p, True, temperature=t, seed=s, max_tokens=n, lookup=True)
+        for (p, t, s), n in zip(cases, lengths)
+    ]
     extra = reference(offline, "w5 w6", True, temperature=1.0, seed=8, max_tokens=20, lookup=True)
     with LiveServer(app) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -445,20 +513,27 @@ def test_batched_server_gives_every_client_its_own_output() -> None:
 
         def ask(i: int) -> str:
             (prompt, temperature, seed), n = cases[i], lengths[i]
-            kwargs = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": temperature,
-                      "seed": seed, "max_tokens": n}  # fmt: skip
+            kwargs = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": temperature,
+                "seed": seed,
+                "max_tokens": n,
+            }
             barrier.wait()
             seen_running.append(app.state.scheduler.running)
             if i % 2:
-                return "".join(c.choices[0].delta.content or ""
-                               for c in client.chat.completions.create(stream=True, **kwargs))
+                return "".join(
+                    c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                )
             return client.chat.completions.create(**kwargs).choices[0].message.content
 
         with ThreadPoolExecutor(len(cases)) as pool:
             texts = list(pool.map(ask, range(len(cases))))
         assert texts == [e.text for e in expected]
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6"}], n=2, seed=8,
-                                           temperature=1.0, max_tokens=20)
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "w5 w6"}], n=2, seed=8, temperature=1.0, max_tokens=20
+        )
         assert r.choices[0].message.content == extra.text
         batcher = app.state.scheduler.batcher
         assert batcher.passes < batcher.calls  # rounds held several generations' calls
@@ -476,8 +551,13 @@ BAD = [
     ("/v1/chat/completions", b"[1, 2]", 400, None, None),
     # a lone surrogate escaped in the JSON (valid JSON, not valid Unicode text)
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": "w5 \\ud800"}', 400, "prompt", None),
-    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
-     "messages", None),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        "messages",
+        None,
+    ),
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": "\\udc80", "stream": true}', 400, "prompt", None),
     ("/v1/completions", b'{"model": "\\ud800", "prompt": "w5"}', 404, "model", "model_not_found"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": "ten"}, 400, "max_tokens", None),
@@ -509,8 +589,13 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "w5"}]}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": CHAT["messages"]}, 400, "model", "missing"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-7"}, 404, "model", "model_not_found"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages",
-     "context_length_exceeded"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": LONG_PROMPT}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 96]}, 400, "prompt", None),  # id outside the vocabulary
@@ -525,14 +610,24 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "logprobs": 3}, 400, "logprobs", None),  # chat: a boolean
     ("/v1/completions", {"model": MODEL, "prompt": "w5", "logprobs": -1}, 400, "logprobs", None),
     ("/v1/completions", {"model": MODEL, "prompt": "w5", "logprobs": True}, 400, "logprobs", None),
-    ("/v1/completions", {"model": MODEL, "prompt": "w5", "top_logprobs": 2}, 400, "top_logprobs",
-     "unsupported_parameter"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "w5", "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "unsupported_parameter",
+    ),
     ("/v1/completions", {"model": "gpt-7", "prompt": "w5"}, 404, "model", "model_not_found"),
     # tools: this tiny target's tokenizer has no chat template that shows tools
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice", None),  # no tools
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
-                              "tool_choice": "always"}, 400, "tool_choice", None),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"},
+        400,
+        "tool_choice",
+        None,
+    ),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "code_interpreter"}]}, 400, "tools", None),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions", "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "tool_call_id": "c1"}]}, 400, "messages", None),
@@ -541,7 +636,11 @@ BAD = [
 
 @pytest.mark.parametrize("path,body,status,param,code", BAD, ids=[f"{i}" for i in range(len(BAD))])
 def test_bad_input_gets_openai_error(server, path, body, status, param, code) -> None:
-    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     r = httpx.post(server.url + path, timeout=30, **kwargs)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -563,14 +662,25 @@ def test_server_keeps_serving_after_errors(server, client) -> None:
     for path in ("/nowhere", "/v1/nowhere"):
         r = httpx.get(server.url + path, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["message"]
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=3,
-                                          temperature=0)  # greedy: a sampled reply may end within 3 tokens
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=3, temperature=0
+    )  # greedy: a sampled reply may end within 3 tokens
     assert resp.usage.completion_tokens == 3
 
 
 def test_null_fields_mean_defaults(server) -> None:
-    body = {**CHAT, "max_tokens": 3, "temperature": None, "top_p": None, "n": None, "stop": None, "seed": None,
-            "stream": None, "logprobs": None, "presence_penalty": None}  # fmt: skip
+    body = {
+        **CHAT,
+        "max_tokens": 3,
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "stop": None,
+        "seed": None,
+        "stream": None,
+        "logprobs": None,
+        "presence_penalty": None,
+    }
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
     # temperature null = the default, 1: sampled, so the tiny target may end its turn within its 3 tokens (the end
@@ -600,8 +710,11 @@ def test_full_queue_answers_429_and_disconnect_cancels() -> None:
             assert scheduler.running == 1
             # B waits in the queue (max_queue=1) ...
             b_result: dict[str, Any] = {}
-            b = threading.Thread(target=lambda: b_result.update(r=httpx.post(
-                live.url + "/v1/completions", json={**LONG, "max_tokens": 5}, timeout=60)))  # fmt: skip
+            b = threading.Thread(
+                target=lambda: b_result.update(
+                    r=httpx.post(live.url + "/v1/completions", json={**LONG, "max_tokens": 5}, timeout=60)
+                )
+            )
             b.start()
             wait_until(lambda: scheduler.queued == 1)
             # ... so C is refused at once, with Retry-After
@@ -610,7 +723,8 @@ def test_full_queue_answers_429_and_disconnect_cancels() -> None:
             assert c.json()["error"]["type"] == "rate_limit_error" and c.json()["error"]["code"] == "queue_full"
             with pytest.raises(openai.RateLimitError):
                 openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0).completions.create(
-                    model=MODEL, prompt="w5", max_tokens=2)  # fmt: skip
+                    model=MODEL, prompt="w5", max_tokens=2
+                )
         # A's client went away: its generation is cancelled long before its 500 tokens, and B is served
         b.join(60)
         assert b_result["r"].status_code == 200 and b_result["r"].json()["usage"]["completion_tokens"] == 5
@@ -681,21 +795,36 @@ def test_metrics_are_prometheus_text_and_add_up() -> None:
     app = create_app(tiny_generator(), model_id=MODEL, proposal="sample")
     with LiveServer(app) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
-        usages = [client.completions.create(model=MODEL, prompt="w5 w6 w7", **{**SAMPLED, "seed": s}).usage
-                  for s in (1, 2)]  # fmt: skip
+        usages = [
+            client.completions.create(model=MODEL, prompt="w5 w6 w7", **{**SAMPLED, "seed": s}).usage for s in (1, 2)
+        ]
         httpx.post(live.url + "/v1/completions", json={"model": "nope", "prompt": "w5"}, timeout=30)
         r = httpx.get(live.url + "/metrics", timeout=30)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         families = {f.name: f for f in text_string_to_metric_families(r.text)}
-    assert {"dflashkit_requests", "dflashkit_generations", "dflashkit_prompt_tokens", "dflashkit_completion_tokens",
-            "dflashkit_accepted_tokens", "dflashkit_draft_tokens", "dflashkit_drafting_steps",
-            "dflashkit_accepted_tokens_by_position", "dflashkit_draft_tokens_by_position",
-            "dflashkit_request_latency_seconds", "dflashkit_time_to_first_token_seconds",
-            "dflashkit_queue_wait_seconds", "dflashkit_queue_depth", "dflashkit_other_cpu_load_cores"} <= set(families)
+    assert {
+        "dflashkit_requests",
+        "dflashkit_generations",
+        "dflashkit_prompt_tokens",
+        "dflashkit_completion_tokens",
+        "dflashkit_accepted_tokens",
+        "dflashkit_draft_tokens",
+        "dflashkit_drafting_steps",
+        "dflashkit_accepted_tokens_by_position",
+        "dflashkit_draft_tokens_by_position",
+        "dflashkit_request_latency_seconds",
+        "dflashkit_time_to_first_token_seconds",
+        "dflashkit_queue_wait_seconds",
+        "dflashkit_queue_depth",
+        "dflashkit_other_cpu_load_cores",
+    } <= set(families)
 
     def total(name: str, **labels: str) -> float:
-        return sum(s.value for s in families[name].samples if s.name == name + "_total"
-                   and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+        return sum(
+            s.value
+            for s in families[name].samples
+            if s.name == name + "_total" and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     spec = [u.model_extra["speculative"] for u in usages]
     assert total("dflashkit_requests", endpoint="/v1/completions", status="200") == 2
@@ -707,9 +836,12 @@ def test_metrics_are_prometheus_text_and_add_up() -> None:
     assert total("dflashkit_drafting_steps") == sum(s["drafting_steps"] for s in spec)
     for k in (1, 2, 3):
         assert total("dflashkit_accepted_tokens_by_position", position=str(k)) == sum(
-            s["accepted_per_position"][k - 1] for s in spec)  # fmt: skip
+            s["accepted_per_position"][k - 1] for s in spec
+        )
     latency = {s.name: s.value for s in families["dflashkit_request_latency_seconds"].samples if not s.labels.get("le")}
-    assert latency["dflashkit_request_latency_seconds_count"] == 2 and latency["dflashkit_request_latency_seconds_sum"] > 0
+    assert (
+        latency["dflashkit_request_latency_seconds_count"] == 2 and latency["dflashkit_request_latency_seconds_sum"] > 0
+    )
     assert total("dflashkit_generations") == 2
 
 
@@ -722,14 +854,16 @@ def test_default_server_is_adaptive_with_lookup_and_gives_plain_outputs(offline)
         got = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=0)
         sampled = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=1, seed=5)
         unseeded = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=24, temperature=1)
-        forced = client.completions.create(model=MODEL, prompt="w5 w9 w11", max_tokens=8, temperature=1, seed=5,
-                                           extra_body={"sampler": "rejection"})
+        forced = client.completions.create(
+            model=MODEL, prompt="w5 w9 w11", max_tokens=8, temperature=1, seed=5, extra_body={"sampler": "rejection"}
+        )
         with pytest.raises(openai.BadRequestError, match="sampler"):
             client.completions.create(model=MODEL, prompt="w5", max_tokens=4, extra_body={"sampler": "gumbel"})
         health = httpx.get(live.url + "/health", timeout=30).json()
     plain = offline.generate("w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False)
-    plain_sampled = offline.generate("w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False, temperature=1,
-                                     seed=5)
+    plain_sampled = offline.generate(
+        "w5 w9 w11", max_new_tokens=24, chat=False, use_drafter=False, temperature=1, seed=5
+    )
     assert got.choices[0].text == plain.text
     assert sampled.choices[0].text == plain_sampled.text and plain_sampled.stats.sampler == "coupled"
     assert sampled.usage.model_extra["speculative"]["sampler"] == "coupled"
@@ -760,24 +894,44 @@ def test_response_format_gives_json_and_equals_offline() -> None:
         messages = [{"role": "user", "content": "Pick a color."}]
         fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": COLOR_SCHEMA, "strict": True}}
         for temperature, seed in ((0.0, None), (1.0, 5)):
-            resp = client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt,
-                                                  temperature=temperature, seed=seed, max_tokens=300)
-            expected = offline.generate(messages, grammar=Grammar.json_schema(COLOR_SCHEMA), temperature=temperature,
-                                        seed=seed, max_new_tokens=300, proposal="sample")
+            resp = client.chat.completions.create(
+                model=MODEL, messages=messages, response_format=fmt, temperature=temperature, seed=seed, max_tokens=300
+            )
+            expected = offline.generate(
+                messages,
+                grammar=Grammar.json_schema(COLOR_SCHEMA),
+                temperature=temperature,
+                seed=seed,
+                max_new_tokens=300,
+                proposal="sample",
+            )
             text = resp.choices[0].message.content
             assert text == expected.text and resp.choices[0].finish_reason == "stop"
             value = json.loads(text)
             assert value["color"] in ("red", "green") and isinstance(value["ok"], bool) and len(value) == 2
         # streamed, any JSON object
-        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, max_tokens=300,
-                                                     temperature=0, response_format={"type": "json_object"}))
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                stream=True,
+                max_tokens=300,
+                temperature=0,
+                response_format={"type": "json_object"},
+            )
+        )
         assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), dict)
         # a schema the grammar compiler refuses, and a malformed response_format: 400 naming the field
-        for bad in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
-                                                                                     "properties": 5}}},
-                    {"type": "json_schema"}, {"type": "yaml"}):
-            r = httpx.post(live.url + "/v1/chat/completions", timeout=30,
-                           json={"model": MODEL, "messages": messages, "response_format": bad})
+        for bad in (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}},
+            {"type": "json_schema"},
+            {"type": "yaml"},
+        ):
+            r = httpx.post(
+                live.url + "/v1/chat/completions",
+                timeout=30,
+                json={"model": MODEL, "messages": messages, "response_format": bad},
+            )
             assert r.status_code == 400, (bad, r.text)
             assert r.json()["error"]["param"] == "response_format"
         assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4).choices[0].message.content
@@ -791,39 +945,73 @@ def test_vllm_guided_fields_on_both_endpoints() -> None:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
         choices = ["yes", "no", "maybe so"]
         for temperature, seed in ((0.0, None), (1.0, 3)):
-            resp = client.completions.create(model=MODEL, prompt="Answer: ", max_tokens=20, temperature=temperature,
-                                             seed=seed, extra_body={"guided_choice": choices})
-            expected = offline.generate("Answer: ", chat=False, grammar=Grammar.choice(choices), max_new_tokens=20,
-                                        temperature=temperature, seed=seed, proposal="sample")
+            resp = client.completions.create(
+                model=MODEL,
+                prompt="Answer: ",
+                max_tokens=20,
+                temperature=temperature,
+                seed=seed,
+                extra_body={"guided_choice": choices},
+            )
+            expected = offline.generate(
+                "Answer: ",
+                chat=False,
+                grammar=Grammar.choice(choices),
+                max_new_tokens=20,
+                temperature=temperature,
+                seed=seed,
+                proposal="sample",
+            )
             assert resp.choices[0].text == expected.text and expected.text in choices
         messages = [{"role": "user", "content": "A number?"}]
-        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
-                                              extra_body={"guided_regex": "[0-9]{2,4}"})
+        resp = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=20, temperature=0, extra_body={"guided_regex": "[0-9]{2,4}"}
+        )
         assert re.fullmatch("[0-9]{2,4}", resp.choices[0].message.content)
-        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=0,
-                                              extra_body={"guided_json": COLOR_SCHEMA})
+        resp = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=300, temperature=0, extra_body={"guided_json": COLOR_SCHEMA}
+        )
         assert json.loads(resp.choices[0].message.content)["color"] in ("red", "green")
-        resp = client.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0,
-                                         extra_body={"guided_grammar": 'start: "ab" | "cd"'})
+        resp = client.completions.create(
+            model=MODEL, prompt="x", max_tokens=20, temperature=0, extra_body={"guided_grammar": 'start: "ab" | "cd"'}
+        )
         assert resp.choices[0].text in ("ab", "cd")
-        for body, param in (({"guided_regex": "(", "prompt": "x"}, "guided_regex"),
-                            ({"guided_choice": [], "prompt": "x"}, "guided_choice"),
-                            ({"guided_json": "{not json", "prompt": "x"}, "guided_json"),
-                            ({"guided_regex": "a", "guided_choice": ["a"], "prompt": "x"}, "guided_choice")):
+        for body, param in (
+            ({"guided_regex": "(", "prompt": "x"}, "guided_regex"),
+            ({"guided_choice": [], "prompt": "x"}, "guided_choice"),
+            ({"guided_json": "{not json", "prompt": "x"}, "guided_json"),
+            ({"guided_regex": "a", "guided_choice": ["a"], "prompt": "x"}, "guided_choice"),
+        ):
             r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, **body}, timeout=30)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-        r = httpx.post(live.url + "/v1/chat/completions", timeout=30,
-                       json={"model": MODEL, "messages": messages, "response_format": {"type": "json_object"},
-                             "guided_regex": "a"})
+        r = httpx.post(
+            live.url + "/v1/chat/completions",
+            timeout=30,
+            json={
+                "model": MODEL,
+                "messages": messages,
+                "response_format": {"type": "json_object"},
+                "guided_regex": "a",
+            },
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
 
 
 # ---- tool calls -------------------------------------------------------------------------------------------------
 
-PICK_TOOL = {"type": "function", "function": {  # finite arguments: a random tiny target fills free strings forever
-    "name": "pick_color", "description": "Pick a color",
-    "parameters": {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
-                   "additionalProperties": False}}}
+PICK_TOOL = {
+    "type": "function",
+    "function": {  # finite arguments: a random tiny target fills free strings forever
+        "name": "pick_color",
+        "description": "Pick a color",
+        "parameters": {
+            "type": "object",
+            "properties": {"color": {"enum": ["red", "green"]}},
+            "required": ["color"],
+            "additionalProperties": False,
+        },
+    },
+}
 STOP_TOOL = {"type": "function", "function": {"name": "stop_now"}}
 
 
@@ -839,18 +1027,31 @@ def test_tool_calls_forced_streamed_and_sent_back() -> None:
         named = {"type": "function", "function": {"name": "pick_color"}}
         for choice, temperature, seed in (("required", 0.0, None), (named, 1.0, 4)):
             # one call: a random target, free to add calls, may write them until max_tokens
-            resp = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=choice,
-                                                  parallel_tool_calls=False, temperature=temperature, seed=seed,
-                                                  max_tokens=800)  # sampled: up to 33 spaces between JSON tokens
+            resp = client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                tools=tools,
+                tool_choice=choice,
+                parallel_tool_calls=False,
+                temperature=temperature,
+                seed=seed,
+                max_tokens=800,
+            )  # sampled: up to 33 spaces between JSON tokens
             request = ToolRequest.parse(tools, choice, parallel_tool_calls=False)
-            expected = offline.generate(offline.encode_prompt(messages, tools=request.template_tools()),
-                                        grammar=offline.tool_call_grammar(request), temperature=temperature, seed=seed,
-                                        max_new_tokens=800, proposal="sample")
+            expected = offline.generate(
+                offline.encode_prompt(messages, tools=request.template_tools()),
+                grammar=offline.tool_call_grammar(request),
+                temperature=temperature,
+                seed=seed,
+                max_new_tokens=800,
+                proposal="sample",
+            )
             _, expected_calls = parse_tool_calls(expected.text, request.names)
             out = resp.choices[0]
             assert out.finish_reason == "tool_calls" and out.message.content is None
             assert [(c.function.name, c.function.arguments) for c in out.message.tool_calls] == [
-                (c.name, c.arguments) for c in expected_calls]
+                (c.name, c.arguments) for c in expected_calls
+            ]
             for call in out.message.tool_calls:
                 assert call.type == "function" and call.id.startswith("call_")
                 if call.function.name == "pick_color":
@@ -858,33 +1059,64 @@ def test_tool_calls_forced_streamed_and_sent_back() -> None:
             if choice == named:
                 assert [c.function.name for c in out.message.tool_calls] == ["pick_color"]
         # streamed: no <tool_call> text in the content deltas, the calls in a tool_calls delta before the finish
-        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=named,
-                                                     temperature=0, max_tokens=200, stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                tools=tools,
+                tool_choice=named,
+                temperature=0,
+                max_tokens=200,
+                stream=True,
+            )
+        )
         assert "<tool_call>" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
         assert [t.function.name for t in calls] == ["pick_color"] and calls[0].index == 0
         assert json.loads(calls[0].function.arguments)["color"] in ("red", "green")
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
         # the call and the tool's answer sent back (content null in the assistant turn): a normal text answer
-        sent = [*messages, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": calls[0].id, "type": "function", "function": {"name": "pick_color",
-                                                                 "arguments": calls[0].function.arguments}}]},
-            {"role": "tool", "tool_call_id": calls[0].id, "content": "done"}]
+        sent = [
+            *messages,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": calls[0].id,
+                        "type": "function",
+                        "function": {"name": "pick_color", "arguments": calls[0].function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "done"},
+        ]
         resp = client.chat.completions.create(model=MODEL, messages=sent, tools=tools, max_tokens=8, temperature=0)
         expected = offline.generate(offline.encode_prompt(sent, tools=tools), max_new_tokens=8)
         assert resp.usage.prompt_tokens == len(offline.encode_prompt(sent, tools=tools))
         assert resp.choices[0].message.content == expected.text and not resp.choices[0].message.tool_calls
         # "none": the template is not shown the tools (a shorter prompt); auto with a text answer: content as is
-        without = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="none",
-                                                 max_tokens=4, temperature=0)
+        without = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, tool_choice="none", max_tokens=4, temperature=0
+        )
         auto = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4, temperature=0)
         assert without.usage.prompt_tokens == len(offline.encode_prompt(messages)) < auto.usage.prompt_tokens
-        assert auto.choices[0].message.content == offline.generate(
-            offline.encode_prompt(messages, tools=tools), max_new_tokens=4).text
+        assert (
+            auto.choices[0].message.content
+            == offline.generate(offline.encode_prompt(messages, tools=tools), max_new_tokens=4).text
+        )
         # a forced call cannot also follow a response_format
-        r = httpx.post(live.url + "/v1/chat/completions", timeout=30,
-                       json={"model": MODEL, "messages": messages, "tools": tools, "tool_choice": "required",
-                             "response_format": {"type": "json_object"}})
+        r = httpx.post(
+            live.url + "/v1/chat/completions",
+            timeout=30,
+            json={
+                "model": MODEL,
+                "messages": messages,
+                "tools": tools,
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
@@ -893,9 +1125,17 @@ def test_tool_calls_per_choice_with_n() -> None:
     and the streamed calls equal the whole response's (same seeds)."""
     with LiveServer(create_app(tool_generator(), model_id=MODEL)) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        ask = {"model": MODEL, "messages": [{"role": "user", "content": "Pick."}], "tools": [PICK_TOOL],
-               "tool_choice": "required", "parallel_tool_calls": False, "n": 2, "temperature": 1.0, "seed": 3,
-               "max_tokens": 800}
+        ask = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Pick."}],
+            "tools": [PICK_TOOL],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "n": 2,
+            "temperature": 1.0,
+            "seed": 3,
+            "max_tokens": 800,
+        }
         whole = client.chat.completions.create(**ask)
         expected = {c.index: [t.function.arguments for t in c.message.tool_calls] for c in whole.choices}
         assert all(c.finish_reason == "tool_calls" for c in whole.choices) and len(expected) == 2
@@ -903,8 +1143,9 @@ def test_tool_calls_per_choice_with_n() -> None:
         finish: dict[int, str] = {}
         for chunk in client.chat.completions.create(**ask, stream=True):
             for choice in chunk.choices:
-                streamed.setdefault(choice.index, []).extend(t.function.arguments
-                                                             for t in choice.delta.tool_calls or [])
+                streamed.setdefault(choice.index, []).extend(
+                    t.function.arguments for t in choice.delta.tool_calls or []
+                )
                 if choice.finish_reason:
                     finish[choice.index] = choice.finish_reason
         assert streamed == expected and finish == {0: "tool_calls", 1: "tool_calls"}
@@ -924,7 +1165,11 @@ def test_api_key_guards_the_api_and_cors_answers_allowed_origins() -> None:
     app = create_app(tiny_generator(), model_id=MODEL, api_key="sekret", allowed_origins=["http://ui.example"])
     with LiveServer(app) as live:
         for path in ("/v1/models", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
-            r = httpx.post(live.url + path, json={"bad": 1}, timeout=30) if path != "/v1/models" else httpx.get(live.url + path, timeout=30)
+            r = (
+                httpx.post(live.url + path, json={"bad": 1}, timeout=30)
+                if path != "/v1/models"
+                else httpx.get(live.url + path, timeout=30)
+            )
             assert r.status_code == 401, (path, r.text)
             error = r.json()["error"]
             assert error["type"] == ("authentication_error" if path == "/v1/messages" else "invalid_request_error")
@@ -934,17 +1179,30 @@ def test_api_key_guards_the_api_and_cors_answers_allowed_origins() -> None:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=live.url + "/v1", api_key="sekret", max_retries=0)
-        assert good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}],
-                                            max_tokens=3, temperature=0).usage.completion_tokens == 3
+        assert (
+            good.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=3, temperature=0
+            ).usage.completion_tokens
+            == 3
+        )
         with pytest.raises(anthropic.AuthenticationError):
             anthropic.Anthropic(base_url=live.url, api_key="wrong", max_retries=0).messages.create(
-                model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "w5"}])
-        assert anthropic.Anthropic(base_url=live.url, api_key="sekret", max_retries=0).messages.create(
-            model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "w5"}]).usage.output_tokens == 3
+                model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "w5"}]
+            )
+        assert (
+            anthropic.Anthropic(base_url=live.url, api_key="sekret", max_retries=0)
+            .messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "w5"}])
+            .usage.output_tokens
+            == 3
+        )
         preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
-        r = httpx.options(live.url + "/v1/chat/completions", headers={"Origin": "http://ui.example", **preflight}, timeout=30)
+        r = httpx.options(
+            live.url + "/v1/chat/completions", headers={"Origin": "http://ui.example", **preflight}, timeout=30
+        )
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
-        r = httpx.options(live.url + "/v1/chat/completions", headers={"Origin": "http://other.example", **preflight}, timeout=30)
+        r = httpx.options(
+            live.url + "/v1/chat/completions", headers={"Origin": "http://other.example", **preflight}, timeout=30
+        )
         assert "access-control-allow-origin" not in r.headers
     with pytest.raises(InvalidInputError, match="api_key"):
         create_app(tiny_generator(), api_key=" ")

@@ -7,9 +7,9 @@ import os
 import shutil
 
 import pytest
-from tests.live_server import LiveServer, tiny_generator
 
 from dflashkit.server import create_app
+from tests.live_server import LiveServer, tiny_generator
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extra)")
 CHROMIUM = os.environ.get("DFLASHKIT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -50,7 +50,8 @@ def run(page, *, mode: str, temperature: float, seed: int, max_tokens: int) -> N
     # count the separate updates of the output while it streams
     page.evaluate("""() => {
         window.updates = 0;
-        new MutationObserver(() => { window.updates += 1; }).observe(document.getElementById('output'), {childList: true});
+        new MutationObserver(() => { window.updates += 1; })
+            .observe(document.getElementById('output'), {childList: true});
     }""")
     page.click("#send")
     page.wait_for_function("() => document.getElementById('status').textContent.startsWith('done')", timeout=30_000)
@@ -64,25 +65,46 @@ def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
 
     reference = tiny_generator()
     prompt = [{"role": "user", "content": PROMPT}] if mode == "chat" else PROMPT
-    expected = reference.generate(prompt, chat=mode == "chat", temperature=1.0, seed=11, max_new_tokens=40,
-                                  proposal="sample", block_size=4, lookup=False)  # fmt: skip
+    expected = reference.generate(
+        prompt,
+        chat=mode == "chat",
+        temperature=1.0,
+        seed=11,
+        max_new_tokens=40,
+        proposal="sample",
+        block_size=4,
+        lookup=False,
+    )
     assert any(expected.from_draft) and not all(expected.from_draft)  # both colours must show
 
     run(page, mode=mode, temperature=1.0, seed=11, max_tokens=40)
     tokens = page.eval_on_selector_all(
-        "#output .tok", "els => els.map(e => [e.textContent, e.classList.contains('draft'), e.classList.contains('target')])"
+        "#output .tok",
+        "els => els.map(e => [e.textContent, e.classList.contains('draft'), e.classList.contains('target')])",
     )
     assert "".join(t for t, _, _ in tokens) == expected.text == page.inner_text("#output")
     assert [d for _, d, _ in tokens] == expected.from_draft
     titles = page.eval_on_selector_all("#output .tok", "els => els.map(e => e.title)")
-    logprobs = reference.generate(prompt, chat=mode == "chat", temperature=1.0, seed=11, max_new_tokens=40,
-                                  proposal="sample", block_size=4, lookup=False, logprobs=3).logprobs  # fmt: skip
+    logprobs = reference.generate(
+        prompt,
+        chat=mode == "chat",
+        temperature=1.0,
+        seed=11,
+        max_new_tokens=40,
+        proposal="sample",
+        block_size=4,
+        lookup=False,
+        logprobs=3,
+    ).logprobs
     assert [float(t.split("logprob ")[1].split(" ")[0]) for t in titles] == pytest.approx(
-        [lp.logprob for lp in logprobs], abs=1e-3)  # the hover text: the token's logprob and its alternatives
+        [lp.logprob for lp in logprobs], abs=1e-3
+    )  # the hover text: the token's logprob and its alternatives
     assert all(t.count(",") == 2 for t in titles)
     assert all(d != t for _, d, t in tokens)  # every token has exactly one origin class
-    colours = {page.eval_on_selector(sel, "e => getComputedStyle(e).backgroundColor")
-               for sel in ("#output .tok.draft", "#output .tok.target")}  # fmt: skip
+    colours = {
+        page.eval_on_selector(sel, "e => getComputedStyle(e).backgroundColor")
+        for sel in ("#output .tok.draft", "#output .tok.target")
+    }
     assert len(colours) == 2  # drawn differently
     # the reply was rendered in pieces; events that arrive in one network read are rendered in one task and
     # observed as one update, so a loaded machine sees fewer updates than steps (a full run failed this test once
@@ -119,15 +141,22 @@ def test_playground_conversation_continues_and_restores_earlier_turns(page) -> N
     page.fill("#prompt", "w8 w9")
     page.click("#send")
     page.wait_for_function("() => document.getElementById('status').textContent.startsWith('done')", timeout=30_000)
-    messages = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": first},
-                {"role": "user", "content": "w8 w9"}]
+    messages = [
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "w8 w9"},
+    ]
     expected = tiny_generator().generate(messages, temperature=0.0, max_new_tokens=12)
     assert page.inner_text("#output") == expected.text
     assert int(page.inner_text("#nprompt")) == expected.prompt_tokens
     assert 0 < int(page.inner_text("#cached")) < expected.prompt_tokens
     turns = page.eval_on_selector_all("#history .turn", "els => els.map(e => [e.className, e.textContent])")
-    assert turns == [["turn user", PROMPT], ["turn assistant", first], ["turn user", "w8 w9"],
-                     ["turn assistant", expected.text]]
+    assert turns == [
+        ["turn user", PROMPT],
+        ["turn assistant", first],
+        ["turn user", "w8 w9"],
+        ["turn assistant", expected.text],
+    ]
     page.click("#new-chat")
     assert page.eval_on_selector_all("#history .turn", "els => els.length") == 0
     page.uncheck("#conversation")

@@ -11,6 +11,15 @@ import json
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel
+
+from dflashkit import SpeculativeGenerator
+from dflashkit.chat import continued_prompt
+from dflashkit.decoding.prefix_cache import common_prefix
+from dflashkit.server import create_app
+from dflashkit.server.responses_api import input_messages
+from dflashkit.text import render_chat
+from dflashkit.tool_calls import ToolRequest, parse_tool_calls
 from tests.conftest import merging_tokenizer, tiny_drafter, tiny_target
 from tests.live_server import (
     TEXT_THEN_CALL,
@@ -23,15 +32,6 @@ from tests.live_server import (
     tool_generator,
     wait_until,
 )
-from pydantic import BaseModel
-
-from dflashkit import SpeculativeGenerator
-from dflashkit.chat import continued_prompt
-from dflashkit.decoding.prefix_cache import common_prefix
-from dflashkit.server import create_app
-from dflashkit.server.responses_api import input_messages
-from dflashkit.text import render_chat
-from dflashkit.tool_calls import ToolRequest, parse_tool_calls
 
 MODEL = "tiny-llama"
 SAMPLED = {"temperature": 1.0, "extra_body": {"seed": 3}}
@@ -49,8 +49,9 @@ def offline():
 @pytest.fixture(scope="module")
 def live():
     # a fixed block, no prompt lookup: stats and logprobs are compared with offline runs and the chat endpoints
-    with LiveServer(create_app(tiny_generator(), model_id=MODEL, proposal="sample", block_size=4,
-                               lookup=False)) as server:
+    with LiveServer(
+        create_app(tiny_generator(), model_id=MODEL, proposal="sample", block_size=4, lookup=False)
+    ) as server:
         yield server
 
 
@@ -66,8 +67,9 @@ def test_text_answer_equals_offline_chat_and_streams_the_same(client, offline) -
     for options in ({"temperature": 0.0}, SAMPLED):
         seed = options.get("extra_body", {}).get("seed")
         expected = offline_chat(offline, messages, 12, options["temperature"], seed, block_size=4, lookup=False)
-        resp = client.responses.create(model=MODEL, instructions="w9 w10", input="w5 w6 w7", max_output_tokens=12,
-                                       **options)
+        resp = client.responses.create(
+            model=MODEL, instructions="w9 w10", input="w5 w6 w7", max_output_tokens=12, **options
+        )
         assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == MODEL
         assert resp.output_text == expected.text and expected.text
         assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
@@ -79,29 +81,47 @@ def test_text_answer_equals_offline_chat_and_streams_the_same(client, offline) -
         assert spec["drafting_steps"] == expected.stats.steps > 0
         assert spec["accepted_per_position"] == expected.stats.accepted_per_position
         # streamed: the raw events in order, numbered, the deltas joining to the text
-        events = list(client.responses.create(model=MODEL, instructions="w9 w10", input="w5 w6 w7",
-                                              max_output_tokens=12, stream=True, **options))
+        events = list(
+            client.responses.create(
+                model=MODEL, instructions="w9 w10", input="w5 w6 w7", max_output_tokens=12, stream=True, **options
+            )
+        )
         assert [e.sequence_number for e in events] == list(range(len(events)))
         types = [e.type for e in events]
-        assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                             "response.content_part.added"]
-        assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                              "response.incomplete"]
+        assert types[:4] == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+        ]
+        assert types[-4:] == [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
         assert set(types[4:-4]) == {"response.output_text.delta"}
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected.text
         final = events[-1].response
         assert final.output_text == expected.text and final.status == "incomplete"
         assert final.usage.output_tokens == 12 and events[0].response.status == "in_progress"
         assert spec["sampler"] == ("coupled" if seed is not None else None)
-    resp = client.responses.create(model=MODEL, input="w5", max_output_tokens=4, temperature=1.0,
-                                   extra_body={"seed": 3, "sampler": "rejection"})
+    resp = client.responses.create(
+        model=MODEL, input="w5", max_output_tokens=4, temperature=1.0, extra_body={"seed": 3, "sampler": "rejection"}
+    )
     assert resp.usage.model_extra["speculative"]["sampler"] == "rejection"  # the sampler extension
     # an answer that ends: the client's stream helper accumulates the events to the final response
     words = expected.text.split(" ")
     stop = " " + words[3]
     cut = offline_chat(offline, messages, 12, 1.0, 3, stop=[stop])
-    with client.responses.stream(model=MODEL, instructions="w9 w10", input="w5 w6 w7", max_output_tokens=12,
-                                 temperature=1.0, extra_body={"seed": 3, "stop": stop}) as stream:
+    with client.responses.stream(
+        model=MODEL,
+        instructions="w9 w10",
+        input="w5 w6 w7",
+        max_output_tokens=12,
+        temperature=1.0,
+        extra_body={"seed": 3, "stop": stop},
+    ) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert final.status == "completed" and final.incomplete_details is None
@@ -113,22 +133,42 @@ def test_previous_response_id_continues_the_stored_conversation(client, offline)
     cache, and its answer equals offline generation of the whole conversation; store false keeps nothing;
     GET and DELETE /v1/responses/{id}."""
     first = client.responses.create(model=MODEL, input="w5 w6 w7 w8", max_output_tokens=8, temperature=0)
-    second = client.responses.create(model=MODEL, input=[{"role": "user", "content": "w7 w8"}],
-                                     previous_response_id=first.id, max_output_tokens=6, temperature=0)
-    conversation = [{"role": "user", "content": "w5 w6 w7 w8"}, {"role": "assistant", "content": first.output_text},
-                    {"role": "user", "content": "w7 w8"}]
+    second = client.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": "w7 w8"}],
+        previous_response_id=first.id,
+        max_output_tokens=6,
+        temperature=0,
+    )
+    conversation = [
+        {"role": "user", "content": "w5 w6 w7 w8"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "w7 w8"},
+    ]
     expected = offline_chat(offline, conversation, 6)
     assert second.output_text == expected.text and second.previous_response_id == first.id
     assert second.usage.input_tokens == expected.prompt_tokens
     assert 0 < second.usage.input_tokens_details.cached_tokens < expected.prompt_tokens
     # new instructions go first; the stored turns carry none
-    third = client.responses.create(model=MODEL, instructions="w11", input="w9", previous_response_id=second.id,
-                                    max_output_tokens=4, temperature=0)
-    assert third.output_text == offline_chat(offline, [{"role": "system", "content": "w11"}, *conversation,
-                                                   {"role": "assistant", "content": second.output_text},
-                                                   {"role": "user", "content": "w9"}], 4).text
-    fourth = client.responses.create(model=MODEL, input="w9", previous_response_id=third.id, max_output_tokens=4,
-                                     temperature=0)
+    third = client.responses.create(
+        model=MODEL, instructions="w11", input="w9", previous_response_id=second.id, max_output_tokens=4, temperature=0
+    )
+    assert (
+        third.output_text
+        == offline_chat(
+            offline,
+            [
+                {"role": "system", "content": "w11"},
+                *conversation,
+                {"role": "assistant", "content": second.output_text},
+                {"role": "user", "content": "w9"},
+            ],
+            4,
+        ).text
+    )
+    fourth = client.responses.create(
+        model=MODEL, input="w9", previous_response_id=third.id, max_output_tokens=4, temperature=0
+    )
     assert fourth.usage.input_tokens == third.usage.input_tokens - 1 + 4 + 1  # without "w11", with third's turn
     assert client.responses.retrieve(first.id).output_text == first.output_text
     assert client.responses.delete(first.id) is None
@@ -143,25 +183,57 @@ def test_previous_response_id_continues_the_stored_conversation(client, offline)
 
 def test_logprobs_equal_the_chat_endpoints(client) -> None:
     """include message.output_text.logprobs with top_logprobs: each token's entry, as chat gives it."""
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}], seed=3,
-                                          temperature=1.0, max_tokens=8, logprobs=True, top_logprobs=2)
-    expected = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
-                for e in chat.choices[0].logprobs.content]
-    resp = client.responses.create(model=MODEL, input="w5 w6 w7", max_output_tokens=8, top_logprobs=2,
-                                   include=["message.output_text.logprobs"], **SAMPLED)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "w5 w6 w7"}],
+        seed=3,
+        temperature=1.0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    expected = [
+        (e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in chat.choices[0].logprobs.content
+    ]
+    resp = client.responses.create(
+        model=MODEL,
+        input="w5 w6 w7",
+        max_output_tokens=8,
+        top_logprobs=2,
+        include=["message.output_text.logprobs"],
+        **SAMPLED,
+    )
     part = resp.output[0].content[0]
     assert [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in part.logprobs] == expected
-    events = list(client.responses.create(model=MODEL, input="w5 w6 w7", max_output_tokens=8, top_logprobs=2,
-                                          include=["message.output_text.logprobs"], stream=True, **SAMPLED))
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input="w5 w6 w7",
+            max_output_tokens=8,
+            top_logprobs=2,
+            include=["message.output_text.logprobs"],
+            stream=True,
+            **SAMPLED,
+        )
+    )
     streamed = [(e.token, e.logprob) for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
     assert streamed == [x[:2] for x in expected]
     plain = client.responses.create(model=MODEL, input="w5 w6 w7", max_output_tokens=8, **SAMPLED)
     assert plain.output[0].content[0].logprobs is None
 
 
-PICK_TOOL = {"type": "function", "name": "pick_color", "description": "Pick a color", "strict": True,
-             "parameters": {"type": "object", "properties": {"color": {"enum": ["red", "green"]}},
-                            "required": ["color"], "additionalProperties": False}}
+PICK_TOOL = {
+    "type": "function",
+    "name": "pick_color",
+    "description": "Pick a color",
+    "strict": True,
+    "parameters": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    },
+}
 
 
 def test_function_calls_go_out_as_items_and_come_back_as_outputs() -> None:
@@ -174,38 +246,77 @@ def test_function_calls_go_out_as_items_and_come_back_as_outputs() -> None:
         client = _client(live)
         request = ToolRequest.parse([chat_tool], "required", parallel_tool_calls=False)
         messages = [{"role": "user", "content": "Pick a color."}]
-        expected = offline.generate(offline.encode_prompt(messages, tools=request.template_tools()),
-                                    grammar=offline.tool_call_grammar(request), max_new_tokens=300)
+        expected = offline.generate(
+            offline.encode_prompt(messages, tools=request.template_tools()),
+            grammar=offline.tool_call_grammar(request),
+            max_new_tokens=300,
+        )
         _, (expected_call,) = parse_tool_calls(expected.text, request.names)
-        resp = client.responses.create(model=MODEL, input="Pick a color.", tools=[PICK_TOOL], tool_choice="required",
-                                       parallel_tool_calls=False, temperature=0, max_output_tokens=300)
+        resp = client.responses.create(
+            model=MODEL,
+            input="Pick a color.",
+            tools=[PICK_TOOL],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_output_tokens=300,
+        )
         (call,) = resp.output
         assert resp.status == "completed" and call.type == "function_call" and call.status == "completed"
         assert (call.name, call.arguments) == (expected_call.name, expected_call.arguments)
         assert call.call_id.startswith("call_") and call.id.startswith("fc_")
-        with client.responses.stream(model=MODEL, input="Pick a color.", tools=[PICK_TOOL], temperature=0,
-                                     tool_choice={"type": "function", "name": "pick_color"},
-                                     max_output_tokens=300) as stream:
+        with client.responses.stream(
+            model=MODEL,
+            input="Pick a color.",
+            tools=[PICK_TOOL],
+            temperature=0,
+            tool_choice={"type": "function", "name": "pick_color"},
+            max_output_tokens=300,
+        ) as stream:
             arguments = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
             final = stream.get_final_response()
         (streamed,) = final.output
         assert (streamed.name, streamed.arguments) == (call.name, arguments) == (call.name, call.arguments)
         assert json.loads(arguments)["color"] in ("red", "green")
-        sent = [*messages, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": streamed.call_id, "type": "function", "function": {"name": "pick_color", "arguments": arguments}}]},
-            {"role": "tool", "tool_call_id": streamed.call_id, "content": "done"}]
+        sent = [
+            *messages,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": streamed.call_id,
+                        "type": "function",
+                        "function": {"name": "pick_color", "arguments": arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": streamed.call_id, "content": "done"},
+        ]
         prompt = offline.encode_prompt(sent, tools=[chat_tool])
         reply = offline.generate(prompt, max_new_tokens=8)
         answer = {"type": "function_call_output", "call_id": streamed.call_id, "output": "done"}
-        after = client.responses.create(model=MODEL, input=[answer], previous_response_id=final.id,
-                                        tools=[PICK_TOOL], temperature=0, max_output_tokens=8)
+        after = client.responses.create(
+            model=MODEL,
+            input=[answer],
+            previous_response_id=final.id,
+            tools=[PICK_TOOL],
+            temperature=0,
+            max_output_tokens=8,
+        )
         assert after.usage.input_tokens == len(prompt) and after.output_text == reply.text
         assert [item.type for item in after.output] == ["message"]
         stateless = client.responses.create(
-            model=MODEL, tools=[PICK_TOOL], temperature=0, max_output_tokens=8,
-            input=[{"role": "user", "content": "Pick a color."},
-                   {"type": "function_call", "call_id": streamed.call_id, "name": "pick_color", "arguments": arguments},
-                   answer])  # fmt: skip
+            model=MODEL,
+            tools=[PICK_TOOL],
+            temperature=0,
+            max_output_tokens=8,
+            input=[
+                {"role": "user", "content": "Pick a color."},
+                {"type": "function_call", "call_id": streamed.call_id, "name": "pick_color", "arguments": arguments},
+                answer,
+            ],
+        )
         assert stateless.usage.input_tokens == len(prompt) and stateless.output_text == reply.text
 
 
@@ -219,16 +330,26 @@ def test_structured_output_parses() -> None:
     equal to the chat endpoint's response_format answer."""
     with LiveServer(create_app(tiny_byte_generator(), model_id=MODEL)) as live:
         client = _client(live)
-        parsed = client.responses.parse(model=MODEL, input="Pick a color.", text_format=Pick, temperature=0,
-                                        max_output_tokens=300)
+        parsed = client.responses.parse(
+            model=MODEL, input="Pick a color.", text_format=Pick, temperature=0, max_output_tokens=300
+        )
         assert parsed.status == "completed" and isinstance(parsed.output_parsed, Pick)
         schema = openai.lib._pydantic.to_strict_json_schema(Pick)
         chat = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Pick a color."}], temperature=0, max_tokens=300,
-            response_format={"type": "json_schema", "json_schema": {"name": "Pick", "schema": schema, "strict": True}})
+            model=MODEL,
+            messages=[{"role": "user", "content": "Pick a color."}],
+            temperature=0,
+            max_tokens=300,
+            response_format={"type": "json_schema", "json_schema": {"name": "Pick", "schema": schema, "strict": True}},
+        )
         assert parsed.output_text == chat.choices[0].message.content
-        obj = client.responses.create(model=MODEL, input="Pick a color.", text={"format": {"type": "json_object"}},
-                                      temperature=0, max_output_tokens=300)
+        obj = client.responses.create(
+            model=MODEL,
+            input="Pick a color.",
+            text={"format": {"type": "json_object"}},
+            temperature=0,
+            max_output_tokens=300,
+        )
         assert isinstance(json.loads(obj.output_text), dict)
 
 
@@ -237,23 +358,37 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": 
 
 def test_input_items_become_chat_messages() -> None:
     assert input_messages("hi") == [{"role": "user", "content": "hi"}]
-    assert input_messages([
-        {"role": "developer", "content": [{"type": "input_text", "text": "be "}, {"type": "input_text", "text": "kind"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
-        CALL, {**CALL, "call_id": "call_2"},
-        {"type": "function_call_output", "call_id": "call_1", "output": "1"},
-        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "2"}]},
-        CALL,
-    ]) == [
+    assert input_messages(
+        [
+            {
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "be "}, {"type": "input_text", "text": "kind"}],
+            },
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+            CALL,
+            {**CALL, "call_id": "call_2"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "2"}]},
+            CALL,
+        ]
+    ) == [
         {"role": "system", "content": "be kind"},
-        {"role": "assistant", "content": "Let me look.", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-            {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "1"},
         {"role": "tool", "tool_call_id": "call_2", "content": "2"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+    ]
 
 
 BAD = [
@@ -326,6 +461,7 @@ def test_a_continued_response_keeps_the_tokens_the_model_wrote() -> None:
     """previous_response_id: the next prompt begins with the stored turn's own prompt and answer tokens (a random
     byte-level model writes bytes that do not survive decoding and re-encoding), so the prefix cache restores the
     whole turn; the answer is offline generation from those tokens."""
+
     def generator() -> SpeculativeGenerator:
         tok = merging_tokenizer()
         model = tiny_target("llama", vocab_size=len(tok))
@@ -336,14 +472,19 @@ def test_a_continued_response_keeps_the_tokens_the_model_wrote() -> None:
     app = create_app(generator(), model_id=MODEL)
     with LiveServer(app) as live:
         client = _client(live)
-        first = client.responses.create(model=MODEL, input="hi", max_output_tokens=24, temperature=1.0,
-                                        extra_body={"seed": 1})
+        first = client.responses.create(
+            model=MODEL, input="hi", max_output_tokens=24, temperature=1.0, extra_body={"seed": 1}
+        )
         text1, ids1, answer = app.state.service.responses.get(first.id).continuation
         assert ids1 == offline.encode_prompt([{"role": "user", "content": "hi"}]) and answer
-        second = client.responses.create(model=MODEL, input="more", previous_response_id=first.id,
-                                         max_output_tokens=8, temperature=0)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first.output_text},
-                {"role": "user", "content": "more"}]
+        second = client.responses.create(
+            model=MODEL, input="more", previous_response_id=first.id, max_output_tokens=8, temperature=0
+        )
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "more"},
+    ]
     text2 = render_chat(tok, messages)
     ids2 = continued_prompt(tok, text2, (text1, ids1, answer))
     assert ids2[: len(ids1) + len(answer)] == ids1 + answer
@@ -380,34 +521,53 @@ def test_truncation_auto_drops_the_earliest_turns_until_the_prompt_fits(client, 
     turn, so each later request truncates again."""
     long = " ".join(f"w{4 + i % 90}" for i in range(200))
     first = client.responses.create(model=MODEL, input=long, max_output_tokens=40, temperature=0)
-    second = client.responses.create(model=MODEL, input=long, previous_response_id=first.id, max_output_tokens=40,
-                                     temperature=0)
+    second = client.responses.create(
+        model=MODEL, input=long, previous_response_id=first.id, max_output_tokens=40, temperature=0
+    )
     with pytest.raises(openai.BadRequestError) as e:  # 2 x 200 + 2 x 40 + 1 prompt tokens + 60 > 512 positions
         client.responses.create(model=MODEL, input="w5", previous_response_id=second.id, max_output_tokens=60)
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_output_tokens"
-    third = client.responses.create(model=MODEL, input="w5", previous_response_id=second.id, max_output_tokens=60,
-                                    truncation="auto", temperature=0)
-    kept = [{"role": "user", "content": long}, {"role": "assistant", "content": second.output_text},
-            {"role": "user", "content": "w5"}]  # the first turn left out, the second kept
+    third = client.responses.create(
+        model=MODEL, input="w5", previous_response_id=second.id, max_output_tokens=60, truncation="auto", temperature=0
+    )
+    kept = [
+        {"role": "user", "content": long},
+        {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": "w5"},
+    ]  # the first turn left out, the second kept
     expected = offline_chat(offline, kept, 60)
     assert third.truncation == "auto" and third.output_text == expected.text
     assert third.usage.input_tokens == expected.prompt_tokens
-    fourth = client.responses.create(model=MODEL, input="w6", previous_response_id=third.id, max_output_tokens=4,
-                                     truncation="auto", temperature=0)
-    assert fourth.usage.input_tokens == len(offline.encode_prompt(  # the first turn left out again, the rest fits
-        [*kept, {"role": "assistant", "content": third.output_text}, {"role": "user", "content": "w6"}]))
+    fourth = client.responses.create(
+        model=MODEL, input="w6", previous_response_id=third.id, max_output_tokens=4, truncation="auto", temperature=0
+    )
+    assert fourth.usage.input_tokens == len(
+        offline.encode_prompt(  # the first turn left out again, the rest fits
+            [*kept, {"role": "assistant", "content": third.output_text}, {"role": "user", "content": "w6"}]
+        )
+    )
 
 
 def test_input_items_list_the_request_input(client) -> None:
     """GET /v1/responses/{id}/input_items: the request's own input items, with ids, newest first by default,
     paged (the client's auto-pagination walks them with after)."""
-    resp = client.responses.create(model=MODEL, max_output_tokens=2, input=[
-        {"role": "developer", "content": "w9"},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "w5 w6"}]},
-        {"role": "assistant", "content": "w7"}, {"role": "user", "content": "w8"}])
+    resp = client.responses.create(
+        model=MODEL,
+        max_output_tokens=2,
+        input=[
+            {"role": "developer", "content": "w9"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "w5 w6"}]},
+            {"role": "assistant", "content": "w7"},
+            {"role": "user", "content": "w8"},
+        ],
+    )
     items = client.responses.input_items.list(resp.id, order="asc").data
     assert [(i.role, [c.text for c in i.content]) for i in items] == [
-        ("developer", ["w9"]), ("user", ["w5 w6"]), ("assistant", ["w7"]), ("user", ["w8"])]
+        ("developer", ["w9"]),
+        ("user", ["w5 w6"]),
+        ("assistant", ["w7"]),
+        ("user", ["w8"]),
+    ]
     assert all(i.type == "message" and i.id.startswith("msg_") for i in items)
     newest_first = client.responses.input_items.list(resp.id)
     assert [i.id for i in newest_first.data] == [i.id for i in reversed(items)]

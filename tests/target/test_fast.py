@@ -7,16 +7,16 @@ import copy
 
 import pytest
 import torch
-from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize
 from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.errors import InvalidInputError
-from dflashkit.target.fast import FastTargetForward, StaticKVCache, unsupported_reason
-from dflashkit.kernels.linear import has_packed_linears, pack_linears
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
+from dflashkit.errors import InvalidInputError
+from dflashkit.kernels.linear import has_packed_linears, pack_linears
 from dflashkit.target.adapter import TargetAdapter
+from dflashkit.target.fast import FastTargetForward, StaticKVCache, unsupported_reason
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 PROMPTS = [[5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6], [42], list(range(10, 40))]
@@ -76,7 +76,9 @@ def test_logits_and_features_equal_transformers_in_fp32(any_arch):
         got_logits, got_feats = fast.forward(chunk, start, fast_cache, logits_rows=end - start)
         torch.testing.assert_close(got_logits, ref_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got_feats, ref_feats, rtol=1e-4, atol=1e-4)
-    for (k_got, v_got), (k_ref, v_ref) in zip(fast.cached_key_values(fast_cache), reference.cached_key_values(ref_cache)):
+    for (k_got, v_got), (k_ref, v_ref) in zip(
+        fast.cached_key_values(fast_cache), reference.cached_key_values(ref_cache)
+    ):
         torch.testing.assert_close(k_got, k_ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(v_got, v_ref, rtol=1e-4, atol=1e-4)
 
@@ -107,9 +109,14 @@ def test_training_pass_over_whole_sequences_equals_transformers_in_fp32(any_arch
 def test_rotary_variants_follow_the_models_own_rotary_module(rope):
     overrides = {}
     if rope == "llama3":
-        overrides["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 64}  # fmt: skip
+        overrides["rope_parameters"] = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
     model = tiny_target("llama", **overrides)
     reference = TargetAdapter(copy.deepcopy(model), fast=False)
     fast = TargetAdapter(model)
@@ -123,9 +130,17 @@ def test_rotary_variants_follow_the_models_own_rotary_module(rope):
 def test_steps_rotary_rows_are_the_models_own_at_every_position(rope):
     """Steps of 1 and 2 rows past 256 positions (where the kept tables grow): logits equal transformers' forward in
     fp32; fixed rotaries read the kept tables, a dynamic one (rescaled with the length) computes its rows per call."""
-    params = {"llama3": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-              "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}.get(rope)
+    params = {
+        "llama3": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    }.get(rope)
     model = tiny_target("llama", **({"rope_parameters": params} if params else {}))
     reference, fast = TargetAdapter(copy.deepcopy(model), fast=False), TargetAdapter(model)
     assert fast.fast_forward.static_rope == (rope != "dynamic")
@@ -211,7 +226,9 @@ def test_static_cache_after_every_accepted_length_equals_a_fresh_prefill(any_arc
         checked += 1
 
     stats = DecodeStats(6)
-    out = [t for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=40), stats, observer) for t in s.tokens]
+    out = [
+        t for s in decode(target, oracle, prompt, DecodeOptions(max_new_tokens=40), stats, observer) for t in s.tokens
+    ]
     assert out == plain
     assert set(stats.accepted_lengths) == set(range(6)), stats.accepted_lengths
     assert checked == stats.steps + 1
@@ -248,8 +265,12 @@ def test_fast_drafter_forward_equals_the_modules_in_fp32(any_arch):
             torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
         block = torch.randn(1, 8, model.config.hidden_size)
-        torch.testing.assert_close(fast(block, torch.arange(11, 19), got_ctx), drafter(block, torch.arange(11, 19), ref_ctx),
-                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            fast(block, torch.arange(11, 19), got_ctx),
+            drafter(block, torch.arange(11, 19), ref_ctx),
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 def test_fast_drafter_forward_follows_changed_weights():
@@ -315,8 +336,9 @@ def test_rms_norm_kernel_equals_the_spelled_out_formula():
             expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
             got = RMSNorm(weight, 1e-6)(x)
             assert got.dtype == dtype and got.shape == x.shape
-            torch.testing.assert_close(got, expected, rtol=0 if dtype == torch.bfloat16 else 1e-5,
-                                       atol=0 if dtype == torch.bfloat16 else 1e-5)
+            torch.testing.assert_close(
+                got, expected, rtol=0 if dtype == torch.bfloat16 else 1e-5, atol=0 if dtype == torch.bfloat16 else 1e-5
+            )
 
 
 def test_rotate_equals_rotate_half_bitwise():
@@ -350,7 +372,8 @@ def test_attention_results_in_a_gpus_memory_layout_decode_the_same_tokens(monkey
 
 def test_keep_rows_moves_the_kept_rows_to_the_next_positions():
     """After a tree's pass from `start`, the kept rows (increasing, the anchor's 0 first) become positions start,
-    start+1, ...: as a gather of those rows would leave them, rows before start untouched; non-increasing rows refused."""
+    start+1, ...: as a gather of those rows would leave them, rows before start untouched; non-increasing rows
+    refused."""
     for rows in ([0], [0, 1, 2], [0, 2], [0, 1, 5], [0, 3, 6, 8, 9], [0, 1, 2, 3, 7]):
         cache = StaticKVCache(3, 2, 4, 32, torch.float32, torch.device("cpu"))
         cache.keys.copy_(torch.randn(cache.keys.shape))

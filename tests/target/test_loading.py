@@ -8,9 +8,8 @@ import pathlib
 import pytest
 import torch
 
+from dflashkit.errors import DFlashError, InvalidInputError
 from dflashkit.target import loading as models
-from dflashkit.errors import DFlashError
-from dflashkit.errors import InvalidInputError
 from dflashkit.target.loading import DEFAULT_TARGET, ModelLoadError, cache_dir, load_target, resolve_device
 
 needs_embedded = pytest.mark.skipif(
@@ -21,7 +20,8 @@ needs_embedded = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """A tiny random Llama plus a WordLevel tokenizer, saved as a normal transformers folder."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     path = tmp_path_factory.mktemp("tiny")
@@ -30,9 +30,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     tok.save_pretrained(path)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     return path

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from dflashkit import SpeculativeGenerator
+from dflashkit.decoding.grammar import Grammar
+from dflashkit.decoding.loop import DecodeOptions, decode
+from dflashkit.decoding.sampling import SamplingParams
+from dflashkit.errors import InvalidInputError
+from dflashkit.target.adapter import TargetAdapter
+from dflashkit.target.logprobs import TokenLogprob, token_logprobs
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target, word_tokenizer
 from tests.decoding.test_loop import OracleDrafter
 from tests.decoding.test_tree import RankedOracle
-
-from dflashkit import SpeculativeGenerator
-from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.errors import InvalidInputError
-from dflashkit.decoding.grammar import Grammar
-from dflashkit.target.logprobs import TokenLogprob, token_logprobs
-from dflashkit.decoding.sampling import SamplingParams
-from dflashkit.target.adapter import TargetAdapter
 
 PROMPTS = [[5, 17, 33], [40, 8, 8, 61, 12, 90, 7], [77]]
 
@@ -76,8 +76,13 @@ def test_logprobs_equal_a_teacher_forced_forward_however_the_tokens_were_drafted
             drafter = RankedOracle(drafter.config, prompt + plain)
             drafter.load_state_dict(tiny_drafter(model, block_size=6).state_dict())
         use = None if how in ("plain", "lookup") else drafter
-        tokens, logprobs, steps = decode_with_logprobs(target if use else TargetAdapter(model), use, prompt,
-                                                       tree=8 if how == "tree" else None, lookup=how == "lookup")
+        tokens, logprobs, steps = decode_with_logprobs(
+            target if use else TargetAdapter(model),
+            use,
+            prompt,
+            tree=8 if how == "tree" else None,
+            lookup=how == "lookup",
+        )
         assert tokens == plain
         assert_match_reference(model, prompt, tokens, logprobs)
         accepted += sum(len(s.tokens) - 1 for s in steps)

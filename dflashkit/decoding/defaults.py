@@ -1,0 +1,76 @@
+"""The library's default decoding policy: block size, sampler, token trees, prompt lookup."""
+
+from __future__ import annotations
+
+from dflashkit.decoding.sampling import check_sampler
+
+
+def default_block_size(block_size: int | str | None, has_drafter: bool, tree: int | None = None) -> int | str | None:
+    """The block size a generation runs with: an integer or "auto" as given; None (the library's, the CLI's and the
+    server's default) becomes "auto" when a drafter drafts chains, and stays None (the drafter's own size) with a
+    token tree (which picks its own depth and width) or without a drafter. "auto" is the default because with
+    today's drafters (the shipped one: τ ≈ 1.7) a full 16-token verify costs more on a CPU than it yields, and the
+    adaptive policy falls back to the sizes, or plain steps, that pay (see :mod:`dflashkit.decoding.adaptive`)."""
+    if block_size is None and has_drafter and not tree:  # tree None or 0: chains
+        return "auto"
+    return block_size
+
+
+def default_sampler(sampler: str | None, seed: int | None) -> str:
+    """The sampler a sampled generation uses: as asked; None (the default): "coupled" when a seed is given (a seed
+    asks for a reproducible output, and coupled sampling gives the seed's plain output whatever the block sizes,
+    which the adaptive policy picks by timing), "rejection" without one: its chains are as fast as coupled sampling's
+    trees (session 34, `python scripts/tree_candidates.py --default --sampler both --limit 10 --seeds 2`, T=1, against
+    the same plain sampling: 1.26 / 1.28 / 1.17x against 1.26 / 1.26 / 1.14x on MT-Bench / HumanEval / MATH-500;
+    the trees accept more, τ 1.51 / 1.65 / 1.47 against 1.41 / 1.54 / 1.39, but their steps verify more rows and
+    draw Gumbel noise for them, and plain coupled sampling is itself 3-5% slower than plain sampling)."""
+    return check_sampler(sampler) if sampler is not None else ("coupled" if seed is not None else "rejection")
+
+
+# Drafter steps of a seeded sampled generation (coupled sampling) verify token trees of this many nodes by default.
+# Under coupling a tree's candidates are the drafter's top choices under the target's own noise, and more of them
+# are accepted: session 33, `python scripts/tree_candidates.py --default --sampler coupled --trees 4,6 --limit 10
+# --seeds 2` (T=1, the adaptive policy and lookup, a policy per variant): chains 1.24 / 1.39 / 1.30x plain coupled
+# sampling (MT-Bench / HumanEval / MATH-500), trees of 4 nodes 1.28 / 1.43 / 1.38x, of 6 1.30 / 1.45 / 1.37x. With
+# the rejection sampler (no seed) trees gained less (+0-3%) and chains stay. Copied steps stay chains in these default
+# trees (tree_copies): one tree of the copy and the drafter's candidates raised τ (1.70 / 1.83 / 1.60 against 1.48 /
+# 1.53 / 1.46) but ran the drafter on every copied step, 1.17 / 1.19 / 1.07x against 1.24 / 1.30 / 1.14x (session 40,
+# `python scripts/tree_candidates.py --default --sampler coupled --trees 6 --limit 10 --seeds 2`, this CPU). Checked
+# again after session 47 made the noise cheap (`--trees 4,6,9 --limit 8 --seeds 2`, v15, over plain coupled sampling,
+# MT-Bench / HumanEval / MATH-500): chains 1.32 / 1.38 / 1.28x, trees of 4 / 6 / 9 with copies as chains 1.39-1.40 /
+# 1.43-1.46 / 1.36-1.38x, trees holding the copies 1.37-1.46 / 1.38-1.42 / 1.32-1.39x (τ up to 1.93 / 2.14 / 1.88, but
+# the drafter then runs on every step, ~2 ms of a 12-14 ms step): no size stands out, 6 stays.
+COUPLED_TREE = 6
+
+
+def default_tree(
+    tree: int | None,
+    *,
+    has_drafter: bool,
+    sampled: bool,
+    sampler: str,
+    block_size: int | str | None,
+    batched: bool,
+    supports_trees: bool,
+    constrained: bool = False,
+) -> int | None:
+    """The token tree a generation's drafter steps verify: as given (0: chains, None); None (the default):
+    :data:`COUPLED_TREE` nodes for a sampled generation under coupled sampling with the adaptive block size, decoding
+    alone on a forward that runs trees and without a grammar or penalties (the decode loop keeps chains under
+    those), else chains (None)."""
+    if tree is not None or not (has_drafter and sampled and sampler == "coupled" and block_size == "auto"):
+        return tree or None
+    return COUPLED_TREE if supports_trees and not batched and not constrained else None
+
+
+def default_tree_copies(tree_copies: bool | None, asked_tree: int | None) -> bool:
+    """Whether a greedy or seeded step that copies verifies one tree of the copy and the drafter's candidates: as
+    given; None (the default): for a tree asked for (``asked_tree`` > 0), not in the default seeded trees (see
+    :data:`COUPLED_TREE`)."""
+    return bool(asked_tree) if tree_copies is None else bool(tree_copies)
+
+
+def default_lookup(lookup: bool | None, has_drafter: bool) -> bool:
+    """Prompt lookup as asked; None (the default): on when a drafter drafts (copies cost nothing to propose and
+    are accepted more often than drafts on repetitive text), off without one (plain decoding stays plain)."""
+    return has_drafter if lookup is None else lookup
