@@ -1,8 +1,9 @@
 """dflashkit: lossless speculative decoding with DFlash block-diffusion drafters."""
 
 from dflashkit.decoding.grammar import Grammar, GrammarError
-from dflashkit.decoding.loop import DecodeOptions, Step, decode
+from dflashkit.decoding.loop import Step, decode
 from dflashkit.decoding.lossless import Divergence
+from dflashkit.decoding.options import DecodeOptions
 from dflashkit.decoding.prefix_cache import PrefixCache
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats

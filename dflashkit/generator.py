@@ -276,7 +276,7 @@ class SpeculativeGenerator:
         that copies (lookup, the n-gram store) verifies one tree of the copy and the drafter's candidates instead of
         the copy as a chain; None (the default): yes for a tree asked for, no for the default seeded trees (on
         this CPU the drafter's pass on every copied step cost more than the trees' extra tokens brought: session 40,
-        `python scripts/tree_candidates.py --default --sampler coupled --trees 6 --limit 10 --seeds 2`).
+        the experiment record (docs/experiments.md)).
         ``sampler`` (when sampling): "rejection" (speculative sampling, the most drafts accepted) or "coupled"
         (Gumbel-max with noise fixed by the seed and position: the output is the plain sampled output of the
         seed, whatever the drafter, block size, lookup or batch; see :mod:`dflashkit.decoding.sampling`); None (the

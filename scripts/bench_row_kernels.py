@@ -1,11 +1,12 @@
-"""Time dflashkit.kernels.row_kernels's kernels against oneDNN / SDPA on the shapes of one SmolLM2-135M decoding step.
+"""Time dflashkit's row kernels against oneDNN (or F.linear) and SDPA on the shapes of one SmolLM2-135M step.
 
-    .venv/bin/python scripts/bench_row_kernels.py [--rows 1,2,4,6,8,12,16,24,32] [--context 400] [--repeats 9]
+Products: the 211 matrices of one decoding step (30 layers of q, k, v, o, gate, up, down, and the 49,152-row LM head),
+random bf16 weights of the real shapes, streamed once per repeat, for each row count. Attention: 30 layers of 9 query
+heads over 3 key/value heads of 64 at --context cached positions, a causal block of `rows` queries. Both sides run
+interleaved in one process after a warm-up; the medians and their ratio are printed. To compare two builds of the
+kernels themselves, use scripts/compare_kernel_builds.py.
 
-Products: the 211 matrices of one step (30 layers: q, k, v, o, gate, up, down; the 49152-row LM head), random
-bf16 weights of the real shapes, streamed once per repeat. Attention: 30 layers of 9 query heads over 3
-key/value heads of 64, `--context` cached positions, a causal block of `rows` queries. Both sides run
-interleaved in one process after a warm-up; medians are printed, with the ratio.
+    python scripts/bench_row_kernels.py [--rows 1,2,4,6,8,12,16,24,32] [--context 400] [--repeats 9] [--threads 2]
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from dflashkit.kernels import row_kernels
-from dflashkit.kernels.linear import packing_supported
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # [out, in] per layer
 LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 30, 49152, 9, 3, 64
@@ -34,15 +32,18 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,6,8,12,16,24,32")
     ap.add_argument("--context", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    from dflashkit.kernels import row_kernels
+    from dflashkit.kernels.linear import packing_supported
+
     torch.set_num_threads(args.threads)
     if row_kernels.kernel() is None:
-        raise SystemExit("no row kernel runs here (see dflashkit/row_kernels.py)")
+        raise SystemExit("no row kernel runs here (see dflashkit/kernels/row_kernels.py)")
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=g).to(torch.bfloat16) * 0.02 for _ in range(LAYERS) for o, i in SHAPES]
     weights.append(torch.randn(VOCAB, 576, generator=g).to(torch.bfloat16) * 0.02)

@@ -1,31 +1,30 @@
-"""Compare drafters on the same prompts by acceptance alone (no timing: the figures do not depend on the machine).
+"""Compare drafters on the same prompts by acceptance alone (no timing, so the figures do not depend on the machine).
 
-    .venv/bin/python scripts/compare_drafters.py DRAFTER [DRAFTER ...] [--limit 12] [--max-new-tokens 128]
+For each drafter and evaluation set, with the drafter's own drafts only (no prompt lookup), prints greedy τ (tokens
+per target pass) at block 16 and at block 4, T=1 τ at block 4 over --seeds seeds, and the mean probability that its
+first draft is accepted at T=1 (sum_x min(p(x), q(x)), p the target's and q the drafter's distribution). Use it to
+decide whether a newly trained drafter beats the shipped one; --sets also takes any bench data set (jsonl:PATH...).
 
-For each drafter and evaluation set, without prompt lookup (the drafter's own drafts only):
-  greedy τ at block 16 and at block 4 (tokens per target pass, deterministic),
-  T=1 τ at block 4 over --seeds seeds, and the mean probability that its first draft is accepted at T=1,
-  sum_x min(p(x), q(x)) with p the target's and q the drafter's distribution at that position.
-Use it to decide whether a newly trained drafter is better than the shipped one.
+    python scripts/compare_drafters.py auto NEW_DRAFTER [--limit 12] [--seeds 3] [--max-new-tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 import torch
 
-from dflashkit.bench.datasets import PACKAGED, load_questions
-from dflashkit.decoding.sampling import SamplingParams, warp
-from dflashkit.generator import SpeculativeGenerator
-from dflashkit.training.evalsets import load_set
-
-T1 = SamplingParams(temperature=1.0)
+if TYPE_CHECKING:
+    from dflashkit.generator import SpeculativeGenerator
 
 
 def first_draft_acceptance(gen: SpeculativeGenerator, prompts: list, seeds: int, max_new: int) -> tuple[float, float]:
     """(T=1 τ at block 4, mean sum min(p, q) of the first draft position) over prompts x seeds."""
+    from dflashkit.decoding.sampling import SamplingParams, warp
+
+    t1 = SamplingParams(temperature=1.0)
     drafter = gen.drafter
     inner = drafter.draft_scores
     pending: list = []  # [scores [k, V'], columns] of the step whose verify pass comes next
@@ -39,8 +38,8 @@ def first_draft_acceptance(gen: SpeculativeGenerator, prompts: list, seeds: int,
     def observer(logits, emitted) -> None:  # after every target pass
         if pending and logits.shape[0] == pending[0].shape[0] + 1:
             scores, columns = pending
-            p = warp(logits[0:1].float(), T1)[0]  # the target at the first draft position
-            q = warp(scores[0:1], T1)[0]
+            p = warp(logits[0:1].float(), t1)[0]  # the target at the first draft position
+            q = warp(scores[0:1], t1)[0]
             overlaps.append(float(torch.minimum(p[columns] if columns is not None else p, q).sum()))
         pending.clear()
 
@@ -73,8 +72,8 @@ def greedy_tau(gen: SpeculativeGenerator, prompts: list, block: int, max_new: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("drafters", nargs="+")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("drafters", nargs="+", help="drafter folders (auto: the shipped one)")
     ap.add_argument(
         "--sets",
         default="mt-bench,humaneval,math500",
@@ -86,12 +85,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    from dflashkit.bench.datasets import PACKAGED, load_questions
+    from dflashkit.generator import SpeculativeGenerator
+    from dflashkit.training.evalsets import load_set
+
     if args.threads:
         torch.set_num_threads(args.threads)
     sets = {}
-    for spec in args.sets.split(
-        ","
-    ):  # packaged sets as before; any bench data set (jsonl:PATH, hf:...) by its first turns
+    for spec in args.sets.split(","):  # the packaged sets; any other bench data set by its questions' first turns
         if spec in PACKAGED:
             sets[spec] = load_set(spec, limit=args.limit, seed=0)
         else:

@@ -1,25 +1,17 @@
-"""Two builds of dflashkit's row kernels in one process, interleaved: the default target's step time by rows.
+"""A/B of two builds of dflashkit's row kernels in one process, interleaved: the default target's step time by rows.
 
-    .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR [--rows 1,2,4,8] [--trees 12,16]
-        [--rounds 14] [--quantize int8] [--sequences S]
-    .venv/bin/python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR --decode 3 [--quantize int8]
+A build directory is one of ~/.cache/dflashkit/kernels/dflashkit_rows_<isa>_<hash> (the kernels build there once per
+source version: edit the C++, run anything that loads the kernels, and a new directory appears). Both builds must be
+of the instruction set that runs here and take the running source's packed weight layout. The builds alternate per
+round, the first two rounds are dropped, and the medians and the ratio NEW/OLD are printed: on a shared machine whose
+speed swings by tens of percent from minute to minute, this is how a kernel change is judged. `--sequences S` times
+batched passes of S sequences (what batched serving and data regeneration run), `--trees` token-tree steps too.
+`--decode N` compares whole generations instead (N prompts per evaluation set, 128 tokens, speculative then plain,
+one generator per build, each packing its own weights, so builds whose packed layouts differ compare too); each
+build's speculative output must equal its own plain output.
 
-A build directory is one of ``~/.cache/dflashkit/kernels/dflashkit_rows_<isa>_<hash>`` (the kernels build there
-once per source version: edit the C++, run anything that loads the kernels, and a new directory appears). Both
-builds must take the same packed weight layout (``pack``), which is the running one's. The order of the two
-alternates per round, the first two rounds are dropped; prints medians and the ratio NEW/OLD. On a noisy shared
-machine this is how a kernel change is judged (session 14: a tile store as a plain call made 8-row steps 1.36x
-slower, which timings taken minutes apart would have hidden in the VM's ±25% swings). ``--sequences S``: each step
-runs ``rows`` rows for each of S sequences (S caches of ``--context`` positions) as one batched pass
-(``FastTargetForward.batch``, what batched serving and data regeneration run). ``--trees``: steps of token trees
-of that many rows too (scripts/step_cost.py's `tree_shape`).
-
-``--decode N``: whole generations instead (N prompts per evaluation set, 128 tokens, the defaults of `dflashkit
-generate`, speculative then plain, the builds' order alternating per prompt): one generator per build, each packing
-its weights with its own build, so builds whose packed layouts differ compare too (session 36: the int8 product in
-16- against 64-column groups, 0.93-1.03x speculative over four runs: not kept). Prints each build's median tok/s and
-the median per-prompt ratio NEW/OLD; each build's speculative output must equal its own plain output (the two builds
-may round differently from each other).
+    python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR [--rows 1,2,4,8] [--trees 12,16] [--rounds 14]
+    python scripts/compare_kernel_builds.py OLD_BUILD_DIR NEW_BUILD_DIR --decode 3 [--quantize int8]
 """
 
 from __future__ import annotations
@@ -33,12 +25,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from step_cost import tree_shape  # scripts/step_cost.py
-
-from dflashkit.generator import SpeculativeGenerator
-from dflashkit.kernels import row_kernels
-from dflashkit.target.fast import ForwardCall
-from dflashkit.training.evalsets import load_set
 
 
 def load_build(directory: Path) -> ModuleType:
@@ -53,7 +39,7 @@ def load_build(directory: Path) -> ModuleType:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("old", type=Path)
     ap.add_argument("new", type=Path)
     ap.add_argument("--rows", default="1,2,4,8")
@@ -71,6 +57,12 @@ def main() -> None:
         help="compare whole generations on N prompts per evaluation set instead of single steps",
     )
     args = ap.parse_args()
+    from step_cost import tree_shape  # scripts/step_cost.py, beside this script
+
+    from dflashkit.generator import SpeculativeGenerator
+    from dflashkit.kernels import row_kernels
+    from dflashkit.target.fast import ForwardCall
+
     torch.set_num_threads(args.threads)
     builds = {"old": load_build(args.old), "new": load_build(args.new)}
     if len({b.isa for b in builds.values()} | {row_kernels.label()}) != 1:
@@ -120,6 +112,9 @@ def main() -> None:
 
 def compare_decoding(builds: dict[str, ModuleType], running: dict, args: argparse.Namespace) -> None:
     """Speculative and plain generations with each build, interleaved per prompt (see the module docs)."""
+    from dflashkit.generator import SpeculativeGenerator
+    from dflashkit.training.evalsets import load_set
+
     gens = {}
     for name, build in builds.items():  # each generator's weights packed by its own build
         running["module"] = build

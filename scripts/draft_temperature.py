@@ -1,37 +1,25 @@
-"""Acceptance at temperature 1 by proposal: the drafter's distribution at several temperatures, its argmax, and
-the target's token falling among the drafter's top 2 / 3 (what a token tree of that width accepts).
+"""Teacher-forced acceptance at temperature 1 by proposal rule and drafter temperature, per block offset.
 
-    .venv/bin/python scripts/draft_temperature.py [--limit 6] [--positions 4] [--threads 2] [--drafters D1,D2]
+The target answers each evaluation prompt (T=1, or greedily with `--contexts greedy`); on that text, at every anchor
+and block offset d, p is the target's distribution of the token at d and q_t the drafter's softmax at temperature t
+over its draft vocabulary (`--full-vocab`: the whole vocabulary). Prints per offset E[sum_x min(p, q_t)] (a sampled
+draft's acceptance), p(argmax q), p(top-2 / top-3 of q) (what a tree of that width accepts), E[max p] and the mass of
+p inside the draft vocabulary; `--coupled M` adds coupled sampling's acceptance at each t over M Gumbel draws. Several
+`--drafters` are scored on the same contexts. Use it, with scripts/proposal_temperature.py, to choose a drafter's
+`proposal_temperature`, or to compare training recipes by their T=1 acceptance with less noise than decoding gives.
 
-The target samples an answer (T=1; `--contexts greedy`: its greedy answer) to each held-out prompt; then,
-teacher-forced on that text, at every anchor and block offset d: p = the target's distribution of the token at
-offset d, q_t = softmax(drafter scores / t) over the draft vocabulary (`--full-vocab`: over the whole vocabulary).
-Prints E[sum_x min(p, q_t)] (a sampled draft's acceptance probability, any t is exact: q is whatever the drafter
-proposes with), p(argmax q) (a deterministic draft's), p(top-2 / top-3 of q), and E[max p] (how peaked the target
-is, within the vocabulary drafted from) and the mass of p in that vocabulary, per offset 1..positions.
-
-``--coupled M``: also the acceptance of coupled sampling's proposal at each drafter temperature t, P[argmax(log q_t + g)
-= argmax(log p + g)] over M Gumbel draws g per position (the noise both share: what a seeded request's chain accepts;
-the tokens outside the draft vocabulary enter the target's argmax as one bucket of their total mass, which is exact
-in distribution since the drafter never proposes them).
-
-``--drafters D1,D2,...``: score several drafters on the same contexts (default: the shipped one), e.g. to compare
-training recipes by their T=1 acceptance per offset with less noise than decoding runs give.
+    python scripts/draft_temperature.py [--drafters auto,NEW] [--limit 6] [--positions 4] [--coupled 16]
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 import torch
 
-from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.decoding.sampling import SamplingParams
-from dflashkit.drafter.checkpoint import load_drafter
-from dflashkit.drafter.registry import drafter_folder
-from dflashkit.generator import SpeculativeGenerator
-from dflashkit.training.evalsets import load_set
-from dflashkit.training.losses import block_hidden
+if TYPE_CHECKING:
+    from dflashkit.generator import SpeculativeGenerator
 
 TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
 
@@ -40,6 +28,8 @@ TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
 def scores_and_target(gen: SpeculativeGenerator, ids: list[int], start: int, positions: int, full_vocab: bool = False):
     """Drafter scores [N, positions, V'] at every anchor start..L-2 and the target's probabilities [L, V'] (V' the
     draft vocabulary; ``full_vocab``: the whole vocabulary, the drafter's hidden states through the target's head)."""
+    from dflashkit.training.losses import block_hidden
+
     d, target = gen.drafter, gen.target
     L = len(ids)
     seq = torch.tensor([ids])
@@ -76,7 +66,7 @@ def coupled_acceptance(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", default="mt-bench,humaneval,math500")
     ap.add_argument("--limit", type=int, default=6)
     ap.add_argument("--positions", type=int, default=4)
@@ -102,6 +92,11 @@ def main() -> None:
     )
     ap.add_argument("--drafters", default="auto", help="comma-separated drafter folders, scored on the same contexts")
     args = ap.parse_args()
+    from dflashkit import DecodeOptions, SpeculativeGenerator, decode, load_drafter
+    from dflashkit.decoding.sampling import SamplingParams
+    from dflashkit.drafter.registry import drafter_folder
+    from dflashkit.training.evalsets import load_set
+
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = args.drafters.split(",")

@@ -1,10 +1,10 @@
-"""τ and speedup of a drafter per evaluation set: a shortcut for `dflashkit bench` with the dflashkit methods only.
+"""τ and speedup of a drafter per evaluation set: `dflashkit bench` with plain and speculative decoding only.
 
-    .venv/bin/python scripts/eval_drafter.py --drafter DIR [--limit 10] [--max-new-tokens 128] [--json OUT]
+Runs `dflashkit bench --methods ar,dflash --temperatures 0 --max-turns 1 --block-sizes B` (B: --block-size, default
+the drafter's trained block size) on MT-Bench, HumanEval and MATH-500, and exits 1 on a greedy divergence that is not
+a tie, as the bench does; `dflashkit bench --help` lists what the bench itself can do. For example:
 
-Same as `dflashkit bench --methods ar,dflash --temperatures 0 --max-turns 1 --block-sizes B` (B: --block-size,
-default the drafter's trained block size); see `dflashkit bench --help` for everything else. Exits 1 on a
-non-tie greedy divergence, like the bench.
+    python scripts/eval_drafter.py --drafter DIR [--limit 10] [--max-new-tokens 128] [--json OUT]
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import json
 import pathlib
 import sys
 
-from dflashkit.cli.main import main as dflashkit_main
-
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--target", default=None)
     ap.add_argument("--sets", default="mt-bench,humaneval,math500")
@@ -30,6 +28,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="results JSON path")
     ap.add_argument("--out", default=None, help="output folder (summary.md, plots)")
     args = ap.parse_args()
+    from dflashkit.cli.main import main as dflashkit_main
+
     config = pathlib.Path(args.drafter) / "config.json"
     block = args.block_size or (json.loads(config.read_text()).get("block_size", 16) if config.is_file() else 16)
     argv = ["bench", "--methods", "ar,dflash", "--temperatures", "0", "--max-turns", "1", "--drafter", args.drafter,

@@ -52,8 +52,8 @@ if [ "$BUILD" = 1 ]; then
   CPU_FLAGS=(-DGGML_NATIVE=ON)
   if grep -qw amx_tile /proc/cpuinfo 2>/dev/null && [ -z "${LLAMA_CPP_AMX:-}" ]; then
     # On AMX CPUs the native build's AMX path for quantized weights (Q4_1...) died with SIGILL at its first tile
-    # instruction on the 2-core Xeon VM of session 24 (the bf16 path does not use it): the CPU's other features,
-    # named one by one, without AMX. LLAMA_CPP_AMX=1 keeps the native build.
+    # instruction on a 2-core virtualised Xeon (the bf16 path does not use it): the CPU's other features, named one
+    # by one, without AMX. LLAMA_CPP_AMX=1 keeps the native build.
     has() { grep -qw "$1" /proc/cpuinfo; }
     on() { if has "$1"; then echo ON; else echo OFF; fi; }
     avx512=OFF; has avx512f && has avx512cd && has avx512vl && has avx512dq && has avx512bw && avx512=ON

@@ -1,23 +1,22 @@
-"""On a CUDA machine: decoding through real CUDA graphs is lossless, and graphs really replay.
+"""On a CUDA machine: decoding through real CUDA graphs is lossless, and the graphs really replay.
 
-Tiny random targets (llama, qwen2, qwen3 layouts) and drafters in fp32 on the GPU. For each prompt and block size:
-speculative greedy with the target's and the drafter's steps replayed from CUDA graphs == plain greedy on
-transformers' eager forward, token for token; the same with the adaptive block-size policy (several verify
-shapes) and with greedy token trees and prompt lookup (copied steps verify trees of the copy and the drafter's
-candidates); and T=1 sampling, chains and sampled token trees, with graphs == the fast path without graphs for the same
-seed. Then the data path's
-fixed-shape batch (``batchgen.generate_static``: 8 slots refilled as answers end, its decode step a CUDA graph):
-greedy answers to 24 prompts of mixed lengths == transformers' decoder in static batches (``generate_batch``).
-Prints what it ran, how many graphs were captured and which shapes fell back to eager; exits 1 on any mismatch or
-fallback.
-Not a unit test (CI has no GPU): run it where a GPU is lent, e.g. through scripts/device_kit.sh.
+Tiny random targets (llama, qwen2, qwen3 layouts) and drafters in fp32 on the GPU. For each prompt and block size,
+speculative greedy decoding with the target's and the drafter's steps replayed from CUDA graphs must equal plain
+greedy decoding on transformers' eager forward, token for token: fixed blocks, the adaptive block size (several
+verify shapes), and greedy token trees with prompt lookup; T=1 sampling (chains and sampled trees) with graphs must
+equal the fast path without graphs for the same seed. Then the data path's fixed-shape batch
+(training.batchgen.generate_static: 8 slots refilled as answers end, its decode step a CUDA graph) must give the same
+greedy answers to 24 prompts as transformers' decoder in static batches (generate_batch). Prints what ran, the graphs
+captured and any shape that fell back to eager; exits 1 on a mismatch or fallback, 2 without a GPU. CI has no GPU, so
+run it after changing the decode path, on any CUDA machine (scripts/gpu_train.sh check runs it); `--cpu` runs the
+script itself on a CPU with a stand-in capture that records nothing. It needs the repository's tests/ folder.
 
-    python scripts/gpu_check.py
-    python scripts/gpu_check.py --cpu   # the script itself, on a CPU, with a capture that records nothing
+    python scripts/gpu_check.py [--cpu]
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import pathlib
 import sys
@@ -26,31 +25,33 @@ import warnings
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from conftest import tiny_drafter, tiny_target  # noqa: E402
-
-from dflashkit.decoding.adaptive import AdaptiveBlockSize  # noqa: E402
-from dflashkit.decoding.loop import DecodeOptions, decode  # noqa: E402
-from dflashkit.decoding.sampling import SamplingParams  # noqa: E402
-from dflashkit.target.adapter import TargetAdapter  # noqa: E402
-from dflashkit.target.fast import FastTargetForward  # noqa: E402
-from dflashkit.training.batchgen import generate_batch, generate_static  # noqa: E402
-
+TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"  # conftest's tiny models
 PROMPTS = [[5, 9, 14, 3, 22], [7] * 12, list(range(3, 40)), [11, 4]]
 
 
 def tokens(target, drafter, prompt, policy=None, **kw) -> list[int]:
+    from dflashkit import DecodeOptions, decode
+
     options = DecodeOptions(**{"max_new_tokens": 48, **kw})
     return [t for s in decode(target, drafter, prompt, options, None, block_policy=policy) for t in s.tokens]
 
 
 def main() -> int:
-    cpu = "--cpu" in sys.argv[1:]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="run on a CPU with a stand-in capture (checks the script)")
+    cpu = ap.parse_args().cpu
     if not cpu and not torch.cuda.is_available():
         print("no CUDA device: nothing to check (--cpu runs the script with a stand-in capture)")
         return 2
-    if cpu:
-        from conftest import ReplayCapture
+    sys.path.insert(0, str(TESTS))
+    from conftest import ReplayCapture, tiny_drafter, tiny_target
+
+    from dflashkit.decoding.adaptive import AdaptiveBlockSize
+    from dflashkit.decoding.sampling import SamplingParams
+    from dflashkit.target.adapter import TargetAdapter
+    from dflashkit.target.fast import FastTargetForward
+    from dflashkit.training.batchgen import generate_batch, generate_static
+
     device, failures = torch.device("cpu" if cpu else "cuda"), []
     print(f"torch {torch.__version__} on {'a CPU, stand-in capture' if cpu else torch.cuda.get_device_name()}")
     for arch in ("llama", "qwen2", "qwen3"):

@@ -1,11 +1,12 @@
-"""Package a trained drafter for shipping: copy its files and write a model card from recorded facts only.
+"""Package a trained drafter for shipping: copy its files into a drafter folder and write its model card.
 
-    .venv/bin/python scripts/model_card.py --run ~/.cache/dflashkit/runs/RUN --bench BENCH/results.json \
-        --out dflashkit/drafters/smollm2-135m-instruct
+Everything in the card comes from files the commands wrote: the data folders' meta.json (how each was made, what it
+holds), the run's run_config.json or checkpoint (training settings) and train_log.jsonl (steps, wall time, held-out
+figures), the n-gram store already built into --out by `dflashkit ngram-store`, and a `dflashkit bench` results.json
+(τ and speedups per data set, divergences, machine). Refuses a drafter whose files pass 40 MB.
 
-Everything in the card comes from files the commands wrote: the data folders' meta.json (how each was made,
-what it holds), the run's checkpoint (training settings) and train_log.jsonl (steps, wall time, held-out
-figures), and a `dflashkit bench` results.json (τ and speedups per data set, divergences, machine).
+    python scripts/model_card.py --run ~/.cache/dflashkit/runs/RUN --bench BENCH/results.json \
+        --out dflashkit/drafters/smollm2-135m-instruct [--previous-card OLD/README.md]
 """
 
 from __future__ import annotations
@@ -16,13 +17,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-import torch
-
-from dflashkit.drafter.ngram_store import FILENAME as NGRAM_STORE
-from dflashkit.drafter.ngram_store import NgramStore
-from dflashkit.training.dataset import load_shards
-
-MAX_BYTES = 40_000_000  # issue 3: the shipped drafter, n-gram store included, at most 40 MB
+MAX_BYTES = 40_000_000  # the shipped drafter, n-gram store included, at most 40 MB
 DRAFTER_FILES = ("config.json", "model.safetensors", "mask_embedding.pt")
 TRAIN_FLAGS = {  # TrainConfig field -> `dflashkit train` flag (fields at their CLI default are still shown)
     "data_dir": "--data", "out_dir": "--out", "num_layers": "--layers", "block_size": "--block-size",
@@ -50,7 +45,6 @@ def data_command(folder: Path, meta: dict) -> str:
         str(settings["max_new_tokens"]),
         "--max-prompt-tokens",
         str(settings["max_prompt_tokens"]),
-        # fmt: skip
         "--temperature",
         str(settings["temperature"]),
         "--seed",
@@ -90,8 +84,10 @@ def wall_minutes(log: list[dict]) -> float:
 
 
 def run_config(run: Path) -> dict | None:
-    """The run's TrainConfig as a dict: from run_config.json (written by the trainer at start; all a run on a
-    lent GPU machine brings back besides the drafter and the log), else from its checkpoint; None if neither."""
+    """The run's TrainConfig as a dict: from run_config.json (written by the trainer at start; a run copied from
+    another machine may bring only that, the drafter and the log), else from its checkpoint; None if neither."""
+    import torch
+
     if (run / "run_config.json").is_file():
         return json.loads((run / "run_config.json").read_text())["config"]
     state_file = run / "checkpoint" / "trainer_state.pt"
@@ -128,7 +124,7 @@ def card_sections(lines: list[str], names: tuple[str, ...]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--run", required=True, type=Path, help="training run folder (drafter/, checkpoint/, train_log.jsonl)"
     )
@@ -149,6 +145,10 @@ def main() -> None:
     )
     ap.add_argument("--previous-name", default=None, help="how the card names that drafter's card (default: the path)")
     args = ap.parse_args()
+    from dflashkit.drafter.ngram_store import FILENAME as NGRAM_STORE
+    from dflashkit.drafter.ngram_store import NgramStore
+    from dflashkit.training.dataset import load_shards
+
     run = args.run.expanduser()
 
     config = run_config(run)
@@ -171,10 +171,10 @@ def main() -> None:
     dflash = drafter_cfg["dflash_config"]
     ours = drafter_cfg.get("dflashkit", {})
     vocab = ours.get("draft_vocab")
+    mask = "learned mask embedding" if ours.get("learned_mask_embedding") else f"mask token {dflash['mask_token_id']}"
     lines += [
         f"- Architecture: {drafter_cfg['num_hidden_layers']} Qwen3-style layers, hidden {drafter_cfg['hidden_size']}, "
-        f"block size {dflash['block_size']}, target feature layers {dflash['target_layer_ids']} (0-based), "
-        f"{'learned mask embedding' if ours.get('learned_mask_embedding') else 'mask token ' + str(dflash['mask_token_id'])}, "
+        f"block size {dflash['block_size']}, target feature layers {dflash['target_layer_ids']} (0-based), {mask}, "
         f"draft vocabulary {len(vocab) if vocab else 'full'} tokens; files {size / 2**20:.1f} MiB (bf16).",
         "",
         "## Data",
@@ -184,7 +184,7 @@ def main() -> None:
     used = {u["folder"]: u for u in json.loads(used_file.read_text())} if used_file.exists() else {}
     for folder in str(config["data_dir"]).split(","):
         folder = Path(folder).expanduser()
-        if not (folder / "meta.json").is_file():  # e.g. made on a lent GPU machine and left there
+        if not (folder / "meta.json").is_file():  # e.g. made on another machine and left there
             lines += [f"- `{folder}`: not on this machine, so nothing about it is read from files here (see below)."]
             continue
         meta = json.loads((folder / "meta.json").read_text())
@@ -216,8 +216,8 @@ def main() -> None:
         f"{wall_minutes(log):.1f} min of wall time over all its processes.",
     ]
     if evals:
-        lines += ["", "| step | held-out τ (decode loop) | held-out top-1 by block position 1, 2, 3 | training top-1, 1, 2, 3 |",
-                  "|---:|---:|---|---|"]  # fmt: skip
+        lines += ["", "| step | held-out τ (decode loop) | held-out top-1 by block position 1, 2, 3 | "
+                  "training top-1, 1, 2, 3 |", "|---:|---:|---|---|"]  # fmt: skip
     else:
         lines += ["", "No held-out evaluation ran during training (`--eval-every 0`)."]
     lines += [

@@ -1,14 +1,14 @@
 """τ parity: llama.cpp's DFlash with an exported drafter against dflashkit's own loop, on the same prompts.
 
-    dflashkit export DRAFTER --format gguf --target-gguf --out OUT          # after scripts/get_llama_cpp.sh --build
-    .venv/bin/python scripts/parity_llama_cpp.py --drafter DRAFTER --gguf-dir OUT [--per-set 4] [--max-tokens 96]
+Starts llama-server on loopback with the target and drafter GGUFs (`--spec-type draft-dflash`, see
+dflashkit.interop.llama_server), sends each evaluation prompt greedily as the token ids dflashkit decodes (its chat
+template) and reads the server's own timings: τ = predicted tokens / target passes. Then decodes the same prompts with
+dflashkit (the drafter's block size, bf16) and prints both τ and their ratio; the parity bar is 10%. Texts may part
+where the two engines round a bf16 tie differently, so τ is compared, not texts. Needs a llama-server build
+(`bash scripts/get_llama_cpp.sh --build`) and the GGUFs of `dflashkit export`:
 
-Starts `llama-server` on loopback with the target and drafter GGUFs (`--spec-type draft-dflash`; see
-dflashkit/llama_server.py), sends each evaluation prompt greedily as the same token ids dflashkit decodes (chat
-template applied by our tokenizer) and reads the server's own `timings` (predicted_n, draft_n_accepted):
-τ = tokens / target passes = predicted / (predicted - accepted). Then decodes the same prompts with dflashkit
-(block = the drafter's, bf16) and prints both τ and their ratio. Texts may part where the two engines' kernels
-round differently (a bf16 tie), so the comparison is of τ, not of texts.
+    dflashkit export DRAFTER --format gguf --target-gguf --out OUT
+    python scripts/parity_llama_cpp.py --drafter DRAFTER --gguf-dir OUT [--per-set 4] [--max-tokens 96]
 """
 
 from __future__ import annotations
@@ -18,14 +18,11 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.generator import SpeculativeGenerator
-from dflashkit.interop.export import DRAFTER_GGUF, TARGET_GGUF
-from dflashkit.interop.llama_server import LlamaServer, find_llama_server
-from dflashkit.text import encode_chat
-from dflashkit.training.evalsets import load_set
-
 
 def llama_cpp_tau(server: Path, gguf_dir: Path, prompts: list[list[int]], max_tokens: int, threads: int, block: int):
+    from dflashkit.interop.export import DRAFTER_GGUF, TARGET_GGUF
+    from dflashkit.interop.llama_server import LlamaServer
+
     with LlamaServer(server, gguf_dir / TARGET_GGUF, drafter=gguf_dir / DRAFTER_GGUF, block_size=block,
                      threads=threads, log_path=gguf_dir / "llama-server.log") as llama:  # fmt: skip
         completions = [llama.complete(ids, max_tokens) for ids in prompts]
@@ -34,7 +31,7 @@ def llama_cpp_tau(server: Path, gguf_dir: Path, prompts: list[list[int]], max_to
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True)
     ap.add_argument(
         "--gguf-dir", required=True, type=Path, help="output folder of `dflashkit export --format gguf --target-gguf`"
@@ -44,6 +41,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    from dflashkit.generator import SpeculativeGenerator
+    from dflashkit.interop.llama_server import find_llama_server
+    from dflashkit.text import encode_chat
+    from dflashkit.training.evalsets import load_set
+
     server = find_llama_server(args.llama_server)
     if server is None:
         raise SystemExit("no llama-server: run `bash scripts/get_llama_cpp.sh --build` or pass --llama-server PATH")

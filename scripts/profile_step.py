@@ -1,11 +1,13 @@
-"""Where the time of one decode step goes: phases of the loop, then operator classes from torch.profiler.
+"""Where the time of a decode step goes: the loop's phases, then torch.profiler's operator classes.
 
-    .venv/bin/python scripts/profile_step.py --drafter PATH [--block-size 16] [--threads 2] [--tokens 96]
-        [--temperature 1.0]
+Decodes one prompt plainly and speculatively with the default target (after a warm-up; the median of three runs),
+prints each phase's milliseconds per step (draft, verify, other: acceptance, cache bookkeeping and Python), then
+profiles one run of each and groups the operators' CPU self time by class (GEMM, attention, elementwise and norms,
+copies and cache, the rest). dflashkit's row kernels are not torch operators: scripts/bench_row_kernels.py times
+them. `--eager` profiles transformers' forward instead of the fast path; scripts/step_cost.py times the target's
+step alone by row count.
 
-Decodes one prompt autoregressively and speculatively (after a warm-up), prints per-step milliseconds of
-each phase (draft, verify, other = acceptance, cache bookkeeping and Python), then profiles a few steps of
-each and groups CPU self time by operator class (GEMM, attention, elementwise/norms, copies/cache, rest).
+    python scripts/profile_step.py [--drafter auto] [--block-size 16] [--tokens 96] [--temperature 1] [--threads 2]
 """
 
 from __future__ import annotations
@@ -13,14 +15,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 
-from dflashkit.decoding.loop import DecodeOptions, decode
-from dflashkit.decoding.sampling import SamplingParams
-from dflashkit.decoding.stats import DecodeStats
-from dflashkit.generator import SpeculativeGenerator
-from dflashkit.kernels import row_kernels
+if TYPE_CHECKING:
+    from dflashkit import DecodeStats, SpeculativeGenerator
 
 PROMPT = "Write a short story about a robot who learns to paint."
 CLASSES = {
@@ -73,6 +73,9 @@ def classify(name: str) -> str:
 def run(
     gen: SpeculativeGenerator, use_drafter: bool, block: int | None, tokens: int, temperature: float = 0.0
 ) -> DecodeStats:
+    from dflashkit import DecodeOptions, DecodeStats, decode
+    from dflashkit.decoding.sampling import SamplingParams
+
     ids = gen.encode_prompt(PROMPT)
     stats = DecodeStats(1)
     options = DecodeOptions(
@@ -88,14 +91,17 @@ def run(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", required=True)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", default="auto", help="drafter folder (default: the shipped one)")
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (rejection sampler)")
     ap.add_argument("--eager", action="store_true", help="the eager path (transformers' forward, plain nn.Linear)")
     args = ap.parse_args()
+    from dflashkit import SpeculativeGenerator
+    from dflashkit.kernels import row_kernels
+
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = SpeculativeGenerator.load(drafter=args.drafter, fast=not args.eager)
@@ -136,7 +142,7 @@ def main() -> None:
     )
     if row_kernels.kernel() is not None:
         print(
-            ", and dflashkit's AVX512-BF16 products and attention (dflashkit.kernels.row_kernels), which are not torch "
+            f", and dflashkit's row kernels ({row_kernels.label()}: products and attention), which are not torch "
             "operators: time them with scripts/bench_row_kernels.py",
             end="",
         )

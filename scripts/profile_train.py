@@ -1,36 +1,36 @@
-"""Where a training step's time goes: `dflashkit train`'s settings, a few steps timed by phase and profiled.
+"""Where a training step's time goes: `dflashkit train`'s settings, a few steps timed by phase, then profiled.
+
+Builds the trainer as `dflashkit train --init DRAFTER --distill-topk 32 --distill-weight 0.5` does (the default target
+in bf16; features computed every step on a GPU, cached on a CPU), runs the warm-up steps, times --steps steps by phase
+(the target's features and soft labels, the drafter's forward, the LM head and losses, backward and optimizer; each
+phase synchronised on a GPU), and profiles --profile-steps more with torch.profiler: the operators by self device time
+(CPU time on a CPU) and the operator calls per step. The timed steps rerun batches the warm-up ran, so that a GPU's
+per-shape setup (cuDNN plans) is not timed. It says whether a step is bound by launching operations, by the drafter,
+or by the target's pass over the sequences.
 
     python scripts/profile_train.py --data DATA[,DATA2] [--device cuda] [--seqs-per-step 128] [--steps 4]
-
-Builds the trainer as `dflashkit train --init DRAFTER --distill-topk 32 --distill-weight 0.5` does (the default
-target in bf16; features computed every step off a CPU, cached on one), runs --warmup steps, then times --steps
-steps by phase (each phase synchronised on a GPU, so the phases add up to a little more than an unsynchronised
-step), and profiles --profile-steps more with torch.profiler (every timed step reruns one of --steps batches that
-the warm-up ran first): the operators by self device time (CPU time on a CPU) and the operator calls per step.
-The question it answers for a lent GPU (scripts/device_kit.sh, PROFILE_TRAIN=1): is a step bound by the host
-launching its operations, by the drafter's attention and loss over the block positions, or by the target's pass
-over the sequences?
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import itertools
+import shutil
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from dflashkit.target.loading import load_target
-from dflashkit.training.dataset import batches
-from dflashkit.training.trainer import TrainConfig, Trainer
+SHIPPED = Path(__file__).resolve().parents[1] / "dflashkit" / "drafters" / "smollm2-135m-instruct"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="data folder(s) of `dflashkit data`, comma-separated")
-    ap.add_argument("--init", default="dflashkit/drafters/smollm2-135m-instruct")
+    ap.add_argument("--init", default=str(SHIPPED), help="the drafter to continue (default: the shipped one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seqs-per-step", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
@@ -38,12 +38,20 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflashkit.target.loading import load_target
+    from dflashkit.training.dataset import batches
+    from dflashkit.training.trainer import TrainConfig, Trainer
+
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    out_dir = tempfile.mkdtemp(prefix="dflashkit-profile-train-")  # the trainer's files (a feature cache on a CPU)
+    atexit.register(shutil.rmtree, out_dir, True)
     cfg = TrainConfig(
         data_dir=args.data,
-        out_dir="/tmp/dflashkit-profile-train",
+        out_dir=out_dir,
         init_drafter=args.init,
         seqs_per_step=args.seqs_per_step,
         steps=10_000,
@@ -58,8 +66,8 @@ def main() -> None:
     model, tokenizer = load_target(dtype=torch.bfloat16, device=str(device))
     trainer = Trainer(cfg, model, tokenizer, log=print)
     # the timed and profiled steps cycle over --steps batches that the warm-up has run once each: a GPU builds
-    # cuDNN's attention plans per sequence length, so steps on lengths new to it time plan building (session 35:
-    # 490 ms a step against the run's ~210 ms)
+    # cuDNN's attention plans per sequence length, so steps on lengths new to it would time plan building (on an
+    # H100 over twice a warm step's time)
     fixed = list(itertools.islice(batches(trainer.train_seqs, cfg.seqs_per_step, cfg.seed), args.steps))
     step_batches = itertools.cycle(fixed)
 

@@ -1,25 +1,25 @@
-"""Tokens per target pass (τ) of sampled decoding at several proposal temperatures: what to write into a drafter's
-``config.proposal_temperature`` (the multiple of the request's temperature its drafts are drawn at).
+"""τ of sampled decoding at several proposal temperatures: what to write into a drafter's `proposal_temperature`.
 
-    .venv/bin/python scripts/proposal_temperature.py [--drafters D1,D2] [--ratios 1,0.85,0.7] [--limit 12]
-        [--seeds 3] [--first-seed 0] [--temperature 1] [--sampler rejection] [--block-size auto] [--no-lookup]
+Decodes the evaluation prompts with the default settings (adaptive block size, prompt lookup) at --temperature, the
+same prompts and seeds for every ratio and drafter, each drafter proposing at `ratio` x the request's temperature
+(`--sampler coupled`: as a seeded request runs). Any proposal is exact, so only τ (tokens after the prefill over
+target passes after it) moves; a drafter flatter than the target is accepted more often sharpened (ratio < 1).
+scripts/draft_temperature.py gives the teacher-forced acceptance per offset, this script what decoding makes of it;
+a sampled run's τ moves by a few percent with its seeds, so compare means over sets and over seed ranges.
 
-Real decoding (the rejection sampler, as a request without a seed runs, here seeded; ``--sampler coupled``: a seeded
-request's), the same prompts and seeds for every ratio
-and drafter; τ counts the tokens after the prefill over the target passes after it. Any proposal is exact, so only
-τ moves. A drafter's probabilities flatter than the target's are accepted more often sharpened (ratio < 1):
-scripts/draft_temperature.py gives the teacher-forced acceptance per offset, this script what decoding makes of it.
+    python scripts/proposal_temperature.py [--drafters auto] [--ratios 1,0.85,0.7] [--limit 12] [--seeds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from typing import TYPE_CHECKING
 
 import torch
 
-from dflashkit.generator import SpeculativeGenerator
-from dflashkit.training.evalsets import load_set
+if TYPE_CHECKING:
+    from dflashkit.generator import SpeculativeGenerator
 
 
 def tau(gen: SpeculativeGenerator, prompts: list, seeds: int, ratio: float, args: argparse.Namespace) -> float:
@@ -42,7 +42,7 @@ def tau(gen: SpeculativeGenerator, prompts: list, seeds: int, ratio: float, args
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafters", default="auto", help="comma-separated drafter folders (default: the shipped one)")
     ap.add_argument("--ratios", default="1,0.85,0.7")
     ap.add_argument("--sets", default="mt-bench,humaneval,math500")
@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    from dflashkit.generator import SpeculativeGenerator
+    from dflashkit.training.evalsets import load_set
+
     if args.threads:
         torch.set_num_threads(args.threads)
     ratios = [float(r) for r in args.ratios.split(",")]

@@ -1,48 +1,68 @@
 """Serving under concurrent clients: aggregate throughput and latency of `dflashkit serve` against llama-server.
 
-    .venv/bin/python scripts/serve_concurrency.py [--concurrency 1,2,4] [--prompts 8] [--rounds 2] [--threads 2]
-        [--max-batch 4]
+Starts on loopback the dflashkit server (shipped drafter, the serve defaults: adaptive block size, prompt lookup) and
+the same server with no drafter, each with `--max-batch 1` (one generation at a time) and with `--max-batch N` (N
+generations whose target passes are batched; the serve default is 4), and, where a llama-server build is found,
+llama-server on the target's bf16 and Q4_1 GGUFs with as many slots as the largest concurrency. For each concurrency
+C, each round sends the same greedy requests to every server in turn (the order rotates per round): MT-Bench /
+HumanEval / MATH-500 questions through the chat template, as token ids so that every server gets the same tokens,
+from C client threads at once. The clients run in a process of their own, apart from the in-process servers'
+interpreter lock. Prints per server and C the completion tokens per second of wall time (aggregate throughput) and
+the median request latency, medians over rounds.
 
-Starts, on loopback, the dflashkit server (shipped drafter, the serve command's defaults: adaptive block size,
-prompt lookup) with `--max-batch 1` (one generation at a time), the same server with no drafter, both again with
-`--max-batch N` (N generations at once, their target passes batched; the serve default is 4), and llama-server on the
-bf16 and Q4_1 GGUFs of the target with
-as many slots as the largest concurrency (continuous batching: its slots decode together). For each concurrency C,
-each round sends the same greedy requests to every server in turn (the order rotates per round): the prompts
-(MT-Bench / HumanEval / MATH-500 questions through the chat template, as token ids, so every server gets the same
-tokens), `max_tokens` each, from C client threads at once. Prints, per server and C, the completion tokens per
-second of wall time over all requests (aggregate throughput) and the median request latency, medians over
-rounds. With --max-batch 1 dflashkit decodes one sequence at a time, so its throughput cannot grow with C and its
-latency grows with the queue; llama-server batches its slots, as dflashkit does with --max-batch N.
+    python scripts/serve_concurrency.py [--concurrency 1,2,4] [--prompts 8] [--rounds 2] [--max-batch 4] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-import torch
-import uvicorn
-from http_clients import run_clients  # this script's folder is on the path when it runs
+if TYPE_CHECKING:
+    from dflashkit import SpeculativeGenerator
+    from dflashkit.decoding.batching import ComputeThread
 
-from dflashkit import SpeculativeGenerator
-from dflashkit.bench.assets import target_bf16_gguf, target_gguf
-from dflashkit.decoding.batching import ComputeThread
-from dflashkit.interop.llama_server import LlamaServer, find_llama_server, free_port
-from dflashkit.server import create_app
-from dflashkit.training.evalsets import load_set
+
+def run_clients(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    """Every prompt (token ids) to URL's /v1/completions, greedy, from ``concurrency`` threads at once:
+    {"wall": seconds from the first request to the last answer, "tokens": completion tokens, "latencies": [...]}."""
+    import httpx
+
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+    def ask(ids: list[int]) -> tuple[int, float]:
+        start = time.perf_counter()
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=900,
+            json={"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0},
+        )
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"], time.perf_counter() - start
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(ask, prompts))
+    wall = time.perf_counter() - start
+    return {"wall": wall, "tokens": sum(n for n, _ in answers), "latencies": [t for _, t in answers]}
 
 
 class InProcessServer:
     """A dflashkit app served by uvicorn in a thread on a free loopback port; its passes run in ``compute``."""
 
     def __init__(self, generator: SpeculativeGenerator, compute: ComputeThread, **settings) -> None:
+        import uvicorn
+
+        from dflashkit.interop.llama_server import free_port
+        from dflashkit.server import create_app
+
         self.app = create_app(generator, max_queue=64, timeout=None, compute=compute, **settings)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, port=self.port, log_level="warning", log_config=None))
@@ -63,19 +83,20 @@ class InProcessServer:
         self.thread.join(30)
 
 
-CLIENTS = pathlib.Path(__file__).with_name("http_clients.py")
-
-
 def run_batch(
     url: str, prompts: list[list[int]], concurrency: int, max_tokens: int, clients: str = "process"
 ) -> tuple[float, int, list[float]]:
     """All prompts from `concurrency` client threads: (wall seconds, completion tokens, latencies). The threads run in
-    a process of their own (``clients="process"``, scripts/http_clients.py), or in this one (``"threads"``, where
-    they share the interpreter lock with the in-process dflashkit servers)."""
+    a process of their own (``clients="process"``: this script with --client-job), or in this one (``"threads"``,
+    where they share the interpreter lock with the in-process dflashkit servers)."""
     if clients == "process":
         job = {"url": url, "prompts": prompts, "concurrency": concurrency, "max_tokens": max_tokens}
         done = subprocess.run(
-            [sys.executable, str(CLIENTS)], input=json.dumps(job), capture_output=True, text=True, check=True
+            [sys.executable, __file__, "--client-job"],
+            input=json.dumps(job),
+            capture_output=True,
+            text=True,
+            check=True,
         )
         out = json.loads(done.stdout)
     else:
@@ -97,10 +118,21 @@ def main() -> None:
         "--clients",
         choices=["process", "threads"],
         default="process",
-        help="where the client threads run: a process of their own (default) or this one (before session "
-        "29: they then share the interpreter lock with the in-process dflashkit servers)",
+        help="where the client threads run: a process of their own (default) or this one (where they share the "
+        "interpreter lock with the in-process dflashkit servers and slow them down)",
     )
+    ap.add_argument("--no-llama-server", action="store_true", help="the dflashkit servers only")
+    ap.add_argument("--client-job", action="store_true", help=argparse.SUPPRESS)  # the clients' own process
     args = ap.parse_args()
+    if args.client_job:  # a JSON job on stdin, one JSON line of results out
+        job = json.loads(sys.stdin.read())
+        print(json.dumps(run_clients(job["url"], job["prompts"], job["concurrency"], job["max_tokens"])))
+        return
+    import torch
+
+    from dflashkit import SpeculativeGenerator
+    from dflashkit.decoding.batching import ComputeThread
+
     torch.set_num_threads(args.threads)
     spec = SpeculativeGenerator.load()
     plain = SpeculativeGenerator.load(drafter=None)
@@ -108,10 +140,13 @@ def main() -> None:
     plain.warmup()
     compute = ComputeThread()
     done = threading.Event()
+    failed: list[BaseException] = []
 
     def measure() -> None:
         try:
             run(args, spec, plain, compute)
+        except BaseException as exc:  # raised again in the main thread, so that the script fails
+            failed.append(exc)
         finally:
             done.set()
             compute.wake()
@@ -120,11 +155,17 @@ def main() -> None:
     thread.start()
     compute.serve(until=done.is_set)
     thread.join()
+    if failed:
+        raise failed[0]
 
 
 def run(
     args: argparse.Namespace, spec: SpeculativeGenerator, plain: SpeculativeGenerator, compute: ComputeThread
 ) -> None:
+    from dflashkit.bench.assets import target_bf16_gguf, target_gguf
+    from dflashkit.interop.llama_server import LlamaServer, find_llama_server
+    from dflashkit.training.evalsets import load_set
+
     levels = [int(c) for c in args.concurrency.split(",")]
     per_set = -(-args.prompts // 3)
     texts = [t for name in ("mt-bench", "humaneval", "math500") for t in load_set(name, limit=per_set)][: args.prompts]
@@ -152,10 +193,13 @@ def run(
     for name, gen, settings in variants:
         s = InProcessServer(gen, compute, **settings).start()
         servers[name], closers = s.url, [*closers, s.close]
-    binary = find_llama_server()
-    for label, (gguf, why) in (("bf16", target_bf16_gguf(None)), ("Q4_1", target_gguf(None))):
-        if binary is None or gguf is None:
-            print(f"llama-server {label}: skipped ({why or 'no llama-server binary'})")
+    binary = None if args.no_llama_server else find_llama_server()
+    if binary is None:
+        print("llama-server: skipped (" + ("--no-llama-server" if args.no_llama_server else "no binary") + ")")
+    for label, find in (("bf16", target_bf16_gguf), ("Q4_1", target_gguf)) if binary is not None else ():
+        gguf, why = find(None)
+        if gguf is None:
+            print(f"llama-server {label}: skipped ({why})")
             continue
         ls = LlamaServer(binary, gguf, threads=args.threads, parallel=max(levels), context=2048).start()
         servers[f"llama-server {label}, {max(levels)} slots"] = ls.url
@@ -188,7 +232,7 @@ def run(
             for c in levels:
                 rows = results[(name, c)]
                 cells.append(
-                    f"{statistics.median(t for t, _ in rows):.1f}, {statistics.median(l for _, l in rows):.2f} s"
+                    f"{statistics.median(t for t, _ in rows):.1f}, {statistics.median(lat for _, lat in rows):.2f} s"
                 )
             print(f"| {name} | " + " | ".join(cells) + " |")
     finally:

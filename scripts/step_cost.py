@@ -1,12 +1,12 @@
-"""Wall time of one target decoding step by row count (a verify block of n tokens) and of token trees.
+"""Wall time of one target step by row count (a verify block of n tokens) and of token trees of n rows.
 
-    .venv/bin/python scripts/step_cost.py [--context 300] [--rows 1,2,3,4,5,6,8,12,16] [--trees 4,6,8,12]
-                                          [--repeats 12] [--threads 2] [--quantize int8]
+The default target's fast forward over a cache of --context positions; each shape runs once per round, the rounds
+interleave the shapes, the first two rounds are dropped, and the median per shape is printed. A tree of n rows is the
+best-first tree (dflashkit.decoding.tree.best_first) of n - 1 nodes over a fixed, made-up confidence profile: its
+mask, not its tokens, sets the cost. These costs are what the adaptive block size weighs against acceptance;
+`--quantize int8` times the weight-only int8 target.
 
-The default target's fast forward over a cache of --context positions; every shape runs once per round, rounds
-interleaved, the first two rounds dropped; prints the median per shape. A tree of n rows is the best-first tree
-(dflashkit.decoding.tree.best_first) of n-1 nodes over a fixed, made-up confidence profile: its mask, not its tokens,
-sets the cost. This is what the adaptive block size trades against acceptance.
+    python scripts/step_cost.py [--context 300] [--rows 1,2,4,8,16] [--trees 4,6,8,12] [--repeats 12] [--threads 2]
 """
 
 from __future__ import annotations
@@ -17,20 +17,19 @@ import time
 
 import torch
 
-from dflashkit.decoding.tree import DraftTree, best_first
-from dflashkit.generator import SpeculativeGenerator
-
 
 def tree_shape(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(position offsets, attention mask) of the best-first tree of rows - 1 nodes over a fixed, made-up confidence
     profile: what a target step over a token tree of that many rows takes (its mask, not its tokens, sets the cost)."""
+    from dflashkit.decoding.tree import DraftTree, best_first
+
     parents, depths, _ = best_first([[0.5, 0.2, 0.1, 0.05]] * 8, rows - 1)
     tree = DraftTree(list(range(100, 99 + rows)), parents, depths)
     return tree.position_offsets(), tree.attention_mask()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,12,16")
     ap.add_argument("--trees", default="4,6,8,12", help="rows of each tree (anchor + nodes); empty: none")
@@ -38,6 +37,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantize", default=None, help="int8: the weight-only int8 target (dflashkit.kernels.int8)")
     args = ap.parse_args()
+    from dflashkit import SpeculativeGenerator
+
     if args.threads:
         torch.set_num_threads(args.threads)
     target = SpeculativeGenerator.load(quantize=args.quantize).target
@@ -59,8 +60,8 @@ def main() -> None:
                     times[name].append(elapsed)
     weights = f", {args.quantize} weights" if args.quantize else ""
     print(
-        f"target step at {args.context} cached positions{weights}, {torch.get_num_threads()} threads, engine {target.engine}, "
-        f"median of {args.repeats}"
+        f"target step at {args.context} cached positions{weights}, {torch.get_num_threads()} threads, "
+        f"engine {target.engine}, median of {args.repeats}"
     )
     for name, ts in times.items():
         print(f"  {name:18s} {statistics.median(ts) * 1e3:7.2f} ms")

@@ -7,7 +7,7 @@ import pytest
 from dflashkit import PrefixCache, SpeculativeGenerator
 from dflashkit.chat import ChatSession
 from dflashkit.errors import InvalidInputError
-from tests.cli.test_main import make_tokenizer
+from tests.cli.helpers import make_tokenizer
 from tests.conftest import merging_tokenizer, tiny_drafter, tiny_target
 
 

@@ -24,7 +24,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from dflashkit.decoding.adaptive import AdaptiveBlockSize, BlockPolicies
 from dflashkit.decoding.defaults import COUPLED_TREE, default_tree, default_tree_copies
 from dflashkit.decoding.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
-from dflashkit.decoding.loop import LOOKUP_ONLY_BLOCK, DecodeOptions, StepObserver, decode
+from dflashkit.decoding.loop import DecodeOptions, StepObserver, decode
+from dflashkit.decoding.options import LOOKUP_ONLY_BLOCK
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
 from dflashkit.drafter.network import DFlashDrafter

@@ -40,7 +40,7 @@ COPY_CANDIDATES = (2, 4, 8, 16)  # lengths + 1 of copied drafts (prompt lookup),
 # AMX Xeon VM (session 25, generate_batch of 2 / 4 / 8 prompts, 96 tokens, 6 rounds interleaved, tok/s over plain
 # batched decoding) caps 16 / 8 / 4 / 2 gave 1.48 / 1.51 / 1.41 / 1.29x at 2 sequences, 1.10 / 1.13 / 1.15 / 1.15x at
 # 4, and at 8 0.92 (16) / 1.00 (4) / 1.03x (2): larger blocks' exploration and rows cost every member of a big batch
-# (scripts/compare_batch_caps.py).
+# (docs/experiments.md).
 BATCH_ROWS = 16
 
 

@@ -2,8 +2,8 @@
 longest n-gram that ends the text so far.
 
 Small chat models repeat themselves and their prompts a lot: on 300 greedy SmolLM2-135M-Instruct answers to
-ShareGPT prompts (``scripts/lookup_tau.py``), 24% of the steps end with a 2-4-gram seen before, and copying up
-to 15 tokens after it gives τ 4.6 on those steps (τ 1.89 over all steps with plain steps elsewhere: more than
+ShareGPT prompts (docs/experiments.md), 24% of the steps end with a 2-4-gram seen before, and copying up to 15
+tokens after it gives τ 4.6 on those steps (τ 1.89 over all steps with plain steps elsewhere: more than
 the shipped drafter's τ on its own). Unigram matches add steps with τ ~1.5 only, no better than the drafter.
 The decode loop uses these drafts where a match exists and the DFlash drafter elsewhere. Any draft is verified by the
 target as usual, and a draft that is a fixed function of the emitted text is an exact proposal (a one-hot q),

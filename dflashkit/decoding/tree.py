@@ -44,7 +44,7 @@ from dflashkit.kernels import row_kernels
 TOP_CANDIDATES = 4  # candidates per block position a tree may use (the drafter's top-4 of each row)
 # What a copied token (prompt lookup, the n-gram store) is worth per depth in a tree that also holds the drafter's
 # candidates (:func:`build_tree` with ``copy``). Replayed greedy answers, shipped drafter, 15 nodes (session 40,
-# `python scripts/hybrid_tree_estimate.py --limit 12 --copy-values 0.5,0.8,0.95`; MT-Bench / HumanEval / MATH-500):
+# the experiment record (docs/experiments.md); MT-Bench / HumanEval / MATH-500):
 # τ 2.75 / 3.81 / 3.28 at 0.5, 2.78 / 4.39 / 3.59 at 0.8, 2.75 / 4.59 / 3.48 at 0.95; 0.9, between the two best, gave
 # 3.09 / 4.51 / 4.26 in the bench (block 16, 256 tokens; README "Token trees").
 COPY_WORTH = 0.9
@@ -207,7 +207,7 @@ def hybrid_tree(
     """Best first over two sources: the copy (its d-th token worth copy_worth^d, offered under the copy's own
     prefix) and the drafter (``tokens[d][r]`` with probability ``probs[d][r]`` at depth d+1, under any node,
     worth the node's value times that probability). A token offered twice under one node is one node. Nodes
-    worth less than ``min_worth`` are left out (scripts/hybrid_tree_estimate.py weighs that; decoding uses 0)."""
+    worth less than ``min_worth`` are left out (docs/experiments.md weighs that; decoding uses 0)."""
     check_budget(budget)
     chosen: list[int] = []
     parents: list[int] = []
@@ -279,7 +279,7 @@ def sample_tree(
 
     Why not the greedy tree of the drafter's top choices, walked with the target's sample: at temperature 1 the
     target's sample lands among them about as often as one sampled draft is accepted. Shipped SmolLM2 drafter, the
-    anchor's 4 children, no lookup (``scripts/tree_candidates.py --limit 8 --seeds 2``): the first position is
+    anchor's 4 children, no lookup (docs/experiments.md): the first position is
     accepted at 0.50 / 0.67 / 0.58 with sampled candidates against 0.45 / 0.62 / 0.43 with the top choices and
     0.34 / 0.43 / 0.39 for a chain's single draft (MT-Bench / HumanEval / MATH-500).
     """

@@ -1,11 +1,32 @@
-"""Verification math."""
+"""Verification: which drafts a target pass accepts, and the token it adds.
+
+A step feeds the target the last emitted token (the anchor) and k drafts in one pass, and reads k + 1 rows of
+logits: row j is the target's distribution p_j after the anchor and drafts[:j]. In the words of the speculative
+decoding papers (Leviathan et al. 2023, "Fast inference from transformers via speculative decoding"; Chen et al.
+2023, "Accelerating large language model decoding with speculative sampling"):
+
+* **accepted** tokens: the longest prefix of the drafts the rule keeps;
+* a **recovered** token: where draft j is rejected, a token drawn from the residual max(0, p_j - q_j) (normalised;
+  greedy: the target's argmax, i.e. its own token at that position), which replaces it;
+* the **bonus** token: when all k drafts are accepted, one more token drawn from p_k, for free.
+
+Every step so emits accepted + 1 tokens, each distributed exactly as the target alone would emit it. Rules here:
+greedy (:func:`verify_greedy`: drafts equal to the argmax), exact rejection sampling of chains
+(:func:`verify_sampled`; sampled drafts as a block, Sun et al. 2024), coupled sampling (drafts equal to the target's
+own Gumbel-max choice under the seed's noise, :func:`longest_match`) and token trees walked down from the root
+(:func:`verify_tree_sampled`, :meth:`dflashkit.decoding.tree.DraftTree.walk`). The :class:`Verifier` classes at the
+end are what the decode loop calls: one per sampler, each the same four questions.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from dflashkit.decoding.grammar import masked
+from dflashkit.decoding.propose import Proposal
 from dflashkit.decoding.sampling import (
+    PositionNoise,
     SamplingParams,
     _temperature_only,
     argmax,
@@ -98,11 +119,10 @@ def verify_sampled_logits(
     """:func:`verify_sampled` on the target's rows of logits [k+1, vocab] (masked or adjusted as the step needs),
     warped as ``params`` ask; draft_probs [k, vocab], or [k, V'] over the tokens ``columns`` (a draft vocabulary:
     :func:`propose` with ``dense=False``). Where a temperature alone warps them and the row kernels run (CPU), the
-    whole verification is one call (:func:`dflashkit.kernels.row_kernels.verify_chain`: ~0.2 ms a sampled step against
-    ~0.7
-    for the ~40 torch ops of warping and verifying, each slowed by the caches the target's pass has just swept);
-    elsewhere torch's. Both decide with the same k + 1 uniforms, the same way: they emit the same tokens but where
-    the rounding of a probability decides."""
+    whole verification is one call (:func:`dflashkit.kernels.row_kernels.verify_chain`: ~0.2 ms a sampled step
+    against ~0.7 for the ~40 torch ops of warping and verifying, each slowed by the caches the target's pass has
+    just swept); elsewhere torch's. Both decide with the same k + 1 uniforms, the same way: they emit the same
+    tokens but where the rounding of a probability decides."""
     k = drafts.shape[0]
     uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64, device=logits.device)
     if _temperature_only(params, logits.shape[-1]):
@@ -199,3 +219,84 @@ def verify_tree_sampled(
             return path, int(sample(p, generator))
         path.append(reached)
         row = reached
+
+
+NO_DRAFTS = torch.empty(0, dtype=torch.long)
+
+
+class Verifier:
+    """How a step decides the target's tokens: greedy (this class), :class:`RejectionVerifier` or
+    :class:`CoupledVerifier`. ``position`` is the output position a row decides (coupled noise depends on it)."""
+
+    walks_own_tokens = True  # a tree is walked with the target's own choice per row (greedy, coupled)
+
+    def first(self, row: Tensor, allowed: Tensor | None, position: int) -> int:
+        """The target's token from one row [vocab] (prefill), among ``allowed`` [vocab] (None: all)."""
+        return int(argmax(row, allowed))
+
+    def chain(self, rows: Tensor, masks: Tensor | None, proposal: Proposal, position: int) -> tuple[int, int]:
+        """(accepted drafts, next token) of a chain; rows [k+1, vocab] as adjusted, masks [k+1, vocab] or None."""
+        return verify_greedy(rows, proposal.drafts, masks)
+
+    def walk(self, logits: Tensor, proposal: Proposal, position: int) -> tuple[list[int], int]:
+        """(accepted node rows, next token) of a tree pass; logits [nodes+1, vocab]."""
+        return proposal.tree.walk(argmax(logits).tolist().__getitem__)
+
+    def observed(self, rows: Tensor, position: int) -> Tensor:
+        """What an observer sees of the rows that decided: the scores the decision maximised."""
+        return rows
+
+    def drafting(
+        self, scores: Tensor, position: int, columns: Tensor | None, params: SamplingParams, mode: str
+    ) -> tuple[Tensor, SamplingParams, str]:
+        """The drafter's scores [k, V'] and how drafts are drawn from them (params, "sample" or "argmax")."""
+        return scores, params, mode
+
+
+class RejectionVerifier(Verifier):
+    """Exact speculative (rejection) sampling with the generation's ``generator``."""
+
+    walks_own_tokens = False
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator) -> None:
+        self.params, self.generator = params, generator
+
+    def first(self, row: Tensor, allowed: Tensor | None, position: int) -> int:
+        return verify_sampled_logits(masked(row, allowed)[None], self.params, NO_DRAFTS, None, self.generator)[1]
+
+    def chain(self, rows: Tensor, masks: Tensor | None, proposal: Proposal, position: int) -> tuple[int, int]:
+        p = proposal
+        return verify_sampled_logits(masked(rows, masks), self.params, p.drafts, p.q, self.generator, p.q_columns)
+
+    def walk(self, logits: Tensor, proposal: Proposal, position: int) -> tuple[list[int], int]:
+        if proposal.q is not None:  # sampled candidates: recursive rejection sampling down the tree
+            return verify_tree_sampled(warp(logits, self.params), proposal.tree, proposal.q, self.generator)
+        return proposal.tree.walk(lambda r: self.first(logits[r], None, position))  # the drafter's top choices
+
+
+class CoupledVerifier(Verifier):
+    """Coupled sampling: every decision is the argmax of the row's scores plus the seed's Gumbel noise at its output
+    position (:class:`~dflashkit.decoding.sampling.PositionNoise`), so the text is the seed's plain sampled text
+    whatever is drafted; drafts are proposed under the same noise and accepted where they equal those choices."""
+
+    def __init__(self, params: SamplingParams, noise: PositionNoise) -> None:
+        self.params, self.noise = params, noise
+
+    def first(self, row: Tensor, allowed: Tensor | None, position: int) -> int:
+        return self.noise.argmax(masked(row, allowed)[None], self.params, position)[0]
+
+    def chain(self, rows: Tensor, masks: Tensor | None, proposal: Proposal, position: int) -> tuple[int, int]:
+        return longest_match(proposal.drafts.tolist(), self.noise.argmax(masked(rows, masks), self.params, position))
+
+    def walk(self, logits: Tensor, proposal: Proposal, position: int) -> tuple[list[int], int]:
+        at = [position + d for d in (0, *proposal.tree.depths)]  # row r decides output position + its depth
+        return proposal.tree.walk(lambda r: self.first(logits[r], None, at[r]))
+
+    def observed(self, rows: Tensor, position: int) -> Tensor:
+        return self.noise.scores(rows, self.params, position)
+
+    def drafting(
+        self, scores: Tensor, position: int, columns: Tensor | None, params: SamplingParams, mode: str
+    ) -> tuple[Tensor, SamplingParams, str]:
+        # the Gumbel-max proposal under the target's noise: the argmax of the drafter's noisy scores
+        return self.noise.scores(scores, self.params, position, columns), SamplingParams(), "argmax"

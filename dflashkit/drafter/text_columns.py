@@ -11,7 +11,7 @@ tokens of the prompt or of the answer before them.
 vocabulary lacks: a drafting step scores the draft vocabulary's V' columns and then these E, and its columns map
 is the draft vocabulary followed by these tokens. The drafter's hidden states are unchanged (it trained over the
 target's own head rows, so a row it never scored still means what it means to the target). Teacher-forced 15-draft
-chains over the shipped drafter, same answers (`python scripts/text_columns_tau.py --limit 6`): τ 2.22 / 2.81 / 2.60
+chains over the shipped drafter, same answers (docs/experiments.md): τ 2.22 / 2.81 / 2.60
 with the draft vocabulary, 2.32 / 2.90 / 2.65 with it and the text's tokens, 2.34 / 2.90 / 2.65 with the whole
 vocabulary (whose head costs 6x the draft vocabulary's). Decoding stays lossless whatever a drafter proposes; this only
 changes what it can propose.

@@ -71,8 +71,11 @@ def packed_gqa_attention(
     return out, None
 
 
-AttentionInterface.register(ATTENTION_NAME, packed_gqa_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+def register() -> None:
+    """Register :func:`packed_gqa_attention` with transformers under :data:`ATTENTION_NAME` (a dictionary entry:
+    idempotent). Done by :func:`use_packed_gqa`, never on import."""
+    AttentionInterface.register(ATTENTION_NAME, packed_gqa_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def use_packed_gqa(model: PreTrainedModel) -> bool:
@@ -86,5 +89,6 @@ def use_packed_gqa(model: PreTrainedModel) -> bool:
         return True
     if current != "sdpa":
         return False
+    register()
     model.set_attn_implementation(ATTENTION_NAME)
     return model.config._attn_implementation == ATTENTION_NAME

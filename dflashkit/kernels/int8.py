@@ -21,7 +21,7 @@ the head its own int8 copy (the embedding stays bf16 for lookups; 28 MB more mem
 A drafter borrows the target's head, so with a quantized head it drafts through the int8 head too.
 
 Per-layer GEMM time, median µs per call, 1 thread, torch 2.13.0+cpu, 2-core AMD EPYC (AVX-512,
-AVX512-BF16, no AMX), while other jobs kept both cores busy (``python scripts/bench_int8_gemm.py --threads 1
+AVX512-BF16, no AMX), while other jobs kept both cores busy (``docs/experiments.md --threads 1
 --torchao``; torchao 0.18's ``Int8WeightOnlyConfig`` converts the int8 weight to bf16 and runs a bf16
 matmul on every call on a CPU: slower than plain bf16, so dflashkit does not use it):
 
@@ -47,7 +47,7 @@ kernels, and its verify rows were not bitwise its one-token steps (a tie diverge
 :class:`Int8Linear` and the fast forward's int8 products run on :mod:`dflashkit.kernels.row_kernels`'s AVX2 int8 product
 instead (``pack_int8``: int8 panels + fp32 scales; each row on its own, so speculative greedy output of the int8
 target is bitwise its plain output). Interleaved in one process, the README prompt + 2 prompts per set, 128
-tokens (``python scripts/compare_int8.py --threads 2``): int8 plain 49.3 tok/s, bf16 47.5;
+tokens (docs/experiments.md): int8 plain 49.3 tok/s, bf16 47.5;
 speculative int8 46.1, bf16 62.9 (medians; a second run with ``--limit 1``: plain 42.9 / 49.2, speculative 47.0 /
 61.5). So on Zen 1 int8 pays no speed: unpacking 16 int8 weights to fp32 costs
 more than streaming 16 more bytes (1 row: the LM head 2.95 ms int8 vs 2.81 bf16; 4 rows: 4.7 vs 4.3), it only
@@ -55,7 +55,7 @@ halves the weights' memory. On AMX CPUs the AMX row kernel takes the same int8 p
 decoding on the Xeon VM of session 24), and since session 36 so does the AVX512-BF16 one (the table above is torch's
 int8 kernel, which AVX512-BF16 CPUs without AMX ran until then): a pair of int8 weight rows becomes bf16 pairs in
 registers for ``vdpbf16ps``. On the Zen 4 VM a whole SmolLM2 step at 1 / 4 / 8 / 16 rows takes 5.4 / 6.7 / 10.1 / 18.8
-ms against 9.8 / 10.1 / 12.5 / 17.7 in bf16 (``scripts/step_cost.py --quantize int8``), and ``scripts/compare_int8.py
+ms against 9.8 / 10.1 / 12.5 / 17.7 in bf16 (``scripts/step_cost.py --quantize int8``), and ``docs/experiments.md
 --limit 2 --threads 2`` gave medians of int8 plain 151.2 tok/s, speculative 241.9, against bf16 82.7 / 188.4.
 """
 

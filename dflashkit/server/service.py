@@ -17,7 +17,7 @@ from dflashkit.chat import completed_turn, continued_prompt
 from dflashkit.decoding.batching import BatchMember
 from dflashkit.decoding.defaults import default_block_size, default_lookup
 from dflashkit.decoding.grammar import CompiledGrammar, Grammar
-from dflashkit.decoding.loop import check_draft_window
+from dflashkit.decoding.options import check_draft_window
 from dflashkit.decoding.penalties import Penalties
 from dflashkit.decoding.prefix_cache import PrefixCache
 from dflashkit.decoding.sampling import SamplingParams, check_sampler

@@ -123,10 +123,10 @@ def regenerate(
     answers are the ones dflashkit's decoder gives), "static" (:func:`generate_static`: ``batch_size`` slots in one
     fixed-shape batch on the fast forward, a finished prompt's slot taking the next prompt, the decode step a CUDA
     graph on a GPU; sampled answers are seeded per shard), "batches" (transformers' decoder in static batches,
-    :func:`generate_batch`) or "auto": continuous on a CPU where the fast forward covers the target (2.07x the
-    tokens per second of batches for SmolLM2-135M on the 2-core AMX VM, ``scripts/data_speed.py``), static on a GPU
-    where it covers it (transformers' decoder is bound there by its host time per step,
-    ``scripts/batch_data_profile.py``), batches elsewhere.
+    :func:`generate_batch`) or "auto": continuous on a CPU where the fast forward covers the target (about twice
+    the tokens per second of batches for SmolLM2-135M on a 2-core CPU), static on a GPU where it covers it
+    (transformers' decoder is bound there by its host time per step), batches elsewhere (measurements:
+    docs/experiments.md).
 
     ``answerer``: an :class:`Answerer` already made for this model (or server), engine and batch size, e.g. the one
     that wrote the ``magpie`` source's requests, so the fast forward's fused weights are not built twice.

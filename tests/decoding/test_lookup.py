@@ -9,7 +9,8 @@ import torch
 
 from dflashkit.decoding.adaptive import AdaptiveBlockSize
 from dflashkit.decoding.lookup import NgramLookup
-from dflashkit.decoding.loop import LOOKUP_ONLY_BLOCK, DecodeOptions, decode
+from dflashkit.decoding.loop import DecodeOptions, decode
+from dflashkit.decoding.options import LOOKUP_ONLY_BLOCK
 from dflashkit.decoding.stats import DecodeStats
 from dflashkit.target.adapter import TargetAdapter
 from tests.conftest import VOCAB, tiny_drafter, tiny_target

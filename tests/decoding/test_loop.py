@@ -313,7 +313,8 @@ def test_the_proposal_temperature_reaches_the_drafters_proposals(monkeypatch):
 
         return recorded
 
-    monkeypatch.setattr(decode_module, "propose", recording(decode_module.propose, temperatures))
+    propose_module = importlib.import_module("dflashkit.decoding.propose")
+    monkeypatch.setattr(propose_module, "propose", recording(propose_module.propose, temperatures))
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
     for ratio, expected in ((None, 0.4), (1.0, 0.8), (1.5, 1.2)):
         temperatures.clear()

@@ -80,60 +80,6 @@ def test_block_attention_is_bidirectional_and_reads_context():
     assert not torch.allclose(out[0, 0], out3[0, 0])  # and the context
 
 
-def test_incremental_context_equals_one_shot():
-    model = tiny_target("qwen3")
-    drafter = tiny_drafter(model, block_size=4)
-    torch.manual_seed(2)
-    feats = torch.randn(1, 13, drafter.fc.in_features)
-    context = drafter.new_context(capacity=4)  # forces growth
-    for a, b in [(0, 5), (5, 6), (6, 13)]:
-        with torch.no_grad():
-            context.append(drafter.context_key_values(feats[:, a:b], torch.arange(a, b)))
-    with torch.no_grad():
-        one_shot = drafter.context_key_values(feats, torch.arange(13))
-    assert context.length == 13
-    for (k1, v1), (k2, v2) in zip(context.layers(), one_shot):
-        torch.testing.assert_close(k1, k2)
-        torch.testing.assert_close(v1, v2)
-
-
-def test_a_context_window_drafts_as_if_the_context_held_only_its_rows():
-    """With a window of w rows, drafting attends to the last w context rows only: the same scores as a context
-    holding just those rows (keys rotated at the same positions); a window as wide as the context changes nothing."""
-    model = tiny_target("qwen3")
-    drafter = tiny_drafter(model, block_size=4)
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    feats = torch.randn(1, 13, drafter.fc.in_features, generator=torch.Generator().manual_seed(5))
-
-    def scores(window: int | None, first: int = 0) -> torch.Tensor:
-        context = drafter.new_context(capacity=4, window=window)  # grows while appending
-        with torch.no_grad():
-            out = drafter.draft_scores(context, feats[:, first:], first, 7, 13, 3, embed, head)[0]
-        assert context.length == 13 - first and context.first == max(0, context.length - (window or 13))
-        return out
-
-    windowed = scores(5)
-    assert torch.equal(windowed, scores(None, first=8))
-    assert not torch.allclose(windowed, scores(None))  # the window matters here
-    assert torch.equal(scores(13), scores(None))
-    with pytest.raises(InvalidInputError, match="context window"):
-        drafter.new_context(window=0)
-
-    # rows the window has passed when they arrive are never computed, also when they arrive in pieces
-    context = drafter.new_context(capacity=4, window=5)
-    computed = []
-    key_values = drafter.context_key_values
-    drafter.context_key_values = lambda f, p: computed.append(p.tolist()) or key_values(f, p)
-    with torch.no_grad():
-        for a, b in [(0, 6), (6, 9), (9, 13)]:
-            drafter.draft_scores(context, feats[:, a:b], a, 7, b, 3, embed, head)
-        pieces = drafter.draft_scores(context, None, 0, 7, 13, 3, embed, head)[0]
-    assert computed == [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]] and context.stored_from == 1
-    torch.testing.assert_close(pieces, windowed)  # (rows computed in other groupings: float rounding)
-    with pytest.raises(InvalidInputError, match="skipped"):
-        context.crop(5)
-
-
 def test_drafter_owns_no_embedding_or_head():
     model = tiny_target("llama")
     drafter = tiny_drafter(model, block_size=4)
@@ -158,31 +104,6 @@ def test_learned_mask_vector_replaces_the_mask_row_only():
     plain = DFlashDrafter(drafter.config.replace(learned_mask_embedding=False))
     with torch.no_grad():
         torch.testing.assert_close(plain.embed(ids, embed)[0, 1], embed.weight[mask_id])
-
-
-def test_block_sparse_training_attention_equals_the_dense_mask():
-    from dflashkit.drafter.layers import BlockMask
-    from dflashkit.training.losses import context_mask, sample_anchors, training_attention_mask
-
-    model = tiny_target("qwen3")
-    drafter = tiny_drafter(model, block_size=4)
-    torch.manual_seed(3)
-    S, L, B = 2, 19, 4
-    loss_mask = torch.rand(S, L) > 0.3
-    loss_mask[1] = False
-    loss_mask[1, 5:7] = True  # one valid anchor: the other two blocks of sequence 1 are padding
-    anchors, keep = sample_anchors(loss_mask, 3, torch.Generator().manual_seed(0))
-    assert keep[0].all() and keep[1].tolist() == [True, False, False]
-    feats = torch.randn(S, L, drafter.fc.in_features)
-    block = torch.randn(S, 3 * B, drafter.config.hidden_size)
-    positions = (anchors[:, :, None] + torch.arange(B)).flatten(1)
-    with torch.no_grad():
-        ctx = drafter.context_key_values(feats, torch.arange(L))
-        sparse = drafter(block, positions, ctx, BlockMask(context_mask(anchors, keep, L, B), B))
-        dense = drafter(block, positions, ctx, training_attention_mask(anchors, keep, L, B))
-    rows = keep.repeat_interleave(B, 1)  # padding blocks: dense rows are empty (NaN), sparse rows see their block
-    torch.testing.assert_close(sparse[rows], dense[rows], rtol=1e-4, atol=1e-5)
-    assert torch.isfinite(sparse).all()
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -268,25 +189,3 @@ def test_draft_scores_are_the_draft_vocabulary_columns_of_the_full_head():
     scores, token_ids = restricted.draft_scores(restricted.new_context(), feats, 0, 7, 6, 3, embed, head)
     assert torch.equal(token_ids, torch.tensor(ids)) and scores.shape == (3, len(ids))
     torch.testing.assert_close(scores, full[:, ids])
-
-
-def test_the_fast_forward_follows_the_parameters_updated_or_replaced():
-    """The drafter's fast path drafts with its parameters as they are now: updated in place (an optimizer step)
-    or replaced by new Parameter objects, without walking the module tree on every step."""
-    from tests.conftest import tiny_drafter, tiny_target
-
-    drafter = tiny_drafter(tiny_target(), block_size=4)
-    drafter.use_fast_path()
-    first = drafter._fast_forward()
-    assert drafter._fast_forward() is first  # nothing changed: kept
-    torch.nn.Linear(2, 2)  # parameters registered elsewhere: the list is taken again, the fast forward kept
-    assert drafter._fast_forward() is first
-    with torch.no_grad():
-        drafter.fc.weight.mul_(2)  # in place: its version moves
-    second = drafter._fast_forward()
-    assert second is not first and torch.equal(second.fc.weight, drafter.fc.weight.detach())
-    old_norm = drafter.norm.weight
-    drafter.norm.weight = torch.nn.Parameter(old_norm.detach() + 1)  # replaced: a new object, its version as the
-    assert drafter.norm.weight._version == old_norm._version  # old one's, so the versions' sum cannot tell
-    third = drafter._fast_forward()
-    assert third is not second and torch.equal(third.norm.weight, drafter.norm.weight.detach())

@@ -3,6 +3,7 @@ to the quantized target, and the opt-in surfaces (errors, stats, CLI, server, be
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -204,13 +205,13 @@ def test_unknown_methods_and_unsupported_devices_are_refused():
     with pytest.raises(InvalidInputError, match="float64"):
         quantize_model(tiny_target("llama", dtype=torch.float64), "int8")
     with pytest.raises(InvalidInputError, match="unknown quantization"):  # before any loading
-        __import__("dflashkit.target.loading").models.load_target("/nonexistent/target", quantize="int4")
+        importlib.import_module("dflashkit.target.loading").load_target("/nonexistent/target", quantize="int4")
 
 
 def test_generator_load_passes_quantize(monkeypatch):
     import dflashkit.target.loading
     from dflashkit.generator import SpeculativeGenerator
-    from tests.cli.test_main import make_tokenizer
+    from tests.cli.helpers import make_tokenizer
 
     seen = {}
 
@@ -230,7 +231,7 @@ def test_cli_generate_quantize_int8_declares_it(capsys, monkeypatch):
     import dflashkit.drafter.registry
     import dflashkit.target.loading
     from dflashkit.cli.main import main
-    from tests.cli.test_main import PROMPT, fake_model, make_tokenizer
+    from tests.cli.helpers import PROMPT, fake_model, make_tokenizer
 
     def fake_load_target(name=None, *, dtype=torch.bfloat16, device="cpu", progress=False, quantize=None):
         return quantize_model(fake_model(dtype), quantize), make_tokenizer()
@@ -277,7 +278,7 @@ def test_server_health_declares_the_quantized_target():
 
     from dflashkit.generator import SpeculativeGenerator
     from dflashkit.server import create_app
-    from tests.cli.test_main import make_tokenizer
+    from tests.cli.helpers import make_tokenizer
 
     model = int8_target("llama")
     gen = SpeculativeGenerator(model, make_tokenizer(), tiny_drafter(model, block_size=4))

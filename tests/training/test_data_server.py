@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse
 from dflashkit import SpeculativeGenerator
 from dflashkit.server import create_app
 from dflashkit.text import eos_token_ids
+from dflashkit.training import dataset
+from dflashkit.training import regenerate as regeneration
 from dflashkit.training import sources as data
 from dflashkit.training.data_server import ServerTarget
 from tests.live_server import LiveServer
@@ -40,27 +42,27 @@ def connect(url: str, **kw) -> ServerTarget:
 
 
 def records(folder: Path) -> list[dict]:
-    return data.load_shards(folder, require_complete=True)
+    return dataset.load_shards(folder, require_complete=True)
 
 
 def test_server_answers_are_the_local_regeneration(served, tmp_path):
-    local = data.regenerate(make_model(), make_tokenizer(), PROMPTS, tmp_path / "local", **SETTINGS)
+    local = regeneration.regenerate(make_model(), make_tokenizer(), PROMPTS, tmp_path / "local", **SETTINGS)
     server = connect(served)
     assert server.model == "tiny"
-    remote = data.regenerate(None, make_tokenizer(), PROMPTS, tmp_path / "server", server=server, **SETTINGS)
+    remote = regeneration.regenerate(None, make_tokenizer(), PROMPTS, tmp_path / "server", server=server, **SETTINGS)
     assert records(tmp_path / "server") == records(tmp_path / "local")  # the same prompt ids, answers, eos
     assert remote["written"] == local["written"] == len(PROMPTS) and 0 < local["finished"] < len(PROMPTS)
     meta = json.loads((tmp_path / "server" / "meta.json").read_text())
     assert meta["server"] == {"url": served + "/v1", "model": "tiny", "token_ids": "from the server"}
     assert meta["target"]["dtype"] == "server"
     with pytest.raises(data.DataError, match="dtype"):  # a server's folder is not continued by a local target
-        data.regenerate(make_model(), make_tokenizer(), PROMPTS, tmp_path / "server", **SETTINGS)
+        regeneration.regenerate(make_model(), make_tokenizer(), PROMPTS, tmp_path / "server", **SETTINGS)
 
 
 def test_sampled_answers_are_seeded_per_prompt(served, tmp_path):
     server = connect(served)
     for folder, batch in (("a", 4), ("b", 3)):  # other batches, the same draws
-        data.regenerate(
+        regeneration.regenerate(
             None,
             make_tokenizer(),
             PROMPTS,
@@ -71,7 +73,7 @@ def test_sampled_answers_are_seeded_per_prompt(served, tmp_path):
         )
     sampled = records(tmp_path / "a")
     assert sampled == records(tmp_path / "b")
-    data.regenerate(make_model(), make_tokenizer(), PROMPTS, tmp_path / "greedy", **SETTINGS)
+    regeneration.regenerate(make_model(), make_tokenizer(), PROMPTS, tmp_path / "greedy", **SETTINGS)
     assert sampled != records(tmp_path / "greedy")  # sampled, not greedy
 
 
@@ -104,9 +106,9 @@ def test_a_server_without_token_ids_gets_its_texts_encoded(served, tmp_path):
     tok = make_tokenizer()
     with LiveServer(proxy) as live:
         server = connect(live.url)
-        data.regenerate(None, tok, PROMPTS, tmp_path / "server", server=server, **SETTINGS)
+        regeneration.regenerate(None, tok, PROMPTS, tmp_path / "server", server=server, **SETTINGS)
     assert server.token_ids is False
-    data.regenerate(make_model(), tok, PROMPTS, tmp_path / "local", **SETTINGS)
+    regeneration.regenerate(make_model(), tok, PROMPTS, tmp_path / "local", **SETTINGS)
     for got, want in zip(records(tmp_path / "server"), records(tmp_path / "local")):
         answer = want["response_ids"][:-1] if want["finished"] else want["response_ids"]
         text = tok.decode(answer, skip_special_tokens=True)

@@ -15,7 +15,9 @@ from transformers import PreTrainedTokenizerFast
 import dflashkit.target.loading
 from dflashkit.cli.main import main
 from dflashkit.errors import InvalidInputError
-from dflashkit.text import encode_chat
+from dflashkit.training import answerer as answering
+from dflashkit.training import dataset, magpie
+from dflashkit.training import regenerate as regeneration
 from dflashkit.training import sources as data
 from tests.conftest import VOCAB, tiny_target
 
@@ -57,11 +59,12 @@ def word_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 class CountingGenerate:
-    """Wraps data.generate_batch (or another static-batch function of data) and records every call's batch size."""
+    """Wraps the answerer's generate_batch (or another of its static-batch functions) and records every call's batch
+    size."""
 
     def __init__(self, monkeypatch, name: str = "generate_batch") -> None:
-        self.inner, self.calls = getattr(data, name), []
-        monkeypatch.setattr(data, name, self)
+        self.inner, self.calls = getattr(answering, name), []
+        monkeypatch.setattr(answering, name, self)
 
     def __call__(self, model, prompts, **kwargs):
         self.calls.append(len(prompts))
@@ -69,12 +72,12 @@ class CountingGenerate:
 
 
 class CountingContinuous:
-    """Wraps data.generate_continuous: records the prompts of every call and the answers it gave; raises Killed
+    """Wraps answering.generate_continuous: records the prompts of every call and the answers it gave; raises Killed
     after `die_after` answers (None: never)."""
 
     def __init__(self, monkeypatch, die_after: int | None = None) -> None:
-        self.inner, self.calls, self.answers, self.die_after = data.generate_continuous, [], 0, die_after
-        monkeypatch.setattr(data, "generate_continuous", self)
+        self.inner, self.calls, self.answers, self.die_after = answering.generate_continuous, [], 0, die_after
+        monkeypatch.setattr(answering, "generate_continuous", self)
 
     def __call__(self, forward, prompts, **kwargs):
         self.calls.append(len(prompts))
@@ -484,216 +487,10 @@ def check_records(records: list[dict], max_new_tokens: int) -> None:
             assert len(resp) == max_new_tokens and EOS not in resp
 
 
-@pytest.mark.parametrize("engine", ["continuous", "static", "batches"])
-def test_regenerate_matches_unbatched_greedy(tmp_path: Path, engine: str) -> None:
-    model, tok = make_model(), make_tokenizer()
-    prompts = word_prompts(12) + [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]]
-    summary = data.regenerate(
-        model,
-        tok,
-        prompts,
-        tmp_path / "out",
-        batch_size=5,
-        max_new_tokens=12,
-        shard_size=8,
-        progress=False,
-        engine=engine,
-    )
-    records = data.load_shards(tmp_path / "out", require_complete=True)
-    assert [r["id"] for r in records] == list(range(len(prompts)))
-    check_records(records, 12)
-    assert any(r["finished"] for r in records) and not all(r["finished"] for r in records)
-    assert summary["written"] == len(prompts) and summary["num_shards"] == 2 and summary["shards_generated"] == 2
-    assert summary["response_tokens"] == sum(len(r["response_ids"]) for r in records) == summary["run_response_tokens"]
-    # Left padding + attention mask: each batched response equals the prompt generated on its own.
-    for r, p in zip(records, prompts):
-        ids = encode_chat(tok, p)  # one prompt at a time (the data path tokenizes a shard at once)
-        assert r["prompt_ids"] == ids
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=12,
-            do_sample=False,
-            eos_token_id=EOS,
-            pad_token_id=0,
-        )
-        alone = out[0, len(ids) :].tolist()
-        assert r["response_ids"] == (alone[: alone.index(EOS) + 1] if EOS in alone else alone)
-    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert meta["settings"]["max_new_tokens"] == 12 and meta["target"]["vocab_size"] == VOCAB
-    assert {shard["engine"] for shard in meta["shards"].values()} == {engine}
-    assert meta["totals"]["written"] == len(prompts)
-    lines = (tmp_path / "out" / "prompts.jsonl").read_text().splitlines()
-    assert [json.loads(line)["prompt"] for line in lines] == prompts
-
-
-@pytest.mark.parametrize("engine", ["continuous", "static", "batches"])
-def test_regenerate_resume_after_kill_and_refusals(tmp_path: Path, monkeypatch, engine: str) -> None:
-    model, tok = make_model(), make_tokenizer()
-    out = tmp_path / "out"
-    prompts = word_prompts(10, seed=1)
-    kwargs = dict(batch_size=3, max_new_tokens=6, shard_size=4, progress=False, engine=engine)
-    counter = (
-        CountingContinuous(monkeypatch)
-        if engine == "continuous"
-        else CountingGenerate(monkeypatch, "generate_static" if engine == "static" else "generate_batch")
-    )
-    data.regenerate(model, tok, prompts, out, **kwargs)
-    # shards of 4, 4, 2 prompts: in batches of 3, or each in one run of 3 slots refilled as answers end
-    assert counter.calls == ([3, 1, 3, 1, 2] if engine == "batches" else [4, 4, 2])
-    first = data.load_shards(out)
-    last = data.shard_path(out, 2)
-    kept = data.shard_path(out, 0).stat().st_mtime_ns
-
-    # A kill during shard 2: its file never appeared, a temp file was left behind, and one of its answers had
-    # reached its partial file (with a line torn by the kill after it).
-    last.unlink()
-    (out / ".shard-00002.jsonl.tmp-dead").write_text("partial")
-    finished = max(first, key=lambda r: r["id"])
-    data.partial_shard_path(out, 2).write_text(json.dumps(finished) + '\n{"id": 9, "prompt_ids": [1, 2')
-    with pytest.raises(data.DataError, match="incomplete"):
-        data.load_shards(out, require_complete=True)
-    assert data.load_shards(out) == [r for r in first if r["id"] < 8]
-    assert data.load_shards(out, include_partial=True) == [r for r in first if r["id"] < 8] + [finished]
-    counter.calls.clear()
-    summary = data.regenerate(model, tok, prompts, out, **kwargs)
-    assert counter.calls == [1]  # only the missing shard, less the answer its partial file kept
-    assert summary["shards_generated"] == 1 and summary["shards_resumed"] == 2 and summary["written"] == 10
-    assert data.load_shards(out) == first
-    assert data.shard_path(out, 0).stat().st_mtime_ns == kept
-    assert not list(out.glob(".*tmp*"))
-
-    # Nothing left to do; prompts=None resumes from the stored list; a different batch size is allowed.
-    counter.calls.clear()
-    assert data.regenerate(model, tok, None, out, **{**kwargs, "batch_size": 8})["shards_generated"] == 0
-    assert counter.calls == []
-
-    with pytest.raises(data.DataError, match="max_new_tokens"):
-        data.regenerate(model, tok, prompts, out, **{**kwargs, "max_new_tokens": 7})
-    with pytest.raises(data.DataError, match="temperature"):
-        data.regenerate(model, tok, prompts, out, **kwargs, temperature=0.7)
-    with pytest.raises(data.DataError, match="another prompt list"):
-        data.regenerate(model, tok, prompts[:-1], out, **kwargs)
-    with pytest.raises(data.DataError, match="target"):
-        data.regenerate(tiny_target("llama", seed=5), tok, prompts, out, **kwargs)
-    assert counter.calls == []
-
-
-def test_a_kill_mid_shard_loses_at_most_the_batch_in_progress(tmp_path: Path, monkeypatch) -> None:
-    """Finished batches are on disk before the shard is: a run killed in its 2nd batch resumes with the 1st
-    batch's records as they were and generates only the rest; a torn last line is dropped."""
-    model, tok = make_model(), make_tokenizer()
-    prompts = word_prompts(7, seed=6)
-    kwargs = dict(
-        batch_size=3, max_new_tokens=6, shard_size=7, temperature=1.0, seed=2, progress=False, engine="batches"
-    )
-    reference = data.regenerate(model, tok, prompts, tmp_path / "ref", **kwargs)
-    counter = CountingGenerate(monkeypatch)
-
-    def dies_on_second_batch(model_, prompts_, **kw):
-        if len(counter.calls) == 1:
-            raise Killed
-        return counter(model_, prompts_, **kw)
-
-    monkeypatch.setattr(data, "generate_batch", dies_on_second_batch)
-    out = tmp_path / "out"
-    with pytest.raises(Killed):
-        data.regenerate(model, tok, prompts, out, **kwargs)
-    partial = data.partial_shard_path(out, 0)
-    first_batch = [json.loads(line) for line in partial.read_text().splitlines()]
-    assert len(first_batch) == 3 and not data.shard_path(out, 0).exists()
-    with partial.open("a") as f:
-        f.write('{"id": 6, "prompt_ids": [1, 2')  # torn by the kill
-
-    monkeypatch.setattr(data, "generate_batch", counter)
-    counter.calls.clear()
-    summary = data.regenerate(model, tok, prompts, out, **kwargs)
-    assert counter.calls == [3, 1]  # the 4 prompts left, in batches of 3
-    assert summary["written"] == 7 == reference["written"] and not partial.exists()
-    records = data.load_shards(out, require_complete=True)
-    assert [r["id"] for r in records] == list(range(7))
-    assert all(r in records for r in first_batch)
-    check_records(records, 6)
-    # batches are seeded by their own content, so the resumed run sampled what an uninterrupted one did
-    assert records == data.load_shards(tmp_path / "ref")
-
-
-def test_a_kill_mid_shard_loses_no_finished_answer_of_continuous_batching(tmp_path: Path, monkeypatch) -> None:
-    """Continuous batching writes each answer as it ends (SYNC_SECONDS 0: flushed at once): a run killed after 4
-    answers resumes with those records as they were, answers only the other 5 prompts, and samples what an
-    uninterrupted run with other slots does (a seed per prompt)."""
-    model, tok = make_model(), make_tokenizer()
-    prompts = word_prompts(9, seed=7)
-    kwargs = dict(max_new_tokens=6, shard_size=9, temperature=1.0, seed=2, progress=False, engine="continuous")
-    reference = data.regenerate(model, tok, prompts, tmp_path / "ref", batch_size=4, **kwargs)
-    monkeypatch.setattr(data, "SYNC_SECONDS", 0.0)
-    counter = CountingContinuous(monkeypatch, die_after=4)
-    out = tmp_path / "out"
-    with pytest.raises(Killed):
-        data.regenerate(model, tok, prompts, out, batch_size=3, **kwargs)
-    partial = data.partial_shard_path(out, 0)
-    written = [json.loads(line) for line in partial.read_text().splitlines()]
-    assert len(written) == 4 and not data.shard_path(out, 0).exists()
-
-    counter.calls, counter.answers, counter.die_after = [], 0, None
-    summary = data.regenerate(model, tok, prompts, out, batch_size=2, **kwargs)
-    assert counter.calls == [5] and counter.answers == 5
-    assert summary["written"] == 9 == reference["written"] and not partial.exists()
-    records = data.load_shards(out, require_complete=True)
-    assert all(r in records for r in written)
-    check_records(records, 6)
-    assert records == data.load_shards(tmp_path / "ref")
-
-
-@pytest.mark.parametrize("engine", ["continuous", "static", "batches"])
-def test_regenerate_sampling_is_seeded_and_skips_long_prompts(tmp_path: Path, engine: str) -> None:
-    model, tok = make_model(), make_tokenizer()
-    prompts = word_prompts(6, seed=2) + [" ".join(["sea"] * 40)]
-    kwargs = dict(
-        batch_size=4,
-        max_new_tokens=8,
-        temperature=1.0,
-        top_p=0.9,
-        shard_size=4,
-        seed=3,
-        max_prompt_tokens=30,
-        progress=False,
-        engine=engine,
-    )
-    s1 = data.regenerate(model, tok, prompts, tmp_path / "a", **kwargs)
-    data.regenerate(model, tok, prompts, tmp_path / "b", **kwargs)
-    assert s1["skipped_too_long"] == 1 and s1["written"] == 6
-    r1, r2 = data.load_shards(tmp_path / "a"), data.load_shards(tmp_path / "b")
-    assert r1 == r2 and 6 not in [r["id"] for r in r1]
-    check_records(r1, 8)
-    greedy = data.regenerate(model, tok, prompts, tmp_path / "c", **{**kwargs, "temperature": 0.0})
-    assert greedy["written"] == 6 and data.load_shards(tmp_path / "c") != r1
-
-
 # ---- magpie: the target's own requests ---------------------------------------------------------------------
 
 
-def test_user_turn_prefix_is_the_template_before_a_users_text() -> None:
-    tok = make_tokenizer()
-    prefix = data.user_turn_prefix(tok)
-    assert prefix == tok.encode("user", add_special_tokens=False)
-    assert encode_chat(tok, "hello world")[: len(prefix)] == prefix  # what any user turn starts with
-    bare = make_tokenizer()
-    bare.chat_template = None
-    with pytest.raises(InvalidInputError, match="chat template"):
-        data.user_turn_prefix(bare)
-    bare.chat_template = "{% for m in messages %}{{ m['role'] }} says something {% endfor %}"  # drops the text
-    with pytest.raises(InvalidInputError, match="as given"):
-        data.user_turn_prefix(bare)
-    steered = data.user_turn_prefix(tok, "Users ask for Python functions.")  # a system turn before the user's
-    assert steered == tok.encode("system Users ask for Python functions. user", add_special_tokens=False)
-    bare.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
-    assert data.user_turn_prefix(bare) == []
-    with pytest.raises(InvalidInputError, match="system prompt"):  # drops system turns: it cannot be steered
-        data.user_turn_prefix(bare, "Users ask for Python functions.")
-
-
-class RecordingAnswerer(data.Answerer):
+class RecordingAnswerer(answering.Answerer):
     """An Answerer that keeps every (label, prompt ids, response) it gave."""
 
     given: list
@@ -702,86 +499,6 @@ class RecordingAnswerer(data.Answerer):
         for group in super().answers(encoded, **kwargs):
             self.given.extend(group)
             yield group
-
-
-@pytest.mark.parametrize("engine", ["continuous", "static", "batches"])
-def test_magpie_prompts_are_the_targets_own_ended_requests_seeded_and_within_budget(engine: str) -> None:
-    model, tok = make_model(), make_tokenizer()
-
-    def run(seed: int, budget: int | None, max_tokens: int = 6):
-        answerer = RecordingAnswerer.for_target(model, tok, engine=engine, batch_size=4)
-        answerer.given = []
-        source = data.magpie_prompts(answerer, tok, seed=seed, budget=budget, max_tokens=max_tokens)
-        return (list(source) if budget is not None else [next(source) for _ in range(5)]), answerer.given
-
-    texts, given = run(0, 10)
-    prefix = data.user_turn_prefix(tok)
-    assert len(given) == 10 and all(ids == prefix for _, ids, _ in given)  # the budget: 10 requests written
-    ended = [r for _, _, r in sorted(given) if r and r[-1] == EOS]
-    assert 0 < len(ended) < 10  # the tiny model ends some turns within 6 tokens and not others
-    assert texts == [t for t in (tok.decode(r[:-1], skip_special_tokens=True).strip() for r in ended) if t]
-    assert all(len(r) <= 6 for _, _, r in given)
-    assert run(0, 10)[0] == texts  # seeded
-    assert run(1, 10)[0] != texts
-    assert run(0, 0) == ([], [])
-    endless, given = run(0, None, max_tokens=20)  # no budget: as many as asked for
-    assert len(endless) == 5 and len(given) % 4 == 0
-
-
-def test_magpie_rounds_file_resumes_a_killed_collection_with_the_same_requests(tmp_path: Path) -> None:
-    model, tok = make_model(), make_tokenizer()
-    clean = list(
-        data.magpie_prompts(
-            data.Answerer.for_target(model, tok, engine="continuous", batch_size=4),
-            tok,
-            seed=3,
-            budget=40,
-            max_tokens=6,
-        )
-    )  # rounds of 16, 16 and 8 requests
-    rounds_file = tmp_path / "requests.jsonl"
-
-    class Killed(RecordingAnswerer):
-        def answers(self, encoded, **kwargs):
-            if kwargs["group"] == 1:
-                raise KeyboardInterrupt  # killed while writing the second round
-            yield from super().answers(encoded, **kwargs)
-
-    killed = Killed.for_target(model, tok, engine="continuous", batch_size=4)
-    killed.given = []
-    with pytest.raises(KeyboardInterrupt):
-        list(data.magpie_prompts(killed, tok, seed=3, budget=40, max_tokens=6, rounds_file=rounds_file))
-    assert len(rounds_file.read_text().splitlines()) == 2  # the settings and the first round
-    with rounds_file.open("a") as f:
-        f.write('{"count": 16, "requests": ["torn')  # a line cut by the kill
-    again = RecordingAnswerer.for_target(model, tok, engine="continuous", batch_size=4)
-    again.given = []
-    resumed = list(data.magpie_prompts(again, tok, seed=3, budget=40, max_tokens=6, rounds_file=rounds_file))
-    assert resumed == clean and sorted(label for label, _, _ in again.given) == list(range(16, 40))  # round 1 on
-    again.given = []  # complete: replayed whole, nothing written again
-    assert list(data.magpie_prompts(again, tok, seed=3, budget=40, max_tokens=6, rounds_file=rounds_file)) == clean
-    assert again.given == [] and len(rounds_file.read_text().splitlines()) == 4
-    other = list(data.magpie_prompts(again, tok, seed=4, budget=40, max_tokens=6, rounds_file=rounds_file))
-    assert len(again.given) == 40 and other != clean  # another seed: not replayed, the file starts over
-    assert json.loads(rounds_file.read_text().splitlines()[0])["settings"]["seed"] == 4
-
-
-def test_regenerate_uses_the_answerer_it_is_given(tmp_path: Path, monkeypatch) -> None:
-    model, tok = make_model(), make_tokenizer()
-    answerer = data.Answerer.for_target(model, tok, engine="continuous", batch_size=3)
-    built = []
-    monkeypatch.setattr(data, "FastTargetForward", lambda m: built.append(m))  # a second fused copy: not wanted
-    summary = data.regenerate(
-        model, tok, word_prompts(4), tmp_path / "a", batch_size=3, max_new_tokens=4, progress=False, answerer=answerer
-    )
-    assert summary["written"] == 4 and built == []
-    for kwargs in ({"batch_size": 4}, {"engine": "batches"}):
-        with pytest.raises(InvalidInputError, match="answerer was made for another"):
-            data.regenerate(
-                model, tok, ["hi"], tmp_path / "b", progress=False, answerer=answerer, **{"batch_size": 3, **kwargs}
-            )
-    with pytest.raises(InvalidInputError, match="answerer was made for another"):
-        data.regenerate(make_model(), tok, ["hi"], tmp_path / "b", batch_size=3, progress=False, answerer=answerer)
 
 
 def test_collect_prompts_mixes_magpie_and_never_loops_on_a_repeating_target(tmp_path: Path) -> None:
@@ -865,7 +582,7 @@ def test_cli_data_and_resume(tmp_path: Path, fake_target: list, capsys: pytest.C
     assert "evaluation prompts excluded: 1" in err and "tok/s" in err and "response tokens" in err
     assert "only" in err  # fewer prompts than asked
     n = len({json.dumps(p) for p in word_prompts(9, seed=4)})
-    assert len(data.load_shards(out, require_complete=True)) == n
+    assert len(dataset.load_shards(out, require_complete=True)) == n
     again = tmp_path / "again"  # the folder's own prompt list is a jsonl source: the same prompts answered again
     assert (
         main([*args[:2], str(again), "--sources", f"jsonl:{out / 'prompts.jsonl'}", *args[5:], "--no-eval-exclusion"])
@@ -878,11 +595,11 @@ def test_cli_data_and_resume(tmp_path: Path, fake_target: list, capsys: pytest.C
 
     assert stored(again) == stored(out)
 
-    data.shard_path(out, 1).unlink()
+    dataset.shard_path(out, 1).unlink()
     assert main(args) == 0
     _, err = capsys.readouterr()
     assert "Resuming" in err and "1 shard(s)" in err and "evaluation prompts excluded: 1" in err
-    assert len(data.load_shards(out, require_complete=True)) == n
+    assert len(dataset.load_shards(out, require_complete=True)) == n
 
     assert main([*args, "--seed", "1"]) == 2
     _, err = capsys.readouterr()
@@ -892,7 +609,7 @@ def test_cli_data_and_resume(tmp_path: Path, fake_target: list, capsys: pytest.C
 def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: list, capsys, monkeypatch) -> None:
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(9, seed=4)])
     written, systems = [], []
-    inner = data.magpie_prompts
+    inner = magpie.magpie_prompts
 
     def counting(*args, **kwargs):
         systems.append(kwargs.get("system"))
@@ -900,10 +617,10 @@ def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: li
             written.append(text)
             yield text
 
-    monkeypatch.setattr(data, "magpie_prompts", counting)
+    monkeypatch.setattr(magpie, "magpie_prompts", counting)
     forwards = []
-    fast = data.FastTargetForward
-    monkeypatch.setattr(data, "FastTargetForward", lambda m: forwards.append(m) or fast(m))
+    fast = answering.FastTargetForward
+    monkeypatch.setattr(answering, "FastTargetForward", lambda m: forwards.append(m) or fast(m))
     out = tmp_path / "out"
     args = [
         "data",
@@ -933,13 +650,13 @@ def test_cli_data_with_magpie_prompts_and_resume(tmp_path: Path, fake_target: li
     assert kept == ["seed-1.jsonl", "seed-2.jsonl"]  # --seed 0 + the sources' positions
     stored = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(stored) == 8 and len(set(stored) & set(written)) == 4  # four of the target's requests, answered
-    assert len(data.load_shards(out, require_complete=True)) == 8
+    assert len(dataset.load_shards(out, require_complete=True)) == 8
     assert len(forwards) == 1  # the requests' fast forward answered them too
-    data.shard_path(out, 1).unlink()
+    dataset.shard_path(out, 1).unlink()
     count = len(written)
     assert main(args) == 0  # resumed with the stored list: no request written again
     assert "Resuming" in capsys.readouterr().err and len(written) == count
-    assert len(data.load_shards(out, require_complete=True)) == 8
+    assert len(dataset.load_shards(out, require_complete=True)) == 8
 
 
 def test_cli_default_out_dir(tmp_path: Path, fake_target: list, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -955,40 +672,6 @@ def test_cli_bad_sources(fake_target: list, capsys, tmp_path: Path) -> None:
     assert main(["data", "--out", str(tmp_path / "o"), "--sources", "nope", "--no-progress"]) == 2
     _, err = capsys.readouterr()
     assert err.startswith("error:") and "unknown prompt source" in err
-
-
-def test_a_damaged_shard_is_named_with_its_line(tmp_path: Path) -> None:
-    model, tok = make_model(), make_tokenizer()
-    data.regenerate(
-        model, tok, word_prompts(6), tmp_path / "out", batch_size=3, max_new_tokens=4, shard_size=8, progress=False
-    )
-    shard = data.shard_path(tmp_path / "out", 0)
-    lines = shard.read_text().splitlines()
-    shard.write_text("\n".join(lines[:2] + [lines[2][:20]] + lines[3:]) + "\n")  # a truncated record
-    with pytest.raises(data.DataError, match=rf"{shard.name}:3: not a JSON record"):
-        data.load_shards(tmp_path / "out")
-    bad = json.loads(lines[2])
-    bad["response_ids"] = [5, -4]
-    shard.write_text("\n".join(lines[:2] + [json.dumps(bad)] + lines[3:]) + "\n")
-    with pytest.raises(data.DataError, match=rf"{shard.name}:3: .*token ids >= 0"):
-        data.load_shards(tmp_path / "out")
-
-
-def test_regenerate_engine_choice_is_checked_before_anything_is_written(tmp_path: Path) -> None:
-    tok = make_tokenizer()
-    with pytest.raises(InvalidInputError, match="engine must be"):
-        data.regenerate(make_model(), tok, ["hi"], tmp_path / "a", engine="fast", progress=False)
-    for engine in ("continuous", "static"):
-        with pytest.raises(InvalidInputError, match="activation"):  # a model the fast forward does not cover
-            data.regenerate(
-                tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "b", engine=engine, progress=False
-            )
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    summary = data.regenerate(
-        tiny_target("llama", hidden_act="gelu"), tok, ["hi"], tmp_path / "c", max_new_tokens=3, progress=False
-    )  # auto: static batches for it
-    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
-    assert summary["written"] == 1 and meta["shards"]["00000"]["engine"] == "batches"
 
 
 @pytest.mark.parametrize("device,expected", [("cpu", 64), ("cuda", 1024)])
@@ -1007,7 +690,7 @@ def test_cli_batch_size_default_follows_the_device(
     monkeypatch.setattr(
         dflashkit.training.distributed, "from_environment", lambda d: (dflashkit.training.distributed.SINGLE, device)
     )
-    monkeypatch.setattr(data, "regenerate", fake_regenerate)
+    monkeypatch.setattr(regeneration, "regenerate", fake_regenerate)
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in word_prompts(3, seed=4)])
     args = ["data", "--out", str(tmp_path / "out"), "--sources", f"jsonl:{src}", "--no-progress", "--min-chars", "1"]
     with pytest.raises(Called) as called:

@@ -5,22 +5,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dflashkit.errors import InvalidInputError
-from dflashkit.training.losses import (
-    block_hidden,
-    block_targets,
-    position_weights,
-    row_argmax,
-    sample_anchors,
-    training_attention_mask,
-    weighted_block_loss,
-)
 
 
 def reference_mask(anchors, keep, seq_len, B):
@@ -40,113 +29,6 @@ def reference_mask(anchors, keep, seq_len, B):
     return out
 
 
-@pytest.mark.parametrize("seq_len,B", [(1, 2), (5, 4), (20, 4), (33, 8)])
-def test_mask_equals_elementwise_predicate(seq_len, B):
-    g = torch.Generator().manual_seed(seq_len)
-    loss_mask = torch.rand(3, seq_len, generator=g) > 0.3
-    loss_mask[0] = False  # a sequence with no valid anchor: all padding blocks
-    anchors, keep = sample_anchors(loss_mask, 4, g)
-    got = training_attention_mask(anchors, keep, seq_len, B)
-    assert torch.equal(got, reference_mask(anchors, keep, seq_len, B))
-    assert not keep[0].any()
-
-
-def test_anchor_sampler_respects_the_loss_mask():
-    g = torch.Generator().manual_seed(0)
-    for trial in range(50):
-        L = int(torch.randint(2, 40, (1,), generator=g))
-        loss_mask = torch.rand(4, L, generator=g) > 0.4
-        anchors, keep = sample_anchors(loss_mask, 8, g)
-        for s in range(4):
-            valid = {i for i in range(L - 1) if loss_mask[s, i] and loss_mask[s, i + 1]}
-            chosen = anchors[s][keep[s]].tolist()
-            assert set(chosen) <= valid and len(set(chosen)) == len(chosen) == min(len(valid), anchors.shape[1])
-            assert chosen == sorted(chosen)
-            assert (anchors[s][~keep[s]] == 0).all()
-
-
-def test_anchor_sampler_is_uniform():
-    loss_mask = torch.ones(1, 11, dtype=torch.bool)  # 10 valid anchors (0..9)
-    g = torch.Generator().manual_seed(1)
-    counts = torch.zeros(11)
-    for _ in range(2000):
-        a, _ = sample_anchors(loss_mask, 3, g)
-        counts[a[0]] += 1
-    assert counts[10] == 0
-    assert (counts[:10] / 2000 - 0.3).abs().max() < 0.05  # each valid anchor drawn with p = 3/10
-
-
-def test_position_weights_values():
-    w = position_weights(16, 7.0)
-    assert w.shape == (15,) and w[0] == 1.0
-    assert abs(float(w.sum()) - 6.63) < 0.01  # the paper's table for γ=7, B=16
-    assert torch.allclose(position_weights(8, 4.0)[-1], torch.tensor(math.exp(-6 / 4)))
-
-
-def test_loss_equals_naive_weighted_mean_including_cut_blocks():
-    torch.manual_seed(0)
-    S, L, B, V, gamma = 2, 12, 4, 7, 3.0
-    ids = torch.randint(0, V, (S, L))
-    lengths = torch.tensor([12, 7])  # the second sequence ends early: its late blocks are cut
-    loss_mask = torch.zeros(S, L, dtype=torch.bool)
-    loss_mask[0, 3:] = True
-    loss_mask[1, 2:7] = True
-    loss_mask[0, 8] = False  # an unsupervised hole inside the response: later positions still count
-    anchors, keep = sample_anchors(loss_mask, 5, torch.Generator().manual_seed(3))
-    labels, weights = block_targets(ids, loss_mask, lengths, anchors, keep, B, gamma)
-    logits = torch.randn(S, anchors.shape[1], B - 1, V)
-    num = den = 0.0
-    for s in range(S):
-        for n in range(anchors.shape[1]):
-            for k in range(1, B):
-                p = int(anchors[s, n]) + k
-                if not keep[s, n] or p >= int(lengths[s]) or not loss_mask[s, p]:
-                    continue
-                w = math.exp(-(k - 1) / gamma)
-                ce = float(F.cross_entropy(logits[s, n, k - 1][None], ids[s, p][None]))
-                num, den = num + w * ce, den + w
-                assert labels[s, n, k - 1] == ids[s, p]
-    assert den > 0
-    assert abs(float(weighted_block_loss(logits, labels, weights)) - num / den) < 1e-5
-
-
-def test_dpace_weights_equal_a_naive_computation(monkeypatch):
-    """D-PACE: w_k = Σ_{j>=k} Π_{i<=j} s_i with s_i = (1-α) q_i + α, and s = 0 where an offset has no label (it can
-    never be accepted, so nothing after it in the block counts); the label probabilities in row chunks."""
-    import dflashkit.training.trainer as train
-    from dflashkit.training.losses import acceptance_weights, block_cross_entropy
-
-    def label_probabilities(logits, labels):  # the drafter's probability of each label, as loss_on derives it
-        return torch.exp(-block_cross_entropy(logits, labels).detach())
-
-    torch.manual_seed(0)
-    S, N, K, V, alpha = 2, 3, 5, 9, 0.3
-    logits = torch.randn(S, N, K, V)
-    labels = torch.randint(0, V, (S, N, K))
-    valid = torch.rand(S, N, K) > 0.25
-    monkeypatch.setattr(train, "LOSS_CHUNK_ROWS", 4)  # 30 rows in chunks of 4
-    q = label_probabilities(logits, labels)
-    assert torch.allclose(q, logits.softmax(-1).gather(-1, labels[..., None])[..., 0], atol=1e-6)
-    w = acceptance_weights(q, valid, alpha)
-    for s in range(S):
-        for n in range(N):
-            for k in range(K):
-                want = 0.0
-                if valid[s, n, k]:
-                    for j in range(k, K):
-                        prefix = 1.0
-                        for i in range(j + 1):
-                            prefix *= (1 - alpha) * float(q[s, n, i]) + alpha if valid[s, n, i] else 0.0
-                        want += prefix
-                assert abs(float(w[s, n, k]) - want) < 1e-5, (s, n, k)
-    assert (w[~valid] == 0).all() and (w[valid] > 0).any()
-    x = logits.clone().requires_grad_()
-    weighted_block_loss(x, labels, acceptance_weights(label_probabilities(x, labels), valid, alpha)).backward()
-    y = logits.clone().requires_grad_()
-    weighted_block_loss(y, labels, w).backward()
-    assert torch.equal(x.grad, y.grad)  # the weights carry no gradient: the loss is CE under fixed weights
-
-
 def test_training_with_dpace_weights_learns(tmp_path):
     from dflashkit.training.trainer import TrainConfig
     from tests.conftest import tiny_target
@@ -163,36 +45,6 @@ def test_training_with_dpace_weights_learns(tmp_path):
     last, _ = trainer.loss_on(trainer.train_seqs[:4], spread=False)
     first, last = float(first.detach()), float(last.detach())
     assert math.isfinite(first) and last < 0.8 * first
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_loss_and_the_accuracy_in_row_chunks_equal_them_in_one_piece(dtype, monkeypatch):
-    """The loss runs over the logits in chunks of rows (and the accuracy's argmax too): the same loss, gradient
-    and argmax as over all rows at once, with rows that do not divide into chunks and ties in bf16."""
-    import dflashkit.training.trainer as train
-
-    torch.manual_seed(0)
-    logits = torch.randn(3, 5, 7, 11).to(dtype)  # 105 rows
-    logits[0, 0, 0, 4] = logits[0, 0, 0, 9] = logits[0, 0, 0].max() + 1  # a tie: the first index wins
-    labels = torch.randint(0, 11, (3, 5, 7))
-    weights = torch.rand(3, 5, 7)
-    results = {}
-    for chunk in (8, 1000):
-        monkeypatch.setattr(train, "LOSS_CHUNK_ROWS", chunk)
-        x = logits.clone().requires_grad_()
-        loss = weighted_block_loss(x, labels, weights)
-        loss.backward()
-        results[chunk] = (loss.detach(), x.grad, row_argmax(x))
-    (l1, g1, a1), (l2, g2, a2) = results[8], results[1000]
-    assert torch.equal(l1, l2) and torch.equal(g1, g2)
-    assert torch.equal(a1, a2) and torch.equal(a1, logits.float().argmax(-1)) and a1[0, 0, 0] == 4
-
-
-def test_loss_chunks_are_small_on_a_cpu_and_large_elsewhere():
-    from dflashkit.training.losses import DEVICE_LOSS_CHUNK_ROWS, LOSS_CHUNK_ROWS, loss_chunk_rows
-
-    assert loss_chunk_rows(torch.zeros(2, 3)) == LOSS_CHUNK_ROWS == 256
-    assert loss_chunk_rows(torch.zeros(2, 3, device="meta")) == DEVICE_LOSS_CHUNK_ROWS >= 64 * LOSS_CHUNK_ROWS
 
 
 # ---- end to end on a tiny random target ---------------------------------------------------------------
@@ -703,30 +555,6 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
     assert not (uncached / "features").exists() and not (uncached / "soft-labels").exists()
 
 
-def test_load_sequences_from_several_folders(tmp_path):
-    from dflashkit.training import sources as data
-    from dflashkit.training.dataset import load_sequences
-    from tests.training.test_sources import make_model, make_tokenizer, word_prompts
-
-    model, tok = make_model(), make_tokenizer()
-    for name, seed in (("a", 1), ("b", 2)):
-        data.regenerate(
-            model, tok, word_prompts(4, seed=seed), tmp_path / name, batch_size=4, max_new_tokens=6, progress=False
-        )
-
-    def plain(seqs):
-        return [(s.input_ids, s.num_prompt) for s in seqs]
-
-    a, b = load_sequences(tmp_path / "a", 64), load_sequences(tmp_path / "b", 64)
-    both = load_sequences(f"{tmp_path / 'a'},{tmp_path / 'b'}", 64)
-    assert a and b and plain(both) == plain(a) + plain(b)
-    assert [s.source for s in both] == [0] * len(a) + [1] * len(b)
-    again = load_sequences(f"{tmp_path / 'a'},{tmp_path / 'b'},{tmp_path / 'a'}", 64)
-    assert plain(again) == plain(a) + plain(b)  # repeats used once
-    with pytest.raises(data.DataError):
-        load_sequences(f"{tmp_path / 'a'},{tmp_path / 'missing'}", 64)
-
-
 def test_init_from_a_trained_drafter_keeps_weights_and_draft_vocabulary(tmp_path):
     from dflashkit.drafter.checkpoint import load_drafter, save_drafter
     from dflashkit.errors import IncompatibleDrafterError, InvalidInputError
@@ -760,83 +588,16 @@ def trained_and_saved(tmp_path, model, seqs):
     return first
 
 
-def test_init_with_more_layers_deepens_the_drafter_without_changing_what_it_computes(tmp_path):
-    from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.errors import InvalidInputError
-    from dflashkit.training.warm_start import deepened
-    from tests.conftest import tiny_target
-
-    model = tiny_target("llama")
-    seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
-    first = trained_and_saved(tmp_path, model, seqs)
-    deeper = make_trainer(tmp_path / "b", model, [*seqs], init_drafter=str(tmp_path / "d"), num_layers=4, steps=4)
-    assert deeper.drafter.config.num_hidden_layers == 4
-    same = make_trainer(tmp_path / "s", model, [*seqs], init_drafter=str(tmp_path / "d"), num_layers=None)
-    assert same.drafter.config.num_hidden_layers == same.cfg.num_layers == 2  # no --layers: the init's depth
-    assert make_trainer(tmp_path / "n", model, [*seqs], num_layers=None).drafter.config.num_hidden_layers == 3
-    fresh = make_trainer(tmp_path / "f", model, [*seqs], num_layers=4)  # a new 4-layer drafter reads other layers
-    assert fresh.drafter.config.target_layer_ids != first.drafter.config.target_layer_ids
-    assert deeper.drafter.config.target_layer_ids == first.drafter.config.target_layer_ids  # the init's are kept
-    old, new = load_drafter(tmp_path / "d", dtype=torch.float32).eval(), deeper.drafter.eval()
-    torch.manual_seed(0)
-    hidden = model.config.hidden_size
-    features = torch.randn(1, 12, len(old.config.target_layer_ids) * hidden)
-    block = torch.randn(1, 4, hidden)
-    with torch.no_grad():
-        want = old(block, torch.arange(12, 16), old.context_key_values(features, torch.arange(12)))
-        got = new(block, torch.arange(12, 16), new.context_key_values(features, torch.arange(12)))
-    assert want.abs().max() > 0.1
-    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the new layers start as identities
-    before = {k: v.clone() for k, v in deeper.drafter.state_dict().items()}
-    deeper.run(resume=False, progress=False)
-    for name in ("layers.2.self_attn.o_proj.weight", "layers.3.mlp.down_proj.weight"):  # they do learn
-        assert not torch.equal(deeper.drafter.state_dict()[name], before[name]), name
-    with pytest.raises(InvalidInputError, match="deepen"):
-        deepened(deeper.drafter, 2)
-
-
-def test_init_with_more_target_layers_widens_the_fusion_without_changing_what_it_computes(tmp_path):
-    from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.errors import InvalidInputError
-    from dflashkit.training.warm_start import widened
-    from tests.conftest import tiny_target
-
-    model = tiny_target("llama")
-    seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
-    first = trained_and_saved(tmp_path, model, seqs)
-    assert first.drafter.config.target_layer_ids == [1, 3]
-    wider = make_trainer(
-        tmp_path / "b", model, [*seqs], init_drafter=str(tmp_path / "d"), target_layer_ids=[1, 2, 3], steps=4
-    )
-    assert wider.drafter.config.target_layer_ids == [1, 2, 3]
-    old, new = load_drafter(tmp_path / "d", dtype=torch.float32).eval(), wider.drafter.eval()
-    torch.manual_seed(0)
-    h = model.config.hidden_size
-    f1, f2, f3 = (torch.randn(1, 12, h) for _ in range(3))
-    block = torch.randn(1, 4, h)
-    with torch.no_grad():
-        want = old(block, torch.arange(12, 16), old.context_key_values(torch.cat((f1, f3), -1), torch.arange(12)))
-        got = new(block, torch.arange(12, 16), new.context_key_values(torch.cat((f1, f2, f3), -1), torch.arange(12)))
-    assert want.abs().max() > 0.1
-    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the new layer's columns start at zero
-    wider.run(resume=False, progress=False)
-    assert wider.drafter.fc.weight[:, h : 2 * h].abs().max() > 0  # ... and learn
-    with pytest.raises(InvalidInputError, match="not the shape of this run"):  # dropping a layer: refused
-        make_trainer(tmp_path / "c", model, [*seqs], init_drafter=str(tmp_path / "d"), target_layer_ids=[1, 2])
-    with pytest.raises(InvalidInputError, match="cannot widen"):
-        widened(old, [1, 1, 3])
-
-
 def test_trainer_records_the_data_it_used(tmp_path):
     import json
 
-    from dflashkit.training import sources as data
+    from dflashkit.training import regenerate as regeneration
     from dflashkit.training.trainer import TrainConfig, Trainer
     from tests.training.test_sources import make_model, make_tokenizer, word_prompts
 
     model, tok = make_model(), make_tokenizer()
     for name, n in (("a", 5), ("b", 3)):
-        data.regenerate(
+        regeneration.regenerate(
             model, tok, word_prompts(n, seed=n), tmp_path / name, batch_size=8, max_new_tokens=6, progress=False
         )
     cfg = TrainConfig(
@@ -852,30 +613,6 @@ def test_trainer_records_the_data_it_used(tmp_path):
     assert [u["folder"] for u in used] == [str(tmp_path / "a"), str(tmp_path / "b")]
     assert sum(u["sequences"] for u in used) == len(trainer.eval_seqs) + len(trainer.train_seqs)
     assert all(u["sequences"] > 0 and u["response_tokens"] >= 2 * u["sequences"] for u in used)
-
-
-def test_several_answers_to_a_prompt_are_kept_once_each(monkeypatch):
-    """Sampled regenerations give a prompt several answers: each distinct one trains; repeats and prefixes of a
-    kept answer do not; a longer answer replaces the prefix it extends."""
-    from dflashkit.training import sources as data
-    from dflashkit.training.dataset import load_sequences
-
-    folders = {
-        "a": [{"prompt_ids": [1, 2], "response_ids": [5, 6, 7]}, {"prompt_ids": [3], "response_ids": [8, 9]}],
-        "b": [
-            {"prompt_ids": [1, 2], "response_ids": [5, 6, 7]},  # the same answer again
-            {"prompt_ids": [1, 2], "response_ids": [5, 6]},  # a prefix of it (shorter length limit)
-            {"prompt_ids": [1, 2], "response_ids": [6, 6, 6]},  # another (sampled) answer
-            {"prompt_ids": [3], "response_ids": [8, 9, 10, 11]},
-        ],  # extends a kept answer
-    }
-    monkeypatch.setattr(data, "load_shards", lambda folder, **_: iter(folders[Path(folder).name]))
-    seqs = load_sequences("a,b", 64)
-    assert [(s.input_ids, s.num_prompt, s.source) for s in seqs] == [
-        ([1, 2, 5, 6, 7], 2, 0),
-        ([1, 2, 6, 6, 6], 2, 1),
-        ([3, 8, 9, 10, 11], 1, 0),
-    ]
 
 
 def test_held_out_prompts_never_train_with_another_answer(tmp_path):
@@ -895,34 +632,6 @@ def test_held_out_prompts_never_train_with_another_answer(tmp_path):
 
 
 # ---- distillation: the target's own distribution as soft labels ---------------------------------------
-
-
-def test_soft_targets_and_loss_equal_a_naive_computation():
-    from dflashkit.training.losses import soft_block_loss, soft_block_targets
-
-    torch.manual_seed(1)
-    S, L, B, V, K = 2, 10, 4, 9, 3
-    full = torch.randn(S, L, V).log_softmax(-1)  # the target's log-probabilities after each position
-    top = full.topk(K, -1)
-    anchors = torch.tensor([[0, 3, 5], [1, 2, 6]])
-    column_of = torch.tensor([0, 1, 2, 3, 4, 5, -1, -1, -1])  # a draft vocabulary of the first 6 tokens
-    columns, probs = soft_block_targets(top.indices, top.values, anchors, B, column_of)
-    logits = torch.randn(S, 3, B - 1, 6)
-    weights = torch.rand(S, 3, B - 1) * (torch.rand(S, 3, B - 1) > 0.2)
-    num = den = 0.0
-    for s in range(S):
-        for n in range(3):
-            for k in range(1, B):
-                row = min(int(anchors[s, n]) + k - 1, L - 1)  # the prediction of the token at anchor+k
-                p = {int(t): math.exp(float(lp)) for t, lp in zip(top.indices[s, row], top.values[s, row]) if t < 6}
-                total = sum(p.values())
-                logq = logits[s, n, k - 1].log_softmax(-1)
-                ce = -sum(v / total * float(logq[t]) for t, v in p.items()) if total else 0.0
-                if total:
-                    assert float(probs[s, n, k - 1].sum()) == pytest.approx(1.0, abs=1e-6)
-                w = float(weights[s, n, k - 1])
-                num, den = num + w * ce, den + w
-    assert float(soft_block_loss(logits, columns, probs, weights)) == pytest.approx(num / den, abs=1e-5)
 
 
 def test_top_logprobs_are_the_target_distribution(tmp_path):
@@ -1007,35 +716,6 @@ def test_distillation_trains_caches_its_soft_labels_and_raises_tau(tmp_path):
     assert {"hard_loss", "soft_loss"} <= set(log[-1]) and log[-1]["soft_loss"] < log[0]["soft_loss"]
     with pytest.raises(Exception, match="distillation"):
         make_trainer(tmp_path / "bad", model, seqs, distill_topk=4, distill_weight=1.5)
-
-
-def test_block_hidden_is_each_block_run_alone_over_the_context_before_its_anchor():
-    """The teacher-forced hidden states training scores: block n (its anchor token, then masks, at positions
-    anchor..anchor+B-1) sees exactly the injected context of positions < anchor; from features or their context."""
-    from dflashkit.target.adapter import TargetAdapter
-    from tests.conftest import tiny_drafter, tiny_target
-
-    model = tiny_target("llama")
-    drafter = tiny_drafter(model, block_size=4)
-    target = TargetAdapter(model, drafter.config.target_layer_ids)
-    ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(0))
-    features = target.features(ids)  # [1, 20, F]
-    anchors, keep = torch.tensor([[2, 9, 15]]), torch.ones(1, 3, dtype=torch.bool)
-    with torch.no_grad():
-        got = block_hidden(drafter, ids, anchors, keep, target.embed_tokens, features=features)  # [1, 3, 3, H]
-        context = drafter.context_key_values(features, torch.arange(20))
-        assert torch.equal(block_hidden(drafter, ids, anchors, keep, target.embed_tokens, context=context), got)
-        for n, a in enumerate(anchors[0].tolist()):
-            block = torch.full((1, 4), drafter.config.mask_token_id)
-            block[0, 0] = ids[0, a]
-            alone = drafter(
-                drafter.embed(block, target.embed_tokens),
-                torch.arange(a, a + 4),
-                drafter.context_key_values(features[:, :a], torch.arange(a)),
-            )[0, 1:]
-            torch.testing.assert_close(got[0, n], alone, rtol=1e-4, atol=1e-5)
-    with pytest.raises(InvalidInputError, match="features"):
-        block_hidden(drafter, ids, anchors, keep, target.embed_tokens)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,74 @@
+"""`dflashkit serve`, run in-process on the tiny offline target: the app it starts, and options refused before the
+model loads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import dflashkit
+from dflashkit.cli.main import main
+from tests.cli.helpers import PROMPT
+
+
+def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dflashkit serve` loads the target and drafter as generate does and runs the app with uvicorn."""
+    import openai
+    import uvicorn
+
+    from tests.live_server import LiveServer
+
+    served: dict = {}
+    original_run = uvicorn.Server.run
+
+    def fake_run(self, sockets=None) -> None:  # the CLI's server: serve its app for real, briefly
+        if self.config.port != 8123:  # LiveServer's own
+            return original_run(self, sockets=sockets)
+        served.update(host=self.config.host, port=self.config.port, thread=threading.current_thread())
+        with LiveServer(self.config.app) as live:
+            client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+            served["models"] = [m.id for m in client.models.list().data]
+            resp = client.chat.completions.create(
+                model=served["models"][0], messages=[{"role": "user", "content": PROMPT}], max_tokens=5, temperature=0
+            )
+            served["usage"] = resp.usage
+
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    rc = main(["serve", "--port", "8123", "--drafter", "untrained", "--dtype", "float32", "--max-queue", "2"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    assert served["host"] == "127.0.0.1" and served["port"] == 8123
+    assert served["thread"] is not threading.main_thread()  # HTTP in a thread; this one ran the passes
+    assert served["models"] == [dflashkit.DEFAULT_TARGET]
+    speculative = served["usage"].model_extra["speculative"]
+    assert served["usage"].completion_tokens == 5 and speculative["block_size"] == 16
+    assert speculative["adaptive_block_size"]  # serve's default: --block-size auto
+    assert "Serving" in err and "UNTRAINED" in err and "--tree has no effect" not in err
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # plain decoding: no tree to verify
+    assert main(["serve", "--drafter", "none", "--tree", "5", "--dtype", "float32"]) == 0
+    assert "--tree has no effect without a drafter" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--max-queue", "-1"], "max_queue"),
+        (["--timeout", "-5"], "timeout"),
+        (["--port", "70000"], "--port"),
+        (["--block-size", "1"], "block_size"),
+        (["--tree", "-1"], "tree"),
+        (["--draft-window", "-1"], "draft_window"),
+        (["--proposal-temperature", "0"], "proposal temperature"),
+        (["--max-batch", "0"], "max_batch"),
+        (["--max-batch", "17"], "max_batch"),
+        (["--stored-responses", "-1"], "stored_responses"),
+        (["--api-key", " "], "api_key"),
+    ],
+)
+def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], message: str) -> None:
+    rc = main(["serve", *args])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error:") and message in err
+    assert loads == []  # refused before the (slow) model load
