@@ -1225,7 +1225,8 @@ def test_proposal_temperature_setting_reaches_the_requests_drafts(proposal_tempe
     app = create_app(tiny_generator(), model_id=MODEL, proposal_temperature=0.7, block_size=4, lookup=False)
     with LiveServer(app) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        done = client.completions.create(model=MODEL, prompt="w5 w6 w7", temperature=1.0, max_tokens=6)
+        # seeded, so that no sampled end-of-text cuts it short (the seed's text is fixed)
+        done = client.completions.create(model=MODEL, prompt="w5 w6 w7", temperature=1.0, max_tokens=6, seed=1)
     assert done.usage.completion_tokens == 6
     assert proposal_temperatures and set(proposal_temperatures) == {0.7}
     for bad in (0, -1.0, float("nan"), True):
