@@ -1,4 +1,5 @@
-"""Atomic writes: a file or a folder appears complete or not at all, so a killed job loses nothing."""
+"""Files: atomic writes (a file or a folder appears complete or not at all, so a killed job loses nothing), files
+inside installed packages, JSON-lines records."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _package_file(package: str, relpath: str) -> pathlib.Path | None:
+def package_file(package: str, relpath: str) -> pathlib.Path | None:
     """A file inside an installed package, located without importing the package (None when absent)."""
     try:
         spec = importlib.util.find_spec(package)

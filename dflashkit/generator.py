@@ -274,9 +274,9 @@ class SpeculativeGenerator:
         :data:`COUPLED_TREE` nodes for seeded sampling with the adaptive block size, chains otherwise
         (:func:`default_tree`); ``tree=0``: chains in any case. ``tree_copies``: whether a greedy or seeded step
         that copies (lookup, the n-gram store) verifies one tree of the copy and the drafter's candidates instead of
-        the copy as a chain; None (the default): yes for a tree asked for, no for the default seeded trees (on
-        this CPU the drafter's pass on every copied step cost more than the trees' extra tokens brought: session 40,
-        the experiment record (docs/experiments.md)).
+        the copy as a chain; None (the default): yes for a tree asked for, no for the default seeded trees (on a
+        2-core CPU the drafter's pass on every copied step cost more than the trees' extra tokens brought:
+        docs/experiments.md).
         ``sampler`` (when sampling): "rejection" (speculative sampling, the most drafts accepted) or "coupled"
         (Gumbel-max with noise fixed by the seed and position: the output is the plain sampled output of the
         seed, whatever the drafter, block size, lookup or batch; see :mod:`dflashkit.decoding.sampling`); None (the

@@ -52,15 +52,26 @@ def _imported(path: Path, name: str, modules: set[str]) -> set[str]:
     return out
 
 
+def module_files(package: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of the package by dotted name (a package's ``__init__.py`` under the package's name)."""
+    return {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+
+
+def module_imports(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module-level import graph: each module -> the package's other modules it imports (any depth of its code)."""
+    files = module_files(package)
+    return {name: _imported(path, name, set(files)) - {name} for name, path in files.items()}
+
+
 def graph(package: Path = PACKAGE) -> tuple[list[str], list[tuple[str, str]]]:
     """Sorted nodes and sorted edges (importer, imported) between different nodes."""
-    files = {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
-    node_of = {name: _node(path, package) for name, path in files.items()}
-    edges = set()
-    for name, path in files.items():
-        for target in _imported(path, name, set(files)):
-            if node_of[target] != node_of[name]:
-                edges.add((node_of[name], node_of[target]))
+    node_of = {name: _node(path, package) for name, path in module_files(package).items()}
+    edges = {
+        (node_of[name], node_of[target])
+        for name, targets in module_imports(package).items()
+        for target in targets
+        if node_of[target] != node_of[name]
+    }
     return sorted(set(node_of.values())), sorted(edges)
 
 

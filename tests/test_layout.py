@@ -2,48 +2,18 @@
 
 from __future__ import annotations
 
-import ast
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "dflashkit"
-
-
-def _modules() -> dict[str, Path]:
-    found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        found[".".join(parts)] = path
-    return found
-
-
-MODULES = _modules()
-
-
-def _imports(name: str, path: Path) -> set[str]:
-    """Every dflashkit module that ``name`` imports, at any depth of its code (function bodies, TYPE_CHECKING)."""
-    is_package = path.name == "__init__.py"
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".") if is_package else name.split(".")[:-1]
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([node.module] if node.module else []))
-            # `from package import module` imports that module; `from module import name`, that module
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
-        else:
-            continue
-        out |= {t for t in targets if t in MODULES and t != name}
-    return out
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("layout_graph", ROOT / "scripts" / "layout_graph.py")
+layout_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(layout_graph)  # the import graph that docs/architecture.md draws, read the same way here
+MODULES = layout_graph.module_files()
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -78,8 +48,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _graph() -> dict[str, set[str]]:
-    # a package's __init__ that only re-exports counts as its folder: an import of `dflashkit.x` is one of x's face
-    return {name: _imports(name, path) for name, path in MODULES.items()}
+    return layout_graph.module_imports()
 
 
 def test_no_module_imports_one_that_imports_it_back():

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashkit.errors import DataError, InvalidInputError
-from dflashkit.fsutil import _package_file, jsonl_records
+from dflashkit.fsutil import jsonl_records, package_file
 from dflashkit.training.evalsets import EVAL_SOURCES, HUMANEVAL_PREFIX, INSTALL, MATH_SUFFIX
 
 PACKAGED = {"mt-bench": "mt-bench", "humaneval": "humaneval", "math500": "mmath"}  # set name: EVAL_SOURCES key
@@ -46,7 +46,7 @@ class Question:
 
 def available_packaged() -> list[str]:
     """The packaged sets whose package is installed."""
-    return [name for name, src in PACKAGED.items() if _package_file(*EVAL_SOURCES[src]) is not None]
+    return [name for name, src in PACKAGED.items() if package_file(*EVAL_SOURCES[src]) is not None]
 
 
 def load_questions(spec: str, limit: int | None = None, seed: int = 0) -> tuple[str, list[Question]]:
@@ -74,7 +74,7 @@ def load_questions(spec: str, limit: int | None = None, seed: int = 0) -> tuple[
 
 
 def _packaged(name: str) -> list[Question]:
-    path = _package_file(*EVAL_SOURCES[PACKAGED[name]])
+    path = package_file(*EVAL_SOURCES[PACKAGED[name]])
     if path is None:
         raise InvalidInputError(f"data set {name!r} is not installed: {INSTALL[name]}")
     if name == "mt-bench":

@@ -20,26 +20,17 @@ def default_sampler(sampler: str | None, seed: int | None) -> str:
     """The sampler a sampled generation uses: as asked; None (the default): "coupled" when a seed is given (a seed
     asks for a reproducible output, and coupled sampling gives the seed's plain output whatever the block sizes,
     which the adaptive policy picks by timing), "rejection" without one: its chains are as fast as coupled sampling's
-    trees (session 34, the experiment record (docs/experiments.md), T=1, against
-    the same plain sampling: 1.26 / 1.28 / 1.17x against 1.26 / 1.26 / 1.14x on MT-Bench / HumanEval / MATH-500;
-    the trees accept more, τ 1.51 / 1.65 / 1.47 against 1.41 / 1.54 / 1.39, but their steps verify more rows and
-    draw Gumbel noise for them, and plain coupled sampling is itself 3-5% slower than plain sampling)."""
+    trees at T=1 (the trees accept more, but their steps verify more rows and draw noise for them; measured in
+    docs/experiments.md, "Rejection sampling or coupled (Gumbel-max) sampling")."""
     return check_sampler(sampler) if sampler is not None else ("coupled" if seed is not None else "rejection")
 
 
 # Drafter steps of a seeded sampled generation (coupled sampling) verify token trees of this many nodes by default.
-# Under coupling a tree's candidates are the drafter's top choices under the target's own noise, and more of them
-# are accepted: session 33, `docs/experiments.md --default --sampler coupled --trees 4,6 --limit 10
-# --seeds 2` (T=1, the adaptive policy and lookup, a policy per variant): chains 1.24 / 1.39 / 1.30x plain coupled
-# sampling (MT-Bench / HumanEval / MATH-500), trees of 4 nodes 1.28 / 1.43 / 1.38x, of 6 1.30 / 1.45 / 1.37x. With
-# the rejection sampler (no seed) trees gained less (+0-3%) and chains stay. Copied steps stay chains in these default
-# trees (tree_copies): one tree of the copy and the drafter's candidates raised τ (1.70 / 1.83 / 1.60 against 1.48 /
-# 1.53 / 1.46) but ran the drafter on every copied step, 1.17 / 1.19 / 1.07x against 1.24 / 1.30 / 1.14x (session 40,
-# the experiment record (docs/experiments.md), this CPU). Checked
-# again after session 47 made the noise cheap (`--trees 4,6,9 --limit 8 --seeds 2`, v15, over plain coupled sampling,
-# MT-Bench / HumanEval / MATH-500): chains 1.32 / 1.38 / 1.28x, trees of 4 / 6 / 9 with copies as chains 1.39-1.40 /
-# 1.43-1.46 / 1.36-1.38x, trees holding the copies 1.37-1.46 / 1.38-1.42 / 1.32-1.39x (τ up to 1.93 / 2.14 / 1.88, but
-# the drafter then runs on every step, ~2 ms of a 12-14 ms step): no size stands out, 6 stays.
+# Under coupling a tree's candidates are the drafter's top choices under the target's own noise, and more of them are
+# accepted: trees of 4-9 nodes decode ~4-10% faster than chains at T=1, with no size standing out; copied steps stay
+# chains in these default trees (tree_copies), since a tree holding the copy runs the drafter on every step. With the
+# rejection sampler (no seed) trees gain little and chains stay. Measured in docs/experiments.md, "At T > 0, how
+# should a tree's candidates be chosen, and do trees pay?".
 COUPLED_TREE = 6
 
 

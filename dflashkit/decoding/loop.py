@@ -65,6 +65,7 @@ class Generation:
     """One generation between steps: the target's cache and position, and the components each step calls."""
 
     target: TargetAdapter
+    device: torch.device  # the target's (read once: the adapter's property looks it up on every call)
     cache: object  # the target's KV cache over positions < pos
     proposer: Proposer
     verifier: Verifier
@@ -96,12 +97,16 @@ class Generation:
         if self.history is not None:
             self.history.consume(tokens)
         self.produced += len(tokens)
-        finished = stop_at is not None or self.produced >= self.max_new
+        return tokens, self.finish(stop_at is not None)
+
+    def finish(self, stopped: bool) -> bool:
+        """Statistics after emitting; whether the generation ends (a stop token, or max_new tokens emitted)."""
+        finished = stopped or self.produced >= self.max_new
         self.stats.new_tokens = self.produced
         self.stats.decode_s = time.perf_counter() - self.t_decode
         if finished:
-            self.stats.finish_reason = "stop" if stop_at is not None else "length"
-        return tokens, finished
+            self.stats.finish_reason = "stop" if stopped else "length"
+        return finished
 
     def logprobs(self, rows: Tensor, tokens: list[int]) -> list[TokenLogprob] | None:  # rows [>= len(tokens), vocab]
         return token_logprobs(rows, tokens, self.options.logprobs) if self.options.logprobs is not None else None
@@ -114,10 +119,10 @@ def step(g: Generation) -> Step:
     p = g.proposer.propose(g.token, g.pos, g.produced, room)  # p.drafts [k]: a chain, or a tree's nodes
 
     t = time.perf_counter()
-    block_ids = torch.cat((torch.tensor([g.token], device=g.target.device), p.drafts))[None]  # [1, k+1]
+    block_ids = torch.cat((torch.tensor([g.token], device=g.device), p.drafts))[None]  # [1, k+1]
     rows = block_ids.shape[1]
     if p.tree is not None:  # one pass over the tree, then walk down it with the target's own tokens
-        shape = (p.tree.position_offsets(g.target.device), p.tree.attention_mask(g.target.device))
+        shape = (p.tree.position_offsets(g.device), p.tree.attention_mask(g.device))
         logits, features = g.target.forward(block_ids, g.pos, g.cache, logits_rows=rows, tree=shape)  # [k+1, vocab]
         path, token = g.verifier.walk(logits, p, g.produced)
         kept = [0, *path]  # rows of the anchor and the accepted nodes
@@ -192,11 +197,7 @@ def decode(
     g, first = _prefill(target, drafter, prompt_ids, options, block, stats, observer, block_policy, prefix_cache)
     consistent = True  # the cache holds exactly positions < pos (between steps)
     try:
-        finished = g.token in g.stop_ids or g.produced >= g.max_new
-        g.stats.new_tokens = g.produced
-        g.stats.decode_s = time.perf_counter() - g.t_decode
-        if finished:
-            g.stats.finish_reason = "stop" if g.token in g.stop_ids else "length"
+        finished = g.finish(g.token in g.stop_ids)
         yield Step([g.token], [False], finished, g.logprobs(first, [g.token]))
         while not finished:
             consistent = False
@@ -307,23 +308,24 @@ def _prefill(
         stats=stats,
     )
     return Generation(
-        target,
-        cache,
-        proposer,
-        verifier,
-        stats,
-        options,
-        token,
-        pos,
-        1,
-        max_new,
-        stop_ids,
-        [*prompt_ids, token],
-        constraint,
-        history,
-        observer,
-        [features] if prefix_cache is not None and features is not None else None,
-        time.perf_counter(),
+        target=target,
+        device=device,
+        cache=cache,
+        proposer=proposer,
+        verifier=verifier,
+        stats=stats,
+        options=options,
+        token=token,
+        pos=pos,
+        produced=1,
+        max_new=max_new,
+        stop_ids=stop_ids,
+        sequence=[*prompt_ids, token],
+        constraint=constraint,
+        history=history,
+        observer=observer,
+        kept_features=[features] if prefix_cache is not None and features is not None else None,
+        t_decode=time.perf_counter(),
     ), logits[-1:]
 
 

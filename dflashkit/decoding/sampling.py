@@ -166,7 +166,7 @@ def propose(
     uniforms = torch.rand(draft_logits.shape[0], generator=generator, dtype=torch.float64, device=draft_logits.device)
     done = (
         row_kernels.sample_rows(draft_logits, params.temperature, uniforms)
-        if _temperature_only(params, draft_logits.shape[-1])
+        if temperature_only(params, draft_logits.shape[-1])
         else None
     )
     if done is not None:
@@ -181,7 +181,7 @@ def propose(
     return token_ids[column], (over_vocabulary(q, token_ids, vocab_size) if dense else q)
 
 
-def _temperature_only(params: SamplingParams, vocab: int) -> bool:
+def temperature_only(params: SamplingParams, vocab: int) -> bool:
     """Whether ``warp`` applies a temperature alone to rows of ``vocab`` entries (no top-k / top-p cut)."""
     return (not params.top_k or params.top_k >= vocab) and params.top_p >= 1.0
 

@@ -28,11 +28,11 @@ from dflashkit.decoding.propose import Proposal
 from dflashkit.decoding.sampling import (
     PositionNoise,
     SamplingParams,
-    _temperature_only,
     argmax,
     over_vocabulary,
     sample,
     sample_at,
+    temperature_only,
     warp,
 )
 from dflashkit.decoding.tree import DraftTree
@@ -125,7 +125,7 @@ def verify_sampled_logits(
     tokens but where the rounding of a probability decides."""
     k = drafts.shape[0]
     uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64, device=logits.device)
-    if _temperature_only(params, logits.shape[-1]):
+    if temperature_only(params, logits.shape[-1]):
         done = row_kernels.verify_chain(logits, params.temperature, drafts, draft_probs, uniforms, columns)
         if done is not None:
             return done

@@ -5,7 +5,7 @@ Prompt lookup (:mod:`dflashkit.decoding.lookup`) copies from the text of the cur
 also repeat themselves *across* answers ("Here's a step-by-step...", code idioms, the phrasing of math steps),
 so where the text so far has no repeat of its own, the store chains the most frequent continuation of its last
 n tokens in the target's regenerated answers: no drafter pass, a dictionary probe per drafted token. Its effect
-on the shipped drafter is measured by the experiment record (docs/experiments.md) (README: "N-gram store").
+on the shipped drafter is measured in docs/experiments.md.
 
 A draft that is a fixed function of the emitted text is an exact proposal (a one-hot q), so the output stays
 lossless at any temperature; the store changes speed only. It is saved next to a drafter as

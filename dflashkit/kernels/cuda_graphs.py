@@ -2,7 +2,7 @@
 
 On a GPU a small target is not bound by its arithmetic but by the CPU launching its kernels one by one:
 SmolLM2-135M's fast forward ran ~65 ms per step on an H100 (30 layers of small ops), while 450 tiny kernels
-took 5.0 ms launched eagerly and 0.6 ms replayed from one CUDA graph (measured there, session 9). A graph
+took 5.0 ms launched eagerly and 0.6 ms replayed from one CUDA graph (measured on an H100). A graph
 replays the exact kernels it recorded, on the same memory, so everything that changes between steps has to
 live in tensors: :meth:`FastTargetForward.static_step` takes the position, the tokens and the block's
 visibility as tensors, writes the KV cache with ``index_copy_`` and attends over the cache's whole capacity

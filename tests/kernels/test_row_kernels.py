@@ -281,7 +281,7 @@ def test_the_setting_turns_the_kernel_off_and_refuses_unknown_values(monkeypatch
         ("AVX512", True, True, "auto", "amx"),  # Sapphire Rapids: the AVX512-BF16 source with AMX tile products
         ("AVX512", True, False, "amx", None),  # forced, but the CPU has no AMX
         ("AVX512", False, False, "auto", None),  # AVX512 without BF16: oneDNN (the AVX2 kernel was not measured there)
-        ("AVX2", False, False, "auto", "avx2"),  # most laptops, the Zen 1 VM
+        ("AVX2", False, False, "auto", "avx2"),  # most laptops, AMD Zen 1
         ("DEFAULT", False, False, "auto", None),
         ("AVX512", True, True, "avx512", "avx512"),  # forced
         ("AVX512", False, False, "avx2", "avx2"),

