@@ -5,27 +5,24 @@ target's cost grows with b (its GEMMs are not free at 16 rows), while the tokens
 long as drafts keep being accepted. With α_i = P(draft i accepted | drafts 1..i-1 accepted), a step with
 block b yields E[b] = 1 + Σ_{i<b} Π_{j≤i} α_j tokens. The policy keeps a running estimate of every α_i
 (counts decayed so that it follows the text being generated) and of the wall time of a step at each
-candidate size (the fastest of its last few steps: on a shared machine noise only adds time), and chooses argmax_b E[b]
-/ time(b). Size 1 is a plain
-autoregressive step (no drafting): when no block pays for its drafting and verification, the loop falls
-back to it.
+candidate size (the fastest of its last few steps: on a shared machine noise only adds time), and chooses
+argmax_b E[b] / time(b). Size 1 is a plain autoregressive step (no drafting): when no block pays for its drafting
+and verification, the loop falls back to it.
 
-Three guards against wrong estimates (each seen on the 2-core CPU): (1) the first step at a size is not
-timed, since a new shape pays one-time costs (oneDNN creates its kernels for it: a 2-token step measured
-45 ms once, 13 ms after); (2) every ``explore_every`` steps the size whose timing is oldest is tried again
-(the largest one first), and a size's time is the fastest of its last steps, so a size judged on a bad
-moment gets another chance and deep positions keep being observed; (3) a position rarely reached borrows its prior from
-the position before it (acceptance falls
-with depth), instead of a flat 1/2 that makes long blocks look better than they are.
+Three guards against wrong estimates (each seen on a 2-core CPU): (1) the first step at a size is not timed,
+since a new shape pays one-time costs (oneDNN creates its kernels for it: a 2-token step took 45 ms once, 13 ms
+after); (2) every ``explore_every`` steps the size whose timing is oldest is tried again (the largest one first),
+and a size's time is the fastest of its last steps, so a size judged on a bad moment gets another chance and deep
+positions keep being observed; (3) a position rarely reached borrows its prior from the position before it
+(acceptance falls with depth), instead of a flat 1/2 that makes long blocks look better than they are.
 
 Exploration is priced: sizes are tried in increasing order until two of at least 2 tokens are timed; a larger
 size is then tried only when it would win with an optimistic time, the straight line through the two largest timed
-sizes below it (>= 2, so
-that the drafter's fixed cost is not read as a per-row cost). A verify's cost grows at least linearly with its
-rows on a CPU (compute-bound: 1 / 2 / 4 / 8 / 16 rows 16.7 / 18.5 / 24.9 / 45.3 / 85.8 ms on a 2-core Zen 1),
+sizes below it (>= 2, so that the drafter's fixed cost is not read as a per-row cost). A verify's cost grows at
+least linearly with its rows on a compute-bound CPU (on AMD Zen 1 a 16-row verify took about 5x a one-row step),
 so the line underestimates, and a size it rules out would have lost; on a GPU the line is flat and every size
 gets tried. Without this a one-shot generation on a slow CPU spent a quarter of its steps timing blocks 8 and 16
-(each as long as 3-5 plain steps) that it then never chose.
+(each as long as 3-5 plain steps) that it then never chose (docs/experiments.md).
 
 Any block size is exact: this only changes speed, never the output.
 """
@@ -36,11 +33,9 @@ import threading
 from collections.abc import Callable, Sequence
 
 COPY_CANDIDATES = (2, 4, 8, 16)  # lengths + 1 of copied drafts (prompt lookup), within the policy's largest block
-# Batched members' blocks (drafted or copied) are capped so that a pass holds about this many of their rows: on the
-# AMX Xeon VM (session 25, generate_batch of 2 / 4 / 8 prompts, 96 tokens, 6 rounds interleaved, tok/s over plain
-# batched decoding) caps 16 / 8 / 4 / 2 gave 1.48 / 1.51 / 1.41 / 1.29x at 2 sequences, 1.10 / 1.13 / 1.15 / 1.15x at
-# 4, and at 8 0.92 (16) / 1.00 (4) / 1.03x (2): larger blocks' exploration and rows cost every member of a big batch
-# (docs/experiments.md).
+# Batched members' blocks (drafted or copied) are capped so that a pass holds about this many of their rows, since
+# larger blocks' exploration and rows cost every member of a big batch: on an Intel Xeon with AMX, 16 rows gave each
+# batch of 2, 4 and 8 sequences the cap that ran fastest (docs/experiments.md).
 BATCH_ROWS = 16
 
 
@@ -171,18 +166,15 @@ class AdaptiveBlockSize:
 class BlockPolicies:
     """One :class:`AdaptiveBlockSize` per decoding regime, greedy and sampled, each carrying its estimates over
     from one request to the next. Acceptance differs between them (a sampled draft is accepted with probability
-    min(1, p/q); block 4, position 1: α 0.34-0.48 greedy in bench-v9, 0.33-0.34 at T=1), so a server or a
-    benchmark that mixes both should not judge one regime by the other's history.
+    min(1, p/q); in one benchmark at block 4, position 1: α 0.34-0.48 greedy, 0.33-0.34 at T=1), so a server or
+    a benchmark that mixes both should not judge one regime by the other's history.
 
     Sampled requests choose among blocks of at most ``sampled_max_block`` (4), and their copied drafts are as
-    short (the decode loop copies no more than the policy's largest block). Measured with the shipped drafter
-    at T=1 (the sampled policy's estimates after 24 prompts): α 0.35, 0.28, 0.24, 0.22, 0.19 at positions 1-5, so
-    E[4] = 1.47 tokens and E[8] = 1.47, and copied tokens were accepted at 0.37 at position 1; in three benches
-    `dflash-lookup-b4` beat `dflash-lookup-auto` at T=1 (per-prompt speedup over `ar` 1.23 / 1.30 / 1.39 vs 1.00
-    / 1.01 / 0.99 in bench-v9), the larger sizes' exploration and long copies costing more than they yield.
-    Rechecked in session 33 (row kernels on both cores, drafter v11, T=1, rejection sampler, 10 prompts x 2 seeds per
-    set, a policy per cap, interleaved): caps 4 / 6 / 8 gave 1.23 / 1.20 / 1.24x plain sampling on MT-Bench, 1.39 /
-    1.33 / 1.35x on HumanEval, 1.25 / 1.20 / 1.22x on MATH-500 (TPOT): 4 kept.
+    short (the decode loop copies no more than the policy's largest block). At T=1 acceptance falls fast with
+    depth (with the shipped drafter α ~0.35 at position 1 and ~0.2 by position 5, so E[8] is no more than E[4]),
+    and copied tokens are accepted about as often, so the larger sizes' exploration and long copies cost more than
+    they yield: blocks of at most 4 beat the greedy regime's sizes at T=1, and caps of 6 and 8 were no faster than
+    4 (docs/experiments.md).
 
     Members of a batch whose passes run together have policies of their own (their steps' costs are their shares
     of the batch's passes and drafting rounds), one per block cap: their blocks, drafted or copied, are at most
@@ -191,10 +183,8 @@ class BlockPolicies:
 
     Each regime's policy sizes its copied drafts (prompt lookup) with a policy of its own (``policy.copies``,
     lengths + 1 among :data:`COPY_CANDIDATES`): copied tokens are accepted at other rates than drafted ones, and
-    a copy of 15 tokens costs a 16-row verify whether or not it holds. Greedy, 8 prompts per set, interleaved
-    (session 12, after the row kernels went multi-threaded): per-prompt speedup over plain decoding 1.36 / 2.04 /
-    1.91 (MT-Bench / HumanEval / MATH-500) against 1.24 / 1.84 / 1.90 with copies always as long as the largest
-    block; at T=1 1.22 / 1.24 / 1.19 against 1.16 / 1.27 / 1.12.
+    a copy of 15 tokens costs a 16-row verify whether or not it holds; sized copies beat copies always as long as
+    the largest block (docs/experiments.md).
     """
 
     def __init__(self, max_block: int, sampled_max_block: int = 4, batch_rows: int = BATCH_ROWS, **kwargs) -> None:

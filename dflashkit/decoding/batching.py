@@ -18,14 +18,13 @@ All heavy computation of the batch (the batched passes, the drafter's forwards) 
 acceptance test) on one thread each. The reason is libgomp (the OpenMP runtime torch's CPU kernels use): every
 thread that runs a parallel region keeps a team of its own, and once the process holds more OpenMP threads than
 CPUs, all of them stop spinning between regions and sleep, so each of the hundreds of regions of a step pays a
-wake-up (measured on the 2-core Zen 1 VM: plain decoding in a second thread while the main thread held a team,
-64 tok/s against 72 in one thread). Handing the work between threads is not free either: a batch of one decodes
-~2-3% slower than the same generation in one thread (6 prompts of the three evaluation sets, 3 rounds interleaved:
-50.0 against 48.5 tok/s speculative at block 4, 55.1 against 53.8 plain), so ``generate_batch`` runs a single
-prompt directly, and the server with ``max_batch`` 1 runs each generation whole in the compute thread.
+wake-up (on a 2-core AMD Zen 1, plain decoding in a second thread while the main thread held a team ran ~10%
+slower than in one thread). Handing the work between threads is not free either: a batch of one decodes ~2-3%
+slower than the same generation in one thread, so ``generate_batch`` runs a single prompt directly, and the server
+with ``max_batch`` 1 runs each generation whole in the compute thread.
 
-The adaptive block size (:mod:`dflashkit.decoding.adaptive`) of a member judges a step by its cost to the batch, not by
-its wall time (which holds the other members' drafting and rows): its own drafting and bookkeeping plus its
+The adaptive block size (:mod:`dflashkit.decoding.adaptive`) of a member judges a step by its cost to the batch, not
+by its wall time (which holds the other members' drafting and rows): its own drafting and bookkeeping plus its
 share of the pass, in proportion to its rows. With every member choosing that way the batch's tokens per
 second are maximal; where the pass is compute-bound (an AVX2 CPU: 4 sequences x 1 row cost ~1.9x one row, 4 x 4
 rows ~6x), that means short blocks or plain steps as the batch fills up.
@@ -173,7 +172,7 @@ def member_thread(compute: ComputeThread) -> None:
     ``torch.set_num_threads`` sets the calling thread's OpenMP threads and also the process default, which every
     thread reads once, lazily, per library (torch's own, each C++ extension's) at its first parallel loop there.
     Left at 1, that default would put the compute thread's first row-kernel pass, and every one after it, on one
-    thread (measured: a server with ``--max-batch 4`` decoded at 39 tok/s instead of 65 with one client). So this
+    thread (a server with ``--max-batch 4`` then decoded at about 60% of its speed with one client). So this
     thread takes its own lazy setting first (it cannot undo the 1 afterwards), and the compute thread sets the
     default back (its own setting again, too, should a pass of its have read the 1 meanwhile)."""
     torch.get_num_threads()  # torch's lazy per-thread setting, taken now

@@ -84,7 +84,7 @@ class DrafterConfig:
     # Token ids the drafter may propose (sorted), None = the whole vocabulary. A drafter trained with a
     # draft vocabulary proposes only from it (and its LM head pass reads only those rows: faster).
     draft_vocab: list[int] | None = None
-    # Identity of the target this drafter was built for (see checkpoint.target_identity); None = unknown.
+    # Identity of the target this drafter was built for (see identity.target_identity); None = unknown.
     target: dict[str, Any] | None = field(default=None)
     # At inference, a drafting step attends to at most this many of the latest context tokens (None: all of
     # them). A drafter trained on short sequences drafts worse over contexts longer than it ever saw.

@@ -3,6 +3,8 @@ refuses a drafter used with the wrong target (a wrong target silently destroys a
 
 from __future__ import annotations
 
+import os
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import torch
@@ -25,13 +27,30 @@ def embedding_fingerprint(embed_tokens: nn.Module) -> list[float]:
     return [round(x, 5) for x in grid.flatten().tolist()]
 
 
+def portable_name(name_or_path: str | os.PathLike | None) -> str | None:
+    """A target's name as a drafter records it: a hub id ("Qwen/Qwen3-0.6B") as it is; a local folder (an absolute
+    path, one from ``~`` or ``.``, or a relative one that exists here) as its last component only, since the path
+    means nothing on another machine and would publish the training machine's layout. None for no name."""
+    if not name_or_path:
+        return None
+    text = str(name_or_path)
+    if PureWindowsPath(text).is_absolute() and not os.path.isabs(text):  # C:\... read on another system
+        return PureWindowsPath(text).name or None
+    path = Path(text).expanduser()
+    local = os.path.isabs(text) or text in (".", "..") or text.startswith(("~", "./", "../", ".\\", "..\\"))
+    if local or (("/" in text or os.sep in text) and path.exists()):
+        return path.name or path.resolve().name or None  # "/a/b/" -> "b"; "." -> the folder's own name
+    return text
+
+
 def config_identity(config: Any) -> dict[str, Any]:
     """The identity fields a target's configuration alone gives (no fingerprint; the vocabulary as configured):
-    what identifies a target whose weights are elsewhere (a server's)."""
+    what identifies a target whose weights are elsewhere (a server's). A local folder's path is recorded as its
+    last component (:func:`portable_name`)."""
     return {
         "architecture": (getattr(config, "architectures", None) or [config.model_type])[0],
         "model_type": getattr(config, "model_type", None),
-        "name_or_path": getattr(config, "_name_or_path", None) or None,
+        "name_or_path": portable_name(getattr(config, "_name_or_path", None)),
         "hidden_size": int(config.hidden_size),
         "vocab_size": int(config.vocab_size),
         "num_hidden_layers": int(config.num_hidden_layers),

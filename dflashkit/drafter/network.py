@@ -69,7 +69,7 @@ class DFlashDrafter(nn.Module):
         """How a step that scores k drafts runs its block: (drafts computed in a row after the anchor, the gap before
         one more row at the trained block's last position, 0: none). A block's rows attend to each other and the
         drafter trained on whole blocks only: cut short to k + 1 rows it drafts worse, and its last row is what it
-        misses (README "Whole drafter blocks": the first draft is accepted 13-32% more often from a whole block, and
+        misses (docs/experiments.md: the first draft is accepted 13-32% more often from a whole block, and
         k + 1 rows plus that last row recover almost all of it). ``block_fill``: "whole" (block_size - 1 drafts),
         "tail" (k drafts and the last row), "cut" (k drafts); None (the default): "whole" on a GPU, where rows are
         free, and with CUDA-graph drafting (one shape), "tail" on a CPU."""

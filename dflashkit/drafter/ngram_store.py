@@ -86,7 +86,7 @@ class NgramStore:
         return cls(table, n, counts, max_draft, min_count)
 
     def merged(self, other: NgramStore) -> NgramStore:
-        """The union of two stores (e.g. one session's answers with the shipped store's), so that the store grows
+        """The union of two stores (e.g. one training round's answers with the shipped store's), so that the store grows
         with every batch of regenerated answers. A store keeps each n-gram's top follower and its count only, so
         where both hold an n-gram: the same follower adds the counts (exact), different followers keep the one
         counted more often (the other follower's count in this corpus is not known: approximate)."""
@@ -106,7 +106,7 @@ class NgramStore:
 
     def pruned(self, max_entries: int) -> NgramStore:
         """The ``max_entries`` n-grams counted most often (the smaller n-gram first on equal counts): a size cap
-        for a store that grows session by session, which drops the rarest continuations, the ones least often
+        for a store that grows round by round, which drops the rarest continuations, the ones least often
         proposed and accepted (an n-gram without a recorded count, from a store file written before counts were kept,
         counts 0)."""
         if max_entries < 1:

@@ -39,7 +39,7 @@ def head_rows(lm_head: nn.Module, ids: Tensor) -> Callable[[Tensor], Tensor]:
     parameter (registering one anywhere makes a drafter take its parameter list again, see
     ``DFlashDrafter._fast_forward``): a weight-only int8 head's rows stay int8 (buffers); bf16 rows on a CPU with
     dflashkit's row kernels are packed for them (products of any shape, no setup per shape: a bf16 ``F.linear`` of a
-    shape oneDNN has not seen takes ~0.9 ms here, most of it making its primitive); other CPU rows multiply in fp32,
+    shape oneDNN has not seen takes ~0.9 ms on a CPU, most of it making its primitive); other CPU rows multiply in fp32,
     rows on a GPU as they are."""
     if isinstance(lm_head, Int8Linear):
         return lm_head.rows(ids)

@@ -43,7 +43,7 @@ LLAMA_CPP_ENV = "DFLASHKIT_LLAMA_CPP"
 DRAFTER_GGUF = "drafter-bf16.gguf"
 TARGET_GGUF = "target-bf16.gguf"
 
-# The config.json fields each engine's DFlash loader reads (source files in the README). Values come from
+# The config.json fields each engine's DFlash loader reads (the engine's source files beside each). Values come from
 # `engine_config`; (dflash_config, key) is a nested field.
 ENGINE_FIELDS: dict[str, list[str | tuple[str, str]]] = {
     "vllm": [  # model_executor/models/qwen3_dflash.py, v1/worker/gpu/spec_decode/eagle/eagle3_utils.py

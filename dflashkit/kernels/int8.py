@@ -20,43 +20,20 @@ The LM head. SmolLM2 ties it to the embedding table (49152 x 576, 56 MB in bf16)
 the head its own int8 copy (the embedding stays bf16 for lookups; 28 MB more memory) and unties the two.
 A drafter borrows the target's head, so with a quantized head it drafts through the int8 head too.
 
-Per-layer GEMM time, median µs per call, 1 thread, torch 2.13.0+cpu, 2-core AMD EPYC (AVX-512,
-AVX512-BF16, no AMX), while other jobs kept both cores busy (``docs/experiments.md --threads 1
---torchao``; torchao 0.18's ``Int8WeightOnlyConfig`` converts the int8 weight to bf16 and runs a bf16
-matmul on every call on a CPU: slower than plain bf16, so dflashkit does not use it):
+Where one of :mod:`dflashkit.kernels.row_kernels`'s kernels runs (AMX, AVX512-BF16 or AVX2), every product of
+every row count runs on its int8 product (``pack_int8``: int8 panels + fp32 scales; each row on its own, so
+speculative greedy output of the int8 target is bitwise its plain output); elsewhere on
+``aten._weight_int8pack_mm``. Torch's kernel costs about its one-row time per row (2.5-4x faster than bf16 for one
+row, about even at 8, slower beyond; docs/experiments.md), so verify passes and long prefills pay for it; on
+AVX2-only CPUs it has no fast path at all and its rows are not bitwise independent, and with fp32 activations it is
+exact but unvectorised (~25x its bf16 time: use bf16). torchao's int8 weight-only configuration converts the
+weights to bf16 on every call on a CPU, slower than plain bf16, so dflashkit does not use it. The LM head is worth
+quantizing (~2 ms of a ~25 ms bf16 step of SmolLM2-135M).
 
-| layer (out x in) | M = 1 | 2 | 4 | 8 | 16 |
-|---|---:|---:|---:|---:|---:|
-| q, o (576 x 576) | 50 / 10 | 32 / 14 | 33 / 21 | 38 / 39 | 50 / 78 |
-| k, v (192 x 576) | 19 / 5 | 20 / 6 | 20 / 8 | 21 / 15 | 25 / 27 |
-| gate, up (1536 x 576) | 65 / 25 | 66 / 34 | 68 / 52 | 84 / 103 | 116 / 204 |
-| down (576 x 1536) | 66 / 24 | 65 / 31 | 67 / 46 | 83 / 91 | 116 / 181 |
-| LM head (49152 x 576) | 3479 / 1435 | 3610 / 1511 | 3727 / 1972 | 4200 / 3885 | 5278 / 7694 |
-
-(bf16 / int8.) torchao at M = 1 / 16: q 86 / 109, gate 187 / 236, LM head 31371 / 33206. The int8
-kernel costs about its M = 1 time per row: 2.5-4x faster than bf16 for one row, about even at M = 8,
-slower from there (1.5-1.8x at M = 16). One decoding step's GEMMs at M = 1 (30 layers + head): bf16 ~13.5 ms,
-int8 ~4.5 ms. Multi-token passes pay: a 16-token verify's GEMMs cost more than in bf16, and so does the
-prefill of a long prompt (time to first token). The LM head is worth quantizing (2 ms of a ~25 ms step).
-With fp32 activations the kernel is exact but unvectorised here (gate at M = 1: 666 µs, ~25x its bf16
-time): use bf16.
-
-On AVX2-only CPUs (most laptops; the 2-core Zen 1 VM of sessions 13-14) ``aten._weight_int8pack_mm`` has no fast
-path: the int8 target decoded at 18.7 tok/s plain, 19.5 speculative, against ~48 / ~63 in bf16 on the AVX2 row
-kernels, and its verify rows were not bitwise its one-token steps (a tie divergence on the README prompt). There
-:class:`Int8Linear` and the fast forward's int8 products run on :mod:`dflashkit.kernels.row_kernels`'s AVX2 int8 product
-instead (``pack_int8``: int8 panels + fp32 scales; each row on its own, so speculative greedy output of the int8
-target is bitwise its plain output). Interleaved in one process, the README prompt + 2 prompts per set, 128
-tokens (docs/experiments.md): int8 plain 49.3 tok/s, bf16 47.5;
-speculative int8 46.1, bf16 62.9 (medians; a second run with ``--limit 1``: plain 42.9 / 49.2, speculative 47.0 /
-61.5). So on Zen 1 int8 pays no speed: unpacking 16 int8 weights to fp32 costs
-more than streaming 16 more bytes (1 row: the LM head 2.95 ms int8 vs 2.81 bf16; 4 rows: 4.7 vs 4.3), it only
-halves the weights' memory. On AMX CPUs the AMX row kernel takes the same int8 panels (1.4x the bf16 target's plain
-decoding on the Xeon VM of session 24), and since session 36 so does the AVX512-BF16 one (the table above is torch's
-int8 kernel, which AVX512-BF16 CPUs without AMX ran until then): a pair of int8 weight rows becomes bf16 pairs in
-registers for ``vdpbf16ps``. On the Zen 4 VM a whole SmolLM2 step at 1 / 4 / 8 / 16 rows takes 5.4 / 6.7 / 10.1 / 18.8
-ms against 9.8 / 10.1 / 12.5 / 17.7 in bf16 (``scripts/step_cost.py --quantize int8``), and ``docs/experiments.md
---limit 2 --threads 2`` gave medians of int8 plain 151.2 tok/s, speculative 241.9, against bf16 82.7 / 188.4.
+Whether int8 pays depends on the CPU (docs/experiments.md): on AVX2-only CPUs (e.g. AMD Zen 1) unpacking int8
+weights to fp32 costs what the halved bytes save, so int8 decodes at about bf16's speed and only halves the
+weights' memory; on an Intel Xeon with AMX and on AMD EPYC Zen 4 (AVX512-BF16), whose kernels turn the int8 weights
+into bf16 pairs in registers, plain int8 decoding ran at 1.4x and 1.8x the bf16 target's speed.
 """
 
 from __future__ import annotations

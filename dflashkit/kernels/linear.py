@@ -4,14 +4,8 @@ On a CPU, torch runs a bf16 ``F.linear`` through oneDNN, which first reorders th
 blocked layout, on every call. For the small GEMMs of decoding (1 to 16 rows) that reorder costs about as
 much as the product itself. :class:`PackedLinear` reorders once (``torch.ops.mkldnn._reorder_linear_weight``,
 the op torch's own inductor uses when it freezes a model) and multiplies with the packed weight
-(``torch.ops.mkldnn._linear_pointwise``). Measured on the 2-core AMD EPYC (AVX512-BF16, no AMX), 2 threads,
-SmolLM2-135M's 30 layers + LM head streamed (269 MB of bf16 weights, ``scripts/bench_linear.py``):
-
-| rows | eager ``F.linear`` | packed |
-|---:|---:|---:|
-| 1 | 12.2 ms | 8.4 ms |
-| 4 | 13.3 ms | 8.4 ms |
-| 16 | 16.9 ms | 11.8 ms |
+(``torch.ops.mkldnn._linear_pointwise``). On a 2-core AMD EPYC with AVX512-BF16 that took about a third off
+the products of SmolLM2-135M's 30 layers + LM head at 1 to 16 rows.
 
 In bf16 the packed product is bitwise equal to the eager one (both are oneDNN with fp32 accumulation) and
 each output row depends on its own input row only, so a verify pass and a one-token step compute the same
@@ -19,12 +13,11 @@ linear layers. In fp32 the two differ by float rounding (eager fp32 is MKL's sge
 
 Where one of :mod:`dflashkit.kernels.row_kernels`'s kernels runs, bf16 products of up to
 :func:`~dflashkit.kernels.row_kernels.max_batch_rows` rows use it instead (a batched step's logits rows included).
-AMX-BF16 (Intel's Sapphire Rapids and later): up to 64 rows, 12.3 ms for 1 to 16 rows where oneDNN takes 16 ms on
-the 2-core Xeon VM of session 24. AVX512-BF16 (CPUs with
-it and no AMX, such as the Zen 4 VM of the later measurements, where the table above reads 22-27 ms): up to 16 rows,
-2x faster for 1-6 rows there. AVX2 (CPUs without AVX512, where oneDNN has no bf16 path and this class's packed
-product never runs): every row count. Rows stay independent of each other, but not bitwise equal to oneDNN's
-(another summation order).
+AMX-BF16 (Intel's Sapphire Rapids and later): up to 64 rows, about three quarters of oneDNN's time for 1 to 16 rows
+on an Intel Xeon with AMX. AVX512-BF16 (CPUs with it and no AMX, such as AMD EPYC Zen 4, where oneDNN streams the
+weights well below the memory's speed): up to 16 rows, 2x faster for 1-6 rows there. AVX2 (CPUs without AVX512,
+where oneDNN has no bf16 path and this class's packed product never runs): every row count. Rows stay independent
+of each other, but not bitwise equal to oneDNN's (another summation order).
 
 The layer keeps the original ``weight`` (and ``bias``) parameters, so state dicts, tied embeddings and code
 that reads ``.weight`` are unchanged; the packed copy is an extra, non-persistent tensor (the weights'

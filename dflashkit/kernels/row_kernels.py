@@ -1,39 +1,35 @@
 """Row kernels for the 1 to 16 rows of a decoding step on x86 CPUs: AMX-BF16, AVX512-BF16 or AVX2 + FMA.
 
-oneDNN's bf16 products for a few rows run below the memory floor of a decoding step: on the 2-core AMD EPYC Zen 4
-VM (AVX512-BF16) they stream SmolLM2-135M's 269 MB of weights at 10-16 GB/s while a plain read reaches ~42 GB/s;
-on the 2-core Intel Xeon VM of session 24 (AMX) at ~17 GB/s for 1-16 rows, where the AMX kernel below reaches
-22 GB/s; on an AVX2-only CPU (the 2-core AMD EPYC Zen 1 VM of session 13; most laptops) torch has no bf16 path at
-all for them and runs ~9 GFLOP/s. ``csrc/`` holds one source per instruction set, the same three kernels in each:
+A decoding step is bound by reading the weights, and oneDNN's bf16 products for a few rows read them well below that
+floor: on an AMD EPYC Zen 4 (AVX512-BF16) they stream SmolLM2-135M's 269 MB at 10-16 GB/s where a plain read reaches
+~42 GB/s, and on AVX2-only CPUs (e.g. AMD Zen 1; most laptops) torch has no fast bf16 path for them at all
+(``scripts/bench_row_kernels.py`` measures both sides). ``csrc/`` holds one source per instruction set, the same
+kernels in each:
 
 * :func:`linear`: a bf16 product over a weight packed once (:func:`pack`), fp32 sums. AVX512-BF16 (``csrc/
-  row_kernels_avx512.cpp``): ``vdpbf16ps`` in groups of 64 columns; on the Zen 4 VM, all 211 products of one
-  SmolLM2 step, 2 threads (``scripts/bench_row_kernels.py``): 1 row 24.0 ms with oneDNN, 12.7 ms here; 8 rows
-  19.7 / 12.4; 16 rows 24.4 / 17.5 (session 12). Since session 41 more than 6 rows walk K together in chunks of 32
-  pairs, prefetching the next chunk while they compute: 1 / 8 / 12 / 16 rows 7.7 / 8.9 / 11.1 / 14.2 ms. AVX2
-  (``csrc/row_kernels_avx2.cpp``): the weight pairs unpacked to fp32 with a shift and an AND, FMA, in groups of 16
-  columns. AMX-BF16 (the AVX512-BF16 source built with
-  ``-DDFLASHKIT_AMX``): the same packed layout read as AMX tiles, up to 16 rows per tile, the whole K summed in tiles;
-  on the Xeon VM (session 24, 2 threads) 12.3 ms for 1, 4, 8 or 16 rows where oneDNN takes 15.8-16.3 ms and the
-  AVX512-BF16 kernel 13.3 / 18.0 / 23.4 / 31.3 ms (compute-bound there beyond one row). Attention and the
-  rest are the AVX512-BF16 code.
+  row_kernels_avx512.cpp``): ``vdpbf16ps`` in groups of 64 columns; more than 6 rows walk K together in chunks of 32
+  pairs, prefetching the next chunk while they compute, so that the weights stream during the compute instead of
+  before it (on Zen 4 the kernel ran at 1.4-1.9x oneDNN's speed for 1-16 rows even before that). AVX2 (``csrc/
+  row_kernels_avx2.cpp``): the weight pairs unpacked to fp32 with a shift and an AND, FMA, in groups of 16 columns.
+  AMX-BF16 (the AVX512-BF16 source built with ``-DDFLASHKIT_AMX``): the same packed layout
+  read as AMX tiles, up to 16 rows per tile, the whole K summed in tiles: on an Intel Xeon with AMX 1 to 16 rows
+  then take the same time, about three quarters of oneDNN's, where the ``vdpbf16ps`` kernel is compute-bound beyond
+  one row. Attention and the rest are the AVX512-BF16 code.
 * :func:`attention`: grouped-query attention one query row at a time, fp32 sums (scores from bf16 pairs by
-  ``vdpbf16ps`` since session 41; Zen 4, 30 layers at 400 positions: 1 row 1.63 ms with SDPA, 0.48 ms here; 16 rows
-  8.11 / 4.69, session 12; at 300 positions after session 41: 1 / 16 rows 0.37 / 2.57 ms).
+  ``vdpbf16ps``): on Zen 4 1.7-3.4x faster than SDPA for 1-16 rows at 400 cached positions.
 * :func:`argmax`: the first largest logit per row of a step's bf16 logits, as torch's argmax but without its fp32
   conversion (~7x faster per row).
 * :func:`verify_chain` and :func:`sample_rows`: a sampled step's math (exact speculative sampling of a chain on the
   target's logits; the drafter's proposals and their softmax) in one call each instead of some 40 small torch ops,
-  each of which pays 20-70 µs for the caches the target's pass has just swept (session 45).
+  each of which pays tens of µs for the caches the target's pass has just swept.
 * :func:`gumbel` and :func:`coupled`: coupled sampling's counter-based Gumbel noise (``sampling.PositionNoise``), the
-  noisy scores and their argmax in one call per decision, the noise computed for the columns read (session 47: a
-  49,152-entry row ~0.05-0.08 ms where numpy's draw, torch's logs and the scores' small ops took ~0.5 ms).
+  noisy scores and their argmax in one call per decision, the noise computed for the columns read (several times
+  faster than numpy's draw, torch's logs and the scores' small ops).
 * :func:`decoder_layers`: every decoder layer of a Llama / Qwen2 / Qwen3 target in one call (norms, products,
   rotary, cache write, attention, SiLU, residuals; ``csrc/row_layers.h``, shared by both, as are the argument
-  checks in ``csrc/row_common.h``): no Python or dispatcher time per op (Zen 4: a SmolLM2 one-token step 15.0 ->
-  11.4 ms, an 8-row step 22.5 -> 18.0 ms). The drafter's block forward uses it too (a block-8 draft step 2.4 ->
-  1.9 ms), and :func:`drafter_step_batch` runs a drafter's whole step around it (new context rows, block, final
-  norm; one or several sequences): on the Xeon VM a block-4 drafting step 2.64 -> 2.11 ms in the decode loop.
+  checks in ``csrc/row_common.h``): no Python or dispatcher time per op (on Zen 4 a fifth to a
+  quarter off a SmolLM2 step of 1-8 rows). The drafter's block forward uses it too, and :func:`drafter_step_batch`
+  runs a drafter's whole step around it (new context rows, block, final norm; one or several sequences).
 
 Each computes a row the same way, in the same order, whatever rows run beside it, so a verify pass and a
 one-token step give bitwise the same results: bf16 speculative greedy output is then plain greedy output, with
@@ -66,10 +62,10 @@ import torch
 from torch import Tensor
 
 # AMX / AVX512-BF16: steps of more rows go to oneDNN and SDPA (Zen 4: the product's lead shrinks to ~1.1x at 16 rows;
-# the Xeon VM: the AMX product still leads at 64 rows, but the row-by-row attention trails SDPA past ~8 rows)
+# Intel Xeon with AMX: the AMX product still leads at 64 rows, but the row-by-row attention trails SDPA past ~8 rows)
 MAX_ROWS = 16
 # AMX: a batched step's rows, over all its sequences (each within MAX_ROWS, so attention stays short per sequence):
-# the AMX product stays ahead of oneDNN up to 64 rows (Xeon VM: 20.5 ms against 25.9 at 64 rows, 12.3 at one row)
+# the AMX product stays ahead of oneDNN up to 64 rows (about 0.8x oneDNN's time there, at under twice its one-row time)
 MAX_BATCH_ROWS = 64
 ANY_ROWS = 1 << 30  # no row limit (AVX2 steps; int8 products on every kernel)
 CSRC = Path(__file__).with_name("csrc")
@@ -127,7 +123,7 @@ def max_rows(device: torch.device | str | None = None) -> int:
     """The most rows a step runs on the kernels (more go to oneDNN / SDPA): :data:`MAX_ROWS` for AMX and
     AVX512-BF16; any number for AVX2, where torch has no fast bf16 product for them to go to (a prefill's rows run
     the kernels in row blocks). For tensors on another ``device`` (a GPU) :data:`MAX_ROWS`, without building the
-    kernels: they never run there, and building them took 30-60 s of a GPU session's data time."""
+    kernels: they never run there, and building them takes 30-60 s."""
     if _elsewhere(device):
         return MAX_ROWS
     k = kernel()
@@ -291,7 +287,7 @@ def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
 def argmax(logits: Tensor) -> Tensor | None:
     """Index of the largest logit per row of bf16 CPU logits [..., V] -> [...] (long), exactly as torch's argmax
     (first index on ties, a NaN counts as the largest), or None where the kernel does not run here (other dtypes or
-    devices, V < 16, ``DFLASHKIT_CPU_GEMM=onednn``). ~8 µs per 49,152-entry row on the Zen 4 VM against ~55 µs for
+    devices, V < 16, ``DFLASHKIT_CPU_GEMM=onednn``). ~8 µs per 49,152-entry row on Zen 4 against ~55 µs for
     torch's fp32 argmax after a conversion: what greedy verification spends per row of a verify pass."""
     if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or not 16 <= logits.shape[-1] < 2**31:
         return None

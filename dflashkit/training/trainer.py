@@ -320,9 +320,9 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # batches padded to a multiple of this many positions off a CPU: a GPU's attention builds a plan per new
-        # sequence length (cuDNN), and the length-bucketed batches of v12's data met 348 lengths in an epoch of 535
-        # steps (41 at a multiple of 16), so the first epoch kept building them (session 34, H100: 3.3-3.9 steps/s in
-        # the first epoch, 4.5 after it; the likely cause, not yet measured); a CPU would pay for the padding
+        # sequence length (cuDNN), and length-bucketed batches met hundreds of lengths in an epoch (348 in 535 steps
+        # of the v12 drafter's data), so the first epoch kept building them (on an H100 it ran ~20% slower than the
+        # next: the likely cause, not measured on its own); a CPU would pay for the padding
         self.pad_multiple = 1 if torch.device(cfg.device).type == "cpu" else GPU_PAD_MULTIPLE
 
     def _record_data_used(self, seqs: list[TrainingSequence]) -> None:
@@ -342,7 +342,7 @@ class Trainer:
 
     def _record_run_config(self) -> None:
         """OUT/run_config.json: the settings and the machine of this process, beside the log (for model cards;
-        unlike the checkpoint it is small enough to bring back from a lent GPU machine)."""
+        unlike the checkpoint it is small enough to copy back from a remote GPU machine)."""
         device = torch.device(self.cfg.device)
         machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
         atomic_write(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ from dflashkit.drafter.identity import (
     FINGERPRINT_DIMS,
     FINGERPRINT_ROWS,
     check_compatible,
+    config_identity,
     drafter_config_for,
     embedding_fingerprint,
+    portable_name,
     target_identity,
 )
 from dflashkit.drafter.network import DFlashDrafter
@@ -47,6 +50,42 @@ def test_identity_metadata(model_a) -> None:
     assert embedding_fingerprint(model_a.get_input_embeddings()) == embedding_fingerprint(
         model_a.get_input_embeddings()
     )
+
+
+@pytest.mark.parametrize(
+    "name,recorded",
+    [
+        ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B"),  # a hub id keeps its owner
+        ("gpt2", "gpt2"),
+        ("/srv/models/smollm2-135m-instruct", "smollm2-135m-instruct"),  # absolute, whether or not it exists here
+        ("/srv/models/smollm2-135m-instruct/", "smollm2-135m-instruct"),
+        ("~/models/tiny", "tiny"),
+        ("./checkpoints/tiny", "tiny"),
+        ("C:\\models\\tiny", "tiny"),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_portable_name_keeps_hub_ids_and_drops_local_folders(name, recorded) -> None:
+    assert portable_name(name) == recorded
+
+
+def test_identity_records_a_local_target_by_its_folder_name(model_a, tmp_path: Path, monkeypatch) -> None:
+    """A drafter trained on a target loaded from a folder records the folder's name, never the training machine's
+    path (which would ship in the drafter's config.json); a relative path that exists here counts as a folder."""
+    folder = tmp_path / "models" / "tiny-llama"
+    folder.mkdir(parents=True)
+    config = copy.deepcopy(model_a.config)
+    config._name_or_path = str(folder)
+    assert config_identity(config)["name_or_path"] == "tiny-llama"
+    monkeypatch.chdir(tmp_path)
+    config._name_or_path = "models/tiny-llama"
+    assert config_identity(config)["name_or_path"] == "tiny-llama"
+    config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"  # no such folder here: a hub id
+    assert config_identity(config)["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model = copy.deepcopy(model_a)
+    model.config._name_or_path = str(folder)
+    assert drafter_config_for(model, num_layers=2).target["name_or_path"] == "tiny-llama"
 
 
 def test_accepted_for_its_own_target(model_a, drafter_a, arch: str) -> None:

@@ -126,7 +126,7 @@ def test_saved_as_uint16_where_the_values_fit_and_read_back_the_same(
 
 
 def test_stores_saved_with_int32_tensors_still_load(tmp_path: Path):
-    """The format before session 35 (every tensor int32), as the shipped v7-v12 stores were written."""
+    """The format before uint16 tensors (every tensor int32), as the shipped v7-v12 stores were written."""
     save_file(
         {
             "contexts": torch.tensor([[1, 2], [2, 3]], dtype=torch.int32),

@@ -440,8 +440,8 @@ def kernels_refused(monkeypatch):
 
 
 def test_row_limits_for_another_device_never_build_the_kernels(kernels_refused):
-    """A GPU's forward asks for its row limits too: answering must not compile the CPU kernels (30-60 s of a GPU
-    session's data time in session 35)."""
+    """A GPU's forward asks for its row limits too: answering must not compile the CPU kernels (30-60 s on a GPU
+    machine, for kernels that never run there)."""
     assert row_kernels.max_rows("cuda") == row_kernels.MAX_ROWS
     assert row_kernels.max_batch_rows(torch.device("cuda", 0)) == row_kernels.MAX_BATCH_ROWS
     with pytest.raises(AssertionError, match="asked for"):
@@ -694,7 +694,7 @@ def test_the_engine_line_names_the_row_kernels(isa, monkeypatch):
 
 @pytest.fixture
 def int8_isa(isa):
-    """An instruction set whose kernel takes int8-packed weights (all of them since session 36)."""
+    """An instruction set whose kernel takes int8-packed weights (all of them do)."""
     if not row_kernels.kernel().int8:
         pytest.skip(f"the {isa} kernel has no int8 product")
     return isa

@@ -1,17 +1,17 @@
-// AVX2 + FMA kernels for the few rows of a decoding step (dflashkit/row_kernels.py), for CPUs without AVX512-BF16
-// (most laptops: Intel Core before and after the AVX512 years, AMD Zen 1-3), where torch's bf16 products of a few
-// rows run at ~9 GFLOP/s. The same contract as row_kernels_avx512.cpp: each row is computed the same way whatever
+// AVX2 + FMA kernels for the few rows of a decoding step (dflashkit/kernels/row_kernels.py), for CPUs without
+// AVX512-BF16 (most laptops: Intel Core before and after the AVX512 years, AMD Zen 1-3), where torch's bf16 products
+// of a few rows run at ~9 GFLOP/s. The same contract as row_kernels_avx512.cpp: each row is computed the same way whatever
 // rows run beside it, so a verify pass over a block and one-token steps give bitwise the same results.
 //
 // Matrix product y = x @ W.T (+ bias), bf16 weights, fp32 arithmetic.
-// The weight is packed once (dflashkit/row_kernels.py) into groups of 16 output columns:
+// The weight is packed once (dflashkit/kernels/row_kernels.py) into groups of 16 output columns:
 //   packed[g][k2][0][c][p] = W[16 g + c][2 k2 + p]      shape [G, K/2, 1, 16, 2]
 // so that one 64-byte line holds the (2 k2, 2 k2 + 1) weight pairs of 16 columns and a group's panel is one
 // sequential stream. A 32-bit lane holds a pair: its high half is already the fp32 pattern of the odd weight,
 // the low half shifted up is the even one, so unpacking costs one AND and one shift. x is turned into fp32 once;
 // each output element is one fp32 FMA chain over k in order (2 k2, then 2 k2 + 1), whatever the number of rows.
 //
-// Weight-only int8 (dflashkit/quantize.py): y = (x @ Q.T) * scale (+ bias), int8 Q, one fp32 scale per column.
+// Weight-only int8 (dflashkit/kernels/int8.py): y = (x @ Q.T) * scale (+ bias), int8 Q, one fp32 scale per column.
 // Packed once into an int8 tensor [G, 16 K + 64]: group g's K rows of its 16 columns' weights
 //   packed[g][16 k + c] = Q[16 g + c][k]
 // then the group's 16 scales as fp32 bytes. Half the bytes of bf16 to stream; each weight costs a sign extension
@@ -26,7 +26,7 @@ constexpr int kBlocks = 1;    // 16-column blocks per group
 constexpr int kGroup = 16;    // output columns per group
 constexpr int kMaxRows = 4;   // rows per micro-kernel call: 8 accumulators, 4 weight vectors, 2 broadcasts
 constexpr int64_t kRowBlock = 64;  // rows per pass over the weights (more rows: another pass)
-constexpr int kPrefetch = 1024;  // bytes ahead in the weight stream (Zen 1, 1 row: 16.4-17.6 -> 13.0-13.4 ms per 269 MB)
+constexpr int kPrefetch = 1024;  // bytes ahead in the weight stream (AMD Zen 1, one row: ~20% less time than without)
 
 
 // 8 fp32 -> 8 bf16, round to nearest even (NaN -> 0x7FC0): torch's rounding of float to bfloat16
@@ -105,9 +105,8 @@ __attribute__((always_inline)) inline void store_tile(const __m256 (&acc)[P][R][
 // The micro kernels: R <= 4 rows times P = 1 or 2 groups (16 or 32 adjacent output columns, each group's panel a
 // stream of its own, `stride` elements apart). Each output element is one fp32 FMA chain in k order, so P and R
 // change the speed only: a chain waits ~5 cycles per FMA on Zen 1, and one row of one group has only 2 chains to
-// keep the FMA pipe busy, so a single row takes two groups at a time (Zen 1: the 49152 x 576 LM head, 1 row, 3.7 ->
-// 2.8 ms alone; a one-token target step 17.3 -> 16.9 ms, two builds interleaved in one process). Two rows with
-// P = 2 (16 accumulators: spills) were slower.
+// keep the FMA pipe busy, so a single row takes two groups at a time (Zen 1: the LM head's one-row product ~25%
+// faster, a one-token step ~2%). Two rows with P = 2 (16 accumulators: spills) were slower.
 template <int R, int P>
 void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t k2_count, uint16_t* y,
            int64_t ldy, int64_t valid, const float* bias) {

@@ -1,9 +1,9 @@
-// AVX512-BF16 kernels for the few rows of a decoding step (dflashkit/row_kernels.py): a bf16 matrix product
+// AVX512-BF16 kernels for the few rows of a decoding step (dflashkit/kernels/row_kernels.py): a bf16 matrix product
 // and grouped-query attention, each computing a row the same way whatever rows run beside it, so that a
 // verify pass over a block and one-token steps give bitwise the same results.
 //
 // Matrix product y = x @ W.T (+ bias).
-// The weight is packed once (dflashkit/row_kernels.py) into groups of 64 output columns:
+// The weight is packed once (dflashkit/kernels/row_kernels.py) into groups of 64 output columns:
 //   packed[g][k2][b][c][p] = W[64 g + 16 b + c][2 k2 + p]      shape [G, K/2, 4, 16, 2]
 // so that one 64-byte load holds the (2 k2, 2 k2 + 1) weight pairs of 16 columns, the operand layout of
 // vdpbf16ps, and a group's whole panel is one sequential stream. Each row of x is broadcast two elements at a
@@ -203,7 +203,7 @@ void amx_rows(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
   }
 }
 
-// Weight-only int8 (dflashkit/quantize.py): y = (x @ Q.T) * scale (+ bias), one fp32 scale per column, in the AVX2
+// Weight-only int8 (dflashkit/kernels/int8.py): y = (x @ Q.T) * scale (+ bias), one fp32 scale per column, in the AVX2
 // source's layout: an int8 tensor [G, 16 K + 64] whose group g holds packed[g][16 k + c] = Q[16 g + c][k] for its 16
 // columns, then their 16 scales as fp32 bytes. Each 32 of K, the group's 32 x 16 int8 weights become one bf16 B
 // tile in a buffer (int8 is exact in bf16), then the same tile product as above into one C tile; K past the last
@@ -252,11 +252,11 @@ void amx_rows_int8(int r, const uint16_t* x, int64_t ldx, const int8_t* w, const
 // single row; an odd K's last weight row is added in fp32, last. A chunk of up to kInt8Rows rows converts each pair
 // step once for all its rows; past kInt8Panel rows (prefills) a group's whole panel is converted once into a buffer
 // that every chunk reads. Either way a row's sums are the same values in the same order, whatever rows run beside
-// it. Zen 4 VM, a whole SmolLM2 step (scripts/step_cost.py --quantize int8): 5.4 / 6.7 / 10.1 / 18.8 ms at 1 / 4 / 8
-// / 16 rows against the bf16 weights' 9.8 / 10.1 / 12.5 / 17.7: the conversion, not the bytes, bounds the larger
-// steps. Other shapes measured (README, weight-only int8) decoded within ~3% of this or were slower: groups of 64
-// columns in one stream, several groups per call (several weight streams), pairs interleaved per column (one
-// sign-extension instead of two), the buffer from 7 rows on.
+// it. On AMD EPYC Zen 4 a whole SmolLM2 step (scripts/step_cost.py --quantize int8) takes about half the bf16
+// weights' time at one row and about the same at 16: the conversion, not the bytes, bounds the larger steps. Other
+// shapes decoded within ~3% of this or were slower: groups of 64 columns in one stream, several groups per call
+// (several weight streams), pairs interleaved per column (one sign-extension instead of two), the buffer from 7
+// rows on.
 constexpr int kInt8Rows = 8;  // rows per int8 micro-kernel call (2 accumulators each: 16 registers)
 constexpr int64_t kInt8Panel = 16;  // more rows than this: a group's pairs converted once, into a buffer
 

@@ -467,10 +467,10 @@ std::tuple<torch::Tensor, torch::Tensor> top_probs_rows(const torch::Tensor& x, 
   return {probs, index};
 }
 
-// ---- exact speculative sampling on the target's logits (dflashkit/sampling.py: verify_sampled) ----------------------
+// ---- exact speculative sampling on the target's logits (dflashkit/decoding/sampling.py: verify_sampled) -------------
 // The sampling math of a sampled decoding step in one call: the target's logits rows in, the kept drafts and the
 // emitted token out, instead of some 40 small torch ops whose code and data the target's pass (270 MB of weights
-// through the caches) has just evicted, 20-70 µs each on the Zen 4 VM.
+// through the caches) has just evicted, 20-70 µs each on AMD EPYC Zen 4.
 
 #ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
@@ -730,7 +730,7 @@ std::tuple<int64_t, int64_t> verify_chain(const torch::Tensor& logits, double sc
   return {kept, token >= 0 ? token : draw_index(e, n, at)};  // an empty residual: an event of probability 0
 }
 
-// ---- coupled sampling's Gumbel noise (dflashkit/sampling.py: PositionNoise) -----------------------------------------
+// ---- coupled sampling's Gumbel noise (dflashkit/decoding/sampling.py: PositionNoise) --------------------------------
 // G(key, token) = -log(-log u) with u = ((h >> 8) | 1) / 2^24 in (0, 1) and h = r(r(token ^ lo) ^ hi), r Chris
 // Wellons' lowbias32 and (lo, hi) the halves of an output position's 64-bit key: a counter-based function, so a
 // decision computes the noise of the columns it reads where it reads them (numpy's PCG64 and two torch logs took
@@ -940,7 +940,7 @@ CoupledArgs coupled_args(const torch::Tensor& keys, int64_t width, const torch::
 }
 
 // Rows of a coupled call, split into parts of whole vectors where the rows alone would leave a thread idle (a
-// one-token step's one row: both threads, ~45 µs instead of ~85 for 49,152 entries on the Zen 4 VM); runs
+// one-token step's one row: both threads, ~45 µs instead of ~85 for 49,152 entries on AMD EPYC Zen 4); runs
 // part(row, part index, begin, end) for every part, in parallel.
 template <typename F>
 void coupled_parts(int64_t rows, int64_t width, int64_t parts, F part) {
