@@ -2,10 +2,10 @@
 
 torch's OpenMP threads wait for each other at the end of every parallel region, spinning a while before they sleep.
 When another process holds a core, a decoding step's many short regions stall on the thread that lost its core:
-on a 2-core AMD EPYC Zen 4 with one core kept busy by a Python busy loop, speculative decoding ran at 63-66 tok/s
-with 2 threads against 164-172 with ``--threads 1``. The CLI therefore samples the CPU's load for a moment before
-loading the model and, where other processes hold cores and no ``--threads`` was given, says how many threads to
-use instead.
+on a 2-core AMD EPYC Zen 4 with one core kept busy by a Python busy loop, speculative decoding with 2 threads ran at
+about a third of its speed with ``--threads 1`` (docs/performance.md#threads-and-busy-machines). The CLI therefore
+samples the CPU's load for a moment before loading the model and, where other processes hold cores and no
+``--threads`` was given, says how many threads to use instead.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def threads_hint(threads: int, busy: float | None) -> str | None:
     return (
         f"other processes are keeping ~{busy:.1f} of this machine's {cores} cores busy; with {threads} "
         f"threads, decoding steps stall on the shared cores (often several times slower): --threads {free} "
-        'is likely faster here (README: "Busy machines")'
+        "is likely faster here (docs/performance.md#threads-and-busy-machines)"
     )
 
 

@@ -81,7 +81,7 @@ class ServerMetrics:
         self.running = Gauge("dflashkit_requests_running", "Requests being generated (0 or 1)", registry=r)
         self.other_cpu_load = Gauge(
             "dflashkit_other_cpu_load_cores",
-            "Cores other processes kept busy, sampled every 30 s (CPU servers on Linux; README: Busy machines)",
+            "Cores other processes kept busy, sampled every 30 s (CPU servers on Linux; docs/performance.md)",
             registry=r,
         )
 

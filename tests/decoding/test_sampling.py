@@ -773,7 +773,7 @@ def test_position_noise_is_a_function_of_seed_position_and_token(use_kernel):
 
 def test_position_noise_kernel_and_torch_compute_the_same_hash():
     """The kernel and torch hash alike and differ at most in their logs' last bits (a seed's output is a function
-    of where it runs: README); a planted change of the hash would move most entries by O(1)."""
+    of where it runs: docs/losslessness.md); a planted change of the hash would move most entries by O(1)."""
     kernel, plain = position_noise(11, 49_152, True), position_noise(11, 49_152, False)
     columns = torch.randperm(49_152, generator=torch.Generator().manual_seed(BASE_SEED + 31))[:5000]
     for start, count, cols in ((0, 3, None), (12_345, 2, columns)):

@@ -1,7 +1,7 @@
 """Data-parallel training and data generation: two processes (gloo, on the CPU) do what one does.
 
 The processes are started the way torchrun starts them (its environment variables); `torchrun --nproc-per-node 2
--m dflashkit data|train ...` itself was run by hand (README, "Several GPUs")."""
+-m dflashkit data|train ...` itself was run by hand (docs/training.md)."""
 
 from __future__ import annotations
 
