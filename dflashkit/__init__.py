@@ -17,7 +17,7 @@ from dflashkit.target.adapter import TargetAdapter
 from dflashkit.target.loading import DEFAULT_TARGET, load_target
 from dflashkit.target.logprobs import TokenLogprob
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CheckpointError",

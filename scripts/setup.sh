@@ -14,7 +14,7 @@ pip() {  # quiet pip that still fails loudly
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   pip install "torch==2.13.0"  # elsewhere: install a CPU or CUDA build of torch >= 2.4 first, then re-run
 fi
-pip install -e ".[dev,train,bench,serve,export]"  # not [llamacpp]: it compiles llama.cpp for ~8 minutes
+pip install -e ".[dev,docs,train,bench,serve,export]"  # not [llamacpp]: it compiles llama.cpp for ~8 minutes
 # The playground test drives the system's Chromium through Playwright (no browser download). Debian package;
 # without apt-get (or root) the test skips and says why.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
