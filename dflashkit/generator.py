@@ -49,7 +49,8 @@ Prompt = str | Sequence[dict[str, str]]  # plain text, or chat messages [{"role"
 
 @dataclass
 class TextDelta:
-    """A piece of streamed output: its text and the tokens behind it (from_draft: accepted draft tokens).
+    """A piece of streamed output: its text and the tokens behind it (from_draft: accepted draft tokens; origins:
+    each token's "drafter", "copy" or "target", as :data:`dflashkit.decoding.loop.ORIGINS` explains).
 
     token_text[i] is the text released when token i arrived ("" while held back: a split character, a
     possible stop string); the pieces concatenate to `text`, and text released at the end of generation
@@ -62,6 +63,7 @@ class TextDelta:
     token_text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # on a stream's first delta only, when requested
+    origins: list[str] | None = None  # one per token id ("drafter", "copy", "target"); None: not known
 
 
 @dataclass
@@ -77,6 +79,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when requested (stream(logprobs=...))
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..n-1, when requested
     stop_string: str | None = None  # the stop string that ended the text (finish_reason "stop"), if one did
+    origins: list[str] | None = None  # one per token id: "drafter", "copy" (prompt lookup) or "target"
 
     @property
     def identical(self) -> bool | None:
@@ -396,6 +399,7 @@ class SpeculativeGenerator:
         matcher = StopStringMatcher(stop)
         tokens: list[int] = []
         flags: list[bool] = []
+        origins: list[str] = []
         logprobs: list[TokenLogprob] | None = [] if options.logprobs is not None else None
         target = batch.target(self.target) if batch is not None else self.target
         drafter = batch.drafter(drafter) if batch is not None else drafter
@@ -406,9 +410,11 @@ class SpeculativeGenerator:
             for step in steps:
                 start = len(tokens)
                 pieces: list[str] = []
-                for token, flag in zip(step.tokens, step.from_draft):
+                step_origins = step.origins or ["drafter" if f else "target" for f in step.from_draft]
+                for token, flag, origin in zip(step.tokens, step.from_draft, step_origins):
                     tokens.append(token)
                     flags.append(flag)
+                    origins.append(origin)
                     pieces.append(matcher.push(detok.push([token])))
                     if matcher.stopped:
                         break
@@ -425,6 +431,7 @@ class SpeculativeGenerator:
                         pieces,
                         step_logprobs,
                         prompt_logprobs if start == 0 else None,
+                        origins[start:],
                     )
                 if matcher.stopped:
                     stats.finish_reason = "stop"
@@ -442,6 +449,7 @@ class SpeculativeGenerator:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             stop_string=matcher.matched,
+            origins=origins,
         )
 
     def score(

@@ -135,9 +135,11 @@ def default(action: argparse.Action) -> str:
 
 
 def help_text(action: argparse.Action, formatter: argparse.HelpFormatter) -> str:
+    """The option's help as written (a plain formatter: the command's own appends the default, which this page
+    shows in its own column)."""
     if not action.help:
         return NONE
-    return cell(formatter._expand_help(action))
+    return cell(argparse.HelpFormatter(formatter._prog)._expand_help(action))
 
 
 def synopsis(name: str, parser: argparse.ArgumentParser) -> str:

@@ -1,24 +1,46 @@
 """Benchmark harness: DFlash against autoregressive decoding and the alternatives users would pick.
 
-    dflashkit bench --quick --drafter untrained        # ~5 minutes on a 2-core CPU
+    dflashkit bench --quick --drafter untrained
 
 Modules: :mod:`.datasets` (questions and templates), :mod:`.methods` (the method interface, dflashkit's
 loop), :mod:`.peers` (transformers generate, llama.cpp), :mod:`.assets` (models assembled from packages),
 :mod:`.metrics` (τ, α_k, TPOT, speedups), :mod:`.runner` (the interleaved loop, losslessness),
 :mod:`.report` and :mod:`.plots` (JSON, Markdown, PNG), :mod:`.command` (the CLI).
+
+The names below are imported on first use, so that building the ``dflashkit bench`` parser (every ``dflashkit
+--help``) loads no torch.
 """
 
-from dflashkit.bench.methods import Autoregressive, DFlash, Method, Record, Request, TargetSession
-from dflashkit.bench.runner import BenchConfig, BenchResult, run_bench
+from __future__ import annotations
 
-__all__ = [
-    "Autoregressive",
-    "BenchConfig",
-    "BenchResult",
-    "DFlash",
-    "Method",
-    "Record",
-    "Request",
-    "TargetSession",
-    "run_bench",
-]
+import importlib
+from typing import Any
+
+# each public name -> the module that defines it
+_EXPORTS = {
+    "Autoregressive": "dflashkit.bench.methods",
+    "BenchConfig": "dflashkit.bench.runner",
+    "BenchResult": "dflashkit.bench.runner",
+    "DFlash": "dflashkit.bench.methods",
+    "Method": "dflashkit.bench.methods",
+    "Record": "dflashkit.bench.methods",
+    "Request": "dflashkit.bench.methods",
+    "TargetSession": "dflashkit.bench.methods",
+    "run_bench": "dflashkit.bench.runner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use and kept in this module's namespace."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dflashkit.bench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -9,13 +9,24 @@ import pathlib
 import re
 import shlex
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from dflashkit.decoding.tree import check_budget
 from dflashkit.errors import InvalidInputError
-from dflashkit.kernels.int8 import METHODS as QUANT_METHODS
+
+if TYPE_CHECKING:
+    import torch
+
+# the parser is built by every `dflashkit` call, --help included: what it needs imports no torch (torch, the tree
+# check and the kernels are imported where a bench runs)
+QUANT_METHODS = ("int8",)  # dflashkit.kernels.int8.METHODS (tests/cli/test_main.py checks they agree)
+
+
+def check_budget(budget: object) -> int:
+    """dflashkit.decoding.tree.check_budget, imported when a bench's settings are read."""
+    from dflashkit.decoding.tree import check_budget as check
+
+    return check(budget)
+
 
 METHODS = ("ar", "dflash", "dflash-lookup", "lookup", "hf", "hf-pld", "hf-assisted", "llama.cpp", "llama-server")
 DEFAULTS = {
@@ -26,7 +37,8 @@ DEFAULTS = {
     "temperatures": "0,1",
     "block_sizes": "4,8,16,auto",
 }
-# --quick: about 5 minutes on a 2-core CPU with the default target (first turns, 2 questions per set)
+# --quick's starting point (first turns, 2 questions per set); dflashkit.bench.quick cuts it to what the CPU's measured
+# speed fits in about 5 minutes
 QUICK = {
     "datasets": "mt-bench,humaneval,math500",
     "limit": 2,
@@ -99,9 +111,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--drafter",
+        type=_drafter_arg,
         default=None,
-        help="drafter folder or 'untrained' (random: τ≈1); default: the "
-        "drafter shipped for the target; without one the DFlash methods are skipped",
+        help="a shipped drafter's name (`dflashkit drafters` lists them), a drafter folder, 'untrained' (random: "
+        "τ≈1) or 'none'; default: the drafter shipped for the target; without one the DFlash methods are skipped",
     )
     b.add_argument(
         "--assistant",
@@ -117,7 +130,12 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "$DFLASHKIT_LLAMA_SERVER, else the one `scripts/get_llama_cpp.sh --build` builds, else on PATH)",
     )
     b.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
-    b.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    b.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="number format of every model: bfloat16 or float32 (twice the memory)",
+    )
     b.add_argument(
         "--quantize",
         choices=["none", *QUANT_METHODS],
@@ -132,15 +150,29 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="dflashkit methods on the eager path (plain nn.Linear layers, no prepacked oneDNN weights)",
     )
-    b.add_argument("--device", default="cpu")
+    b.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N, ...")
     b.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp (default: torch's)")
     quick = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items() if k != "datasets")
-    b.add_argument("--quick", action="store_true", help=f"a ~5-minute run: {quick}")
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a run sized to about 5 minutes on this CPU: from {quick}, it times short generations and cuts "
+        "slow peers, then tokens, block sizes, temperatures and questions until the estimate fits (options given "
+        "explicitly are kept); it prints what it chose and why",
+    )
     b.add_argument("--out", default=None, help="output folder (default: runs/bench-<time>)")
     b.add_argument("--json", default=None, help="results JSON path (default: OUT/results.json)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
     return b
+
+
+def _drafter_arg(text: str) -> str:
+    """--drafter: a shipped drafter's short name becomes its folder (unless a path of that name exists: a path
+    wins); folders, none and untrained stay as given."""
+    from dflashkit.drafter.registry import drafter_name_or_path
+
+    return drafter_name_or_path(text, keywords=("none", "untrained"))
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -210,6 +242,8 @@ def resolve_drafter(choice: str | None, target: str | None, model: Any) -> tuple
     if choice == "none":
         return None, None, "disabled (--drafter none)"
     if choice == "untrained":
+        import torch
+
         torch.manual_seed(0)
         drafter = DFlashDrafter(drafter_config_for(model, num_layers=3)).to(model.dtype).eval()
         return drafter, "untrained (random, τ≈1)", ""
@@ -372,6 +406,10 @@ def llama_server_methods(
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import time
+
+    started = time.perf_counter()  # --quick counts loading against its time budget
+    import torch
     from transformers.utils import logging as hf_logging
 
     from dflashkit.bench.methods import TargetSession
@@ -408,7 +446,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / f"bench-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     methods, drafter_label = build_methods(session, settings, args, target_label, threads, log_dir=out)
+    quick = None
     try:
+        if args.quick:  # sized to this CPU: measure, then cut what would not fit the time budget
+            from dflashkit.bench.quick import apply_quick
+
+            methods, quick = apply_quick(args, session, methods, settings, config, started, _stderr, METHODS)
         result = run_bench(session, methods, config)
     finally:
         for m in methods:  # servers and peers' models go, even when the run fails
@@ -423,6 +466,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "device": args.device,
         "threads": threads,
         "quick": args.quick,
+        "quick_plan": quick.as_dict() if quick is not None else None,  # what --quick measured, chose and why
         "methods": settings["methods"],
         "block_sizes": settings["block_sizes"],
         "trees": settings["trees"],
@@ -435,6 +479,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for t in config.temperatures:
         print(f"\n{'greedy' if t == 0 else f'temperature {t:g}'}:\n{summary_table(data, t)}")
     print("\nwrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    if quick is not None:
+        took = time.perf_counter() - started
+        _stderr(f"--quick: took {took / 60:.1f} min in all (estimated {(quick.estimate_s + quick.spent_s) / 60:.1f})")
     if result.failures:
         print(
             f"error: {len(result.failures)} non-tie divergence(s) of dflashkit methods from the baseline: "
@@ -442,6 +489,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return result.exit_code
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def bench_parser() -> argparse.ArgumentParser:

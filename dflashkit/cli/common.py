@@ -1,42 +1,208 @@
-"""What several commands share: the dtype names, the options that more than one subcommand takes, the grammar and
-tool flags read before a model loads, the loading spinner, and the target and drafter loading of generate, chat and
-serve."""
+"""What several commands share: the help formatter, the dtype names, the argument types that refuse bad values while
+the command line is parsed, the options that more than one subcommand takes, the grammar and tool flags read before a
+model loads, the loading spinner, and the target and drafter loading of generate, chat and serve.
+
+Nothing here imports torch at module level, so that the parsers built with it need no torch (a fast ``--help``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from dflashkit.decoding.grammar import Grammar
     from dflashkit.generator import SpeculativeGenerator
     from dflashkit.tool_calls import ToolRequest
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+QUANTIZE_METHODS = ("int8",)  # dflashkit.kernels.int8.METHODS, named here so that parsers need no torch (a test checks)
+
+
+class _TorchDtypes(Mapping[str, "torch.dtype"]):
+    """--dtype name -> torch dtype. Its keys are plain strings; torch is imported on the first lookup only, so a
+    parser that lists the names (``choices=sorted(DTYPES)``) stays light."""
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        import torch
+
+        return getattr(torch, DTYPE_NAMES[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DTYPE_NAMES)
+
+    def __len__(self) -> int:
+        return len(DTYPE_NAMES)
+
+
+DTYPES: Mapping[str, torch.dtype] = _TorchDtypes()
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every option's default: appended as "(default: X)" unless the help text already speaks of its
+    default; never "(default: None)" (an option whose default is None says in its help what happens without it), and
+    nothing for a plain on/off flag (off unless given); an ``--x/--no-x`` pair shows "on" or "off"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "default" in text.lower()
+            or default is None
+            or default is argparse.SUPPRESS
+            or (isinstance(default, (str, list, tuple)) and not default)
+        ):
+            return text
+        if action.nargs == 0:  # flags: only an --x/--no-x pair has a default worth saying
+            if isinstance(action, argparse.BooleanOptionalAction) and isinstance(default, bool):
+                return f"{text} (default: {'on' if default else 'off'})"
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class TopHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """The top-level ``dflashkit --help``: its description and examples keep their line breaks."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of ``dflashkit`` and of each subcommand (``add_subparsers`` makes its subparsers of this class):
+    :class:`HelpFormatter` unless another formatter is given."""
+
+    def __init__(
+        self, *args: Any, formatter_class: type[argparse.HelpFormatter] = HelpFormatter, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+# ---- argument types: a bad value is refused by argparse (exit 2, usage and one line) before anything loads ----
+
+
+def _number(text: str, kind: type) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer >= `low` (`note`: what the bound means, added to the message)."""
+
+    def parse(text: str) -> int:
+        value = _number(text, int)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}{note}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def temperature_arg(text: str) -> float:
+    """A sampling temperature: a finite number >= 0 (0: greedy)."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: greedy), got {value:g}")
+    return value
+
+
+def top_p_arg(text: str) -> float:
+    """A nucleus (top-p) mass: in (0, 1], 1 keeping every token."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1: no nucleus filter), got {value:g}")
+    return value
 
 
 def block_size_arg(text: str) -> int | str:
+    """A verify block size: 'auto' or an integer >= 2 (the anchor token and at least one draft)."""
     if text == "auto":
         return text
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 or 'auto', got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 2 (the anchor token and one draft) or 'auto', got {value}; --drafter none decodes "
+            "plainly"
+        )
+    return value
+
+
+def port_arg(text: str) -> int:
+    """A TCP port: 0..65535."""
+    value = _number(text, int)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
+
+
+def drafter_arg(text: str) -> str:
+    """A --drafter value: a shipped drafter's short name becomes its folder (unless a path of that name exists: a
+    path wins); none, untrained, auto and paths stay as given (a missing folder is refused before the model loads,
+    by :func:`check_drafter_arg`)."""
+    from dflashkit.drafter.registry import drafter_name_or_path
+
+    return drafter_name_or_path(text)
+
+
+def drafter_folder_arg(text: str) -> str:
+    """A drafter folder or a shipped drafter's short name, as export takes it (no keywords)."""
+    from dflashkit.drafter.registry import drafter_name_or_path
+
+    return drafter_name_or_path(text, keywords=())
+
+
+def check_drafter_arg(choice: str | None, keywords: tuple[str, ...] | None = None) -> None:
+    """Refuse a --drafter that is no folder and no shipped drafter, naming the shipped ones (before any load)."""
+    from dflashkit.drafter.registry import KEYWORDS, check_drafter
+
+    if choice is not None:
+        check_drafter(choice, KEYWORDS if keywords is None else keywords)
+
+
+DRAFTER_HELP = (
+    "the drafter: a shipped drafter's name (`dflashkit drafters` lists them) or a drafter folder (a path wins over a "
+    "name); 'none': plain decoding; 'untrained': a random drafter (exercises the speculative path, τ≈1); default "
+    "(or 'auto'): the drafter shipped for the target, if any"
+)
+TARGET_HELP = "HF model id or local folder (default: the embedded SmolLM2-135M-Instruct)"
+
+
+def add_dtype_device_options(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --device, as generate, chat and serve take them."""
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16",
+        help="number format of the target and the drafter: bfloat16 (bf16) or float32 (fp32: twice the memory; "
+        "speculative and plain outputs then equal token for token, where bf16 may part at a numerical tie)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEVICE",
+        help="where the models run: cpu, cuda, cuda:N, ... (checked before anything loads)",
+    )
 
 
 def add_quantize_option(parser: argparse.ArgumentParser) -> None:
-    from dflashkit.kernels.int8 import METHODS
-
     parser.add_argument(
         "--quantize",
-        choices=["none", *METHODS],
+        choices=["none", *QUANTIZE_METHODS],
         default="none",
         help="int8: weight-only int8 target weights, one scale per output channel (CPU). A different target: "
         "the output is exact with respect to the quantized model, not the --dtype one (default: %(default)s)",
@@ -46,7 +212,7 @@ def add_quantize_option(parser: argparse.ArgumentParser) -> None:
 def add_tree_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tree",
-        type=int,
+        type=int_at_least(0, " (0: chains)"),
         default=None,
         metavar="N",
         help="drafter steps verify a token tree of up to N nodes (the drafter's likeliest alternatives at each "
@@ -61,7 +227,7 @@ def add_tree_option(parser: argparse.ArgumentParser) -> None:
 def add_draft_window_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-window",
-        type=int,
+        type=int_at_least(0, " (0: the whole context)"),
         default=None,
         metavar="N",
         help="drafting attends to the last N context tokens only; 0: the whole context (default: the drafter's own "
@@ -74,7 +240,8 @@ def add_grammar_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "structured output",
         "constrain the output to a grammar (llguidance); exact with respect to the target "
-        "constrained to it, in speculative and plain decoding alike (token trees are not used)",
+        "constrained to it, in speculative and plain decoding alike (token trees are not used). Without one of these "
+        "flags the output is unconstrained",
     ).add_mutually_exclusive_group()
     group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
     group.add_argument(
@@ -165,8 +332,9 @@ def add_eager_option(parser: argparse.ArgumentParser) -> None:
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",
-        type=int,
+        type=int_at_least(1),
         default=None,
+        metavar="N",
         help="CPU threads for torch (default: torch's choice, with a note where other processes keep cores busy). "
         "On a busy machine, fewer threads than cores avoids OpenMP stalls that can slow work many times over",
     )
@@ -245,6 +413,7 @@ def status(message: str, quiet: bool) -> Iterator[None]:
 
 def load_generator(args: argparse.Namespace, quiet: bool) -> SpeculativeGenerator:
     """The target and the drafter chosen by --target/--drafter/--dtype/--device (notes go to stderr)."""
+    check_drafter_arg(args.drafter)  # a missing drafter folder fails before the (slow) target load
     from dflashkit.generator import SpeculativeGenerator
 
     with status("Loading target model...", quiet):
@@ -276,10 +445,12 @@ def _resolve_drafter(choice: str | None, target: str | None, gen) -> tuple[Any, 
     if choice == "none":
         return None, "Plain autoregressive decoding (--drafter none)."
     if choice == "untrained":
+        import torch
+
         torch.manual_seed(0)
         drafter = DFlashDrafter(drafter_config_for(gen.model, num_layers=3)).to(gen.model.dtype)
         return drafter, "Using an UNTRAINED random drafter: it exercises the speculative path; expect τ ≈ 1."
-    if choice is None:
+    if choice in (None, "auto"):
         path = shipped_drafter(target)
         if path is None:
             return None, (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflashkit.cli.common import status
+from dflashkit.cli.common import TARGET_HELP, check_drafter_arg, drafter_folder_arg, status
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -17,12 +17,26 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "published DFlash layout that vLLM and SGLang load; --format gguf runs llama.cpp's own converter "
         "(convert_hf_to_gguf.py --target-model-dir) from a llama.cpp checkout (scripts/get_llama_cpp.sh).",
     )
-    e.add_argument("drafter", help="drafter folder (published DFlash layout, e.g. made by `dflashkit train`)")
-    e.add_argument("--format", choices=["hf", "gguf"], required=True)
     e.add_argument(
-        "--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)"
+        "drafter",
+        type=drafter_folder_arg,
+        help="drafter folder (published DFlash layout, e.g. made by `dflashkit train`), or a shipped drafter's name "
+        "(`dflashkit drafters` lists them)",
     )
-    e.add_argument("--out", default=None, help="output folder (default: DRAFTER-hf or DRAFTER-gguf beside the drafter)")
+    e.add_argument(
+        "--format",
+        choices=["hf", "gguf"],
+        required=True,
+        help="hf: the published DFlash layout (safetensors + config.json) that vLLM and SGLang load; gguf: a GGUF "
+        "for llama.cpp's DFlash (needs a llama.cpp checkout)",
+    )
+    e.add_argument("--target", default=None, help=TARGET_HELP)
+    e.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: DRAFTER-hf or DRAFTER-gguf beside the drafter folder; for a shipped drafter, "
+        "in the current folder)",
+    )
     e.add_argument(
         "--llama-cpp", default=None, help="llama.cpp checkout for --format gguf (default: $DFLASHKIT_LLAMA_CPP)"
     )
@@ -35,8 +49,11 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     import pathlib
 
+    check_drafter_arg(args.drafter, keywords=())  # before torch and the target load
+
     import torch
 
+    from dflashkit.drafter.registry import DRAFTERS_DIR
     from dflashkit.errors import InvalidInputError
     from dflashkit.interop import export
 
@@ -44,11 +61,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     drafter = pathlib.Path(args.drafter).expanduser()
     if args.target_gguf and args.format != "gguf":
         raise InvalidInputError("--target-gguf goes with --format gguf")
-    out = (
-        pathlib.Path(args.out).expanduser()
-        if args.out
-        else drafter.resolve().with_name(f"{drafter.resolve().name}-{args.format}")
-    )
+    folder = drafter.resolve()
+    if args.out:
+        out = pathlib.Path(args.out).expanduser()
+    elif folder.parent == DRAFTERS_DIR.resolve():  # a shipped drafter: not into the installed package
+        out = pathlib.Path.cwd() / f"{folder.name}-{args.format}"
+    else:
+        out = folder.with_name(f"{folder.name}-{args.format}")
     with status(f"Exporting {drafter} ({args.format})...", False):
         if args.format == "hf":
             result = export.export_hf(drafter, out, target=args.target)

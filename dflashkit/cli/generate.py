@@ -9,8 +9,11 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.cli.common import (
+    DRAFTER_HELP,
     DTYPES,
+    TARGET_HELP,
     add_draft_window_option,
+    add_dtype_device_options,
     add_eager_option,
     add_grammar_options,
     add_lookup_option,
@@ -20,10 +23,14 @@ from dflashkit.cli.common import (
     add_threads_option,
     add_tree_option,
     block_size_arg,
+    drafter_arg,
     grammar_from_args,
+    int_at_least,
     load_generator,
     note_tree_without_drafter,
+    temperature_arg,
     tools_from_args,
+    top_p_arg,
 )
 from dflashkit.cpuload import apply_threads
 from dflashkit.errors import DFlashError
@@ -31,34 +38,82 @@ from dflashkit.errors import DFlashError
 if TYPE_CHECKING:
     import torch
 
+    from dflashkit.decoding.stats import DecodeStats
+    from dflashkit.generator import GenerationResult
 
-def add_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `generate` and `chat` subcommands."""
-    g = subparsers.add_parser("generate", help="generate text for a prompt (streams; prints τ and tok/s)")
-    g.add_argument(
-        "prompt", help="prompt text (sent through the chat template unless --no-chat); - reads it from standard input"
-    )
-    g.add_argument("--system", default=None, metavar="TEXT", help="a system message before the prompt (chat template)")
-    g.add_argument(
-        "--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)"
-    )
-    g.add_argument(
-        "--drafter",
-        default=None,
-        help="drafter folder; 'none' for plain decoding; 'untrained' for a random drafter (exercises the "
-        "speculative path, τ≈1); default: the drafter shipped for the target, if any",
-    )
-    g.add_argument(
+# an adaptive run that decoded at least this share of its steps plainly (block 1) says so in one line
+MOSTLY_PLAIN, MOSTLY_PLAIN_MIN_STEPS = 0.8, 8
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int, per: str) -> None:
+    """--block-size, --max-new-tokens and the sampling options, as generate and chat take them."""
+    parser.add_argument(
         "--block-size",
         type=block_size_arg,
         default=None,
-        help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)",
+        metavar="SIZE",
+        help="verify block size (at least 2: the anchor token and its drafts), or 'auto': chosen per step for the "
+        "most tokens/s (default: auto)",
     )
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int_at_least(1),
+        default=max_new_tokens,
+        metavar="N",
+        help=f"the most tokens to generate{per}; the text may end sooner",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=temperature_arg,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature; 0: greedy (the target's likeliest token every time)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int_at_least(0, " (0: off)"),
+        default=0,
+        metavar="K",
+        help="when sampling, draw from the K likeliest tokens only (0: off)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=top_p_arg,
+        default=1.0,
+        metavar="P",
+        help="when sampling, draw from the likeliest tokens that together hold probability P (1: off)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="random seed of sampling: the same seed gives the same output (default: a new one each run; with a "
+        "seed the coupled sampler is the default)",
+    )
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `generate` and `chat` subcommands."""
+    g = subparsers.add_parser(
+        "generate",
+        help="generate text for a prompt (streams; prints τ and tok/s)",
+        description="Stream the target's answer to a prompt, decoded speculatively with the drafter, then one line "
+        "of statistics on standard error: tokens, time, tokens/s and τ (tokens per target pass). --compare-ar also "
+        "decodes plainly and says whether the outputs are identical; --json prints one JSON object instead.",
+    )
+    g.add_argument(
+        "prompt", help="prompt text (sent through the chat template unless --no-chat); - reads it from standard input"
+    )
+    g.add_argument(
+        "--system",
+        default=None,
+        metavar="TEXT",
+        help="a system message before the prompt (chat template; default: none)",
+    )
+    g.add_argument("--target", default=None, help=TARGET_HELP)
+    g.add_argument("--drafter", type=drafter_arg, default=None, help=DRAFTER_HELP)
+    add_sampling_options(g, 128, "")
     add_proposal_options(g)
     add_sampler_option(g)
     g.add_argument(
@@ -88,31 +143,43 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "offer functions to a target whose chat template writes <tool_call> "
         "blocks (Qwen2.5, Qwen3, Hermes); the calls are printed after the text",
     )
-    t.add_argument("--tools", metavar="TOOLS", help="OpenAI function tools: a JSON file, or the JSON text of the list")
+    t.add_argument(
+        "--tools",
+        metavar="TOOLS",
+        help="OpenAI function tools: a JSON file, or the JSON text of the list (default: none)",
+    )
     t.add_argument(
         "--tool-choice",
         default=None,
         metavar="CHOICE",
         help="auto (default), none, required, or a tool's name (required and a name force a call)",
     )
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable; default: none)"
+    )
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    add_dtype_device_options(g)
     add_quantize_option(g)
     add_eager_option(g)
-    g.add_argument("--device", default="cpu")
     add_threads_option(g)
     g.add_argument(
         "--compare-ar", action="store_true", help="also decode plainly; print speedup and whether outputs match"
     )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="also print the detailed stats line: block size, time per phase (prefill, draft, verify, other), "
+        "prompt lookup, token trees, sampler",
+    )
+    g.add_argument(
         "--logprobs",
         type=int,
         default=None,
         metavar="K",
         help="also print each token's log-probability under the target and its K likeliest "
-        "alternatives (0-20; in --json: a 'logprobs' list)",
+        "alternatives (0-20; in --json: a 'logprobs' list; default: none)",
     )
     g.set_defaults(func=cmd_generate)
 
@@ -124,22 +191,15 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "its new message and its answer, not the history. /reset starts over, /exit (or end of input) leaves; "
         "Ctrl-C stops an answer. Reads one message per line from standard input when it is not a terminal.",
     )
-    c.add_argument("--system", default=None, metavar="TEXT", help="a system message at the start of the conversation")
     c.add_argument(
-        "--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)"
-    )
-    c.add_argument("--drafter", default=None, help="drafter folder, 'none' or 'untrained' (as for generate)")
-    c.add_argument(
-        "--block-size",
-        type=block_size_arg,
+        "--system",
         default=None,
-        help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)",
+        metavar="TEXT",
+        help="a system message at the start of the conversation (default: none)",
     )
-    c.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default: %(default)s)")
-    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--target", default=None, help=TARGET_HELP)
+    c.add_argument("--drafter", type=drafter_arg, default=None, help=DRAFTER_HELP)
+    add_sampling_options(c, 512, " per answer")
     add_sampler_option(c)
     add_lookup_option(c)
     add_draft_window_option(c)
@@ -150,10 +210,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         help="MiB of earlier turns kept for reuse (default: %(default)s; 0: every turn prefills it all)",
     )
     c.add_argument("--no-stats", dest="stats", action="store_false", help="no stats line after each answer")
-    c.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    add_dtype_device_options(c)
     add_quantize_option(c)
     add_eager_option(c)
-    c.add_argument("--device", default="cpu")
     add_threads_option(c)
     c.set_defaults(func=cmd_chat)
 
@@ -165,7 +224,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dflashkit.target.logprobs import check_top_logprobs
     from dflashkit.tool_calls import parse_tool_calls
 
-    dtype = DTYPES[args.dtype]
     check_draft_window(args.draft_window)  # before the (slow) model load
     if args.proposal_temperature is not None:
         check_proposal_temperature(args.proposal_temperature)
@@ -219,7 +277,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     logprobs = _logprobs_json(gen, result.logprobs) if result.logprobs is not None else None
     calls = parse_tool_calls(result.text, tools.names)[1] if tools is not None and tools.active else []
     if args.json:
-        out = _as_json(result, args, dtype, drafter is not None)
+        out = _as_json(result, args, DTYPES[args.dtype], drafter is not None)
         if logprobs is not None:
             out["logprobs"] = logprobs
         if tools is not None:
@@ -229,7 +287,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
         for call in calls:
             print(f"tool call: {call.name}({call.arguments})")
-        _print_summary(result, drafter is not None)
+        for line in summary_lines(result, drafter is not None, args.max_new_tokens, gen.target.max_positions):
+            print(line, file=sys.stderr)
+        if args.verbose:
+            print(_detail_line(result, drafter is not None), file=sys.stderr)
         if logprobs is not None:
             _print_logprobs(logprobs)
     return 0
@@ -240,8 +301,9 @@ def _prompt_from_args(args: argparse.Namespace) -> str | list[dict[str, str]]:
     from dflashkit.errors import InvalidInputError
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not text:
-        raise InvalidInputError("the prompt is empty" + (" (nothing on standard input)" if args.prompt == "-" else ""))
+    if not text.strip():
+        where = " (nothing on standard input)" if args.prompt == "-" else ""
+        raise InvalidInputError(f"the prompt is empty{where}: give the text to answer")
     if args.system is None:
         return text
     if args.no_chat:
@@ -314,7 +376,94 @@ def _as_json(result, args, dtype: torch.dtype, speculative: bool) -> dict[str, A
     return out
 
 
-def _print_summary(result, speculative: bool) -> None:
+def _rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s:.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.1f}"
+
+
+def stats_line(stats: DecodeStats, speculative: bool) -> str:
+    """The figures a generate run and a chat turn report, as "N tokens in T s, R tok/s · τ X tokens per target pass"
+    (plain decoding says so instead of τ)."""
+    s = stats
+    line = f"{s.new_tokens} tokens in {s.prefill_s + s.decode_s:.2f} s, {_rate(s.tokens_per_s)} tok/s"
+    if speculative or s.lookup:
+        return line + f" · τ {s.tau:.2f} tokens per target pass"
+    return line + " · plain decoding (no drafter)"
+
+
+def ending(result: GenerationResult, max_new_tokens: int, context: int) -> str:
+    """Why the output ended, in words: its end of text, a stop string, --max-new-tokens or the target's context."""
+    if result.finish_reason == "length":
+        if len(result.token_ids) < max_new_tokens and result.prompt_tokens + len(result.token_ids) >= context:
+            return f"stopped at the target's context ({context} tokens)"
+        return f"stopped at --max-new-tokens {max_new_tokens}"
+    if result.finish_reason == "stop":
+        return f"stopped at {result.stop_string!r}" if result.stop_string else "ended at end of text"
+    return ""
+
+
+def mostly_plain_note(stats: DecodeStats, speculative: bool) -> str | None:
+    """One line when the adaptive block size decoded (nearly) every step plainly: drafting did not pay here."""
+    if not (speculative and stats.adaptive and stats.steps >= MOSTLY_PLAIN_MIN_STEPS):
+        return None
+    plain = sum(1 for drafted in stats.drafted_lengths if drafted == 0)
+    if plain < MOSTLY_PLAIN * stats.steps:
+        return None
+    return (
+        f"note: {plain} of {stats.steps} steps were decoded plainly: the adaptive block size found that drafting "
+        "did not pay on this machine (on a busy or slow CPU a draft can cost more than it saves; --block-size N "
+        "drafts every step)"
+    )
+
+
+def summary_lines(result: GenerationResult, speculative: bool, max_new_tokens: int, context: int) -> list[str]:
+    """The lines generate prints on standard error after the text: the stats line and why the text ended, the
+    comparison with plain decoding (--compare-ar), and notes (a quantized target, drafting that did not pay)."""
+    from dflashkit.kernels.int8 import is_quantized
+
+    s = result.stats
+    lines = [" · ".join(part for part in (stats_line(s, speculative), ending(result, max_new_tokens, context)) if part)]
+    if result.ar is not None:
+        lines.append(_comparison(result))
+    if is_quantized(s.target_weights):
+        lines.append(f"note: target weights {s.target_weights}: exact w.r.t. the quantized target, not the --dtype one")
+    note = mostly_plain_note(s, speculative)
+    if note:
+        lines.append(note)
+    return lines
+
+
+def _decode_rate(stats: DecodeStats) -> float | None:
+    """Tokens per second after the prompt: the rate GenerationResult.speedup compares (the first token, chosen by
+    the prefill, is not counted)."""
+    return max(1, stats.new_tokens - 1) / stats.decode_s if stats.decode_s > 0 else None
+
+
+def _comparison(result: GenerationResult) -> str:
+    """The --compare-ar line, "plain decoding R tok/s vs speculative S tok/s after the prompt → Nx faster, identical
+    output": both rates leave the prompt's prefill out, so that their ratio is the speedup shown."""
+    spec, plain, speedup = _decode_rate(result.stats), _decode_rate(result.ar.stats), result.speedup
+    if spec is None or plain is None or speedup is None:
+        line = f"plain decoding {_rate(result.ar.stats.tokens_per_s)} tok/s"
+    else:
+        faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+        line = f"plain decoding {_rate(plain)} tok/s vs speculative {_rate(spec)} tok/s after the prompt → {faster}"
+    if result.identical:
+        return line + ", identical output"
+    if result.divergence is not None:
+        d = result.divergence
+        kind = "a numerical tie (allowed in bf16)" if d.tie else "NOT a tie: this is a bug, please report it"
+        return (
+            line + f"; outputs differ from token {d.index}: speculative {d.spec_token} vs plain {d.ar_token}, "
+            f"margin {d.margin} at max |logit| {d.max_abs_logit}: {kind}"
+        )
+    return (
+        line + "; outputs not compared: rejection sampling draws its own random numbers per step (give --seed, "
+        "the coupled sampler, to compare sampled outputs token for token)"
+    )
+
+
+def _detail_line(result: GenerationResult, speculative: bool) -> str:
+    """The detailed stats line of --verbose: block size, time per phase, prompt lookup, trees, weights, sampler."""
     from dflashkit.kernels.int8 import is_quantized
 
     s = result.stats
@@ -347,29 +496,7 @@ def _print_summary(result, speculative: bool) -> None:
         line += f" (structured output: {s.grammar.replace('_', ' ')})"
     if s.sampler:
         line += f" ({s.sampler} sampling)"
-    print(line, file=sys.stderr)
-    if result.ar is not None:
-        ar = result.ar.stats
-        print(
-            f"[plain decoding: {ar.tokens_per_s:.1f} tok/s | speedup {result.speedup:.2f}x (decode time per token)]",
-            file=sys.stderr,
-        )
-        if result.identical:
-            print("[outputs identical to plain decoding]", file=sys.stderr)
-        elif result.divergence is not None:
-            d = result.divergence
-            kind = "a numerical tie (allowed in bf16)" if d.tie else "NOT a tie: this is a bug, please report it"
-            print(
-                f"[outputs differ from token {d.index}: speculative {d.spec_token} vs plain {d.ar_token}, "
-                f"margin {d.margin} at max |logit| {d.max_abs_logit}: {kind}]",
-                file=sys.stderr,
-            )
-        else:
-            print(
-                "[outputs differ: rejection sampling draws its own random numbers per step; give --seed (coupled "
-                "sampling) to compare sampled outputs token for token]",
-                file=sys.stderr,
-            )
+    return line
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -433,15 +560,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         print()
         if args.stats and session.last is not None:
-            _print_turn_stats(session.last)
+            _print_turn_stats(session.last, gen.drafter is not None, args.max_new_tokens, gen.target.max_positions)
     return 0
 
 
-def _print_turn_stats(result) -> None:
+def _print_turn_stats(result: GenerationResult, speculative: bool, max_new_tokens: int, context: int) -> None:
+    """A chat turn's stats, in generate's words, with how much of the prompt a previous turn had computed."""
     s = result.stats
-    cached = f", {s.cached_prompt_tokens} restored" if s.cached_prompt_tokens else ""
-    print(
-        f"[{s.new_tokens} tokens | {s.tokens_per_s:.1f} tok/s | τ {s.tau:.2f} | prompt {s.prompt_tokens} tokens"
-        f"{cached}, prefill {s.prefill_s:.2f}s]",
-        file=sys.stderr,
-    )
+    restored = f", {s.cached_prompt_tokens} restored from earlier turns" if s.cached_prompt_tokens else ""
+    parts = [stats_line(s, speculative), f"prompt {s.prompt_tokens} tokens{restored}"]
+    if result.finish_reason == "length":
+        parts.append(ending(result, max_new_tokens, context))
+    print("[" + " · ".join(parts) + "]", file=sys.stderr)

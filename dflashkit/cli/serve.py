@@ -8,8 +8,10 @@ import sys
 import threading
 
 from dflashkit.cli.common import (
-    DTYPES,
+    DRAFTER_HELP,
+    TARGET_HELP,
     add_draft_window_option,
+    add_dtype_device_options,
     add_eager_option,
     add_lookup_option,
     add_proposal_options,
@@ -18,8 +20,10 @@ from dflashkit.cli.common import (
     add_threads_option,
     add_tree_option,
     block_size_arg,
+    drafter_arg,
     load_generator,
     note_tree_without_drafter,
+    port_arg,
 )
 from dflashkit.cpuload import apply_threads
 
@@ -34,17 +38,17 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "served); up to --max-queue requests wait, more are answered 429 with Retry-After.",
     )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s; 0.0.0.0 for all)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument(
-        "--target", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)"
-    )
-    s.add_argument("--drafter", default=None, help="drafter folder, 'none' or 'untrained' (as for generate)")
+    s.add_argument("--port", type=port_arg, default=8000, help="TCP port to listen on")
+    s.add_argument("--target", default=None, help=TARGET_HELP)
+    s.add_argument("--drafter", type=drafter_arg, default=None, help=DRAFTER_HELP)
     s.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
     s.add_argument(
         "--block-size",
         type=block_size_arg,
         default=None,
-        help="verify block size, or 'auto': chosen per step for the most tokens/s (default: auto)",
+        metavar="SIZE",
+        help="verify block size (at least 2: the anchor token and its drafts), or 'auto': chosen per step for the "
+        "most tokens/s (default: auto)",
     )
     add_proposal_options(s)
     add_sampler_option(s)
@@ -95,12 +99,16 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
-    s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    add_dtype_device_options(s)
     add_quantize_option(s)
     add_eager_option(s)
-    s.add_argument("--device", default="cpu")
     add_threads_option(s)
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="how much the HTTP server (uvicorn) logs: 'info' logs every request, 'warning' only problems",
+    )
     s.set_defaults(func=cmd_serve)
 
 
@@ -115,8 +123,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from dflashkit.server import ServerSettings, create_app
     except ImportError as e:
         raise InvalidInputError(f"serving needs the 'serve' extra: pip install 'dflashkit[serve]' ({e})") from e
-    if not 0 <= args.port <= 65535:
-        raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
     settings = ServerSettings(  # checked before the (slow) model load
         model_id=args.model_name or (args.target or DEFAULT_TARGET),
         max_queue=args.max_queue,

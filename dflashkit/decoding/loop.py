@@ -36,7 +36,7 @@ from dflashkit.decoding.lookup import NgramLookup
 from dflashkit.decoding.options import DecodeOptions, as_token_list, check_request, draft_window, proposal_params
 from dflashkit.decoding.penalties import PenaltyState
 from dflashkit.decoding.prefix_cache import CachedSequence, PrefixCache
-from dflashkit.decoding.propose import Proposer
+from dflashkit.decoding.propose import Proposal, Proposer
 from dflashkit.decoding.sampling import PositionNoise
 from dflashkit.decoding.stats import DecodeStats
 from dflashkit.decoding.verify import CoupledVerifier, RejectionVerifier, Verifier
@@ -49,15 +49,23 @@ from dflashkit.target.logprobs import TokenLogprob, token_logprobs
 StepObserver = Callable[[Tensor, list[int]], None]
 
 
+# Where an emitted token came from: a draft of the DFlash drafter that the target accepted, a copy of earlier text
+# (prompt lookup: the prompt and output so far, or the n-gram store of past answers) that it accepted, or the target
+# itself (each step's bonus / recovered token, the prefill's token, every token of plain decoding).
+ORIGINS = ("drafter", "copy", "target")
+
+
 @dataclass
 class Step:
-    """Tokens emitted by one target pass; from_draft[i] says whether token i was the drafter's; logprobs[i]
-    its log-probability under the target (with options.logprobs, else None)."""
+    """Tokens emitted by one target pass; from_draft[i] says whether token i was an accepted draft (the drafter's
+    or a copy); origins[i] which of :data:`ORIGINS` it came from; logprobs[i] its log-probability under the
+    target (with options.logprobs, else None)."""
 
     tokens: list[int]
     from_draft: list[bool]
     finished: bool = False
     logprobs: list[TokenLogprob] | None = None
+    origins: list[str] | None = None
 
 
 @dataclass
@@ -166,7 +174,21 @@ def step(g: Generation) -> Step:
     g.proposer.observe(p, accepted, time.perf_counter() - t_step)
     g.token = token
     tokens, finished = g.emit(emitted)
-    return Step(tokens, ([True] * accepted + [False])[: len(tokens)], finished, g.logprobs(logits, tokens))
+    origins = (_draft_origins(p, drafts) + ["target"])[: len(tokens)]
+    return Step(tokens, ([True] * accepted + [False])[: len(tokens)], finished, g.logprobs(logits, tokens), origins)
+
+
+def _draft_origins(p: Proposal, accepted: list[int]) -> list[str]:
+    """The origin of each accepted draft: a chain is all copied or all drafted; in a tree that holds a copy and
+    the drafter's candidates, a node on the copy's own path is the copy's (a token both offer is one node)."""
+    if not p.copied:
+        return ["drafter"] * len(accepted)
+    if p.tree is None:
+        return ["copy"] * len(accepted)
+    on_copy = 0
+    while on_copy < min(len(accepted), len(p.copied)) and accepted[on_copy] == p.copied[on_copy]:
+        on_copy += 1
+    return ["copy"] * on_copy + ["drafter"] * (len(accepted) - on_copy)
 
 
 def decode(
@@ -198,7 +220,7 @@ def decode(
     consistent = True  # the cache holds exactly positions < pos (between steps)
     try:
         finished = g.finish(g.token in g.stop_ids)
-        yield Step([g.token], [False], finished, g.logprobs(first, [g.token]))
+        yield Step([g.token], [False], finished, g.logprobs(first, [g.token]), ["target"])
         while not finished:
             consistent = False
             out = step(g)

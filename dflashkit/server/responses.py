@@ -136,8 +136,15 @@ def _finish_reason(result: GenerationResult, called: bool) -> str | None:
 
 
 def _origins(delta: TextDelta) -> list[dict[str, Any]]:
+    """The token_origins extension: each token's id, the text it released, and where it came from: ``origin`` is
+    "drafter" (an accepted DFlash draft), "copy" (an accepted prompt-lookup copy) or "target" (the target's own
+    token); ``from_draft`` (drafter or copy) is kept for clients written before ``origin``."""
     texts = delta.token_text or [delta.text] + [""] * (len(delta.token_ids) - 1)
-    return [{"id": t, "text": s, "from_draft": f} for t, s, f in zip(delta.token_ids, texts, delta.from_draft)]
+    origins = delta.origins or ["drafter" if f else "target" for f in delta.from_draft]
+    return [
+        {"id": t, "text": s, "from_draft": f, "origin": o}
+        for t, s, f, o in zip(delta.token_ids, texts, delta.from_draft, origins)
+    ]
 
 
 class ResponseBuilder:

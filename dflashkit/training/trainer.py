@@ -30,7 +30,7 @@ from dflashkit.drafter.checkpoint import load_drafter, save_drafter, write_draft
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.identity import check_compatible, drafter_config_for, target_identity
 from dflashkit.drafter.network import DFlashDrafter
-from dflashkit.errors import InvalidInputError
+from dflashkit.errors import CheckpointError, DFlashError, InvalidInputError
 from dflashkit.fsutil import atomic_dir, atomic_write
 from dflashkit.target.adapter import TargetAdapter
 from dflashkit.training.dataset import (
@@ -627,19 +627,80 @@ class Trainer:
         self.parallel.barrier()
 
     def resume(self) -> bool:
+        """Continue from OUT/checkpoint if there is one (False: none, the run starts at step 0).
+
+        A checkpoint that cannot be read (a truncated file, a disk that filled) or that holds a drafter of another
+        shape or target than this run's raises :class:`CheckpointError`, whose message says how to start over: a
+        traceback from deep in torch would not."""
         state_file = self.ckpt / "trainer_state.pt"
         if not state_file.exists():
             return False
-        state = torch.load(state_file, map_location="cpu", weights_only=False)
-        loaded = load_drafter(self.ckpt, dtype=torch.float32, device=self.cfg.device)
-        self.drafter.load_state_dict(loaded.state_dict())
-        self.opt.load_state_dict(state["optimizer"])
-        self.step = state["step"]
-        if state.get("total_steps"):  # a schedule sized by a time budget keeps its length (its lr so far)
-            self.total_steps, self.schedule_fixed = int(state["total_steps"]), True
-        self.gen.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
+        try:
+            state = torch.load(state_file, map_location="cpu", weights_only=False)
+            loaded = load_drafter(self.ckpt, dtype=torch.float32, device=self.cfg.device)
+        except Exception as exc:  # noqa: BLE001  torch and safetensors raise many types for a damaged file
+            reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+            raise CheckpointError(self._start_over(f"cannot be read ({reason})")) from exc
+        self._check_resumable(loaded.config)
+        try:
+            self.drafter.load_state_dict(loaded.state_dict())
+            self.opt.load_state_dict(state["optimizer"])
+            step = int(state["step"])
+            total = state.get("total_steps")
+            self.gen.set_state(state["generator"])
+            torch.set_rng_state(state["torch_rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(self._start_over(f"is not a trainer checkpoint of this run ({exc})")) from exc
+        self.step = step
+        if total:  # a schedule sized by a time budget keeps its length (its lr so far)
+            self.total_steps, self.schedule_fixed = int(total), True
         return True
+
+    # the drafter's settings a checkpoint must share with this run to resume, and the options that set them
+    RESUME_FIELDS = {
+        "num_hidden_layers": "--layers",
+        "block_size": "--block-size",
+        "target_layer_ids": "--target-layers",
+        "mask_token_id": "--mask-token-id",
+        "learned_mask_embedding": "--mask-token-id",
+        "hidden_size": "--target",
+        "intermediate_size": "--target",
+        "num_attention_heads": "--target",
+        "num_key_value_heads": "--target",
+        "head_dim": "--target",
+        "vocab_size": "--target",
+        "num_target_layers": "--target",
+    }
+
+    def _check_resumable(self, saved: DrafterConfig) -> None:
+        """Refuse a checkpoint of another drafter shape or target than this run's, naming what differs."""
+        ours = self.drafter.config
+        problems = [
+            f"{name} {getattr(saved, name)!r} (this run: {getattr(ours, name)!r}; {flag})"
+            for name, flag in self.RESUME_FIELDS.items()
+            if getattr(saved, name) != getattr(ours, name)
+        ]
+        if not problems:
+            try:
+                check_compatible(saved, self.model)
+            except DFlashError as exc:
+                problems.append(f"another target ({exc})")
+        if problems:
+            raise CheckpointError(
+                self._start_over(
+                    "holds a drafter that does not fit this run: "
+                    + "; ".join(problems)
+                    + f". To resume it, run it with the options it was made with (recorded in "
+                    f"{self.out / 'run_config.json'})"
+                )
+            )
+
+    def _start_over(self, what: str) -> str:
+        """The message of a checkpoint that cannot be resumed: what is wrong, then how to start over."""
+        return (
+            f"the checkpoint in {self.ckpt} {what}. To start over, run the same command with --no-resume (the "
+            f"checkpoint is replaced at its next save), or delete the run folder {self.out}"
+        )
 
     def run(self, resume: bool = True, progress: bool = True) -> Path:
         cfg, main = self.cfg, self.parallel.is_main

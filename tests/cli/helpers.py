@@ -3,6 +3,7 @@ with a minimal chat template over the tiny random target's vocabulary, and that 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers import models as tok_models
@@ -36,3 +37,17 @@ def fake_model(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Mo
     """The tiny random llama target, in eval mode, without gradients."""
     model = tiny_target("llama", seed=seed, dtype=dtype)
     return model.eval().requires_grad_(False)
+
+
+def refused(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    """Run the CLI with arguments its parser must refuse: exit status 2, nothing on stdout, one error line that
+    names the flag, no traceback. Returns that line."""
+    from dflashkit.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"dflashkit {argv[0]}: error: argument "), last
+    return last

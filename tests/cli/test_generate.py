@@ -3,6 +3,7 @@ tokenizer."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -19,7 +20,7 @@ from dflashkit.drafter.checkpoint import save_drafter
 from dflashkit.drafter.identity import drafter_config_for
 from dflashkit.drafter.network import DFlashDrafter
 from dflashkit.target.adapter import TargetAdapter
-from tests.cli.helpers import PROMPT, fake_model, make_tokenizer
+from tests.cli.helpers import PROMPT, fake_model, make_tokenizer, refused
 from tests.conftest import tiny_target
 
 JSON_KEYS = {
@@ -118,7 +119,11 @@ def test_sampler_flag(loads, capsys) -> None:
     rc, out, err = cli(capsys, *common, "--seed", "3", "--sampler", "rejection", "--json")
     assert rc == 0 and json.loads(out)["stats"]["sampler"] == "rejection"
     rc, out, err = cli(capsys, *common, "--seed", "3")
-    assert rc == 0 and "(coupled sampling)" in err and "outputs identical to plain decoding" in err
+    assert rc == 0 and "identical output" in err and "(coupled sampling)" not in err  # the sampler: --verbose
+    rc, out, err = cli(capsys, *common, "--seed", "3", "--verbose")
+    assert rc == 0 and "(coupled sampling)" in err and "identical output" in err
+    rc, out, err = cli(capsys, *common)  # no seed: the rejection sampler, whose outputs are not compared by token
+    assert rc == 0 and "outputs not compared" in err and "--seed" in err
     with pytest.raises(SystemExit):  # argparse refuses a sampler it does not know
         cli(capsys, *common, "--sampler", "gumbel")
     assert "--sampler" in capsys.readouterr().err
@@ -135,10 +140,11 @@ def test_token_tree_flag(loads, capsys) -> None:
     tree = run["stats"]["tree"]
     assert tree["budget"] == 5 and tree["tree_steps"] > 0 and 0 < tree["mean_nodes"] <= 5
     assert run["block_size"] == 16 and not run["stats"]["adaptive"]  # the untrained drafter's own block size
-    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "5", "--dtype", "float32")
+    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "5", "--dtype", "float32", "--verbose")
     assert rc == 0 and "token trees of up to 5 nodes" in err
-    rc, out, err = cli(capsys, "--drafter", "untrained", "--tree", "-1", "--json")
-    assert rc == 2 and "tree must be" in err
+    loads.clear()
+    last = refused(capsys, ["generate", PROMPT, "--drafter", "untrained", "--tree", "-1", "--json"])
+    assert "--tree: must be at least 0 (0: chains), got -1" in last and loads == []
     # 0: chains, even where a seeded sampled generation would verify trees by default
     rc, out, err = cli(
         capsys,
@@ -189,8 +195,8 @@ def test_draft_window_flag(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> No
         assert rc == 0, err
         assert json.loads(out)["identical"] is True and windows[-1] == window
     loads.clear()
-    rc, out, err = cli(capsys, "--drafter", "untrained", "--draft-window", "-2")
-    assert rc == 2 and "draft_window" in err and loads == []
+    last = refused(capsys, ["generate", PROMPT, "--drafter", "untrained", "--draft-window", "-2"])
+    assert "--draft-window: must be at least 0" in last and loads == []
 
 
 def test_proposal_temperature_flag(loads, capsys, proposal_temperatures: list) -> None:
@@ -252,8 +258,20 @@ def test_streams_text_to_stdout_and_stats_to_stderr(loads, capsys, monkeypatch: 
 def test_compare_ar_summary_on_stderr(loads, capsys) -> None:
     rc, out, err = cli(capsys, "--drafter", "untrained", "--compare-ar", "--dtype", "float32")
     assert rc == 0
-    assert "plain decoding" in err and "speedup" in err and "identical" in err
-    assert "speedup" not in out
+    stats, comparison = err.strip().splitlines()[-2:]
+    assert re.fullmatch(
+        r"10 tokens in [\d.]+ s, [\d.]+ tok/s · τ [\d.]+ tokens per target pass · stopped at --max-new-tokens 10", stats
+    ), stats
+    found = re.fullmatch(
+        r"plain decoding ([\d.]+) tok/s vs speculative ([\d.]+) tok/s after the prompt → ([\d.]+)x (faster|slower), "
+        r"identical output",
+        comparison,
+    )
+    assert found, comparison
+    plain, spec, ratio = (float(found[i]) for i in (1, 2, 3))
+    shown = spec / plain if found[4] == "faster" else plain / spec  # the ratio is the two rates shown, rounded
+    assert abs(shown - ratio) <= 0.06 * ratio + 0.01, (comparison, shown)
+    assert "plain decoding" not in out
 
 
 def test_drafter_folder(loads, capsys, tmp_path: Path) -> None:
@@ -281,37 +299,75 @@ def test_drafter_folder_for_another_target(loads, capsys, tmp_path: Path) -> Non
 
 def test_missing_drafter_folder(loads, capsys, tmp_path: Path) -> None:
     rc, out, err = cli(capsys, "--drafter", str(tmp_path / "no-such-drafter"))
-    assert rc == 2 and out == ""
+    assert rc == 2 and out == "" and loads == []  # refused before the target loads
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error:") and "no-such-drafter" in last and "Traceback" not in err
+    assert last.startswith("error: no drafter folder") and "no-such-drafter" in last and "Traceback" not in err
 
 
-@pytest.mark.parametrize("json_flag", [[], ["--json"]])
-def test_block_size_one(loads, capsys, json_flag: list[str]) -> None:
-    rc, out, err = cli(capsys, "--drafter", "untrained", "--block-size", "1", *json_flag)
-    assert rc == 2 and out == ""
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("error:") and "block_size must be at least 2" in last
-
-
-def test_block_size_zero(loads, capsys) -> None:
-    rc, out, err = cli(capsys, "--drafter", "untrained", "--block-size", "0", "--json")
-    assert rc == 2 and "block_size" in err
+def test_shipped_drafter_by_name(loads, capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--drafter NAME loads the shipped drafter of that name; a folder of the same name in the working directory
+    wins over it; an unknown name is refused before anything loads, with the shipped names."""
+    shipped = tmp_path / "shipped"
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(drafter_config_for(fake_model(), num_layers=1, block_size=3)), shipped / "tiny-drafter")
+    monkeypatch.setattr(dflashkit.drafter.registry, "DRAFTERS_DIR", shipped)
+    rc, out, err = cli(capsys, "--drafter", "tiny-drafter", "--json", "--dtype", "float32")
+    assert rc == 0, err
+    assert json.loads(out)["block_size"] == 3 and json.loads(out)["speculative"] is True
+    local = tmp_path / "cwd"
+    save_drafter(DFlashDrafter(drafter_config_for(fake_model(), num_layers=1, block_size=5)), local / "tiny-drafter")
+    monkeypatch.chdir(local)
+    rc, out, err = cli(capsys, "--drafter", "tiny-drafter", "--json", "--dtype", "float32")
+    assert rc == 0 and json.loads(out)["block_size"] == 5  # the path wins
+    loads.clear()
+    rc, out, err = cli(capsys, "--drafter", "tiny-draftr")
+    assert rc == 2 and loads == [] and "no shipped drafter of that name (shipped: tiny-drafter;" in err
 
 
 @pytest.mark.parametrize(
-    "args,field",
+    "args,message",
     [
-        (["--temperature", "-1"], "temperature"),
-        (["--top-p", "0"], "top_p"),
-        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--block-size", "1"], "--block-size: must be at least 2"),
+        (["--block-size", "0"], "--block-size: must be at least 2"),
+        (["--block-size", "big"], "--block-size: expected an integer >= 2 or 'auto'"),
+        (["--temperature", "-1"], "--temperature: must be >= 0"),
+        (["--temperature", "nan"], "--temperature: expected a finite number"),
+        (["--top-p", "0"], "--top-p: must be in (0, 1]"),
+        (["--top-p", "2"], "--top-p: must be in (0, 1]"),
+        (["--top-k", "-1"], "--top-k: must be at least 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
+        (["--max-new-tokens", "ten"], "--max-new-tokens: expected an integer"),
+        (["--tree", "-3"], "--tree: must be at least 0"),
+        (["--draft-window", "-1"], "--draft-window: must be at least 0"),
+        (["--threads", "0"], "--threads: must be at least 1"),
     ],
 )
-def test_bad_sampling_arguments(loads, capsys, args: list[str], field: str) -> None:
-    rc = main(["generate", PROMPT, "--drafter", "untrained", *args])
-    out, err = capsys.readouterr()
-    assert rc == 2 and out == ""
-    assert err.strip().splitlines()[-1].startswith("error:") and field in err
+def test_bad_arguments_are_refused_by_the_parser(loads, capsys, args: list[str], message: str) -> None:
+    """Bad values end the run while the command line is parsed: exit 2, one line naming the flag, no load."""
+    from dflashkit.cli.main import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    commands = [["generate", PROMPT, "--json"]]
+    if args[0] in sub.choices["chat"]._option_string_actions:
+        commands.append(["chat"])
+    for command in commands:
+        last = refused(capsys, [*command, "--drafter", "untrained", *args])
+        assert message in last, last
+    assert loads == []
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n\t "])
+def test_empty_or_blank_prompt(loads, capsys, monkeypatch: pytest.MonkeyPatch, prompt: str) -> None:
+    """An empty or whitespace-only prompt (given, or on standard input with -) is refused before the model loads."""
+    import io
+
+    rc = main(["generate", prompt, "--drafter", "untrained"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip() == "error: the prompt is empty: give the text to answer" and loads == []
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt))
+    rc = main(["generate", "-", "--drafter", "untrained"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the prompt is empty (nothing on standard input)" in err and loads == []
 
 
 def test_no_cuda_graphs_reaches_the_target(loads, capsys, monkeypatch) -> None:
@@ -559,4 +615,4 @@ def test_chat_turns_reuse_the_conversation(loads, capsys, monkeypatch: pytest.Mo
     assert plain.generate("hello world", max_new_tokens=6).text == answers[2]
     n = len(loads)
     assert main(["chat", "--prefix-cache-mb", "-1"]) == 2 and "MiB" in capsys.readouterr().err
-    assert main(["chat", "--temperature", "-1"]) == 2 and len(loads) == n
+    assert "--temperature: must be >= 0" in refused(capsys, ["chat", "--temperature", "-1"]) and len(loads) == n

@@ -9,7 +9,7 @@ import pytest
 
 import dflashkit
 from dflashkit.cli.main import main
-from tests.cli.helpers import PROMPT
+from tests.cli.helpers import PROMPT, refused
 
 
 def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,15 +56,12 @@ def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     [
         (["--max-queue", "-1"], "max_queue"),
         (["--timeout", "-5"], "timeout"),
-        (["--port", "70000"], "--port"),
-        (["--block-size", "1"], "block_size"),
-        (["--tree", "-1"], "tree"),
-        (["--draft-window", "-1"], "draft_window"),
         (["--proposal-temperature", "0"], "proposal temperature"),
         (["--max-batch", "0"], "max_batch"),
         (["--max-batch", "17"], "max_batch"),
         (["--stored-responses", "-1"], "stored_responses"),
         (["--api-key", " "], "api_key"),
+        (["--drafter", "no-such-drafter"], "no drafter folder 'no-such-drafter'"),
     ],
 )
 def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], message: str) -> None:
@@ -72,3 +69,17 @@ def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], m
     _, err = capsys.readouterr()
     assert rc == 2 and err.strip().splitlines()[-1].startswith("error:") and message in err
     assert loads == []  # refused before the (slow) model load
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--port", "70000"], "--port: must be in 0..65535, got 70000"),
+        (["--block-size", "1"], "--block-size: must be at least 2"),
+        (["--tree", "-1"], "--tree: must be at least 0"),
+        (["--draft-window", "-1"], "--draft-window: must be at least 0"),
+    ],
+)
+def test_serve_bad_arguments_are_refused_by_the_parser(loads, capsys, args: list[str], message: str) -> None:
+    assert message in refused(capsys, ["serve", *args])
+    assert loads == []

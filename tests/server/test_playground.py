@@ -1,5 +1,6 @@
 """The playground page in headless Chromium (Debian's `chromium`, driven by Playwright): it renders, streams
-a reply token by token, colours each token by origin and shows the final stats."""
+a reply token by token, colours each token by origin (the drafter's, a prompt-lookup copy, the target's) and
+shows the final stats; the API key box shows only for a server started with an API key."""
 
 from __future__ import annotations
 
@@ -78,12 +79,10 @@ def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
     assert any(expected.from_draft) and not all(expected.from_draft)  # both colours must show
 
     run(page, mode=mode, temperature=1.0, seed=11, max_tokens=40)
-    tokens = page.eval_on_selector_all(
-        "#output .tok",
-        "els => els.map(e => [e.textContent, e.classList.contains('draft'), e.classList.contains('target')])",
-    )
-    assert "".join(t for t, _, _ in tokens) == expected.text == page.inner_text("#output")
-    assert [d for _, d, _ in tokens] == expected.from_draft
+    tokens = rendered(page)
+    assert "".join(t for t, _ in tokens) == expected.text == page.inner_text("#output")
+    assert [o for _, o in tokens] == expected.origins  # no prompt lookup: drafter or target
+    assert [o == "drafter" for _, o in tokens] == expected.from_draft
     titles = page.eval_on_selector_all("#output .tok", "els => els.map(e => e.title)")
     logprobs = reference.generate(
         prompt,
@@ -100,10 +99,9 @@ def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
         [lp.logprob for lp in logprobs], abs=1e-3
     )  # the hover text: the token's logprob and its alternatives
     assert all(t.count(",") == 2 for t in titles)
-    assert all(d != t for _, d, t in tokens)  # every token has exactly one origin class
     colours = {
         page.eval_on_selector(sel, "e => getComputedStyle(e).backgroundColor")
-        for sel in ("#output .tok.draft", "#output .tok.target")
+        for sel in ("#output .tok.drafter", "#output .tok.target")
     }
     assert len(colours) == 2  # drawn differently
     # the reply was rendered in pieces; events that arrive in one network read are rendered in one task and
@@ -114,10 +112,57 @@ def test_playground_streams_coloured_tokens_and_stats(page, mode: str) -> None:
     assert int(page.inner_text("#ntokens")) == len(expected.token_ids)
     assert int(page.inner_text("#nsteps")) == expected.stats.steps
     assert int(page.inner_text("#ndraft")) == sum(expected.from_draft)
+    assert int(page.inner_text("#ncopy")) == 0
+    assert int(page.inner_text("#ntarget")) == len(expected.token_ids) - sum(expected.from_draft)
+    assert "τ: tokens per target pass; 1 = plain decoding" in page.inner_text("#tau-note")
     assert float(page.inner_text("#tps")) > 0
     assert page.inner_text("#status") == f"done ({expected.finish_reason})"
     assert "accepted / drafted per block position" in page.inner_text("#positions")
     assert page.inner_text("#error") == ""
+
+
+def rendered(page) -> list[tuple[str, str]]:
+    """The output's tokens: (text, origin), the origin read from the one class besides "tok" each carries."""
+    spans = page.eval_on_selector_all("#output .tok", "els => els.map(e => [e.textContent, [...e.classList]])")
+    for _, classes in spans:
+        assert classes[0] == "tok" and len(classes) == 2  # exactly one origin class
+    return [(text, classes[1]) for text, classes in spans]
+
+
+def test_playground_tells_copies_from_drafts(browser) -> None:
+    """With prompt lookup on and a prompt that repeats itself, copied tokens get their own colour and count:
+    the page shows the origins the library reports, and drafter + copy tokens are the accepted drafts."""
+    settings = {"proposal": "sample", "block_size": 4, "lookup": True}  # fixed block: equal to an offline run
+    prompt = "w5 w6 w7 w8 w9 w5 w6 w7 w8 w9 w5 w6 w7"
+    expected = tiny_generator().generate(
+        [{"role": "user", "content": prompt}], temperature=1.0, seed=0, max_new_tokens=40, **settings
+    )
+    assert set(expected.origins) == {"drafter", "copy", "target"}  # all three colours must show
+    with LiveServer(create_app(tiny_generator(), model_id=MODEL, **settings)) as live:
+        page = browser.new_page()
+        page.goto(live.url + "/")
+        page.wait_for_function("() => document.getElementById('model').textContent.includes('prompt lookup')")
+        page.fill("#prompt", prompt)
+        page.fill("#temperature", "1")
+        page.fill("#seed", "0")
+        page.fill("#max-tokens", "40")
+        page.click("#send")
+        page.wait_for_function("() => document.getElementById('status').textContent.startsWith('done')")
+        tokens = rendered(page)
+        assert "".join(t for t, _ in tokens) == expected.text
+        assert [o for _, o in tokens] == expected.origins
+        counts = {
+            o: int(page.inner_text(f"#{i}"))
+            for o, i in (("drafter", "ndraft"), ("copy", "ncopy"), ("target", "ntarget"))
+        }
+        assert counts == {o: expected.origins.count(o) for o in ("drafter", "copy", "target")}
+        assert counts["drafter"] + counts["copy"] == sum(expected.stats.accepted_lengths)
+        colours = {
+            page.eval_on_selector(f"#output .tok.{o}", "e => getComputedStyle(e).backgroundColor") for o in counts
+        }
+        assert len(colours) == 3  # drawn differently
+        legend = page.eval_on_selector_all(".legend .tok", "els => els.map(e => e.className)")
+        assert legend == ["tok drafter", "tok copy", "tok target"]
 
 
 def test_playground_shows_errors(page) -> None:
@@ -162,6 +207,14 @@ def test_playground_conversation_continues_and_restores_earlier_turns(page) -> N
     page.uncheck("#conversation")
 
 
+def test_playground_hides_the_key_box_of_a_server_without_a_key(page) -> None:
+    """Without --api-key there is no key to type: the box stays hidden (its flex layout must not override
+    the hidden attribute)."""
+    page.wait_for_function(f"() => document.getElementById('model').textContent.includes('{MODEL}')")
+    assert page.eval_on_selector("#key-box", "e => e.hidden")
+    assert not page.is_visible("#key-box") and not page.is_visible("#api-key")
+
+
 def test_playground_asks_for_the_api_key_of_a_server_that_needs_one(browser) -> None:
     """With --api-key the page says so and shows a key box; the typed key goes with its requests."""
     app = create_app(tiny_generator(), model_id=MODEL, api_key="sekret")
@@ -169,7 +222,7 @@ def test_playground_asks_for_the_api_key_of_a_server_that_needs_one(browser) -> 
         page = browser.new_page()
         page.goto(live.url + "/")
         page.wait_for_function("() => document.getElementById('model').textContent.includes('API key')")
-        assert page.is_visible("#api-key")
+        assert page.is_visible("#key-box") and page.is_visible("#api-key")
         page.fill("#api-key", "sekret")
         page.dispatch_event("#api-key", "change")
         page.wait_for_function(f"() => document.getElementById('model').textContent.includes('{MODEL}')")

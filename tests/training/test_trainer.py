@@ -244,6 +244,47 @@ def test_resume_continues_with_the_same_state(tmp_path):
         torch.testing.assert_close(p, q, msg=f"{name} differs after resume")
 
 
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "model.safetensors"])
+def test_a_truncated_checkpoint_says_how_to_start_over(tmp_path, damaged):
+    """A checkpoint cut short (a full disk, a copy stopped half way) is refused with what is wrong and how to start
+    over, not with torch's traceback; starting over then works and leaves a checkpoint that resumes."""
+    from dflashkit.errors import CheckpointError
+    from tests.conftest import tiny_target
+
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
+    make_trainer(tmp_path / "run", model, seqs, steps=2, checkpoint_every=2).run(resume=False, progress=False)
+    file = tmp_path / "run" / "checkpoint" / damaged
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    trainer = make_trainer(tmp_path / "run", model, seqs, steps=2, checkpoint_every=2)
+    with pytest.raises(CheckpointError) as e:
+        trainer.run(progress=False)  # resume=True: the default
+    message = str(e.value)
+    assert "cannot be read" in message and str(tmp_path / "run" / "checkpoint") in message
+    assert "--no-resume" in message and f"delete the run folder {tmp_path / 'run'}" in message
+    trainer.run(resume=False, progress=False)  # starting over replaces the damaged checkpoint
+    again = make_trainer(tmp_path / "run", model, seqs, steps=2, checkpoint_every=2)
+    assert again.resume() and again.step == 2
+
+
+def test_a_checkpoint_of_another_shape_or_target_is_refused_with_what_differs(tmp_path):
+    from dflashkit.errors import CheckpointError
+    from tests.conftest import tiny_target
+
+    model = tiny_target("llama")
+    seqs = tiny_corpus(model, 8, seed=3, new_tokens=12)
+    make_trainer(tmp_path / "run", model, seqs, steps=2, checkpoint_every=2).run(resume=False, progress=False)
+    shallower = make_trainer(tmp_path / "run", model, seqs, steps=2, num_layers=1)
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers 2 \(this run: 1; --layers\)") as e:
+        shallower.resume()
+    assert "--no-resume" in str(e.value) and "run_config.json" in str(e.value)
+    assert shallower.step == 0
+    other = make_trainer(tmp_path / "run", tiny_target("llama", seed=7), seqs, steps=2)  # same shape, other weights
+    with pytest.raises(CheckpointError, match="another target"):
+        other.resume()
+    assert make_trainer(tmp_path / "run", model, seqs, steps=4).resume()  # more steps: the same run, resumed
+
+
 def test_lr_schedule_warms_up_then_decays_to_zero_over_the_given_total():
     from dflashkit.training.trainer import TrainConfig, lr_at
 
@@ -461,10 +502,15 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
                 "--no-progress",
                 "--min-chars",
                 "1",
+                "--preset",  # the options given win over it
+                "smoke",
             ]
         )
         == 0
     )
+    assert json.loads((d / "meta.json").read_text())["extra"]["collection"]["num_prompts"] == 24
+    data_err = capsys.readouterr().err  # the last lines: the next step, training on this folder
+    assert f"dflashkit train --preset smoke --data {d}" in data_err  # made with the smoke preset: its training
     (d / "prompts.jsonl").unlink()  # training reads meta.json and the shards: a folder packed without the list trains
     train_args = [
         "train",
@@ -488,9 +534,21 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
         "2",
         "--draft-vocab",
         "0",
+        "--preset",
+        "smoke",
     ]
     assert main(train_args) == 0
-    assert capsys.readouterr().out.strip().endswith("drafter")
+    printed = capsys.readouterr()
+    assert "--preset smoke: --max-seq-len 256." in printed.err  # the one setting of the preset not given
+    assert printed.out.strip() == str(out / "drafter")  # stdout: the drafter's folder alone, for scripts
+    next_steps = printed.err[printed.err.index(f"Drafter written to {out / 'drafter'}. Next:") :]
+    for command in (
+        f'dflashkit generate "Tell me about the sea." --drafter {out / "drafter"} --compare-ar',
+        f"dflashkit ngram-store --data {d} --out {out / 'drafter'}",
+        f"python scripts/eval_drafter.py --drafter {out / 'drafter'}",
+        f"dflashkit export {out / 'drafter'} --format hf",
+    ):
+        assert command in next_steps, command
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert (
         [r["step"] for r in log] == [1, 2, 3, 4]
@@ -501,6 +559,14 @@ def test_cli_data_then_train_then_generate(tmp_path, monkeypatch, capsys):
     )
     assert main(train_args) == 0  # finished run: resumes at step 4 and only re-saves the drafter
     assert "resumed at step 4" in capsys.readouterr().err
+    state = out / "checkpoint" / "trainer_state.pt"
+    intact = state.read_bytes()
+    state.write_bytes(intact[:100])  # a truncated checkpoint: one line that says how to start over
+    assert main(train_args) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: the checkpoint in") and "Traceback" not in err
+    assert "--no-resume" in err and f"delete the run folder {out}" in err
+    state.write_bytes(intact)
     assert (
         main(
             [
