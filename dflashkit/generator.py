@@ -410,10 +410,9 @@ class SpeculativeGenerator:
             for step in steps:
                 start = len(tokens)
                 pieces: list[str] = []
-                step_origins = step.origins or ["drafter" if f else "target" for f in step.from_draft]
-                for token, flag, origin in zip(step.tokens, step.from_draft, step_origins):
+                for token, origin in zip(step.tokens, step.origins):
                     tokens.append(token)
-                    flags.append(flag)
+                    flags.append(origin != "target")
                     origins.append(origin)
                     pieces.append(matcher.push(detok.push([token])))
                     if matcher.stopped:

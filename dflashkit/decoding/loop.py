@@ -57,15 +57,18 @@ ORIGINS = ("drafter", "copy", "target")
 
 @dataclass
 class Step:
-    """Tokens emitted by one target pass; from_draft[i] says whether token i was an accepted draft (the drafter's
-    or a copy); origins[i] which of :data:`ORIGINS` it came from; logprobs[i] its log-probability under the
-    target (with options.logprobs, else None)."""
+    """Tokens emitted by one target pass; origins[i] says which of :data:`ORIGINS` token i came from; logprobs[i]
+    its log-probability under the target (with options.logprobs, else None)."""
 
     tokens: list[int]
-    from_draft: list[bool]
+    origins: list[str]
     finished: bool = False
     logprobs: list[TokenLogprob] | None = None
-    origins: list[str] | None = None
+
+    @property
+    def from_draft(self) -> list[bool]:
+        """Whether each token was an accepted draft (the drafter's or a copy)."""
+        return [o != "target" for o in self.origins]
 
 
 @dataclass
@@ -175,7 +178,7 @@ def step(g: Generation) -> Step:
     g.token = token
     tokens, finished = g.emit(emitted)
     origins = (_draft_origins(p, drafts) + ["target"])[: len(tokens)]
-    return Step(tokens, ([True] * accepted + [False])[: len(tokens)], finished, g.logprobs(logits, tokens), origins)
+    return Step(tokens, origins, finished, g.logprobs(logits, tokens))
 
 
 def _draft_origins(p: Proposal, accepted: list[int]) -> list[str]:
@@ -220,7 +223,7 @@ def decode(
     consistent = True  # the cache holds exactly positions < pos (between steps)
     try:
         finished = g.finish(g.token in g.stop_ids)
-        yield Step([g.token], [False], finished, g.logprobs(first, [g.token]), ["target"])
+        yield Step([g.token], ["target"], finished, g.logprobs(first, [g.token]))
         while not finished:
             consistent = False
             out = step(g)
