@@ -1,13 +1,13 @@
 """dflashkit: lossless speculative decoding with DFlash block-diffusion drafters.
 
-The names below are imported on first use (PEP 562): ``import dflashkit`` alone loads neither torch nor
-transformers, so the command line's ``--help`` and argument errors answer at once, while
-``from dflashkit import SpeculativeGenerator`` works as for any package."""
+The names below are imported on first use (:mod:`dflashkit.lazy`): ``import dflashkit`` alone loads neither torch
+nor transformers."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dflashkit.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from dflashkit.decoding.grammar import Grammar, GrammarError
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.2.0"
 
-# each public name -> the module that defines it (imported by __getattr__ when the name is first asked for)
+# each public name -> the module that defines it
 _EXPORTS = {
     "CheckpointError": "dflashkit.errors",
     "DEFAULT_TARGET": "dflashkit.target.loading",
@@ -60,7 +60,7 @@ _EXPORTS = {
     "save_drafter": "dflashkit.drafter.checkpoint",
 }
 
-__all__ = [
+__all__ = [  # the keys of _EXPORTS, written out for type checkers (tests/cli/test_main.py checks)
     "CheckpointError",
     "DEFAULT_TARGET",
     "DFlashDrafter",
@@ -88,18 +88,5 @@ __all__ = [
     "load_drafter",
     "load_target",
     "save_drafter",
-]  # the keys of _EXPORTS (tests/cli/test_main.py checks)
-
-
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use and kept in this module's namespace."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dflashkit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -13,8 +13,7 @@ The names below are imported on first use, so that building the ``dflashkit benc
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dflashkit.lazy import lazy_exports
 
 # each public name -> the module that defines it
 _EXPORTS = {
@@ -30,17 +29,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use and kept in this module's namespace."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dflashkit.bench' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
