@@ -199,6 +199,18 @@ def add_dtype_device_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_block_size_option(parser: argparse.ArgumentParser) -> None:
+    """--block-size, as generate, chat and serve take it."""
+    parser.add_argument(
+        "--block-size",
+        type=block_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="verify block size (at least 2: the anchor token and its drafts), or 'auto': chosen per step for the "
+        "most tokens/s (default: auto)",
+    )
+
+
 def add_quantize_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantize",

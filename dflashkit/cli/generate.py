@@ -12,6 +12,7 @@ from dflashkit.cli.common import (
     DRAFTER_HELP,
     DTYPES,
     TARGET_HELP,
+    add_block_size_option,
     add_draft_window_option,
     add_dtype_device_options,
     add_eager_option,
@@ -22,7 +23,6 @@ from dflashkit.cli.common import (
     add_sampler_option,
     add_threads_option,
     add_tree_option,
-    block_size_arg,
     drafter_arg,
     grammar_from_args,
     int_at_least,
@@ -47,14 +47,7 @@ MOSTLY_PLAIN, MOSTLY_PLAIN_MIN_STEPS = 0.8, 8
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int, per: str) -> None:
     """--block-size, --max-new-tokens and the sampling options, as generate and chat take them."""
-    parser.add_argument(
-        "--block-size",
-        type=block_size_arg,
-        default=None,
-        metavar="SIZE",
-        help="verify block size (at least 2: the anchor token and its drafts), or 'auto': chosen per step for the "
-        "most tokens/s (default: auto)",
-    )
+    add_block_size_option(parser)
     parser.add_argument(
         "--max-new-tokens",
         type=int_at_least(1),

@@ -10,6 +10,7 @@ import threading
 from dflashkit.cli.common import (
     DRAFTER_HELP,
     TARGET_HELP,
+    add_block_size_option,
     add_draft_window_option,
     add_dtype_device_options,
     add_eager_option,
@@ -19,7 +20,6 @@ from dflashkit.cli.common import (
     add_sampler_option,
     add_threads_option,
     add_tree_option,
-    block_size_arg,
     drafter_arg,
     load_generator,
     note_tree_without_drafter,
@@ -42,14 +42,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--target", default=None, help=TARGET_HELP)
     s.add_argument("--drafter", type=drafter_arg, default=None, help=DRAFTER_HELP)
     s.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
-    s.add_argument(
-        "--block-size",
-        type=block_size_arg,
-        default=None,
-        metavar="SIZE",
-        help="verify block size (at least 2: the anchor token and its drafts), or 'auto': chosen per step for the "
-        "most tokens/s (default: auto)",
-    )
+    add_block_size_option(s)
     add_proposal_options(s)
     add_sampler_option(s)
     add_lookup_option(s)
