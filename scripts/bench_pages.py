@@ -21,8 +21,12 @@ import json
 import re
 import shutil
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
+
+from dflashkit.bench.metrics import RunRow, speedup_tpot_per_question
+from dflashkit.bench.report import summary_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "docs" / "benchmarks"
@@ -125,33 +129,19 @@ def _when(data: dict[str, Any]) -> str:
     return f"{data['created'][:10]}, dflashkit {version} at {commit}{dirty}"
 
 
-def _tpot(run: dict[str, Any]) -> float | None:
-    """Seconds per output token after the first (prefill excluded) of one generation."""
-    if run.get("new_tokens", 0) < 2 or run.get("ttft_s") is None:
-        return None
-    return (run["total_s"] - run["ttft_s"]) / (run["new_tokens"] - 1)
-
-
-def _median(values: list[float]) -> float | None:
-    values = sorted(values)
-    n = len(values)
-    if not n:
-        return None
-    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+def _rows(data: dict[str, Any], method: str, temperature: float, dataset: str) -> list[RunRow]:
+    names = {f.name for f in fields(RunRow)}
+    return [
+        RunRow(**{k: v for k, v in r.items() if k in names})
+        for r in data["runs"]
+        if r["method"] == method and r["temperature"] == temperature and r["dataset"] == dataset
+    ]
 
 
 def speedup_over(data: dict[str, Any], method: str, peer: str, temperature: float, dataset: str) -> float | None:
-    """The median over the data set's questions of peer TPOT / method TPOT, each question's pair measured side by
-    side (the bench runs every method on a question before the next question): robust to the slow phases of a
-    shared machine, which a ratio of pooled or separately summarised times is not."""
-    tpot: dict[tuple[str, str, int], float] = {}
-    for r in data["runs"]:
-        if r["temperature"] == temperature and r["dataset"] == dataset and r["method"] in (method, peer):
-            t = _tpot(r)
-            if t:
-                tpot[(r["method"], r["question_id"], r["turn"])] = t
-    ratios = [tpot[(peer, q, turn)] / t for (m, q, turn), t in tpot.items() if m == method and (peer, q, turn) in tpot]
-    return _median(ratios)
+    """`method`'s speedup over `peer` on one data set: the median of their per-question TPOT ratios
+    (:func:`dflashkit.bench.metrics.speedup_tpot_per_question`)."""
+    return speedup_tpot_per_question(_rows(data, peer, temperature, dataset), _rows(data, method, temperature, dataset))
 
 
 def headline_table(data: dict[str, Any]) -> str:
@@ -169,27 +159,6 @@ def headline_table(data: dict[str, Any]) -> str:
             cells.append(_f(s["tokens_per_s"], ".0f"))
             cells += [_x(speedup_over(data, method, peer, t, ds)) for peer, _ in peers]
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def method_table(data: dict[str, Any], temperature: float) -> str:
-    lines = [
-        "| data set | method | τ | tok/s | TPOT ms | speedup over plain (TPOT) | identical to plain |",
-        "|---|---|---:|---:|---:|---:|---|",
-    ]
-    for s in data["summary"]:
-        if s["temperature"] != temperature:
-            continue
-        same = f"{s['identical']}/{s['compared']}" if s["compared"] else "–"
-        if s["compared"] and s.get("comparable") == "other-weights":
-            same += " (other weights)"
-        elif s.get("divergences"):
-            same += f" ({s['tie_divergences']} at bf16 ties, {s['non_tie_divergences']} not)"
-        tpot = None if s["tpot_s"] is None else 1000 * s["tpot_s"]
-        lines.append(
-            f"| {DATASETS.get(s['dataset'], s['dataset'])} | {s['method']} | {_f(s['tau'], '.2f')} | "
-            f"{_f(s['tokens_per_s'], '.1f')} | {_f(tpot, '.1f')} | {_x(s['speedup_tpot'])} | {same} |"
-        )
     return "\n".join(lines)
 
 
@@ -243,7 +212,7 @@ def performance_region() -> str:
             "",
         ]
         for t in data["settings"]["temperatures"]:
-            parts += [f"Every method, {'greedy' if t == 0 else f'temperature {t:g}'}:", "", method_table(data, t), ""]
+            parts += [f"Every method, {'greedy' if t == 0 else f'temperature {t:g}'}:", "", summary_table(data, t), ""]
         parts += [f"Methods: {methods}.", ""]
         parts += [f"![{p.removesuffix('.png')}]({rel}/{p})" for p in PLOTS if (run / p).exists()]
         parts += ["", f"Raw data: [`{rel}/results.json`]({rel}/results.json), [summary]({rel}/summary.md).", ""]

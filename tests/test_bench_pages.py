@@ -36,7 +36,8 @@ def _summary(t: float, ds: str, method: str, tau: float, tpot: float) -> dict:
 def _gens(method: str, tpots: list[float]) -> list[dict]:
     """One generation of 11 tokens per question, 0.1 s to the first token, then `tpot` a token."""
     return [{"method": method, "dataset": "humaneval", "question_id": str(q), "turn": 0, "temperature": 0.0,
-             "new_tokens": 11, "ttft_s": 0.1, "total_s": 0.1 + 10 * t} for q, t in enumerate(tpots)]  # fmt: skip
+             "prompt_tokens": 5, "new_tokens": 11, "ttft_s": 0.1, "total_s": 0.1 + 10 * t}
+            for q, t in enumerate(tpots)]  # fmt: skip
 
 
 def _run(folder: Path, repo: Path, home: Path) -> Path:

@@ -129,6 +129,18 @@ def speedup_tokens_per_s(baseline: Iterable[RunRow], rows: Iterable[RunRow]) -> 
     return statistics.fmean(ratios) if ratios else None
 
 
+def speedup_tpot_per_question(baseline: Iterable[RunRow], rows: Iterable[RunRow]) -> float | None:
+    """Median over the generations both ran (question and turn) of baseline TPOT / method TPOT. Each pair ran side
+    by side (the runner runs every method on a question before the next), so a slow phase of a shared machine moves
+    both sides of a ratio, where it moves a pooled :func:`speedup_tpot` on one side only."""
+
+    def per_question(rs: Iterable[RunRow]) -> dict[tuple[str, str, int], float]:
+        return {(r.dataset, r.question_id, r.turn): r.decode_s / (r.new_tokens - 1) for r in rs if r.new_tokens > 1}
+
+    b, m = per_question(baseline), per_question(rows)
+    return _median(b[k] / m[k] for k in m if k in b and m[k] > 0)
+
+
 def _median(values: Iterable[float]) -> float | None:
     values = list(values)
     return statistics.median(values) if values else None

@@ -11,6 +11,7 @@ from dflashkit.bench.metrics import (
     question_tokens_per_s,
     speedup_tokens_per_s,
     speedup_tpot,
+    speedup_tpot_per_question,
     summarize,
     tau,
     tpot,
@@ -117,3 +118,13 @@ def test_summarize_peer_without_draft_counts() -> None:
     s = summarize(rows, rows)
     assert s["tau"] == pytest.approx(3.0) and s["acceptance_per_position"] is None
     assert s["accepted_histogram"][:5] == [1, 0, 1, 0, 1] and len(s["accepted_histogram"]) == 11
+
+
+def test_the_per_question_speedup_is_the_median_of_paired_ratios() -> None:
+    """Each question's pair is compared with itself: one question of the baseline run in a slow phase moves a pooled
+    ratio a lot and the median of the pairs not at all; questions only one side ran are left out."""
+    base = [row("ar", "a", 11, 0.1, 0.2), row("ar", "b", 11, 0.1, 0.2), row("ar", "c", 11, 0.1, 2.1)]
+    spec = [row("dflash", q, 11, 0.1, 0.15) for q in "abc"] + [row("dflash", "d", 11, 0.1, 9.0)]
+    assert speedup_tpot_per_question(base, spec) == pytest.approx(2.0)  # ratios 2, 2, 40
+    assert speedup_tpot(base, spec[:3]) == pytest.approx(14.666, rel=1e-3)  # pooled: 2.2 s / 0.15 s
+    assert speedup_tpot_per_question(base, []) is None
