@@ -88,11 +88,9 @@ class GenerationResult:
     @property
     def speedup(self) -> float | None:
         """Plain decode time per token / speculative decode time per token (prefill excluded)."""
-        if self.ar is None or not self.stats.decode_s or not self.ar.stats.decode_s:
+        if self.ar is None or not self.stats.decode_tokens_per_s or not self.ar.stats.decode_tokens_per_s:
             return None
-        spec_tpot = self.stats.decode_s / max(1, self.stats.new_tokens - 1)
-        ar_tpot = self.ar.stats.decode_s / max(1, self.ar.stats.new_tokens - 1)
-        return ar_tpot / spec_tpot
+        return self.stats.decode_tokens_per_s / self.ar.stats.decode_tokens_per_s
 
 
 @dataclass

@@ -425,16 +425,10 @@ def summary_lines(result: GenerationResult, speculative: bool, max_new_tokens: i
     return lines
 
 
-def _decode_rate(stats: DecodeStats) -> float | None:
-    """Tokens per second after the prompt: the rate GenerationResult.speedup compares (the first token, chosen by
-    the prefill, is not counted)."""
-    return max(1, stats.new_tokens - 1) / stats.decode_s if stats.decode_s > 0 else None
-
-
 def _comparison(result: GenerationResult) -> str:
     """The --compare-ar line, "plain decoding R tok/s vs speculative S tok/s after the prompt → Nx faster, identical
     output": both rates leave the prompt's prefill out, so that their ratio is the speedup shown."""
-    spec, plain, speedup = _decode_rate(result.stats), _decode_rate(result.ar.stats), result.speedup
+    spec, plain, speedup = result.stats.decode_tokens_per_s, result.ar.stats.decode_tokens_per_s, result.speedup
     if spec is None or plain is None or speedup is None:
         line = f"plain decoding {_rate(result.ar.stats.tokens_per_s)} tok/s"
     else:

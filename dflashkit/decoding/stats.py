@@ -125,6 +125,12 @@ class DecodeStats:
         total = self.prefill_s + self.decode_s
         return self.new_tokens / total if total > 0 else 0.0
 
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second after the prompt: the tokens after the first (which the prefill chooses) over the decode
+        time; None before any decoding. Its ratio between two runs is their speedup, prefill excluded."""
+        return max(1, self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else None
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "block_size": self.block_size,
