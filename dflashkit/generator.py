@@ -32,7 +32,7 @@ from dflashkit.decoding.grammar import CompiledGrammar, Grammar, grammar_tokeniz
 from dflashkit.decoding.loop import DecodeOptions, StepObserver, as_token_list, decode
 from dflashkit.decoding.lossless import Divergence, DivergenceRecorder
 from dflashkit.decoding.penalties import Penalties
-from dflashkit.decoding.prefix_cache import PrefixCache
+from dflashkit.decoding.prefix_cache import PrefixCache, ScopedPrefixCache
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
 from dflashkit.decoding.tree import check_tree_option
@@ -255,7 +255,7 @@ class SpeculativeGenerator:
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
         batch: BatchMember | None = None,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: PrefixCache | ScopedPrefixCache | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
@@ -299,8 +299,8 @@ class SpeculativeGenerator:
         only.
         ``batch``: this generation's target passes run together with those of the batcher's other members (a
         :class:`~dflashkit.decoding.batching.BatchMember`; see :meth:`generate_batch`); its tokens are unchanged.
-        ``prefix_cache``: a :class:`~dflashkit.decoding.prefix_cache.PrefixCache` (one per target): the prefill
-        restores the
+        ``prefix_cache``: a :class:`~dflashkit.decoding.prefix_cache.PrefixCache` (one per target), or one owner's
+        view of one (``cache.scoped(owner)``): the prefill restores the
         longest prefix of the prompt that an earlier generation kept there (the next turn of a chat) and runs only
         the rest; the result's ``stats.cached_prompt_tokens`` says how many; this generation is kept there too.
         """
@@ -360,8 +360,10 @@ class SpeculativeGenerator:
                 batcher, batches = batch.batcher, self.target.batches_passes
                 policy = self.block_policies.for_batch(greedy, lambda: batcher.members if batches else 1)
         stream = GenerationStream(iter(()))
-        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
-            raise InvalidInputError(f"prefix_cache must be a PrefixCache, got {type(prefix_cache).__name__}")
+        if prefix_cache is not None and not isinstance(prefix_cache, (PrefixCache, ScopedPrefixCache)):
+            raise InvalidInputError(
+                f"prefix_cache must be a PrefixCache (or its scoped() view), got {type(prefix_cache).__name__}"
+            )
         stream._deltas = self._run(
             ids,
             drafter,
@@ -387,7 +389,7 @@ class SpeculativeGenerator:
         policy: AdaptiveBlockSize | None = None,
         prompt_top: int | None = None,
         batch: BatchMember | None = None,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: PrefixCache | ScopedPrefixCache | None = None,
     ) -> Iterator[TextDelta]:
         prompt_logprobs = None
         if prompt_top is not None:  # one pass over the prompt (a batch member's, in the batch's compute thread)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 import torch
@@ -17,14 +18,17 @@ from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target
 
 
 class LiveServer:
-    """`with LiveServer(app) as server: server.url` — serves `app` until the block ends."""
+    """`with LiveServer(app) as server: server.url` — serves `app` until the block ends. ``options``: more
+    ``uvicorn.Config`` keyword arguments (e.g. dflashkit.server.http.uvicorn_options: the protocol `serve` runs)."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, **options: Any) -> None:
         self.app = app
         # log_config=None: uvicorn's default dictConfig closes every existing logging handler, and a handler
         # made while pytest captured stderr (absl's, imported by mathematics_dataset in test_data) would close
         # pytest's capture stream with it ("I/O operation on closed file" at the end of the session).
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", log_config=None))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", lifespan="on", log_config=None, **options)
+        )
         self.thread: threading.Thread | None = None
         self.url = ""
 

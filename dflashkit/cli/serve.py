@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import pathlib
 import sys
-import threading
 
 from dflashkit.cli.common import (
     DRAFTER_HELP,
@@ -21,6 +22,7 @@ from dflashkit.cli.common import (
     add_threads_option,
     add_tree_option,
     drafter_arg,
+    int_at_least,
     load_generator,
     note_tree_without_drafter,
     port_arg,
@@ -73,9 +75,48 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--api-key",
-        default=os.environ.get("DFLASHKIT_API_KEY"),
-        help="require this key on /v1/* ('Authorization: Bearer KEY' or 'x-api-key: KEY'; default: "
-        "$DFLASHKIT_API_KEY, else none); /health, /metrics and the playground page stay open",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require this key on /v1/*, /docs and /openapi.json ('Authorization: Bearer KEY' or 'x-api-key: "
+        "KEY'); repeat it for several keys, each client its own (default: $DFLASHKIT_API_KEY, else none); "
+        "/health, /metrics and the playground page stay open",
+    )
+    s.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="a file of API keys, one a line (blank lines and # comments skipped), accepted as --api-key's are "
+        "(default: none)",
+    )
+    s.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="HOSTS",
+        help="comma-separated host names the server answers to in a request's Host header, '*' for any, "
+        "'*.example.com' for its subdomains (default: localhost, 127.0.0.1 and ::1, so that no other site's page "
+        "can reach it by DNS rebinding; with a --host that is not a loopback address: any)",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int_at_least(1),
+        default=4 * 2**20,
+        metavar="BYTES",
+        help="a larger request body is refused (413) before it is read",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=10.0,
+        help="seconds a request's line and headers may take to arrive (then 408 and the connection closes)",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=30.0,
+        help="seconds a request's body may take to arrive after its headers (then 408)",
     )
     s.add_argument(
         "--clamp-max-tokens",
@@ -91,6 +132,13 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "http://localhost:3000, or '*' for any (default: none)",
     )
     s.add_argument("--timeout", type=float, default=600.0, help="seconds from arrival to the last token (0: no limit)")
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running generations may go on after SIGTERM or Ctrl-C (queued requests are answered 503 at "
+        "once); then they are cut off, each ending with an error; a second signal cuts off at once",
+    )
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
     add_dtype_device_options(s)
     add_quantize_option(s)
@@ -110,10 +158,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dflashkit.target.loading import DEFAULT_TARGET
 
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the serve extra's)
 
         from dflashkit.decoding.batching import ComputeThread
         from dflashkit.server import ServerSettings, create_app
+        from dflashkit.server.http import uvicorn_options
+        from dflashkit.server.lifecycle import serve
     except ImportError as e:
         raise InvalidInputError(f"serving needs the 'serve' extra: pip install 'dflashkit[serve]' ({e})") from e
     settings = ServerSettings(  # checked before the (slow) model load
@@ -121,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_batch=args.max_batch,
         timeout=args.timeout or None,
+        shutdown_timeout=args.shutdown_timeout,
         default_max_tokens=args.default_max_tokens,
         block_size=args.block_size,
         lookup=args.lookup,
@@ -131,9 +182,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         draft_window=args.draft_window,
         prefix_cache_mb=args.prefix_cache_mb,
         stored_responses=args.stored_responses,
-        api_key=args.api_key,
+        api_key=api_keys(args),
         clamp_max_tokens=args.clamp_max_tokens,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+        allowed_hosts=allowed_hosts(args),
+        max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
     )
     apply_threads(args.threads, args.device)
     gen = load_generator(args, False)
@@ -147,21 +202,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
         + ("; /v1 needs the API key" if settings.api_key is not None else ""),
         file=sys.stderr,
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    # HTTP in a thread, the passes in this one; SIGTERM / Ctrl-C drain (dflashkit.server.lifecycle)
+    return serve(app, compute, args.host, args.port, args.log_level, **uvicorn_options(settings))
 
-    def run_server() -> None:  # the HTTP side in a thread of its own; the main thread computes
+
+def api_keys(args: argparse.Namespace) -> list[str] | None:
+    """The keys of --api-key (else $DFLASHKIT_API_KEY) and --api-keys-file; None: no key, the API is open."""
+    from dflashkit.errors import InvalidInputError
+
+    keys = list(args.api_key) if args.api_key else []
+    if not keys and os.environ.get("DFLASHKIT_API_KEY") is not None:
+        keys.append(os.environ["DFLASHKIT_API_KEY"])
+    if args.api_keys_file is not None:
         try:
-            server.run()
-        finally:
-            compute.wake()
+            lines = pathlib.Path(args.api_keys_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidInputError(f"--api-keys-file: cannot read {args.api_keys_file!r}: {e}") from None
+        found = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not found:
+            raise InvalidInputError(f"--api-keys-file: {args.api_keys_file!r} holds no keys (one a line)")
+        keys += found
+    return keys or None
 
-    thread = threading.Thread(target=run_server, name="dflashkit-http", daemon=True)
-    thread.start()
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """The host names of --allowed-hosts; without it, None (loopback names only) when --host is a loopback
+    address, else any host (``["*"]``), said in a note: a server listening on other interfaces is reached by
+    names this one cannot know."""
+    if args.allowed_hosts is not None:
+        return [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    if is_loopback(args.host):
+        return None
+    print(
+        f"note: the Host check is off: --host {args.host} is not a loopback address (--allowed-hosts NAME,... "
+        "turns it on)",
+        file=sys.stderr,
+    )
+    return ["*"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (--host) is a loopback address or localhost."""
     try:
-        compute.serve(until=lambda: not thread.is_alive())
-    except KeyboardInterrupt:
-        print("Shutting down", file=sys.stderr)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-    return 0
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"

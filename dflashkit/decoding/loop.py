@@ -35,7 +35,7 @@ from dflashkit.decoding.grammar import TokenConstraint, masked
 from dflashkit.decoding.lookup import NgramLookup
 from dflashkit.decoding.options import DecodeOptions, as_token_list, check_request, draft_window, proposal_params
 from dflashkit.decoding.penalties import PenaltyState
-from dflashkit.decoding.prefix_cache import CachedSequence, PrefixCache
+from dflashkit.decoding.prefix_cache import CachedSequence, PrefixCache, ScopedPrefixCache
 from dflashkit.decoding.propose import Proposal, Proposer
 from dflashkit.decoding.sampling import PositionNoise
 from dflashkit.decoding.stats import DecodeStats
@@ -202,7 +202,7 @@ def decode(
     stats: DecodeStats | None = None,
     observer: StepObserver | None = None,
     block_policy: AdaptiveBlockSize | None = None,
-    prefix_cache: PrefixCache | None = None,
+    prefix_cache: PrefixCache | ScopedPrefixCache | None = None,
 ) -> Iterator[Step]:
     """Generate after `prompt_ids` (batch 1), yielding each step's tokens as soon as they are verified.
 
@@ -243,7 +243,7 @@ def _prefill(
     stats: DecodeStats | None,
     observer: StepObserver | None,
     block_policy: AdaptiveBlockSize | None,
-    prefix_cache: PrefixCache | None,
+    prefix_cache: PrefixCache | ScopedPrefixCache | None,
 ) -> tuple[Generation, Tensor]:
     """Set up the generation's components, run the prompt through the target and choose the first token; returns
     the generation and the prompt's last row of logits [1, vocab]."""
@@ -355,7 +355,7 @@ def _prefill(
 
 
 def _keep(
-    prefix_cache: PrefixCache,
+    prefix_cache: PrefixCache | ScopedPrefixCache,
     target: TargetAdapter,
     cache: object,
     token_ids: list[int],

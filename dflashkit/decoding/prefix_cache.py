@@ -12,6 +12,10 @@ slot) stays held. The cached keys and values are the target's own for those toke
 passes (a prefill, verify steps) than a fresh prefill would use, so where the forward is not row-exact (oneDNN
 prefills, GPUs) they may differ from a fresh prefill's in the last bits, as in any engine with a prompt cache;
 greedy outputs then part from an uncached run only at numerical ties.
+
+Each kept sequence has an owner (a server's client: :meth:`PrefixCache.scoped` gives an owner's view), and a prompt
+is matched only against its owner's sequences: how many of its tokens were restored would otherwise tell one client
+how another's prompts began. All owners share the one memory budget and its least-recently-used order.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class PrefixCache:
 
     :meth:`match` finds the kept sequence sharing the longest prefix with a prompt; :meth:`add` keeps a finished
     generation's sequence (and drops kept ones that are prefixes of it: a conversation keeps only its last turn).
+    Both take an ``owner`` (default ""): a prompt is matched only against sequences of its own owner, and a sequence
+    drops only its owner's prefixes; the budget and the least-recently-used order are shared by all owners.
     """
 
     def __init__(self, max_bytes: int, min_reuse: int = MIN_REUSE) -> None:
@@ -80,7 +86,7 @@ class PrefixCache:
         if not isinstance(min_reuse, int) or min_reuse < 1:
             raise InvalidInputError(f"min_reuse must be an integer >= 1, got {min_reuse!r}")
         self.max_bytes, self.min_reuse = max_bytes, min_reuse
-        self._kept: OrderedDict[tuple[int, ...], CachedSequence] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, tuple[int, ...]], CachedSequence] = OrderedDict()  # (owner, token ids)
         self._lock = threading.Lock()
         self._model: weakref.ref | None = None  # the target model the kept keys and values are of
         self.hits = self.misses = 0
@@ -101,24 +107,33 @@ class PrefixCache:
         with self._lock:
             return sum(s.nbytes for s in self._kept.values())
 
+    def scoped(self, owner: str) -> ScopedPrefixCache:
+        """This cache as ``owner`` sees it: what the decode loop is given for one client's generation."""
+        return ScopedPrefixCache(self, owner)
+
     def bind(self, model: Any) -> None:
         """Tie the cache to one target model (the first it is used with): keys and values are a model's own."""
         with self._lock:
-            owner = self._model() if self._model is not None else None
-            if owner is None:
+            bound = self._model() if self._model is not None else None
+            if bound is None:
                 self._model, self._kept = weakref.ref(model), OrderedDict()
-            elif owner is not model:
+            elif bound is not model:
                 raise InvalidInputError(
                     "this prefix cache holds another target model's keys and values: use one PrefixCache per model"
                 )
 
-    def match(self, prompt_ids: list[int], feature_layers: tuple[int, ...] = ()) -> tuple[CachedSequence, int] | None:
-        """The kept sequence sharing the longest prefix with ``prompt_ids`` and that length, capped so that at
-        least the prompt's last token is prefilled again (its logits start the answer); None below ``min_reuse``
-        tokens. ``feature_layers``: the drafter features needed (only sequences kept with those qualify)."""
+    def match(
+        self, prompt_ids: list[int], feature_layers: tuple[int, ...] = (), owner: str = ""
+    ) -> tuple[CachedSequence, int] | None:
+        """The kept sequence of ``owner`` sharing the longest prefix with ``prompt_ids`` and that length, capped so
+        that at least the prompt's last token is prefilled again (its logits start the answer); None below
+        ``min_reuse`` tokens. ``feature_layers``: the drafter features needed (only sequences kept with those
+        qualify)."""
         best, length = None, 0
         with self._lock:
-            for key, seq in self._kept.items():
+            for (kept_by, key), seq in self._kept.items():
+                if kept_by != owner:
+                    continue
                 if feature_layers and (seq.features is None or seq.feature_layers != tuple(feature_layers)):
                     continue
                 n = min(common_prefix(key, prompt_ids), len(prompt_ids) - 1)
@@ -127,19 +142,21 @@ class PrefixCache:
             if best is None or length < self.min_reuse:
                 self.misses += 1
                 return None
-            self._kept.move_to_end(best.token_ids)
+            self._kept.move_to_end((owner, best.token_ids))
             self.hits += 1
             self.reused_tokens += length
             return best, length
 
-    def add(self, seq: CachedSequence) -> None:
-        """Keep ``seq`` (most recent); kept sequences it extends are dropped, then the oldest until within budget."""
+    def add(self, seq: CachedSequence, owner: str = "") -> None:
+        """Keep ``seq`` for ``owner`` (most recent); that owner's kept sequences it extends are dropped, then the
+        oldest of any owner until within budget."""
         if seq.nbytes > self.max_bytes or len(seq.token_ids) < self.min_reuse:
             return
+        ids = seq.token_ids
         with self._lock:
-            for key in [k for k in self._kept if len(k) <= len(seq.token_ids) and seq.token_ids[: len(k)] == k]:
+            for key in [k for k in self._kept if k[0] == owner and len(k[1]) <= len(ids) and ids[: len(k[1])] == k[1]]:
                 del self._kept[key]
-            self._kept[seq.token_ids] = seq
+            self._kept[(owner, ids)] = seq
             total = sum(s.nbytes for s in self._kept.values())
             while total > self.max_bytes:
                 _, dropped = self._kept.popitem(last=False)
@@ -148,3 +165,34 @@ class PrefixCache:
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
+
+
+class ScopedPrefixCache:
+    """One owner's view of a :class:`PrefixCache`, with the ``bind`` / ``match`` / ``add`` the decode loop calls:
+    it matches only that owner's sequences and keeps new ones as that owner's. A server gives each client's
+    generations the view of the client's owner id, so a client's ``cached_tokens`` say nothing of other clients'
+    prompts."""
+
+    def __init__(self, cache: PrefixCache, owner: str) -> None:
+        if not isinstance(cache, PrefixCache):
+            raise InvalidInputError(f"a scoped prefix cache needs a PrefixCache, got {type(cache).__name__}")
+        if not isinstance(owner, str):
+            raise InvalidInputError(f"a prefix cache owner must be a string, got {owner!r}")
+        self.cache, self.owner = cache, owner
+
+    @property
+    def max_bytes(self) -> int:
+        return self.cache.max_bytes
+
+    @property
+    def min_reuse(self) -> int:
+        return self.cache.min_reuse
+
+    def bind(self, model: Any) -> None:
+        self.cache.bind(model)
+
+    def match(self, prompt_ids: list[int], feature_layers: tuple[int, ...] = ()) -> tuple[CachedSequence, int] | None:
+        return self.cache.match(prompt_ids, feature_layers, owner=self.owner)
+
+    def add(self, seq: CachedSequence) -> None:
+        self.cache.add(seq, owner=self.owner)

@@ -9,27 +9,29 @@ at /. Requests are validated and tokenised on arrival
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from dflashkit.cpuload import LoadWatcher, on_cpu, threads_hint
 from dflashkit.decoding.batching import ComputeThread, ForwardBatcher
 from dflashkit.generator import SpeculativeGenerator
 from dflashkit.server import messages_api
-from dflashkit.server.errors import APIError, install_error_handlers
+from dflashkit.server.errors import install_error_handlers
+from dflashkit.server.guards import BodyLimit, HostGuard, KeyGuard
+from dflashkit.server.lifecycle import Lifecycle
 from dflashkit.server.metrics import RequestCounter, ServerMetrics
 from dflashkit.server.responses_api import ResponsesRequest
 from dflashkit.server.scheduler import Scheduler
 from dflashkit.server.schemas import ChatCompletionRequest, CompletionRequest
-from dflashkit.server.service import ServerSettings, Service
+from dflashkit.server.service import ServerSettings, Service, authenticated, tenant
 
 log = logging.getLogger("dflashkit.server")
 
@@ -91,6 +93,7 @@ def create_app(
     scheduler = Scheduler(settings.max_queue, observer=metrics, max_batch=settings.max_batch, batcher=batcher)
     metrics.watch_scheduler(lambda: scheduler.queued, lambda: scheduler.running)
     service = Service(generator, settings, scheduler)
+    lifecycle = Lifecycle(scheduler, settings.shutdown_timeout)  # graceful shutdown (dflashkit.server.lifecycle)
 
     # a CPU server's machine may get busy after it started: other processes' load as a metric, and a warning
     watcher = LoadWatcher(busy_load_reporter(metrics)) if on_cpu(generator.target.device) else None
@@ -100,26 +103,37 @@ def create_app(
         if owned:
             compute.start()
         scheduler.start()
+        lifecycle.attach(asyncio.get_running_loop())  # in the main thread: SIGTERM / SIGINT drain first
         if watcher is not None:
             watcher.start()
         try:
             yield
         finally:
+            lifecycle.detach()
             if watcher is not None:
                 watcher.stop()
             scheduler.stop()
             if owned:
                 compute.stop()
 
-    dependencies = [Depends(_key_check(settings.api_key))] if settings.api_key is not None else []
     app = FastAPI(
         title="dflashkit",
         summary="OpenAI-compatible speculative decoding server",
         lifespan=lifespan,
-        dependencies=dependencies,
     )
     app.state.service, app.state.scheduler, app.state.metrics = service, scheduler, metrics
-    install_error_handlers(app, {messages_api.PATH: messages_api.error_body})
+    app.state.lifecycle = lifecycle
+    renderers = {messages_api.PATH: messages_api.error_body}
+    install_error_handlers(app, renderers)
+    # from the outside in: CORS, the request counter, then the guards (Host / Origin, body, API key: see guards)
+    app.add_middleware(KeyGuard, keys=settings.api_keys, renderers=renderers)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout, renderers=renderers)
+    app.add_middleware(
+        HostGuard,
+        allowed_hosts=settings.allowed_hosts,
+        allowed_origins=settings.allowed_origins,
+        renderers=renderers,
+    )
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
     if settings.allowed_origins:  # answers browsers' preflight requests itself (before any key check)
         app.add_middleware(
@@ -148,19 +162,20 @@ def create_app(
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await service.handle_responses(request, body)
 
+    # a stored response is its client's (tenant's): to any other, as if it did not exist
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict[str, Any]:
-        return service.responses.get(response_id).response
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return service.responses.get(response_id, owner=tenant(request)).response
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(
-        response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
+        response_id: str, request: Request, after: str | None = None, limit: int = 20, order: str = "desc"
     ) -> dict[str, Any]:
-        return service.responses.input_items(response_id, after, limit, order)
+        return service.responses.input_items(response_id, after, limit, order, owner=tenant(request))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict[str, Any]:
-        service.responses.delete(response_id)
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        service.responses.delete(response_id, owner=tenant(request))
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/messages")
@@ -169,11 +184,14 @@ def create_app(
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: messages_api.MessagesRequest) -> dict[str, int]:
-        return service.count_tokens(body)
+        return await service.count_tokens(body)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return service.health()
+    async def health(request: Request) -> Response:
+        body = service.health(full=authenticated(request))  # without a valid key: status and model only
+        if lifecycle.draining:  # shutting down: load balancers stop sending here
+            return JSONResponse({**body, "status": "draining"}, status_code=503)
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -184,27 +202,6 @@ def create_app(
         return HTMLResponse(_playground_html())
 
     return app
-
-
-def _key_check(key: str) -> Callable[[Request], None]:
-    """A dependency refusing /v1/* requests that do not carry `key` (OpenAI's bearer header or Anthropic's
-    x-api-key); /health, /metrics and the playground page stay open, as in llama-server and vLLM."""
-    expected = key.encode()
-
-    def check(request: Request) -> None:
-        if not request.url.path.startswith("/v1/"):
-            return
-        bearer = request.headers.get("authorization", "")
-        sent = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(sent.strip().encode(), expected):
-            raise APIError(
-                401,
-                "Invalid or missing API key: this server needs 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    return check
 
 
 def _playground_html() -> str:

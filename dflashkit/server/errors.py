@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflashkit.errors import DFlashError
+from dflashkit.server.scheduler import JobCancelled, ServerShuttingDown
 
 log = logging.getLogger("dflashkit.server")
 
@@ -58,6 +59,14 @@ def from_exception(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, DFlashError):
         return bad_request(str(exc))
+    if isinstance(exc, ServerShuttingDown):
+        return APIError(
+            503, str(exc), type="server_error", code="shutting_down", headers={"Retry-After": str(exc.retry_after)}
+        )
+    if isinstance(exc, JobCancelled):  # its client left or timed out: nobody reads this
+        if exc.reason == "timeout":
+            return APIError(504, str(exc), type="timeout_error", code="timeout")
+        return APIError(499, str(exc), code="cancelled")
     log.error("generation failed", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
 
@@ -88,15 +97,21 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 Renderer = Callable[[APIError], dict[str, Any]]
 
 
+def error_response(path: str, error: APIError, renderers: dict[str, Renderer] | None = None) -> JSONResponse:
+    """The error answered on `path`: OpenAI's body, or, where the path begins with a key of `renderers`, the body
+    that renderer makes (another API's error shape)."""
+    for prefix, render in (renderers or {}).items():
+        if path.startswith(prefix):
+            return JSONResponse(render(error), status_code=error.status, headers=error.headers)
+    return error.response()
+
+
 def install_error_handlers(app: FastAPI, renderers: dict[str, Renderer] | None = None) -> None:
     """Answer every error with an OpenAI-style JSON body, or, for paths that begin with a key of `renderers`, the
     body that renderer makes (another API's error shape)."""
 
     def respond(request: Request, error: APIError) -> JSONResponse:
-        for prefix, render in (renderers or {}).items():
-            if request.url.path.startswith(prefix):
-                return JSONResponse(render(error), status_code=error.status, headers=error.headers)
-        return error.response()
+        return error_response(request.url.path, error, renderers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -34,6 +34,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
     429: "rate_limit_error",
     504: "timeout_error",
@@ -126,8 +127,10 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Chat messages of Anthropic ``messages``: a user turn's ``tool_result`` blocks become tool turns (before its
     text, as Anthropic requires them first), an assistant turn's ``tool_use`` blocks its tool calls."""
     out: list[dict[str, Any]] = []
+    answerable: list[str] = []  # the tool_use ids of the message before this one: what a tool_result may answer
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
+        asked, answerable = answerable, []
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("user", "assistant"):
             raise bad_request(f"{where}.role must be user or assistant, got {role!r}", param="messages")
@@ -147,6 +150,7 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
                 name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
                 if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, dict):
                     raise bad_request(f"{at}: a tool_use block needs id, name and an input object", param="messages")
+                answerable.append(call_id)
                 calls.append(
                     {
                         "id": call_id,
@@ -157,6 +161,13 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
             elif kind == "tool_result" and role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise bad_request(f"{at}: a tool_result block needs the tool_use_id it answers", param="messages")
+                if block["tool_use_id"] not in asked:
+                    raise bad_request(
+                        f"{at}.tool_use_id {block['tool_use_id']!r} answers no tool_use block: a tool_result must "
+                        "answer one of the assistant message just before it"
+                        + (f" (its tool_use ids: {', '.join(map(repr, asked))})" if asked else ", which has none"),
+                        param="messages",
+                    )
                 result = _text(block.get("content", ""), f"{at}.content")
                 if block.get("is_error"):
                     result = f"Error: {result}"

@@ -22,6 +22,7 @@ class Plan:
     logit_bias: dict[int, float] = field(default_factory=dict)
     echoes: list[Echo] | None = None  # completions with echo: each prompt, to put before its completions
     tools: ToolRequest | None = None  # chat: the request's tools (calls are parsed out of the answer when active)
+    tenant: str = ""  # the client's id (its API key's; "" without keys): its prefix-cache sequences are its own
 
     @property
     def generations(self) -> int:

@@ -302,10 +302,16 @@ class StoredResponse:
     # re-encoding the answer's text would give other tokens
     continuation: Continuation | None = None
     input_items: list[dict[str, Any]] = field(default_factory=list)  # the request's input, listed (listed_items)
+    owner: str = ""  # the tenant that stored it (the server's id of its API key; "" without keys): only it sees it
 
 
 class ResponseStore:
-    """The last `capacity` stored responses, in memory (lost when the server stops)."""
+    """The last `capacity` stored responses, in memory (lost when the server stops), each seen only by its owner.
+
+    The capacity and its least-recently-used order are shared by all owners. To any other owner a stored response
+    does not exist: it is answered with the same 404 as an id never stored, so an id tells nothing about another
+    client's responses.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -322,9 +328,11 @@ class ResponseStore:
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+    def get(self, response_id: str, param: str | None = None, owner: str = "") -> StoredResponse:
+        """The response stored as ``response_id`` by ``owner``; a 404 APIError when there is none (whether no
+        response has that id or another owner's has)."""
         stored = self._items.get(response_id)
-        if stored is None:
+        if stored is None or stored.owner != owner:
             raise APIError(
                 404,
                 f"No response with id {response_id!r} is stored here (this server keeps the last "
@@ -336,19 +344,19 @@ class ResponseStore:
         self._items.move_to_end(response_id)
         return stored
 
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
+    def delete(self, response_id: str, owner: str = "") -> None:
+        self.get(response_id, owner=owner)
         del self._items[response_id]
 
     def input_items(
-        self, response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
+        self, response_id: str, after: str | None = None, limit: int = 20, order: str = "desc", owner: str = ""
     ) -> dict[str, Any]:
         """GET /v1/responses/{id}/input_items: the response's input items, a page of them (OpenAI's list shape)."""
         if not 1 <= limit <= 100:
             raise bad_request(f"limit must be in 1..100, got {limit}", param="limit")
         if order not in ("asc", "desc"):
             raise bad_request(f"order must be asc or desc, got {order!r}", param="order")
-        items = self.get(response_id).input_items
+        items = self.get(response_id, owner=owner).input_items
         items = items if order == "asc" else items[::-1]
         if after is not None:
             ids = [item["id"] for item in items]

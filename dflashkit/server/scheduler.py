@@ -7,13 +7,18 @@ generation's tokens unchanged; with ``max_batch`` 1 one generation runs at a tim
 (no handoffs between threads: they cost a lone generation ~2-3% on a 2-core CPU). Each job streams its deltas to
 its own asyncio queue (outputs are never mixed), and is checked for cancellation between decode steps: a client that
 disconnects or runs out of time stops its generation within one step. The waiting line is bounded: `submit`
-raises `QueueFullError` when it is full.
+raises `QueueFullError` when it is full. Every job ends with one terminal event (`Done`, or `Failed` when it fails or
+is cancelled for any reason), so no listener waits forever.
+
+Shutting down (:mod:`dflashkit.server.lifecycle`): `drain` refuses new jobs and fails the queued ones with
+`ServerShuttingDown` while the running ones go on; `cut_off` cancels those still running, each at its next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import math
 import threading
@@ -52,6 +57,40 @@ class QueueFullError(Exception):
         self.retry_after = retry_after
 
 
+class JobCancelled(Exception):
+    """What a job cancelled before its end fails with (its listener, if any, is told so)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the generation was stopped ({reason})")
+        self.reason = reason
+
+
+SHUTDOWN_RETRY_AFTER = 5  # seconds a client refused by a draining server is told to wait (another replica, a restart)
+
+
+class ServerShuttingDown(JobCancelled):
+    """A queued job answered 503 because the server drains, or a running one cut off at the drain's timeout."""
+
+    def __init__(self, started: bool = False, retry_after: int = SHUTDOWN_RETRY_AFTER) -> None:
+        Exception.__init__(
+            self,
+            "The server is shutting down: "
+            + ("the generation was stopped before its end" if started else "the request was not started")
+            + f"; retry after {retry_after} s",
+        )
+        self.reason = "shutdown" if started else "drained"
+        self.retry_after = retry_after
+
+
+# outcomes (as the JobObserver is told them) of a job that ends because the server shuts down
+DRAINED, SHUTDOWN = "drained", "shutdown"
+
+
+def cancel_error(reason: str, started: bool) -> JobCancelled:
+    """The error a job cancelled for `reason` fails with (the server's shutdown: ServerShuttingDown)."""
+    return ServerShuttingDown(started) if reason in (DRAINED, SHUTDOWN) else JobCancelled(reason)
+
+
 class JobObserver(Protocol):
     """Told when a job starts, emits tokens, and ends (e.g. metrics)."""
 
@@ -77,6 +116,7 @@ class Job:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.tokens = 0  # tokens streamed so far
+        self.group = 0  # the request it belongs to (a request's n choices or prompts are jobs of one group)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Ask the worker to stop this job (before it starts, or at the next decode step)."""
@@ -121,6 +161,10 @@ class Scheduler:
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self._mean_duration = 1.0  # seconds per job, a moving average (for Retry-After)
+        self._groups = itertools.count()
+        self._draining = False
+        self._drain_ends: dict[int, set[str]] = {}  # request -> outcomes of its jobs that ended during the drain
+        self._refused = 0  # requests refused because the server drains
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -137,17 +181,65 @@ class Scheduler:
                 thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel everything and wait for the workers to finish their current step."""
+        """Cancel everything (the queued jobs fail at once, the running ones at their next step, all with
+        ServerShuttingDown) and wait for the workers to finish their current step."""
         with self._cond:
             self._stopping = True
-            for job in self._queue:
-                job.cancel("shutdown")
+            queued = list(self._queue)
+            self._queue.clear()
             for job in self._running:
-                job.cancel("shutdown")
+                job.cancel(SHUTDOWN)
             self._cond.notify_all()
             threads, self._threads = self._threads, []
+        for job in queued:
+            job.cancel(DRAINED)
+            self._end_cancelled(job)
         for thread in threads:
             thread.join(timeout)
+
+    def drain(self) -> int:
+        """Refuse new jobs and fail the queued ones, both with ServerShuttingDown (503); the running ones go on.
+        Returns how many queued jobs were failed."""
+        with self._cond:
+            self._draining = True
+            queued = list(self._queue)
+            self._queue.clear()
+        for job in queued:
+            job.cancel(DRAINED)  # a no-op for a job whose client already left
+            self._end_cancelled(job)
+        return len(queued)
+
+    def cut_off(self) -> int:
+        """Drain, and cancel the running jobs: each stops at its next step and fails with ServerShuttingDown.
+        Returns how many running jobs were cancelled."""
+        self.drain()
+        with self._cond:
+            running = [job for job in self._running if not job.cancelled]
+            for job in running:
+                job.cancel(SHUTDOWN)
+        return len(running)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain_report(self) -> dict[str, int]:
+        """Requests that ended since the drain began: ``finished`` (ran to their end), ``refused`` (answered 503
+        before they started, or on arrival), ``cut_off`` (stopped at the drain's timeout) and ``other`` (their
+        client left, they timed out or failed). A request of several jobs counts once, by its worst end."""
+        report = {"finished": 0, "refused": self._refused, "cut_off": 0, "other": 0}
+        with self._cond:
+            ends = list(self._drain_ends.values())
+        for outcomes in ends:
+            if SHUTDOWN in outcomes:
+                report["cut_off"] += 1
+            elif DRAINED in outcomes:
+                report["refused"] += 1
+            elif outcomes & {"cancelled", "timeout", "error"}:
+                report["other"] += 1
+            else:
+                report["finished"] += 1
+        return report
 
     # ---- queue -------------------------------------------------------------------------------------------
 
@@ -174,8 +266,14 @@ class Scheduler:
         when the running jobs and those waiting leave fewer than len(starts) of the max_queue + max_batch places."""
         jobs = [Job(start, loop) for start in starts]
         with self._cond:
+            if self._draining:
+                self._refused += 1
+                raise ServerShuttingDown()
             if self._stopping or not self._threads:
                 raise RuntimeError("the scheduler is not running")
+            group = next(self._groups)
+            for job in jobs:
+                job.group = group
             held = self.queued + sum(not job.cancelled for job in self._running)
             if held + len(jobs) > self.max_queue + self.max_batch:
                 raise QueueFullError(self.retry_after())
@@ -193,10 +291,7 @@ class Scheduler:
             with self._cond:
                 while not self._queue and not self._stopping:
                     self._cond.wait()
-                if self._stopping:
-                    for job in self._queue:
-                        self._finish(job, "shutdown", None)
-                    self._queue.clear()
+                if self._stopping:  # stop() ended the queued jobs
                     return
                 job = self._queue.popleft()
                 self._running.add(job)
@@ -214,7 +309,7 @@ class Scheduler:
     def _run(self, job: Job, batcher: ForwardBatcher | None) -> None:
         """Run `job` to its end (as a member of `batcher`'s batch, or alone)."""
         if job.cancelled:  # gave up while waiting
-            self._finish(job, job.cancel_reason or "cancelled", None)
+            self._end_cancelled(job)
             return
         job.started_at = time.monotonic()
         if self.observer:
@@ -243,13 +338,26 @@ class Scheduler:
             if member is not None:
                 batcher.leave(member)  # the others stop waiting for this one
         if job.cancelled or stream.result is None:
-            self._finish(job, job.cancel_reason or "cancelled", None)
+            self._end_cancelled(job)
             return
         job._emit(Done(stream.result))
         self._finish(job, stream.result.finish_reason or "length", stream.result)
 
+    def _end_cancelled(self, job: Job) -> None:
+        """End a cancelled job: its listener gets Failed (ServerShuttingDown for the server's shutdown: "drained"
+        before it started, "shutdown" after), the observer its outcome."""
+        started = job.started_at is not None
+        reason = job.cancel_reason or "cancelled"
+        if reason in (DRAINED, SHUTDOWN):
+            reason = SHUTDOWN if started else DRAINED
+        job._emit(Failed(cancel_error(reason, started)))
+        self._finish(job, reason, None)
+
     def _finish(self, job: Job, outcome: str, result: GenerationResult | None) -> None:
         job.finished_at = time.monotonic()
+        if self._draining:
+            with self._cond:
+                self._drain_ends.setdefault(job.group, set()).add(outcome)
         if job.started_at is not None:
             self._mean_duration = 0.8 * self._mean_duration + 0.2 * (job.finished_at - job.started_at)
         if self.observer:

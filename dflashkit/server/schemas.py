@@ -257,6 +257,30 @@ class ChatCompletionRequest(GenerationRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        self.check_tool_turns()
+
+    def check_tool_turns(self) -> None:
+        """Each tool message answers a call of the assistant message before it (other tool messages may stand
+        between them: the answers to its other calls), as OpenAI requires; its tool_call_id, if given, is one of
+        that message's call ids (when its calls have ids). A 400 names the message at fault."""
+        calls: list[str] | None = None  # the ids of the calls being answered; None: no calls to answer here
+        for i, message in enumerate(self.messages):
+            if message.role == "assistant":
+                calls = [c.id for c in message.tool_calls if c.id is not None] if message.tool_calls else None
+            elif message.role != "tool":
+                calls = None
+            elif calls is None:
+                raise bad_request(
+                    f"messages[{i}]: a tool message must answer a tool call: it has to follow an assistant message "
+                    "with tool_calls (or another tool message answering them)",
+                    param="messages",
+                )
+            elif message.tool_call_id is not None and calls and message.tool_call_id not in calls:
+                raise bad_request(
+                    f"messages[{i}].tool_call_id {message.tool_call_id!r} matches no call of the assistant message "
+                    f"before it (its tool_calls' ids: {', '.join(map(repr, calls))})",
+                    param="messages",
+                )
 
     def tool_request(self) -> ToolRequest | None:
         """The request's tools and tool_choice, checked (None: no tools); a 400 names the field at fault."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -40,12 +41,14 @@ from dflashkit.server.responses_api import (
     renamed,
     stored_messages,
 )
-from dflashkit.server.scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler
+from dflashkit.server.scheduler import Delta, Done, Event, Failed, Job, QueueFullError, Scheduler, ServerShuttingDown
 from dflashkit.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from dflashkit.text import IncrementalDetokenizer, render_chat
 from dflashkit.tool_calls import ToolError, ToolRequest, template_messages
 
 DISCONNECT_POLL_S = 0.1
+_WHITESPACE = re.compile(r"\s+")
+SSE_DONE = "data: [DONE]\n\n"  # the last event of every chat and completions stream
 
 
 class ClientGone(Exception):
@@ -75,9 +78,14 @@ class ServerSettings:
     draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
     prefix_cache_mb: float = 256.0  # finished generations kept for prompts that begin the same way (0: none)
     stored_responses: int = 256  # /v1/responses kept in memory for previous_response_id (0: none)
-    api_key: str | None = None  # /v1/* then needs "Authorization: Bearer KEY" or "x-api-key: KEY"
+    api_key: str | list[str] | None = None  # one key or several: /v1/* then needs "Authorization: Bearer KEY"
     clamp_max_tokens: bool = False  # a max_tokens past the context is lowered to what fits instead of refused
     allowed_origins: list[str] = field(default_factory=list)  # browser origins allowed cross-origin calls (CORS)
+    shutdown_timeout: float = 30.0  # seconds running generations may go on after a shutdown begins (lifecycle)
+    max_body_bytes: int = 4 * 2**20  # a larger request body is refused (413) before it is read
+    allowed_hosts: list[str] | None = None  # Host header names served (None: loopback names only; ["*"]: any)
+    header_timeout: float = 10.0  # seconds a request's line and headers may take to arrive (dflashkit.server.http)
+    body_timeout: float = 30.0  # seconds a request's body may take to arrive, from its headers' arrival
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -87,6 +95,8 @@ class ServerSettings:
             raise InvalidInputError(f"max_batch must be an integer in 1..{MAX_BATCH}, got {self.max_batch!r}")
         if self.timeout is not None and not self.timeout > 0:
             raise InvalidInputError(f"timeout must be positive, got {self.timeout}")
+        if not 0 < self.shutdown_timeout < float("inf"):
+            raise InvalidInputError(f"shutdown_timeout must be positive seconds, got {self.shutdown_timeout}")
         if self.default_max_tokens < 1:
             raise InvalidInputError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
         if self.proposal not in ("argmax", "sample"):
@@ -98,8 +108,7 @@ class ServerSettings:
             check_sampler(self.sampler)
         check_draft_window(self.draft_window)
         PrefixCache.of_mib(self.prefix_cache_mb)  # checks the size
-        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
-            raise InvalidInputError("api_key must be non-empty text without surrounding spaces")
+        self._check_access()
         if not isinstance(self.stored_responses, int) or self.stored_responses < 0:
             raise InvalidInputError(f"stored_responses must be an integer >= 0, got {self.stored_responses!r}")
         if (
@@ -108,6 +117,30 @@ class ServerSettings:
             and (not isinstance(self.block_size, int) or self.block_size < 2)
         ):
             raise InvalidInputError(f"block_size must be an integer >= 2 or 'auto', got {self.block_size!r}")
+
+    @property
+    def api_keys(self) -> list[str]:
+        """The keys a /v1/* request may carry (none: the API is open)."""
+        return [] if self.api_key is None else [self.api_key] if isinstance(self.api_key, str) else list(self.api_key)
+
+    def _check_access(self) -> None:
+        """The API keys, the allowed hosts and the request limits (dflashkit.server.guards, dflashkit.server.http)."""
+        if isinstance(self.api_key, list) and not self.api_key:
+            raise InvalidInputError("api_key must be a key or a non-empty list of keys")
+        for key in self.api_keys:
+            if not isinstance(key, str) or not key or key != key.strip():
+                raise InvalidInputError("api_key must be non-empty text without surrounding spaces")
+        if self.allowed_hosts is not None:
+            if not self.allowed_hosts:
+                raise InvalidInputError("allowed_hosts must name at least one host ('*' for any; None: loopback)")
+            for host in self.allowed_hosts:
+                if not isinstance(host, str) or not host or any(c.isspace() or c in "/@" for c in host):
+                    raise InvalidInputError(f"allowed_hosts: {host!r} is not a host name")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise InvalidInputError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        for name in ("header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidInputError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 def _best(results: list[GenerationResult], n: int) -> list[int]:
@@ -127,6 +160,16 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(
         events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
+
+
+def tenant(request: Request) -> str:
+    """The client's tenant id, set by the API-key guard ("" when the server has no keys: one tenant)."""
+    return getattr(request.state, "tenant", "")
+
+
+def authenticated(request: Request) -> bool:
+    """Whether the request carried a valid API key (always, when the server has no keys)."""
+    return getattr(request.state, "authenticated", True)
 
 
 def _cancel_all(jobs: list[Job]) -> None:
@@ -167,7 +210,12 @@ class Service:
                 code="model_not_found",
             )
 
-    def health(self) -> dict[str, Any]:
+    def health(self, full: bool = True) -> dict[str, Any]:
+        """/health: status and settings. ``full`` False (a request without a valid key, on a server with keys):
+        the status and the model only, nothing of the queue, the prefix cache or the stored responses, which
+        would tell of other clients' use."""
+        if not full:
+            return {"status": "ok", "model": self.settings.model_id}
         drafter = self.generator.drafter
         block_size = default_block_size(self.settings.block_size, drafter is not None, self.settings.tree)
         lookup = default_lookup(self.settings.lookup, drafter is not None)
@@ -207,10 +255,14 @@ class Service:
 
     # ---- validation --------------------------------------------------------------------------------------
 
-    def plan(self, body: GenerationRequest, chat: bool, continues: Continuation | None = None) -> Plan:
-        """The request checked and tokenised. ``continues``: the stored turn a chat request continues (its prompt's
-        text and ids and its answer's ids): its tokens begin the prompt when the template renders it so."""
+    async def plan(self, body: GenerationRequest, chat: bool, continues: Continuation | None = None) -> Plan:
+        """The request checked and tokenised, off the event loop (a long prompt's tokenisation would hold up every
+        other request, /health's too). ``continues``: the stored turn a chat request continues (its prompt's text
+        and ids and its answer's ids): its tokens begin the prompt when the template renders it so."""
         arrived = asyncio.get_running_loop().time()
+        return await asyncio.to_thread(self._plan, body, chat, continues, arrived)
+
+    def _plan(self, body: GenerationRequest, chat: bool, continues: Continuation | None, arrived: float) -> Plan:
         self.check_model(body.model)
         body.check_supported()
         try:
@@ -306,6 +358,8 @@ class Service:
         try:
             if isinstance(body, ChatCompletionRequest):
                 messages = [m.as_template_message() for m in body.messages]
+                # the turns templates show as they are (an assistant's may lose its reasoning)
+                self._check_prompt_chars([m["content"] or "" for m in messages if m["role"] != "assistant"], "messages")
                 ids = self.generator.encode_prompt(
                     messages, chat=True, tools=tools.template_tools() if tools is not None else None
                 )
@@ -321,12 +375,40 @@ class Service:
                         raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
                     out.append(list(prompt))
                 else:
+                    self._check_prompt_chars([prompt], "prompt")
                     out.append(self.generator.encode_prompt(prompt, chat=False))
             return out
         except ToolError as e:
             raise bad_request(str(e), param=e.field) from e
         except InvalidInputError as e:
             raise bad_request(str(e), param="messages" if chat else "prompt") from e
+
+    @functools.cached_property
+    def _max_token_chars(self) -> int | None:
+        """The most characters one token stands for, found once: the longest entry of the tokenizer's vocabulary
+        (byte-level and SentencePiece entries are at least as long as the text they stand for; added and special
+        tokens included). None: the tokenizer does not list its vocabulary."""
+        get_vocab = getattr(self.generator.tokenizer, "get_vocab", None)
+        return (max(map(len, get_vocab()), default=0) or None) if get_vocab is not None else None
+
+    def _check_prompt_chars(self, texts: list[str], param: str) -> None:
+        """Refuse, without tokenising it, a prompt whose `texts` could not fit the context whatever their tokens:
+        more characters (but whitespace, which some tokenizers drop) than the context's tokens each standing for
+        the most characters a token can."""
+        longest = self._max_token_chars
+        if longest is None:
+            return
+        context = self.generator.target.max_positions
+        if sum(map(len, texts)) <= context * longest:  # the usual case, answered without a pass over the text
+            return
+        chars = sum(len(_WHITESPACE.sub("", text)) for text in texts)
+        if chars > context * longest:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens, and the prompt alone has more than "
+                f"that ({chars} characters, and no token stands for more than {longest}): shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def chat_text(self, body: ChatCompletionRequest, tools: ToolRequest | None) -> str | None:
         """The chat template's text of the request's prompt (None: the tokenizer has no template)."""
@@ -336,7 +418,7 @@ class Service:
     # ---- serving -----------------------------------------------------------------------------------------
 
     async def handle(self, request: Request, body: GenerationRequest, chat: bool) -> Response:
-        plan = self.plan(body, chat)
+        plan = await self.plan(body, chat)
         jobs, event, deadline = await self._launch(request, plan)
         response = ResponseBuilder(plan, self.settings.model_id, self.generator.token_bytes)
         try:
@@ -372,12 +454,12 @@ class Service:
         event stream; stored (``store``) with its conversation for ``previous_response_id``."""
         try:
             previous = (
-                self.responses.get(body.previous_response_id, param="previous_response_id")
+                self.responses.get(body.previous_response_id, param="previous_response_id", owner=tenant(request))
                 if body.previous_response_id is not None
                 else None
             )
             history = previous.messages if previous is not None else []
-            plan, chat_body, messages = self._responses_plan(body, history, previous)
+            plan, chat_body, messages = await self._responses_plan(body, history, previous)
             jobs, event, deadline = await self._launch(request, plan)
         except APIError as e:
             raise renamed(e) from e
@@ -395,7 +477,11 @@ class Service:
             )
             self.responses.put(
                 StoredResponse(
-                    response, stored_messages(messages, history, response), continuation, listed_items(body.input)
+                    response,
+                    stored_messages(messages, history, response),
+                    continuation,
+                    listed_items(body.input),
+                    owner=plan.tenant,
                 )
             )
 
@@ -403,7 +489,7 @@ class Service:
             request, jobs, event, deadline, builder, body.stream, lambda result: keep(builder.final, result)
         )
 
-    def _responses_plan(
+    async def _responses_plan(
         self, body: ResponsesRequest, history: list[dict[str, Any]], previous: StoredResponse | None
     ) -> tuple[Plan, ChatCompletionRequest, list[dict[str, Any]]]:
         """The plan of a Responses request after `history` (with the chat request and its input's messages); with
@@ -413,7 +499,7 @@ class Service:
             chat_body, messages = body.as_chat(history, drop)
             try:  # a continued turn's own tokens begin the prompt only while nothing is left out
                 continues = previous.continuation if previous is not None and not drop else None
-                return self.plan(chat_body, chat=True, continues=continues), chat_body, messages
+                return await self.plan(chat_body, chat=True, continues=continues), chat_body, messages
             except APIError as e:
                 later = (
                     next_turn([*history, *messages], drop)
@@ -427,7 +513,7 @@ class Service:
     async def handle_messages(self, request: Request, body: messages_api.MessagesRequest) -> Response:
         """/v1/messages: the chat request it means, generated as chat is, answered as an Anthropic message or its
         event stream."""
-        plan = self.plan(body.as_chat(), chat=True)
+        plan = await self.plan(body.as_chat(), chat=True)
         jobs, event, deadline = await self._launch(request, plan)
         builder = messages_api.MessageBuilder(plan, self.settings.model_id)
         return await self._answer(request, jobs, event, deadline, builder, body.stream)
@@ -460,15 +546,18 @@ class Service:
             _cancel_all(jobs)
             raise
 
-    def count_tokens(self, body: messages_api.MessagesRequest) -> dict[str, int]:
-        """/v1/messages/count_tokens: the prompt's tokens as /v1/messages would see them."""
+    async def count_tokens(self, body: messages_api.MessagesRequest) -> dict[str, int]:
+        """/v1/messages/count_tokens: the prompt's tokens as /v1/messages would see them (tokenised off the event
+        loop)."""
         self.check_model(body.model)
         chat_body = body.as_chat(generation=False)
-        return {"input_tokens": len(self._encode(chat_body, True, chat_body.tool_request())[0])}
+        ids = await asyncio.to_thread(self._encode, chat_body, True, chat_body.tool_request())
+        return {"input_tokens": len(ids[0])}
 
     async def _launch(self, request: Request, plan: Plan) -> tuple[list[Job], Event, float | None]:
         """Queue the plan's generations; return them with the first one's first event (a failure raised) and the
         request's deadline."""
+        plan.tenant = tenant(request)  # its generations match and keep prefixes of this client's only
         body = plan.body
         grammar = body.grammar()
         if plan.tools is not None and plan.tools.forced:  # tool_choice required / a named function: its grammar
@@ -488,6 +577,8 @@ class Service:
             jobs = self.scheduler.submit_all(
                 [functools.partial(self._start, plan, i) for i in range(plan.generations)], loop
             )
+        except ServerShuttingDown as e:  # arrived while the server drains
+            raise from_exception(e) from e
         except QueueFullError as e:
             raise APIError(
                 429,
@@ -534,6 +625,8 @@ class Service:
         logprobs = b.requested_logprobs()
         if b.candidates > b.n and logprobs is None:
             logprobs = 0  # best_of ranks the candidates by their log-probability per token
+        # the client's own view of the cache: its prompts match only what its own generations kept
+        cache = self.prefix_cache.scoped(plan.tenant) if self.prefix_cache is not None and b.cache_prompt else None
         return self.generator.stream(
             plan.prompts[p],
             max_new_tokens=plan.max_new_tokens[p],
@@ -557,7 +650,7 @@ class Service:
             repetition_penalty=b.repetition_penalty,
             logit_bias=plan.logit_bias,
             batch=batch,
-            prefix_cache=self.prefix_cache if b.cache_prompt else None,
+            prefix_cache=cache,
         )
 
     async def _next(self, job: Job, deadline: float | None, request: Request | None) -> Event:
@@ -580,10 +673,13 @@ class Service:
                 if request is not None:  # poll for a disconnect now and then
                     wait = DISCONNECT_POLL_S if remaining is None else min(DISCONNECT_POLL_S, remaining)
                 done, _ = await asyncio.wait({getter}, timeout=wait)
+                # checked while events keep coming too (a running generation), at most every DISCONNECT_POLL_S
+                if request is not None and (not done or loop.time() >= getattr(request.state, "gone_check", 0.0)):
+                    request.state.gone_check = loop.time() + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        raise ClientGone
                 if done:
                     return getter.result()
-                if request is not None and await request.is_disconnected():
-                    raise ClientGone
         finally:
             if not getter.done():
                 getter.cancel()
@@ -592,8 +688,9 @@ class Service:
         self, jobs: list[Job], first: Event, response: ResponseBuilder, deadline: float | None
     ) -> AsyncIterator[str]:
         """Server-sent events: each choice's chunks in turn (its index on each), its finish_reason on its last
-        chunk and, on the last choice's, the usage of all; then [DONE]. A disconnect, an error or a timeout cancels
-        the jobs not yet ended (Starlette cancels this generator when the client goes)."""
+        chunk and, on the last choice's, the usage of all; then [DONE]. An error or a timeout (the server's shutdown
+        too) is an error event, then [DONE]; a disconnect, an error or a timeout cancels the jobs not yet ended
+        (Starlette cancels this generator when the client goes)."""
         results: list[GenerationResult] = []
         try:
             for index, job in enumerate(jobs):
@@ -605,6 +702,7 @@ class Service:
                             event = await self._next(job, deadline, None)
                         except APIError as e:  # timeout
                             yield sse_event(e.body())
+                            yield SSE_DONE
                             return
                     if isinstance(event, Delta):
                         yield sse_event(response.chunk(event.delta, index))
@@ -617,9 +715,10 @@ class Service:
                         break
                     else:
                         yield sse_event(from_exception(event.error).body())
+                        yield SSE_DONE
                         return
                     event = None
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
         finally:
             _cancel_all(jobs)
 

@@ -56,11 +56,15 @@ def test_serve(loads, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     [
         (["--max-queue", "-1"], "max_queue"),
         (["--timeout", "-5"], "timeout"),
+        (["--shutdown-timeout", "0"], "shutdown_timeout"),
         (["--proposal-temperature", "0"], "proposal temperature"),
         (["--max-batch", "0"], "max_batch"),
         (["--max-batch", "17"], "max_batch"),
         (["--stored-responses", "-1"], "stored_responses"),
         (["--api-key", " "], "api_key"),
+        (["--header-timeout", "0"], "header_timeout"),
+        (["--body-timeout", "-1"], "body_timeout"),
+        (["--allowed-hosts", "http://x/"], "allowed_hosts"),
         (["--drafter", "no-such-drafter"], "no drafter folder 'no-such-drafter'"),
     ],
 )
@@ -78,8 +82,53 @@ def test_serve_bad_options_fail_before_loading(loads, capsys, args: list[str], m
         (["--block-size", "1"], "--block-size: must be at least 2"),
         (["--tree", "-1"], "--tree: must be at least 0"),
         (["--draft-window", "-1"], "--draft-window: must be at least 0"),
+        (["--max-body-bytes", "0"], "--max-body-bytes: must be at least 1"),
     ],
 )
 def test_serve_bad_arguments_are_refused_by_the_parser(loads, capsys, args: list[str], message: str) -> None:
     assert message in refused(capsys, ["serve", *args])
+    assert loads == []
+
+
+def test_serve_api_keys_and_hosts(loads, capsys, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """--api-key repeats and --api-keys-file adds one key a line (else $DFLASHKIT_API_KEY); a --host that is not a
+    loopback address, without --allowed-hosts, allows any host and says so; the HTTP protocol gets the limits."""
+    import dflashkit.server.lifecycle
+
+    served: dict = {}
+
+    def fake_serve(app, compute, host, port, log_level, **options) -> int:
+        served.update(settings=app.state.service.settings, options=options)
+        return 0
+
+    monkeypatch.setattr(dflashkit.server.lifecycle, "serve", fake_serve)
+    monkeypatch.delenv("DFLASHKIT_API_KEY", raising=False)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# one key per client\nkey-b\n\n  key-c  \n")
+    base = ["serve", "--drafter", "none", "--dtype", "float32"]
+    args = ["--api-key", "key-a", "--api-key", "key-x", "--api-keys-file", str(keys), "--host", "0.0.0.0"]
+    assert main([*base, *args, "--header-timeout", "3"]) == 0
+    settings = served["settings"]
+    assert settings.api_keys == ["key-a", "key-x", "key-b", "key-c"] and settings.allowed_hosts == ["*"]
+    assert "the Host check is off" in capsys.readouterr().err
+    assert served["options"]["http"].header_timeout == 3 and served["options"]["h11_max_incomplete_event_size"] > 0
+
+    monkeypatch.setenv("DFLASHKIT_API_KEY", "env-key")
+    assert main([*base, "--allowed-hosts", "api.example, localhost"]) == 0
+    assert served["settings"].api_keys == ["env-key"]
+    assert served["settings"].allowed_hosts == ["api.example", "localhost"]
+    assert "Host check" not in capsys.readouterr().err
+    assert main(base) == 0 and served["settings"].allowed_hosts is None  # 127.0.0.1: loopback names only
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [(None, "--api-keys-file: cannot read"), ("# none yet\n\n", "holds no keys")],
+)
+def test_serve_refuses_a_keys_file_without_keys_before_loading(loads, capsys, tmp_path, content, message) -> None:
+    path = tmp_path / "keys.txt"
+    if content is not None:
+        path.write_text(content)
+    rc = main(["serve", "--api-keys-file", str(path)])
+    assert rc == 2 and message in capsys.readouterr().err
     assert loads == []

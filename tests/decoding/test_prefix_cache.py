@@ -53,6 +53,61 @@ def test_prefix_cache_matches_the_longest_prefix_and_keeps_within_its_budget():
     assert PrefixCache.of_mib(0) is None and PrefixCache.of_mib(1).max_bytes == 2**20
 
 
+def test_an_owner_matches_only_its_own_sequences():
+    """A scoped view matches and keeps its owner's sequences only: one owner's prompt restores nothing another kept,
+    however it begins; the cache used directly is owner "" and sees neither view's sequences."""
+    cache = PrefixCache(max_bytes=1 << 20, min_reuse=4)
+    a, b = cache.scoped("a"), cache.scoped("b")
+    secret = list(range(10, 40))
+    a.add(sequence(secret))
+    assert a.match(secret + [1], feature_layers=(1,))[1] == len(secret)
+    assert b.match(secret + [1], feature_layers=(1,)) is None and cache.match(secret + [1]) is None
+    assert b.max_bytes == cache.max_bytes and b.min_reuse == 4
+    b.add(sequence(secret[:20]))  # b's own copy of the first 20: it does not replace a's longer one
+    assert len(cache) == 2 and b.match(secret)[1] == 20 and a.match(secret)[1] == len(secret) - 1
+    a.add(sequence(secret + [1, 2]))  # extends a's: drops a's, not b's
+    assert len(cache) == 2 and b.match(secret)[1] == 20
+    cache.add(sequence(list(range(100, 120))))  # owner ""
+    assert cache.match(list(range(100, 121)))[1] == 20 and a.match(list(range(100, 121))) is None
+    assert cache.hits == 5 and cache.misses == 3  # one set of counters for all owners
+    with pytest.raises(InvalidInputError, match="PrefixCache"):
+        PrefixCache.scoped({}, "a")
+    with pytest.raises(InvalidInputError, match="owner"):
+        cache.scoped(3)
+
+
+def test_owners_share_one_budget_and_one_least_recently_used_order():
+    """Room for two sequences: a third, of any owner, drops the least recently used of all (a match counts as a
+    use), so the cache never holds more than its size however many owners use it."""
+    cache = PrefixCache(max_bytes=2 * 20 * 96, min_reuse=4)  # 96 bytes per token: two 20-token sequences
+    a, b = cache.scoped("a"), cache.scoped("b")
+    first, second, third = (list(range(s, s + 20)) for s in (10, 100, 200))
+    a.add(sequence(first))
+    b.add(sequence(second))
+    assert a.match(first + [0]) is not None  # a's is now the more recent
+    b.add(sequence(third))  # over budget: b's older sequence goes, not a's
+    assert len(cache) == 2 and cache.nbytes <= cache.max_bytes
+    assert b.match(second + [0]) is None and a.match(first + [0]) is not None and b.match(third + [0]) is not None
+    cache.scoped("c").add(sequence(list(range(300, 320))))  # a third owner: a's, now least recently used, goes
+    assert a.match(first + [0]) is None and b.match(third + [0]) is not None and len(cache) == 2
+
+
+def test_a_scoped_view_decodes_the_same_tokens_and_reuses_only_its_owners_prefix():
+    """Through the generator, as the server uses it: the same prompt decodes the same tokens with either owner's
+    view; the owner that ran it before restores its prefix, the other restores nothing."""
+    model = tiny_target("llama")
+    gen = SpeculativeGenerator(model, word_tokenizer(), tiny_drafter(model, block_size=4))
+    cache = PrefixCache(max_bytes=1 << 26)
+    prompt = list(range(10, 40))
+    first = gen.generate(prompt, prefix_cache=cache.scoped("a"), max_new_tokens=12)
+    again = gen.generate(prompt, prefix_cache=cache.scoped("a"), max_new_tokens=12)
+    other = gen.generate(prompt, prefix_cache=cache.scoped("b"), max_new_tokens=12)
+    plain = gen.generate(prompt, max_new_tokens=12)
+    assert first.stats.cached_prompt_tokens == 0 and other.stats.cached_prompt_tokens == 0
+    assert again.stats.cached_prompt_tokens == len(prompt) - 1
+    assert first.token_ids == again.token_ids == other.token_ids == plain.token_ids
+
+
 def run(target, drafter, prompt, cache=None, **kw) -> tuple[list[int], DecodeStats]:
     stats = DecodeStats(block_size=1)
     options = DecodeOptions(**{"max_new_tokens": 20, **kw})
@@ -112,7 +167,7 @@ def test_a_generation_stopped_early_is_kept_consistently():
     steps = decode(target, drafter, prompt, DecodeOptions(max_new_tokens=30), prefix_cache=cache)
     got = [t for _, step in zip(range(3), steps) for t in step.tokens]
     steps.close()
-    assert len(cache) == 1 and len(next(iter(cache._kept))) == len(prompt) + len(got) - 1
+    assert len(cache) == 1 and len(next(iter(cache._kept.values())).token_ids) == len(prompt) + len(got) - 1
     turn2 = prompt + got + [5, 6, 7]
     out, stats = run(target, drafter, turn2, cache)
     assert stats.cached_prompt_tokens == len(prompt) + len(got) - 1
@@ -143,7 +198,7 @@ def test_a_sequence_past_the_budget_is_not_kept(monkeypatch):
     prompt = list(range(10, 40))
     cache = PrefixCache(max_bytes=1 << 26)
     run(target, None, prompt, cache)
-    per_token = cache.nbytes // len(next(iter(cache._kept)))
+    per_token = cache.nbytes // len(next(iter(cache._kept.values())).token_ids)
     small = PrefixCache(max_bytes=per_token * 20)  # room for 20 positions, not 49
     copies = []
     snapshot = TargetAdapter.snapshot

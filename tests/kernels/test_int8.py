@@ -282,7 +282,7 @@ def test_server_health_declares_the_quantized_target():
 
     model = int8_target("llama")
     gen = SpeculativeGenerator(model, make_tokenizer(), tiny_drafter(model, block_size=4))
-    with TestClient(create_app(gen, model_id="tiny")) as client:
+    with TestClient(create_app(gen, model_id="tiny"), base_url="http://localhost") as client:  # an allowed Host
         health = client.get("/health").json()
     assert health["target_weights"].startswith("int8 weight-only (per-channel)")
 

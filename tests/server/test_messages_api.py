@@ -230,6 +230,9 @@ def test_structured_output_parses() -> None:
         assert parsed.stop_reason == "end_turn" and isinstance(parsed.parsed_output, Pick)
 
 
+ASKED = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}
+TOOL_RESULT = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "w6"}]}
+
 BAD = [
     ({"messages": [{"role": "user", "content": "w5"}]}, 400, "max_tokens"),
     ({"max_tokens": 4, "messages": []}, 400, "messages"),
@@ -275,6 +278,27 @@ BAD = [
     ),
     ({"max_tokens": 2000, "messages": [{"role": "user", "content": "w5"}]}, 400, "max_tokens"),
     ({"model": "other", "max_tokens": 4, "messages": [{"role": "user", "content": "w5"}]}, 404, "other"),
+    # a tool_result answers a tool_use block of the assistant message just before it
+    ({"max_tokens": 4, "messages": [TOOL_RESULT]}, 400, "messages[0].content[0].tool_use_id 'toolu_1'"),
+    (
+        {
+            "max_tokens": 4,
+            "messages": [
+                {"role": "user", "content": "w5"},
+                ASKED,
+                TOOL_RESULT,
+                ASKED,
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "w6"}]},
+            ],
+        },
+        400,
+        "messages[4].content[0].tool_use_id 'toolu_9' answers no tool_use block",
+    ),
+    (
+        {"max_tokens": 4, "messages": [ASKED, {"role": "assistant", "content": "w5"}, TOOL_RESULT]},
+        400,
+        "messages[2].content[0].tool_use_id",
+    ),
 ]
 
 
@@ -289,6 +313,16 @@ def test_bad_requests_get_anthropic_errors(live, body, status, word) -> None:
     with pytest.raises(anthropic.APIStatusError) as e:  # the client reads it as Anthropic's
         _client(live).post("/v1/messages", body={"model": MODEL, **body}, cast_to=anthropic.types.Message)
     assert e.value.status_code == status and e.value.body["error"]["message"] == out["error"]["message"]
+
+
+def test_tool_results_are_checked_when_counting_tokens_too(live) -> None:
+    """count_tokens refuses a tool_result without its tool_use as /v1/messages does, and counts a matched pair."""
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}, TOOL_RESULT]}
+    r = httpx.post(live.url + "/v1/messages/count_tokens", json=ask, timeout=30)
+    assert r.status_code == 400 and "tool_use_id 'toolu_1' answers no tool_use block" in r.json()["error"]["message"]
+    ask["messages"].insert(1, ASKED)
+    r = httpx.post(live.url + "/v1/messages/count_tokens", json=ask, timeout=30)
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0
 
 
 def test_the_openai_endpoints_keep_openai_errors(live) -> None:

@@ -226,6 +226,7 @@ def test_playground_asks_for_the_api_key_of_a_server_that_needs_one(browser) -> 
         page.fill("#api-key", "sekret")
         page.dispatch_event("#api-key", "change")
         page.wait_for_function(f"() => document.getElementById('model').textContent.includes('{MODEL}')")
+        assert "speculative, " in page.inner_text("#model")  # /health, asked with the key: the settings
         run(page, mode="chat", temperature=0.0, seed=1, max_tokens=6)
         expected = tiny_generator().generate([{"role": "user", "content": PROMPT}], max_new_tokens=6)
         assert page.inner_text("#output") == expected.text
