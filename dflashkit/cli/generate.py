@@ -211,6 +211,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _prompt_from_args(args)  # an empty prompt is refused at once, before torch is imported
+
     from dflashkit.decoding.options import check_draft_window
     from dflashkit.decoding.penalties import Penalties
     from dflashkit.drafter.config import check_proposal_temperature
@@ -223,7 +225,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_top_logprobs(args.logprobs)
     Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)  # refuses bad values early
     grammar = grammar_from_args(args)
-    prompt = _prompt_from_args(args)
     tools = tools_from_args(args, grammar is not None)
     apply_threads(args.threads, args.device)
     gen = load_generator(args, args.json)

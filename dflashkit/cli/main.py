@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
-        if getattr(args, "device", None) is not None:
+        if getattr(args, "device", None) not in (None, "cpu"):  # (checking the CPU would import torch for nothing)
             from dflashkit.target.loading import resolve_device
 
             resolve_device(args.device)  # a bad or absent device fails before any (slow) load

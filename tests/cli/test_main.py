@@ -170,3 +170,13 @@ def test_top_level_help_lists_every_command_and_first_steps(capsys) -> None:
     for name in _subparsers():
         assert f"\n    {name}" in out, name
     assert "first steps:" in out and 'dflashkit generate "Name three oceans." --compare-ar' in out
+
+
+def test_an_empty_prompt_is_refused_before_torch_loads() -> None:
+    """A prompt of only whitespace is answered at once (exit 2), with no model code imported."""
+    proc = _python(
+        "import sys\nfrom dflashkit.cli.main import main\nrc = main(['generate', '   '])\n"
+        "assert 'torch' not in sys.modules\nsys.exit(rc)"
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "the prompt is empty" in proc.stderr
