@@ -1,5 +1,5 @@
 """Files: atomic writes (a file or a folder appears complete or not at all, so a killed job loses nothing), files
-inside installed packages, JSON-lines records."""
+inside installed packages, JSON-lines records, the cache folder."""
 
 from __future__ import annotations
 
@@ -88,3 +88,11 @@ def jsonl_records(path: str | os.PathLike, what: str = "file") -> Iterator[tuple
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise InvalidInputError(f"{path}, line {lineno}: invalid JSON ({e.msg})") from None
+
+
+def cache_dir() -> pathlib.Path:
+    """Cache root: ``$DFLASHKIT_CACHE``, else ``$XDG_CACHE_HOME/dflashkit``, else ``~/.cache/dflashkit``."""
+    if os.environ.get("DFLASHKIT_CACHE"):
+        return pathlib.Path(os.environ["DFLASHKIT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache") / "dflashkit"

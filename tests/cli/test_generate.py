@@ -274,6 +274,17 @@ def test_compare_ar_summary_on_stderr(loads, capsys) -> None:
     assert "plain decoding" not in out
 
 
+def test_compare_ar_without_a_drafter_calls_no_speedup(loads, capsys) -> None:
+    """Without a drafter or prompt lookup both runs are plain: the line gives their rates, not a 'speedup'."""
+    rc, _, err = cli(capsys, "--drafter", "none", "--compare-ar", "--dtype", "float32")
+    assert rc == 0
+    comparison = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"both runs decode plainly \(no drafter, no prompt lookup\): [\d.]+ and [\d.]+ tok/s, identical output",
+        comparison,
+    ), comparison
+
+
 def test_drafter_folder(loads, capsys, tmp_path: Path) -> None:
     torch.manual_seed(0)
     drafter = DFlashDrafter(drafter_config_for(fake_model(), num_layers=2, block_size=5))
