@@ -14,15 +14,20 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflashkit import SpeculativeGenerator
+from dflashkit.server.http import uvicorn_options
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_drafter, tiny_target, word_tokenizer
 
 
 class LiveServer:
-    """`with LiveServer(app) as server: server.url` — serves `app` until the block ends. ``options``: more
-    ``uvicorn.Config`` keyword arguments (e.g. dflashkit.server.http.uvicorn_options: the protocol `serve` runs)."""
+    """`with LiveServer(app) as server: server.url` — serves `app` until the block ends, over the HTTP protocol
+    `dflashkit serve` runs (dflashkit.server.http.uvicorn_options of the app's settings). ``options``: more
+    ``uvicorn.Config`` keyword arguments, or others in their place."""
 
     def __init__(self, app: FastAPI, **options: Any) -> None:
         self.app = app
+        service = getattr(app.state, "service", None)
+        if service is not None:
+            options = {**uvicorn_options(service.settings), **options}
         # log_config=None: uvicorn's default dictConfig closes every existing logging handler, and a handler
         # made while pytest captured stderr (absl's, imported by mathematics_dataset in test_data) would close
         # pytest's capture stream with it ("I/O operation on closed file" at the end of the session).

@@ -190,6 +190,9 @@ class RequestCounter:
             # gone before the end: 499 (a send to a gone client may pass silently); complete: its status; otherwise
             # the app raised (the server answers 500 if it still can)
             label = CLIENT_GONE if gone else str(status) if complete and status is not None else "500"
+            route = getattr(scope.get("route"), "path", None)  # the matched route's template, set by the router
+            if endpoint == "other" and isinstance(route, str):
+                endpoint = route  # e.g. /v1/responses/{response_id}: one label per route, never per id
             self.metrics.requests.labels(endpoint, label).inc()
             if label == "429":
                 self.metrics.shed.labels(endpoint).inc()

@@ -166,10 +166,10 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     """Chat messages of a Responses ``input``: a text (one user turn) or items: messages (role user, system,
     developer or assistant), ``function_call`` items (an assistant's calls; consecutive ones, and a call right
     after an assistant message, make one assistant turn) and ``function_call_output`` items (tool turns)."""
+    if not items:  # "" or []
+        raise bad_request("input must not be empty", param="input")
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    if not items:
-        raise bad_request("input must not be empty", param="input")
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"

@@ -102,3 +102,13 @@ def test_every_generation_outcome_has_its_label_from_the_start() -> None:
         assert metric(live.url, "dflashkit_generations_total", outcome="cancelled") == 0
         assert requests(live.url, "/v1/completions", "504") == 1
         assert requests(live.url, "/v1/completions", "500") == 1
+
+
+def test_parameterised_routes_are_counted_by_their_template(live) -> None:
+    """One label per route, never per id: a request for a stored response counts under the route's template;
+    a path no route serves under `other`."""
+    assert httpx.get(live.url + "/v1/responses/resp_nothing").status_code == 404
+    assert httpx.get(live.url + "/v1/responses/resp_other").status_code == 404
+    assert httpx.get(live.url + "/no/such/path").status_code == 404
+    assert requests(live.url, "/v1/responses/{response_id}", "404") == 2
+    assert requests(live.url, "other", "404") == 1

@@ -393,6 +393,7 @@ def test_input_items_become_chat_messages() -> None:
 
 BAD = [
     ({"input": []}, 400, "input"),
+    ({"input": ""}, 400, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
     ({"input": [{"type": "web_search_call", "id": "x"}]}, 400, "input"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input"),
