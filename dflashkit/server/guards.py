@@ -106,28 +106,30 @@ class HostGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        host = headers.get("host", "")
+        error = self.refusal(Headers(scope=scope))
+        if error is not None:
+            await refuse(scope, send, error, self.renderers)
+            return
+        await self.app(scope, receive, send)
+
+    def refusal(self, headers: Headers) -> APIError | None:
+        """Why a request with these headers is refused (its Host, then its Origin), or None."""
+        host, origin = headers.get("host", ""), headers.get("origin")
         if not self.host_allowed(host):
-            error = APIError(
+            return APIError(
                 400,
                 f"Host {host!r} is not one this server answers to: start it with --allowed-hosts naming it (or "
                 "'*' for any; by default only localhost, 127.0.0.1 and ::1)",
                 code="host_not_allowed",
             )
-            await refuse(scope, send, error, self.renderers)
-            return
-        origin = headers.get("origin")
         if origin is not None and not self.origin_allowed(origin, host):
-            error = APIError(
+            return APIError(
                 403,
                 f"Requests from pages at {origin!r} are not allowed: start the server with --allowed-origins "
                 "naming that origin",
                 code="origin_not_allowed",
             )
-            await refuse(scope, send, error, self.renderers)
-            return
-        await self.app(scope, receive, send)
+        return None
 
 
 class _BodyRefused(Exception):
@@ -211,9 +213,13 @@ class BodyLimit:
                 raise
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
 def key_id(key: str) -> str:
     """A short, stable id of an API key that does not give the key away: its sha256's first 16 hex digits."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    return _digest(key).hex()[:16]
 
 
 class KeyGuard:
@@ -230,7 +236,7 @@ class KeyGuard:
         self, app: ASGIApp, keys: list[str] | None = None, renderers: dict[str, Renderer] | None = None
     ) -> None:
         self.app, self.renderers = app, renderers
-        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys or []]
+        self.digests = [_digest(k) for k in keys or []]
 
     def check(self, headers: Headers) -> tuple[str, bool]:
         """(tenant, authenticated) of a request with these headers."""
@@ -238,11 +244,11 @@ class KeyGuard:
             return "", True
         bearer = headers.get("authorization", "")
         sent = bearer[7:] if bearer[:7].lower() == "bearer " else headers.get("x-api-key", "")
-        digest = hashlib.sha256(sent.strip().encode()).digest()
+        digest = _digest(sent.strip())
         valid = False
         for expected in self.digests:  # every key compared, in constant time: no timing tells which nearly matched
             valid |= secrets.compare_digest(digest, expected)
-        return (digest.hex()[:16], True) if valid else ("", False)  # digest.hex()[:16]: the key's key_id
+        return (key_id(sent.strip()), True) if valid else ("", False)
 
     @staticmethod
     def guarded(path: str) -> bool:

@@ -86,11 +86,6 @@ class ServerShuttingDown(JobCancelled):
 DRAINED, SHUTDOWN = "drained", "shutdown"
 
 
-def cancel_error(reason: str, started: bool) -> JobCancelled:
-    """The error a job cancelled for `reason` fails with (the server's shutdown: ServerShuttingDown)."""
-    return ServerShuttingDown(started) if reason in (DRAINED, SHUTDOWN) else JobCancelled(reason)
-
-
 class JobObserver(Protocol):
     """Told when a job starts, emits tokens, and ends (e.g. metrics)."""
 
@@ -346,12 +341,11 @@ class Scheduler:
     def _end_cancelled(self, job: Job) -> None:
         """End a cancelled job: its listener gets Failed (ServerShuttingDown for the server's shutdown: "drained"
         before it started, "shutdown" after), the observer its outcome."""
-        started = job.started_at is not None
         reason = job.cancel_reason or "cancelled"
-        if reason in (DRAINED, SHUTDOWN):
-            reason = SHUTDOWN if started else DRAINED
-        job._emit(Failed(cancel_error(reason, started)))
-        self._finish(job, reason, None)
+        shutdown = reason in (DRAINED, SHUTDOWN)
+        error = ServerShuttingDown(job.started_at is not None) if shutdown else JobCancelled(reason)
+        job._emit(Failed(error))
+        self._finish(job, error.reason, None)
 
     def _finish(self, job: Job, outcome: str, result: GenerationResult | None) -> None:
         job.finished_at = time.monotonic()
