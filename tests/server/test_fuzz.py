@@ -15,16 +15,14 @@ import re
 from typing import Any
 
 import pytest
+import schemathesis  # the dev extra's: a missing one fails the run rather than skipping the fuzz unseen
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from schemathesis.pytest.lazy import get_all_tests
 
-schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (dev extra)")
-
-from hypothesis import HealthCheck, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from schemathesis.pytest.lazy import get_all_tests  # noqa: E402
-
-from dflashkit import SpeculativeGenerator  # noqa: E402
-from dflashkit.server import create_app  # noqa: E402
-from tests.conftest import tiny_drafter, tiny_target, word_tokenizer  # noqa: E402
+from dflashkit import SpeculativeGenerator
+from dflashkit.server import create_app
+from tests.conftest import tiny_drafter, tiny_target, word_tokenizer
 
 MODEL = "tiny-llama"
 # a well-formed prompt of each API
