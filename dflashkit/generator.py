@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflashkit.decoding.adaptive import AdaptiveBlockSize, BlockPolicies
+from dflashkit.decoding.adaptive import LOOKUP_ALONE_BLOCK, AdaptiveBlockSize, BlockPolicies
 from dflashkit.decoding.batching import BatchMember, ComputeThread, ForwardBatcher, member_thread
 from dflashkit.decoding.defaults import (
     default_block_size,
@@ -111,7 +111,8 @@ class GenerationStream:
 
 
 class SpeculativeGenerator:
-    """A target model (+ its tokenizer) and, optionally, a DFlash drafter for it."""
+    """A target model (+ its tokenizer) and, optionally, a DFlash drafter for it; without one, optionally prompt
+    lookup alone by default (``lookup_without_drafter``)."""
 
     def __init__(
         self,
@@ -121,12 +122,15 @@ class SpeculativeGenerator:
         *,
         fast: bool = True,
         cuda_graphs: bool = True,
+        lookup_without_drafter: bool = False,
     ) -> None:
         """``fast`` (default): the fast path: the target decodes through dflashkit's fast forward where its
         architecture is covered (fused prepacked GEMMs, static KV cache; see :class:`TargetAdapter`) and the
         drafter's linear layers run on prepacked oneDNN weights; False: the eager path (transformers' forward,
         plain ``nn.Linear``), for debugging and comparisons. ``cuda_graphs`` (default): on a CUDA device the target's
-        and the drafter's decode steps are replayed from CUDA graphs (:mod:`dflashkit.kernels.cuda_graphs`)."""
+        and the drafter's decode steps are replayed from CUDA graphs (:mod:`dflashkit.kernels.cuda_graphs`).
+        ``lookup_without_drafter``: without a drafter, generations run prompt lookup alone unless they ask otherwise
+        (see :meth:`uses_lookup`)."""
         if drafter is not None:
             check_compatible(drafter.config, model)
             param = next(drafter.parameters())
@@ -146,13 +150,29 @@ class SpeculativeGenerator:
         self.block_policies: BlockPolicies | None = (
             BlockPolicies(drafter.block_size) if drafter is not None and drafter.block_size >= 2 else None
         )  # used by block_size="auto"; greedy and sampled requests each carry their estimates over to the next
+        # Prompt lookup alone (no drafter, or use_drafter=False with lookup=True), block_size="auto": copies sized per
+        # step, or declined for a plain step where they do not pay (BlockPolicies' lookup_alone)
+        self.lookup_policies = BlockPolicies(LOOKUP_ALONE_BLOCK, lookup_alone=True)
+        # Whether a generation without a drafter runs prompt lookup alone when it does not say (lookup=None): set by
+        # load(drafter="auto") when no drafter ships for the target, so that such a target still decodes
+        # speculatively; False (plain decoding unless lookup=True) for an explicit drafter=None. Read by
+        # uses_lookup(), which the generations and the server's /health follow.
+        self.lookup_without_drafter = lookup_without_drafter and drafter is None
         self._grammar_tokenizer: Any = None  # llguidance's view of the tokenizer, built on the first grammar
         self._token_bytes: Callable[[int], bytes] | None = None
 
     @property
     def block_policy(self) -> AdaptiveBlockSize | None:
-        """The adaptive block-size policy of greedy requests (None without a drafter)."""
+        """The adaptive block-size policy of greedy requests (None without a drafter; prompt lookup alone sizes its
+        copies with ``lookup_policies.get(True).copies``)."""
         return self.block_policies.get(True) if self.block_policies is not None else None
+
+    def uses_lookup(self, lookup: bool | None = None, use_drafter: bool = True) -> bool:
+        """Whether a generation asking for ``lookup`` (None: the default) runs prompt lookup: as asked; by default
+        with the drafter, and without one where ``lookup_without_drafter`` says so, never for a plain run
+        (``use_drafter=False``, as ``compare_ar`` and benchmark baselines decode) (:func:`default_lookup`)."""
+        has_drafter = self.drafter is not None and use_drafter
+        return default_lookup(lookup, has_drafter, self.lookup_without_drafter and use_drafter)
 
     @classmethod
     def load(
@@ -167,7 +187,11 @@ class SpeculativeGenerator:
         cuda_graphs: bool = True,
     ) -> SpeculativeGenerator:
         """Load a target (None: the embedded SmolLM2-135M-Instruct) and a drafter: a folder, "auto" (the drafter
-        shipped with dflashkit for that target, if there is one; otherwise none) or None (no drafter).
+        shipped with dflashkit for that target, if there is one) or None (no drafter: plain decoding unless a
+        generation asks for ``lookup=True``). When "auto" finds no drafter for the target, generations run prompt
+        lookup alone by default (``lookup_without_drafter``): where the text repeats itself a step verifies a copy
+        of what followed, sized per step by the adaptive policy, which takes plain steps where copies do not pay;
+        ``lookup=False`` decodes plainly. Either way the output is the target's own.
 
         ``quantize="int8"``: weight-only int8 target weights (:mod:`dflashkit.kernels.int8`); the output is then
         exact with respect to that quantized target, not the ``dtype`` one. ``fast=False``: the eager path;
@@ -186,9 +210,11 @@ class SpeculativeGenerator:
         model, tokenizer = load_target(target, dtype=dtype, device=device, quantize=quantize)
         from dflashkit.drafter.registry import drafter_folder
 
-        drafter = drafter_folder(drafter, target)
-        draft = load_drafter(drafter, dtype=dtype, device=device) if drafter else None
-        return cls(model, tokenizer, draft, fast=fast, cuda_graphs=cuda_graphs)
+        folder = drafter_folder(drafter, target)
+        draft = load_drafter(folder, dtype=dtype, device=device) if folder else None
+        return cls(
+            model, tokenizer, draft, fast=fast, cuda_graphs=cuda_graphs, lookup_without_drafter=drafter == "auto"
+        )
 
     # ---- prompts ---------------------------------------------------------------------------------------
 
@@ -260,12 +286,14 @@ class SpeculativeGenerator:
         """Start a generation; iterate the returned stream for text deltas, then read `.result`.
 
         `prompt` may be text, chat messages, or token ids (used as is). Without a drafter (or with
-        use_drafter=False) the same loop decodes autoregressively. ``block_size="auto"`` picks each step's
-        block size (up to the drafter's) for the most tokens per second (see :mod:`dflashkit.decoding.adaptive`); an
-        integer fixes it; None (the default) is "auto", or the drafter's own size with ``tree`` (see
-        :func:`default_block_size`). ``lookup=True`` (None, the default: on when a drafter drafts): where the
-        text so far ends with an n-gram seen before, a step drafts the tokens that followed it instead of running
-        the drafter (:mod:`dflashkit.decoding.lookup`; ``lookup=True`` with no drafter: prompt lookup alone). With
+        use_drafter=False) and without prompt lookup the same loop decodes autoregressively. ``block_size="auto"``
+        picks each step's block size (up to the drafter's) for the most tokens per second (see
+        :mod:`dflashkit.decoding.adaptive`); an integer fixes it; None (the default) is "auto", or the drafter's own
+        size with ``tree`` (see :func:`default_block_size`). ``lookup=True`` (None, the default: on when a drafter
+        drafts, and without one for a generator loaded with ``drafter="auto"``, see :meth:`uses_lookup`): where the
+        text so far ends with an n-gram seen before, a step drafts the tokens that followed it instead of running the
+        drafter (:mod:`dflashkit.decoding.lookup`; with no drafter: prompt lookup alone, with ``block_size`` None or
+        "auto" its copies sized per step, and declined for plain steps where they do not pay). With
         lookup, where the text has no repeat of its own, the drafter's n-gram store of the target's
         past answers drafts, if the drafter folder has one (:mod:`dflashkit.drafter.ngram_store`; ``ngram_store=False``
         turns it off). ``tree=N``: drafter steps verify a token tree of up to N nodes (the drafter's likeliest
@@ -314,9 +342,9 @@ class SpeculativeGenerator:
         drafter = self.drafter if use_drafter else None
         tree = check_tree_option(tree)  # 0: chains, whatever the default
         tree_copies = default_tree_copies(tree_copies, tree)  # before tree takes its default
-        block_size = default_block_size(block_size, drafter is not None, tree)
+        lookup = self.uses_lookup(lookup, use_drafter)
+        block_size = default_block_size(block_size, drafter is not None, tree, lookup)
         adaptive = block_size == "auto"
-        lookup = default_lookup(lookup, drafter is not None)
         store = drafter.ngram_store if drafter is not None and lookup and ngram_store else None
         sampling = SamplingParams(temperature, top_k, top_p)
         sampler = default_sampler(sampler, seed)
@@ -351,14 +379,16 @@ class SpeculativeGenerator:
         )
         # batched passes (CPU row kernels): a member's blocks are capped by the batch's size at each step
         # (adaptive.BATCH_ROWS); members join and leave while it decodes
+        # prompt lookup alone: the policies that size its copies (or decline them for plain steps)
+        policies = self.block_policies if drafter is not None else self.lookup_policies if lookup else None
         policy = None
-        if adaptive and drafter is not None:
+        if adaptive and policies is not None:
             greedy = options.sampling.greedy
             if batch is None:
-                policy = self.block_policies.get(greedy, tree=tree is not None)
+                policy = policies.get(greedy, tree=tree is not None and drafter is not None)
             else:
                 batcher, batches = batch.batcher, self.target.batches_passes
-                policy = self.block_policies.for_batch(greedy, lambda: batcher.members if batches else 1)
+                policy = policies.for_batch(greedy, lambda: batcher.members if batches else 1)
         stream = GenerationStream(iter(()))
         if prefix_cache is not None and not isinstance(prefix_cache, (PrefixCache, ScopedPrefixCache)):
             raise InvalidInputError(

@@ -1,10 +1,10 @@
 """Wall time of one target step by row count (a verify block of n tokens) and of token trees of n rows.
 
-The default target's fast forward over a cache of --context positions; each shape runs once per round, the rounds
-interleave the shapes, the first two rounds are dropped, and the median per shape is printed. A tree of n rows is the
-best-first tree (dflashkit.decoding.tree.best_first) of n - 1 nodes over a fixed, made-up confidence profile: its
-mask, not its tokens, sets the cost. These costs are what the adaptive block size weighs against acceptance;
-`--quantize int8` times the weight-only int8 target.
+The target's fast forward (default: SmolLM2-135M) over a cache of --context positions; each shape runs once per round,
+the rounds interleave the shapes, the first two rounds are dropped, and the median per shape is printed. A tree of n
+rows is the best-first tree (dflashkit.decoding.tree.best_first) of n - 1 nodes over a fixed, made-up confidence
+profile: its mask, not its tokens, sets the cost. These costs are what the adaptive block size weighs against
+acceptance; `--quantize int8` / `int4` times a weight-only quantized target.
 
     python scripts/step_cost.py [--context 300] [--rows 1,2,4,8,16] [--trees 4,6,8,12] [--repeats 12] [--threads 2]
 """
@@ -35,13 +35,14 @@ def main() -> None:
     ap.add_argument("--trees", default="4,6,8,12", help="rows of each tree (anchor + nodes); empty: none")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--quantize", default=None, help="int8: the weight-only int8 target (dflashkit.kernels.int8)")
+    ap.add_argument("--quantize", default=None, help="int8 or int4: a weight-only quantized target")
+    ap.add_argument("--target", default=None, help="as `dflashkit generate --target` takes it (default: SmolLM2)")
     args = ap.parse_args()
     from dflashkit import SpeculativeGenerator
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = SpeculativeGenerator.load(quantize=args.quantize).target
+    target = SpeculativeGenerator.load(args.target, drafter=None, quantize=args.quantize).target
     cache = target.new_cache(capacity=args.context + 64)
     shapes: dict[str, tuple[int, tuple | None]] = {f"{n} rows": (n, None) for n in map(int, args.rows.split(","))}
     for n in (int(t) for t in args.trees.split(",") if t):

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # the parser is built by every `dflashkit` call, --help included: what it needs imports no torch (torch, the tree
 # check and the kernels are imported where a bench runs)
-QUANT_METHODS = ("int8",)  # dflashkit.kernels.int8.METHODS (tests/cli/test_main.py checks they agree)
+QUANT_METHODS = ("int8", "int4")  # dflashkit.kernels.quantize.METHODS (tests/cli/test_main.py checks they agree)
 
 
 def check_budget(budget: object) -> int:
@@ -140,8 +140,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "--quantize",
         choices=["none", *QUANT_METHODS],
         default="none",
-        help="int8: every method runs on a weight-only int8 target (per-channel scales; CPU); "
-        "tokens are compared with the int8 baseline, never with the bf16 model",
+        help="int8 / int4: every dflashkit method runs on a weight-only quantized target (int8: per-channel scales; "
+        "int4: 4-bit blocks of 32 with int8 activations, CPU); tokens are compared with the quantized baseline, "
+        "never with the bf16 model",
     )
     b.add_argument(
         "--eager",
@@ -437,9 +438,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     hf_logging.set_verbosity_error()  # transformers' deprecation chatter would break the progress bar
     source, target_label = resolve_target(args.target)
     quantize = args.quantize
-    print(
-        f"Loading {target_label} ({args.dtype}{', weight-only int8' if quantize == 'int8' else ''})...", file=sys.stderr
-    )
+    print(f"Loading {target_label} ({args.dtype}{f', weight-only {quantize}' if quantize else ''})...", file=sys.stderr)
     model, tokenizer = load_target(source, dtype=dtype, device=args.device, quantize=quantize)
     session = TargetSession(model, tokenizer, fast=not args.eager)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

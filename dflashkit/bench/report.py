@@ -16,7 +16,7 @@ from dflashkit.bench.methods import EXACT, KERNELS, OTHER_WEIGHTS
 from dflashkit.bench.metrics import __doc__ as METRICS_DOC
 from dflashkit.bench.runner import BenchResult
 from dflashkit.fsutil import atomic_write
-from dflashkit.kernels.int8 import is_quantized
+from dflashkit.kernels.quantize import is_quantized
 
 FORMAT = "dflashkit-bench/1"
 COMPARABLE = {

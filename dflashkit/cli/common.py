@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from dflashkit.tool_calls import ToolRequest
 
 DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
-QUANTIZE_METHODS = ("int8",)  # dflashkit.kernels.int8.METHODS, named here so that parsers need no torch (a test checks)
+# dflashkit.kernels.quantize.METHODS, named here so that parsers need no torch (a test checks)
+QUANTIZE_METHODS = ("int8", "int4")
 
 
 class _TorchDtypes(Mapping[str, "torch.dtype"]):
@@ -176,8 +177,9 @@ def check_drafter_arg(choice: str | None, keywords: tuple[str, ...] | None = Non
 
 DRAFTER_HELP = (
     "the drafter: a shipped drafter's name (`dflashkit drafters` lists them) or a drafter folder (a path wins over a "
-    "name); 'none': plain decoding; 'untrained': a random drafter (exercises the speculative path, τ≈1); default "
-    "(or 'auto'): the drafter shipped for the target, if any"
+    "name); 'none': plain decoding (with --lookup: prompt lookup alone); 'untrained': a random drafter (exercises the "
+    "speculative path, τ≈1); default (or 'auto'): the drafter shipped for the target, and where none ships, prompt "
+    "lookup alone (--no-lookup: plain decoding)"
 )
 TARGET_HELP = (
     "HF model id, local folder, or qwen2.5-coder-1.5b / qwen2.5-coder-0.5b (assembled from their packages, converted "
@@ -219,8 +221,10 @@ def add_quantize_option(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=["none", *QUANTIZE_METHODS],
         default="none",
-        help="int8: weight-only int8 target weights, one scale per output channel (CPU). A different target: "
-        "the output is exact with respect to the quantized model, not the --dtype one (default: %(default)s)",
+        help="int8: weight-only int8 target weights, one scale per output channel (CPU, GPU). int4: 4-bit weights "
+        "per block of 32 with int8 activations, as llama.cpp's Q4 GGUFs (CPU, bf16; the fastest on a CPU). A "
+        "different target: the output is exact with respect to the quantized model, not the --dtype one "
+        "(default: %(default)s)",
     )
 
 
@@ -321,8 +325,8 @@ def add_lookup_option(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="prompt lookup: where the text ends with a 2-4-gram seen before, draft the tokens that followed it "
-        "instead of running the drafter (lossless; default: on when there is a drafter; --lookup without a "
-        "drafter: prompt lookup alone)",
+        "instead of running the drafter (lossless; default: on, except with --drafter none; without a drafter: "
+        "prompt lookup alone, its copies sized per step and declined for plain steps where they do not pay)",
     )
 
 
@@ -441,23 +445,27 @@ def load_generator(args: argparse.Namespace, quiet: bool) -> SpeculativeGenerato
             fast=not args.eager,
             cuda_graphs=args.cuda_graphs,
         )
-        drafter, drafter_note = _resolve_drafter(args.drafter, args.target, gen)
+        drafter, drafter_note = _resolve_drafter(args.drafter, args.target, gen, getattr(args, "lookup", None))
         if drafter is not None:
             gen = SpeculativeGenerator(
                 gen.model, gen.tokenizer, drafter, fast=not args.eager, cuda_graphs=args.cuda_graphs
             )
+        else:  # as SpeculativeGenerator.load(drafter="auto"): where no drafter ships, prompt lookup alone by default
+            gen.lookup_without_drafter = args.drafter in (None, "auto")
     if drafter_note:
         print(drafter_note, file=sys.stderr)
     return gen
 
 
-def _resolve_drafter(choice: str | None, target: str | None, gen) -> tuple[Any, str | None]:
+def _resolve_drafter(choice: str | None, target: str | None, gen, lookup: bool | None) -> tuple[Any, str | None]:
     from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.drafter.identity import drafter_config_for
     from dflashkit.drafter.network import DFlashDrafter
     from dflashkit.drafter.registry import shipped_drafter
 
     if choice == "none":
+        if lookup:
+            return None, "Prompt lookup alone (--drafter none --lookup): copies where the text repeats itself."
         return None, "Plain autoregressive decoding (--drafter none)."
     if choice == "untrained":
         import torch
@@ -468,10 +476,12 @@ def _resolve_drafter(choice: str | None, target: str | None, gen) -> tuple[Any, 
     if choice in (None, "auto"):
         path = shipped_drafter(target)
         if path is None:
-            return None, (
-                "No trained drafter ships for this target yet: decoding autoregressively (τ = 1). "
-                "Pass --drafter PATH, or --drafter untrained to exercise the speculative path."
+            how = (
+                "decoding autoregressively (--no-lookup)"
+                if lookup is False
+                else "prompt lookup alone (copies where the text repeats itself, plain steps elsewhere)"
             )
+            return None, f"No trained drafter ships for this target yet: {how}. Pass --drafter PATH to draft."
         choice = str(path)
     return load_drafter(choice, dtype=gen.model.dtype, device=gen.model.device), None
 

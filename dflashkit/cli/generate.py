@@ -233,8 +233,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = gen.encode_prompt(prompt, tools=tools.template_tools())
         grammar = gen.tool_call_grammar(tools) or grammar
 
-    # Without --block-size / --lookup, the library's defaults (generator.default_block_size / default_lookup):
-    # the adaptive block size (the drafter's own size with --tree) and prompt lookup when there is a drafter.
+    # Without --block-size / --lookup, the library's defaults (default_block_size / generator.uses_lookup): the
+    # adaptive block size (the drafter's own size with --tree) and prompt lookup, with the drafter, or alone where no
+    # drafter ships for the target (not with --drafter none).
     note_tree_without_drafter(args, drafter is not None)
     kwargs: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens,
@@ -412,7 +413,7 @@ def mostly_plain_note(stats: DecodeStats, speculative: bool) -> str | None:
 def summary_lines(result: GenerationResult, speculative: bool, max_new_tokens: int, context: int) -> list[str]:
     """The lines generate prints on standard error after the text: the stats line and why the text ended, the
     comparison with plain decoding (--compare-ar), and notes (a quantized target, drafting that did not pay)."""
-    from dflashkit.kernels.int8 import is_quantized
+    from dflashkit.kernels.quantize import is_quantized
 
     s = result.stats
     lines = [" · ".join(part for part in (stats_line(s, speculative), ending(result, max_new_tokens, context)) if part)]
@@ -455,7 +456,7 @@ def _comparison(result: GenerationResult, speculative: bool = True) -> str:
 
 def _detail_line(result: GenerationResult, speculative: bool) -> str:
     """The detailed stats line of --verbose: block size, time per phase, prompt lookup, trees, weights, sampler."""
-    from dflashkit.kernels.int8 import is_quantized
+    from dflashkit.kernels.quantize import is_quantized
 
     s = result.stats
     t = _phase_times(s)

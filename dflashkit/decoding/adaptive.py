@@ -33,6 +33,10 @@ import threading
 from collections.abc import Callable, Sequence
 
 COPY_CANDIDATES = (2, 4, 8, 16)  # lengths + 1 of copied drafts (prompt lookup), within the policy's largest block
+# The largest block of prompt lookup alone (no drafter) under the adaptive policy: copies of up to 15 tokens, the length
+# measured in dflashkit.decoding.lookup, as long as the shipped drafter's blocks of 16. The policy tries 8 and 16 only
+# where the times of the smaller copies say they could win, and declines copies that do not pay (plain steps).
+LOOKUP_ALONE_BLOCK = 16
 # Batched members' blocks (drafted or copied) are capped so that a pass holds about this many of their rows, since
 # larger blocks' exploration and rows cost every member of a big batch: on an Intel Xeon with AMX, 16 rows gave each
 # batch of 2, 4 and 8 sequences the cap that ran fastest (docs/experiments.md).
@@ -72,7 +76,8 @@ class AdaptiveBlockSize:
         self.steps = 0
         self._lock = threading.Lock()  # the generations of a batch share one policy (dflashkit.decoding.batching)
         # With prompt lookup: the policy that sizes copied drafts (their own acceptance and step times; None: as
-        # long as this policy's largest block). Its sizes are >= 2: a step with a match always copies.
+        # long as this policy's largest block). With a drafter its sizes are >= 2: a step with a match always copies
+        # (the drafter's policy weighs plain steps); with prompt lookup alone it also has size 1, a plain step.
         self.copies: AdaptiveBlockSize | None = None
 
     def acceptances(self, positions: int) -> list[float]:
@@ -185,15 +190,30 @@ class BlockPolicies:
     lengths + 1 among :data:`COPY_CANDIDATES`): copied tokens are accepted at other rates than drafted ones, and
     a copy of 15 tokens costs a 16-row verify whether or not it holds; sized copies beat copies always as long as
     the largest block (docs/experiments.md).
+
+    ``lookup_alone``: the policies of prompt lookup without a drafter (``max_block``: :data:`LOOKUP_ALONE_BLOCK`).
+    Only their copy policies decide: where the text has a match, a copy of 1, 3, 7 or 15 tokens, or none (size 1, a
+    plain step) when the estimates say a plain step yields more tokens per second than any copy; every step without
+    a copy is reported to them as a plain step (its time is size 1's). A copy's verify rows cost more than they
+    yield where copies are rarely accepted or long verifies are slow (a large target on a CPU).
     """
 
-    def __init__(self, max_block: int, sampled_max_block: int = 4, batch_rows: int = BATCH_ROWS, **kwargs) -> None:
+    def __init__(
+        self,
+        max_block: int,
+        sampled_max_block: int = 4,
+        batch_rows: int = BATCH_ROWS,
+        *,
+        lookup_alone: bool = False,
+        **kwargs,
+    ) -> None:
         self.max_block, self.sampled_max_block, self.batch_rows, self.kwargs = (
             max_block,
             sampled_max_block,
             batch_rows,
             kwargs,
         )
+        self.lookup_alone = lookup_alone
         self._policies: dict[tuple[bool, bool, int], AdaptiveBlockSize] = {}
         self._lock = threading.Lock()
 
@@ -217,6 +237,8 @@ class BlockPolicies:
             if key not in self._policies:
                 policy = AdaptiveBlockSize(largest, **self.kwargs)
                 copies = [c for c in self.kwargs.get("candidates", COPY_CANDIDATES) if c >= 2] or [policy.max_block]
+                if self.lookup_alone:  # no drafter to turn to: a plain step is the alternative to a copy
+                    copies = [1, *copies]
                 policy.copies = AdaptiveBlockSize(policy.max_block, **{**self.kwargs, "candidates": copies})
                 self._policies[key] = policy
             return self._policies[key]

@@ -5,13 +5,16 @@ from __future__ import annotations
 from dflashkit.decoding.sampling import check_sampler
 
 
-def default_block_size(block_size: int | str | None, has_drafter: bool, tree: int | None = None) -> int | str | None:
+def default_block_size(
+    block_size: int | str | None, has_drafter: bool, tree: int | None = None, lookup: bool = False
+) -> int | str | None:
     """The block size a generation runs with: an integer or "auto" as given; None (the library's, the CLI's and the
-    server's default) becomes "auto" when a drafter drafts chains, and stays None (the drafter's own size) with a
-    token tree (which picks its own depth and width) or without a drafter. "auto" is the default because with
+    server's default) becomes "auto" when a drafter drafts chains or prompt lookup runs alone (``lookup`` without a
+    drafter: copies sized per step, plain steps where they do not pay), and stays None (the drafter's own size) with
+    a token tree (which picks its own depth and width) or for plain decoding. "auto" is the default because with
     today's drafters (the shipped one: τ ≈ 1.7) a full 16-token verify costs more on a CPU than it yields, and the
     adaptive policy falls back to the sizes, or plain steps, that pay (see :mod:`dflashkit.decoding.adaptive`)."""
-    if block_size is None and has_drafter and not tree:  # tree None or 0: chains
+    if block_size is None and (has_drafter and not tree or lookup and not has_drafter):  # tree None or 0: chains
         return "auto"
     return block_size
 
@@ -61,7 +64,13 @@ def default_tree_copies(tree_copies: bool | None, asked_tree: int | None) -> boo
     return bool(asked_tree) if tree_copies is None else bool(tree_copies)
 
 
-def default_lookup(lookup: bool | None, has_drafter: bool) -> bool:
+def default_lookup(lookup: bool | None, has_drafter: bool, without_drafter: bool = False) -> bool:
     """Prompt lookup as asked; None (the default): on when a drafter drafts (copies cost nothing to propose and
-    are accepted more often than drafts on repetitive text), off without one (plain decoding stays plain)."""
-    return has_drafter if lookup is None else lookup
+    are accepted more often than drafts on repetitive text); without one, ``without_drafter``: on for a generator
+    loaded with ``drafter="auto"`` for a target that no drafter ships for (prompt lookup alone, its copies sized by
+    the adaptive policy, which takes plain steps where they do not pay: see
+    :attr:`~dflashkit.generator.SpeculativeGenerator.lookup_without_drafter`), off otherwise (an explicit
+    ``drafter=None``, or a plain run such as ``use_drafter=False``: plain decoding stays plain)."""
+    if lookup is not None:
+        return lookup
+    return has_drafter or without_drafter

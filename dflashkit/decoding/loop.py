@@ -7,7 +7,8 @@
               keep those rows in the target's KV cache, hand their features to the drafter, emit accepted + 1
 
 Without a drafter (and without prompt lookup) every step proposes nothing and verifies one row: plain
-autoregressive decoding through the same code, the baseline that speedups are measured against.
+autoregressive decoding through the same code, the baseline that speedups are measured against. With prompt lookup
+alone, a step where the text repeats verifies a copy, and every other step is such a plain step.
 
 State between steps (:class:`Generation`):
   pos      index of `token`, the last emitted token; the target has processed positions < pos only
@@ -209,12 +210,19 @@ def decode(
     With `block_policy`, each step's block size is chosen by it (at most the block size in force) and the
     step is reported back to it; with prompt lookup, copied drafts are as long as its ``copies`` policy
     chooses (copied and drafted tokens are accepted at different rates), or as its largest block without one.
+    Without a drafter only its ``copies`` policy decides (prompt lookup alone, blocks of up to its largest when
+    ``options.block_size`` is None; without lookup the policy is not used): a copy, or a plain step where copies
+    do not pay (:class:`~dflashkit.decoding.adaptive.BlockPolicies` with ``lookup_alone``).
     With `prefix_cache`, the prefill restores the longest prefix of the prompt kept there and runs only the rest,
     and the generation's own sequence is kept there when it ends (:mod:`dflashkit.decoding.prefix_cache`).
     """
     prompt_ids = as_token_list(prompt_ids)
     block = check_request(target, drafter, prompt_ids, options)
-    if block_policy is not None and drafter is not None and block_policy.max_block > block:
+    if drafter is None and not options.lookup:
+        block_policy = None  # plain decoding: nothing to size
+    elif drafter is None and block_policy is not None and options.block_size is None:
+        block = block_policy.max_block  # prompt lookup alone: copies as long as the policy allows
+    if block_policy is not None and block_policy.max_block > block:
         raise InvalidInputError(
             f"the adaptive policy allows blocks of {block_policy.max_block}, "
             f"more than the block size in force ({block})"
@@ -247,8 +255,9 @@ def _prefill(
 ) -> tuple[Generation, Tensor]:
     """Set up the generation's components, run the prompt through the target and choose the first token; returns
     the generation and the prompt's last row of logits [1, vocab]."""
-    policy = block_policy if drafter is not None else None
-    largest = policy.max_block if policy else block  # the largest block a step may use (drafted or copied)
+    policy = block_policy if drafter is not None else None  # the drafter's block sizes
+    largest = block_policy.max_block if block_policy else block  # the largest block a step may use (drafted or copied)
+    copy_policy = block_policy.copies if block_policy is not None and options.lookup else None
     stats = stats if stats is not None else DecodeStats(block_size=largest)
     stats.block_size, stats.prompt_tokens = largest, len(prompt_ids)
     stats.target_weights, stats.engine = target.weights, target.engine
@@ -322,7 +331,7 @@ def _prefill(
         block=block,
         largest=largest,
         policy=policy,
-        copy_policy=policy.copies if policy is not None else None,
+        copy_policy=copy_policy,
         rule=verifier,
         params=proposal_params(params, drafter, options) if drafter is not None and not params.greedy else params,
         proposal=options.proposal,

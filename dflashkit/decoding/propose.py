@@ -52,8 +52,10 @@ class DraftRule(Protocol):
 class Proposer:
     """Proposes each step's candidates and keeps the drafter's inputs (the target features it has not read yet).
 
-    ``policy`` chooses the drafter's block sizes and ``copy_policy`` the copies' (None: ``largest``); ``tree``: the
-    node budget of token trees (None: chains); ``tree_copies``: a greedy or coupled tree also holds the copy.
+    ``policy`` chooses the drafter's block sizes and ``copy_policy`` the copies' (None: ``largest``); without a
+    drafter (prompt lookup alone) the copy policy may choose size 1, no copy, and every step without a copy is
+    reported to it as a plain step. ``tree``: the node budget of token trees (None: chains); ``tree_copies``: a
+    greedy or coupled tree also holds the copy.
     """
 
     def __init__(
@@ -90,8 +92,10 @@ class Proposer:
         """Candidates after ``token`` (at ``pos``, output position ``produced``), at most ``room`` of them."""
         copied, copy_block, masks = [], self.largest, None
         if self.lookup is not None:  # copies are as long as their own policy chooses (none: the largest block)
-            copy_block = self.copy_policy.choose() if self.copy_policy is not None else self.largest
-            copied = self.lookup.propose(min(copy_block - 1, room))
+            copied = self.lookup.propose(min(self.largest - 1, room))
+            if copied and self.copy_policy is not None:  # the policy is asked only where there is a copy to size
+                copy_block = self.copy_policy.choose()  # 1 (prompt lookup alone): a plain step pays more
+                copied = copied[: copy_block - 1]
         if copied and self.constraint:  # one-hot proposals: cut at the first token the grammar refuses
             n, masks = self.constraint.cut(copied)
             copied = copied[:n]
@@ -101,8 +105,11 @@ class Proposer:
         if copied and not in_tree:  # a fixed function of the text: a one-hot proposal
             drafts = torch.tensor(copied, dtype=torch.long, device=self.none.device)
             return Proposal(drafts, copy_block, len(copied), copied, from_store, masks=masks)
-        size = copy_block if copied else (self.policy.choose() if self.policy else self.block)
-        k = min((self.largest if copied else size) - 1, room) if self.drafter else 0
+        if self.drafter is None:  # no copy, no drafter: a plain step (size 1)
+            size, k = 1, 0
+        else:
+            size = copy_block if copied else (self.policy.choose() if self.policy else self.block)
+            k = min((self.largest if copied else size) - 1, room)
         if self.tree is not None:  # a tree of N nodes is at most N deep: draft no further
             k = min(k, self.tree)
         proposal = Proposal(self.none, size, k, copied, from_store)
@@ -161,8 +168,9 @@ class Proposer:
             self.lookup.extend(emitted)
 
     def observe(self, p: Proposal, accepted: int, seconds: float) -> None:
-        """The step's outcome, for the policy that chose its size (the drafter's, or the copies')."""
+        """The step's outcome, for the policy that chose its size (the drafter's, or the copies'); without a drafter
+        a step without a copy is a plain step, which the copy policy weighs copies against."""
         if self.policy and not p.copied:  # the policy models the drafter's acceptance and cost
             self.policy.observe(p.size, p.drafted, accepted, seconds)
-        elif self.copy_policy is not None and p.copied:
+        elif self.copy_policy is not None and (p.copied or self.drafter is None):
             self.copy_policy.observe(p.size, len(p.copied), accepted, seconds)

@@ -26,8 +26,10 @@ from dflashkit.drafter.ngram_store import NgramStore
 from dflashkit.drafter.text_columns import TextColumns
 from dflashkit.errors import InvalidInputError
 from dflashkit.kernels import row_kernels
+from dflashkit.kernels.int4 import Int4Linear
 from dflashkit.kernels.int8 import Int8Linear
 from dflashkit.kernels.linear import PackedLinear
+from dflashkit.kernels.quantize import WEIGHT_ONLY
 
 if TYPE_CHECKING:
     from dflashkit.kernels.cuda_graphs import Capture
@@ -284,13 +286,19 @@ class DFlashDrafter(nn.Module):
 
     def _draft_head(self, lm_head: nn.Module) -> tuple[Callable[[Tensor], Tensor], int]:
         """The target's head restricted to the draft vocabulary's rows, and the full vocabulary size; rebuilt
-        only when the head (or its weights) change. A weight-only int8 head keeps its rows in int8; other
+        only when the head (or its weights) change. A weight-only quantized head keeps its rows quantized; other
         heads' rows are prepacked for oneDNN where that runs (:mod:`dflashkit.kernels.linear`)."""
-        weight = lm_head.qweight if isinstance(lm_head, Int8Linear) else lm_head.weight  # [vocab, hidden]
+        weight = (  # [vocab, hidden]
+            lm_head.qweight
+            if isinstance(lm_head, Int8Linear)
+            else lm_head.codes
+            if isinstance(lm_head, Int4Linear)
+            else lm_head.weight
+        )
         key = (id(lm_head), weight.data_ptr(), weight._version)
         if self._head_rows is None or self._head_rows[0] != key:
             ids = self.draft_vocab.to(weight.device)
-            if isinstance(lm_head, Int8Linear):
+            if isinstance(lm_head, WEIGHT_ONLY):
                 head = lm_head.rows(ids)
             else:
                 head = PackedLinear(weight[ids].detach())  # [V', hidden] rows

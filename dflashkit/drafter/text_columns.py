@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflashkit.kernels import row_kernels
-from dflashkit.kernels.int8 import Int8Linear
+from dflashkit.kernels.quantize import WEIGHT_ONLY
 
 PACK_EVERY = 64  # recent rows at which all rows are packed together again
 
@@ -37,11 +37,11 @@ PACK_EVERY = 64  # recent rows at which all rows are packed together again
 def head_rows(lm_head: nn.Module, ids: Tensor) -> Callable[[Tensor], Tensor]:
     """Products with the target head's output rows `ids` [n] only: [..., hidden] -> [..., n]. Set up with no module
     parameter (registering one anywhere makes a drafter take its parameter list again, see
-    ``DFlashDrafter._fast_forward``): a weight-only int8 head's rows stay int8 (buffers); bf16 rows on a CPU with
-    dflashkit's row kernels are packed for them (products of any shape, no setup per shape: a bf16 ``F.linear`` of a
-    shape oneDNN has not seen takes ~0.9 ms on a CPU, most of it making its primitive); other CPU rows multiply in fp32,
-    rows on a GPU as they are."""
-    if isinstance(lm_head, Int8Linear):
+    ``DFlashDrafter._fast_forward``): a weight-only quantized head's rows stay quantized (buffers); bf16 rows on a CPU
+    with dflashkit's row kernels are packed for them (products of any shape, no setup per shape: a bf16 ``F.linear`` of
+    a shape oneDNN has not seen takes ~0.9 ms on a CPU, most of it making its primitive); other CPU rows multiply in
+    fp32, rows on a GPU as they are."""
+    if isinstance(lm_head, WEIGHT_ONLY):
         return lm_head.rows(ids)
     rows = lm_head.weight[ids.to(lm_head.weight.device)].detach()  # [n, hidden]
     if row_kernels.usable(rows):

@@ -45,18 +45,8 @@ from dflashkit.errors import InvalidInputError
 from dflashkit.kernels import row_kernels
 from dflashkit.kernels.row_kernels import RowKernelProduct
 
-METHODS = ("int8",)
 INT8_WEIGHTS = "int8 weight-only (per-channel)"
 QMAX = 127
-
-
-def check_method(method: str | None) -> str | None:
-    """The quantization method, checked (None: none). Raises InvalidInputError for an unknown one."""
-    if method is None or method == "none":
-        return None
-    if method not in METHODS:
-        raise InvalidInputError(f"unknown quantization {method!r}: choose from {', '.join(METHODS)} (or none)")
-    return method
 
 
 def quantize_weight(weight: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
@@ -140,52 +130,6 @@ def check_supported(device: torch.device | str, dtype: torch.dtype) -> None:
         ) from e
     if not ok:
         raise InvalidInputError(f"aten._weight_int8pack_mm gives wrong results on {device}; drop --quantize")
-
-
-def quantize_model(model: nn.Module, method: str | None = "int8", *, lm_head: bool = True) -> nn.Module:
-    """Quantize a causal LM in place (see the module docs); returns it. None/"none": leave it as it is.
-
-    Every ``nn.Linear`` under the decoder becomes an :class:`Int8Linear`, and with ``lm_head`` the output
-    head too (untied from the embedding, which stays in the model's dtype). The model records what was
-    done in ``model.dflashkit_quantization`` (read by :func:`target_weights`).
-    """
-    method = check_method(method)
-    if method is None:
-        return model
-    if getattr(model, "dflashkit_quantization", None):
-        raise InvalidInputError(f"the model is already quantized ({model.dflashkit_quantization})")
-    embed = model.get_input_embeddings()
-    dtype, device = embed.weight.dtype, embed.weight.device
-    check_supported(device, dtype)
-    decoder = model.get_decoder()
-    replaced = 0
-    for name, module in list(decoder.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, child_name, Int8Linear.from_linear(child, dtype))
-                replaced += 1
-    if replaced == 0:
-        raise InvalidInputError(f"{type(model).__name__}: no nn.Linear layers in its decoder to quantize")
-    head = model.get_output_embeddings()
-    if lm_head and head is not None:
-        model.set_output_embeddings(Int8Linear.from_linear(head, dtype))
-        if getattr(model.config, "tie_word_embeddings", False):
-            model.config.tie_word_embeddings = False  # the head now has its own (int8) weights
-    model.dflashkit_quantization = INT8_WEIGHTS + (", LM head included" if lm_head and head is not None else "")
-    return model
-
-
-def is_quantized(weights: str | None) -> bool:
-    """Whether a `target_weights` description (stats, bench settings) names a quantized target."""
-    return bool(weights) and weights.startswith(INT8_WEIGHTS)
-
-
-def target_weights(model: nn.Module) -> str:
-    """What the target computes with: "int8 weight-only (per-channel)..." or its floating dtype ("bfloat16")."""
-    quant = getattr(model, "dflashkit_quantization", None)
-    if quant:
-        return quant
-    return str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
 
 
 class Int8Matmul(RowKernelProduct):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflashkit.kernels import row_kernels
+from dflashkit.kernels.int4 import Int4Linear, Int4Matmul
 from dflashkit.kernels.int8 import Int8Linear, Int8Matmul
 from dflashkit.kernels.linear import packing_supported
 from dflashkit.kernels.row_kernels import RowKernelProduct
@@ -38,26 +39,32 @@ class Matmul(RowKernelProduct):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
     @classmethod
-    def of(cls, linear: nn.Module) -> Matmul | Int8Matmul:
-        """The product of an ``nn.Linear`` (or PackedLinear), or of an :class:`Int8Linear` (kept in int8)."""
+    def of(cls, linear: nn.Module) -> Matmul | Int8Matmul | Int4Matmul:
+        """The product of an ``nn.Linear`` (or PackedLinear), or of an :class:`Int8Linear` / :class:`Int4Linear`
+        (kept quantized)."""
         return cls.fused([linear])
 
     @classmethod
-    def fused(cls, linears: list[nn.Module]) -> Matmul | Int8Matmul:
+    def fused(cls, linears: list[nn.Module]) -> Matmul | Int8Matmul | Int4Matmul:
         """One product for several layers that read the same input: weights (and biases) stacked by rows.
-        Weight-only int8 layers stay int8 (their scales are per output row, so stacking changes nothing)."""
-        int8 = [isinstance(m, Int8Linear) for m in linears]
-        if any(int8) and not all(int8):
-            raise ValueError("cannot fuse int8 and floating-point layers into one product")
-        rows = [m.qweight.shape[0] if int8[0] else m.weight.shape[0] for m in linears]
+        Weight-only quantized layers stay quantized (their scales are per output row, so stacking changes
+        nothing)."""
+        kinds = {type(m) if isinstance(m, (Int8Linear, Int4Linear)) else nn.Linear for m in linears}
+        if len(kinds) > 1:
+            raise ValueError("cannot fuse layers of different weights (int8, int4, floating point) into one product")
+        kind = kinds.pop()
+        rows = [m.out_features for m in linears]
         bias = None
         if any(m.bias is not None for m in linears):
-            like = linears[0].scale if int8[0] else linears[0].weight
+            like = next(m.bias for m in linears if m.bias is not None)
             bias = torch.cat(
                 [m.bias.detach() if m.bias is not None else like.new_zeros(r) for m, r in zip(linears, rows)]
             )
-        if int8[0]:
+        if kind is Int8Linear:
             return Int8Matmul(torch.cat([m.qweight for m in linears]), torch.cat([m.scale for m in linears]), bias)
+        if kind is Int4Linear:
+            stacked = (torch.cat([getattr(m, name) for m in linears]) for name in ("codes", "scale", "low"))
+            return Int4Matmul(*stacked, bias)
         return cls(torch.cat([m.weight.detach() for m in linears]), bias)
 
     def _fallback(self, x: Tensor) -> Tensor:

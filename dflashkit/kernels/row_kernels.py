@@ -69,7 +69,7 @@ MAX_ROWS = 16
 MAX_BATCH_ROWS = 64
 ANY_ROWS = 1 << 30  # no row limit (AVX2 steps; int8 products on every kernel)
 CSRC = Path(__file__).with_name("csrc")
-HEADERS = (CSRC / "row_common.h", CSRC / "row_layers.h")  # included by both sources
+HEADERS = (CSRC / "row_common.h", CSRC / "row_layers.h", CSRC / "row_int4.h")  # included by both sources
 CHOICES = ("auto", "amx", "avx512", "avx2", "onednn")
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the kernel itself; without
 # the flag it runs on one thread. No -lgomp: the calls bind to the libgomp torch itself loads.
@@ -84,14 +84,25 @@ class Isa:
     cflags: tuple[str, ...]
 
     def supported(self) -> bool:
+        vnni = _cpu_has("_is_vnni_supported")  # AVX512-VNNI: every AVX512-BF16 CPU has it (the 4-bit product uses it)
         if self.name == "amx":
-            return _cpu_has("_is_avx512_bf16_supported") and _cpu_has("_is_amx_tile_supported")
+            return vnni and _cpu_has("_is_avx512_bf16_supported") and _cpu_has("_is_amx_tile_supported")
         if self.name == "avx512":
-            return _cpu_has("_is_avx512_bf16_supported")
+            return vnni and _cpu_has("_is_avx512_bf16_supported")
         return _capability() in ("AVX2", "AVX512")  # AVX2 + FMA (torch's AVX2 level requires both)
 
 
-_AVX512_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
+_AVX512_FLAGS = (
+    "-O3",
+    "-fopenmp",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mavx512vnni",
+    "-mfma",
+    "-mf16c",
+)
 ISAS = {
     # the AVX512-BF16 source with its product on AMX tiles (attention and the rest as on AVX512-BF16)
     "amx": Isa("amx", CSRC / "row_kernels_avx512.cpp", (*_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-DDFLASHKIT_AMX")),
@@ -270,13 +281,46 @@ def pack_int8(qweight: Tensor, scale: Tensor) -> Tensor:
     return torch.cat((panels, scales.view(groups, 16).view(torch.int8)), dim=1).contiguous()  # [G, 16 K + 64]
 
 
+def int4_usable(codes: Tensor) -> bool:
+    """Whether products with 4-bit codes [out, in] (uint8, one code per byte, ``in`` a multiple of 32) can run on the
+    kernel here (every instruction set's kernel takes them)."""
+    if not (codes.dtype == torch.uint8 and codes.device.type == "cpu" and codes.dim() == 2):
+        return False
+    if codes.shape[1] % 32:
+        return False
+    k = kernel()
+    return k is not None and getattr(k, "int4", False)
+
+
+def pack_int4(codes: Tensor, scale: Tensor, low: Tensor) -> Tensor:
+    """Every kernel's layout of a 4-bit weight (``csrc/row_int4.h``): codes [N, K] uint8 in 0..15, scale and low
+    [N, K/32] fp16 (w ~ scale * code + low per block of 32 inputs) -> [ceil(N/16), K/32 * 320] uint8: per group of 16
+    columns and block of 32 inputs, 4 steps of 64 bytes (byte 64 j + 4 c + t: the code of input 4 j + t in its low
+    nibble, of input 16 + 4 j + t in its high one), then the 16 scales, then the 16 lows; padded columns are 0."""
+    n, k = codes.shape
+    groups, blocks = -(-n // 16), k // 32
+    q = codes.new_zeros(groups * 16, k)
+    q[:n] = codes
+    d = scale.new_zeros(groups * 16, blocks)
+    d[:n] = scale
+    m = low.new_zeros(groups * 16, blocks)
+    m[:n] = low
+    q = q.view(groups, 16, blocks, 2, 4, 4)  # [G, c, b, half, j, t]: input 32 b + 16 half + 4 j + t
+    nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [G, c, b, j, t]
+    codes_bytes = nibbles.permute(0, 2, 3, 1, 4).reshape(groups, blocks, 256)  # [G, b, (j, c, t)]
+    d = d.view(groups, 16, blocks).transpose(1, 2).contiguous().view(torch.uint8)  # [G, b, 32]
+    m = m.view(groups, 16, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat((codes_bytes, d, m), dim=2).reshape(groups, blocks * 320).contiguous()
+
+
 def rows_of(x: Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` for x [..., K] bf16, W packed by :func:`pack` (or ``x @ (Q * scale).T + bias`` with an int8
-    weight packed by :func:`pack_int8`); bias in fp32 (added before rounding)."""
+    weight packed by :func:`pack_int8`, or the 4-bit product of a weight packed by :func:`pack_int4`); bias in fp32
+    (added before rounding)."""
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dflashkit.chat import completed_turn, continued_prompt
 from dflashkit.decoding.batching import BatchMember
-from dflashkit.decoding.defaults import default_block_size, default_lookup
+from dflashkit.decoding.defaults import default_block_size
 from dflashkit.decoding.grammar import CompiledGrammar, Grammar
 from dflashkit.decoding.options import check_draft_window
 from dflashkit.decoding.penalties import Penalties
@@ -73,7 +73,7 @@ class ServerSettings:
     sampler: str | None = (
         None  # "rejection" / "coupled" (None: coupled for requests with a seed; dflashkit.decoding.sampling)
     )
-    lookup: bool | None = None  # prompt lookup: copy a repeated n-gram's continuation (None: on with a drafter)
+    lookup: bool | None = None  # prompt lookup: copy a repeated n-gram's continuation (None: generator.uses_lookup())
     tree: int | None = None  # drafter steps verify token trees of up to this many nodes (None: the default; 0: chains)
     draft_window: int | None = None  # drafting attends to the last N context tokens (None: the drafter's own; 0: all)
     prefix_cache_mb: float = 256.0  # finished generations kept for prompts that begin the same way (0: none)
@@ -217,14 +217,18 @@ class Service:
         if not full:
             return {"status": "ok", "model": self.settings.model_id}
         drafter = self.generator.drafter
-        block_size = default_block_size(self.settings.block_size, drafter is not None, self.settings.tree)
-        lookup = default_lookup(self.settings.lookup, drafter is not None)
+        lookup = self.generator.uses_lookup(self.settings.lookup)  # as the generations decide it
+        block_size = default_block_size(self.settings.block_size, drafter is not None, self.settings.tree, lookup)
+        if drafter is not None:
+            shown = drafter.block_size if block_size is None else block_size
+        else:  # prompt lookup alone: "auto" (the default) or the size given; plain decoding: 1
+            shown = block_size if lookup else 1
         return {
             "status": "ok",
             "model": self.settings.model_id,
             "speculative": drafter is not None,
-            "block_size": (drafter.block_size if block_size is None else block_size) if drafter is not None else 1,
-            "adaptive_block_size": drafter is not None and block_size == "auto",
+            "block_size": shown,
+            "adaptive_block_size": (drafter is not None or lookup) and block_size == "auto",
             "prompt_lookup": lookup,
             "ngram_store_entries": (
                 len(drafter.ngram_store) if lookup and drafter is not None and drafter.ngram_store is not None else None

@@ -18,8 +18,8 @@ from dflashkit.errors import IncompatibleDrafterError, InvalidInputError
 from dflashkit.kernels import row_kernels
 from dflashkit.kernels.attention import use_packed_gqa
 from dflashkit.kernels.cuda_graphs import Capture
-from dflashkit.kernels.int8 import target_weights
 from dflashkit.kernels.linear import has_packed_linears, pack_linears, unpack_linears
+from dflashkit.kernels.quantize import target_weights
 from dflashkit.target.cuda_graphs import GraphCache, GraphedSteps
 from dflashkit.target.cuda_graphs import unsupported_reason as graphs_unsupported_reason
 from dflashkit.target.fast import FastTargetForward, ForwardCall, StaticKVCache, unsupported_reason

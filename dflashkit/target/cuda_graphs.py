@@ -10,7 +10,7 @@ from torch import Tensor
 
 from dflashkit.errors import InvalidInputError
 from dflashkit.kernels.cuda_graphs import MAX_ROWS, Capture, _Graphs, _Shape, cuda_capture
-from dflashkit.kernels.int8 import Int8Linear
+from dflashkit.kernels.quantize import WEIGHT_ONLY
 from dflashkit.target.fast import FastTargetForward, StaticKVCache, StepInputs
 
 
@@ -18,8 +18,8 @@ def unsupported_reason(forward: FastTargetForward) -> str | None:
     """Why the fast forward cannot be replayed from graphs (None: it can)."""
     if forward.device.type != "cuda":
         return f"CUDA graphs need a CUDA device, the target is on {forward.device}"
-    if isinstance(forward.head, Int8Linear):
-        return "weight-only int8 targets are not graphed"
+    if isinstance(forward.head, WEIGHT_ONLY):
+        return "weight-only quantized targets are not graphed"
     rope_type = getattr(forward.rotary, "rope_type", "default")
     if rope_type == "dynamic" or "dynamic" in str(rope_type):
         return f"rotary type {rope_type!r} changes with the sequence length"

@@ -35,9 +35,9 @@ from transformers import PreTrainedModel
 
 from dflashkit.errors import InvalidInputError
 from dflashkit.kernels import row_kernels
-from dflashkit.kernels.int8 import Int8Linear
 from dflashkit.kernels.linear import PackedLinear, packing_supported
 from dflashkit.kernels.ops import Matmul, RMSNorm, rotate, signed_sin
+from dflashkit.kernels.quantize import WEIGHT_ONLY
 
 # attention of packed queries [1, kv_heads, group*n, d] over keys and values [1, kv_heads, m, d], with a scale
 Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]
@@ -78,8 +78,8 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
             or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
         ):
             return "a decoder layer without the usual q/k/v/o and gate/up/down projections"
-        if not all(isinstance(getattr(attn, n), (nn.Linear, PackedLinear, Int8Linear)) for n in names):
-            return "projections that are not plain (or dflashkit int8) linear layers"
+        if not all(isinstance(getattr(attn, n), (nn.Linear, PackedLinear, *WEIGHT_ONLY)) for n in names):
+            return "projections that are not plain (or dflashkit quantized) linear layers"
         if not hasattr(attn, "scaling") or not hasattr(attn, "head_dim"):
             return "attention without `scaling` / `head_dim`"
     return None
@@ -213,8 +213,8 @@ class FastTargetForward:
         self._rope: tuple[Tensor, Tensor] | None = None  # cos, signed sin [P, head_dim] of positions 0..P-1
         self.final_norm = _norm(decoder.norm)
         head = model.get_output_embeddings()
-        if isinstance(head, Int8Linear):
-            self.head: nn.Module = head  # weight-only int8 head: the drafter drafts through it too
+        if isinstance(head, WEIGHT_ONLY):
+            self.head: nn.Module = head  # weight-only quantized head: the drafter drafts through it too
         else:
             self.head = PackedLinear(head.weight, head.bias)  # a module: the drafter borrows it as the LM head
             if packing_supported(head.weight.device, head.weight.dtype):

@@ -222,11 +222,11 @@ def load_target(
     """Load a target causal LM and its tokenizer, in eval mode with ``requires_grad`` off.
 
     ``None`` or :data:`DEFAULT_TARGET` gives the embedded SmolLM2-135M-Instruct (converted and cached on
-    first use); anything else is a local model folder or a Hugging Face hub id. ``quantize="int8"``
-    makes it a weight-only int8 target (:mod:`dflashkit.kernels.int8`): a different model from the
-    ``dtype`` one, and outputs are exact with respect to it.
+    first use); anything else is a local model folder or a Hugging Face hub id. ``quantize="int8"`` or
+    ``"int4"`` makes it a weight-only quantized target (:mod:`dflashkit.kernels.quantize`): a different model from
+    the ``dtype`` one, and outputs are exact with respect to it.
     """
-    from dflashkit.kernels.int8 import check_method, quantize_model
+    from dflashkit.kernels.quantize import check_method, quantize_model
 
     quantize = check_method(quantize)  # an unknown method or device fails before the (slow) load
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

@@ -14,7 +14,7 @@ import dflashkit.target.loading
 from dflashkit.bench.command import QUICK, bench_parser, settings_from
 from dflashkit.cli.main import main
 from dflashkit.errors import InvalidInputError
-from dflashkit.kernels.int8 import quantize_model
+from dflashkit.kernels.quantize import quantize_model
 from tests.conftest import tiny_target, word_tokenizer
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w4{% endif %}"

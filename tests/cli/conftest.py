@@ -10,7 +10,7 @@ import torch
 import dflashkit
 import dflashkit.drafter.registry
 import dflashkit.target.loading
-from dflashkit.kernels.int8 import quantize_model
+from dflashkit.kernels.quantize import quantize_model
 from tests.cli.helpers import fake_model, make_tokenizer
 
 

@@ -108,6 +108,25 @@ def test_prompt_lookup_flags(loads, capsys) -> None:
     )
 
 
+def test_no_shipped_drafter_means_prompt_lookup_alone(loads, capsys) -> None:
+    """Without --drafter, a target that no drafter ships for decodes with prompt lookup alone (its copies sized per
+    step), identical to plain decoding; --no-lookup and --drafter none decode plainly."""
+    runs = {}
+    for name, args in {"default": [], "no-lookup": ["--no-lookup"], "none": ["--drafter", "none"]}.items():
+        rc, out, err = cli(capsys, *args, "--json", "--dtype", "float32", "--compare-ar")
+        assert rc == 0, err
+        runs[name] = (json.loads(out), err)
+        assert runs[name][0]["identical"] is True and runs[name][0]["speculative"] is False
+    default, err = runs["default"]
+    assert default["stats"]["lookup"] is not None and default["stats"]["adaptive"] and default["block_size"] == 16
+    assert "No trained drafter ships for this target yet: prompt lookup alone" in err
+    no_lookup, err = runs["no-lookup"]
+    assert no_lookup["stats"]["lookup"] is None and no_lookup["block_size"] == 1
+    assert "decoding autoregressively (--no-lookup)" in err
+    none, err = runs["none"]
+    assert none["stats"]["lookup"] is None and none["block_size"] == 1 and "autoregressive" in err
+
+
 def test_sampler_flag(loads, capsys) -> None:
     """Sampled with --seed: coupled sampling by default, identical to plain sampling of the seed under --compare-ar;
     without a seed, or with --sampler rejection, the rejection sampler (whose outputs are not compared by token)."""

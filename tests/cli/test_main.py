@@ -109,7 +109,7 @@ def test_quantize_choices_match_the_kernels() -> None:
     """The --quantize choices are spelled out for a light parser; they must be the kernels' methods."""
     from dflashkit.bench.command import QUANT_METHODS
     from dflashkit.cli.common import QUANTIZE_METHODS
-    from dflashkit.kernels.int8 import METHODS
+    from dflashkit.kernels.quantize import METHODS
 
     assert tuple(QUANTIZE_METHODS) == tuple(QUANT_METHODS) == tuple(METHODS)
 

@@ -16,14 +16,8 @@ from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
 from dflashkit.drafter.network import DFlashDrafter
 from dflashkit.errors import InvalidInputError
-from dflashkit.kernels.int8 import (
-    INT8_WEIGHTS,
-    Int8Linear,
-    check_method,
-    check_supported,
-    quantize_model,
-    quantize_weight,
-)
+from dflashkit.kernels.int8 import INT8_WEIGHTS, Int8Linear, check_supported, quantize_weight
+from dflashkit.kernels.quantize import check_method, quantize_model
 from dflashkit.target.adapter import TargetAdapter
 from tests.conftest import VOCAB, tiny_drafter, tiny_target
 from tests.decoding.test_loop import assert_bf16_parts_only_at_ties, assert_oracle_and_drafter_match_plain, prompts, run
@@ -197,7 +191,7 @@ def test_stats_declare_the_quantized_target():
 
 def test_unknown_methods_and_unsupported_devices_are_refused():
     assert check_method(None) is None and check_method("none") is None and check_method("int8") == "int8"
-    for bad in ("int4", "INT8", "fp8"):
+    for bad in ("int2", "INT8", "fp8"):
         with pytest.raises(InvalidInputError, match="unknown quantization"):
             check_method(bad)
     with pytest.raises(InvalidInputError, match="does not run on meta"):
@@ -205,7 +199,7 @@ def test_unknown_methods_and_unsupported_devices_are_refused():
     with pytest.raises(InvalidInputError, match="float64"):
         quantize_model(tiny_target("llama", dtype=torch.float64), "int8")
     with pytest.raises(InvalidInputError, match="unknown quantization"):  # before any loading
-        importlib.import_module("dflashkit.target.loading").load_target("/nonexistent/target", quantize="int4")
+        importlib.import_module("dflashkit.target.loading").load_target("/nonexistent/target", quantize="int3")
 
 
 def test_generator_load_passes_quantize(monkeypatch):
@@ -265,12 +259,12 @@ def test_cli_generate_quantize_int8_declares_it(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert rc == 0 and "exact w.r.t. the quantized target" in err
     with pytest.raises(SystemExit) as e:
-        main(["generate", PROMPT, "--quantize", "int4"])
-    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+        main(["generate", PROMPT, "--quantize", "int3"])
+    assert e.value.code == 2 and "invalid choice: 'int3'" in capsys.readouterr().err
     for command in (["serve"], ["bench"]):
         with pytest.raises(SystemExit):
-            main([*command, "--quantize", "int4"])
-        assert "invalid choice: 'int4'" in capsys.readouterr().err
+            main([*command, "--quantize", "int3"])
+        assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
 def test_server_health_declares_the_quantized_target():

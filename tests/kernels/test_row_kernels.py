@@ -762,7 +762,7 @@ def test_int8_layers_run_on_the_kernel_and_repack_after_a_change(int8_isa):
 def test_int8_target_verify_rows_are_bitwise_one_token_steps(int8_isa, arch):
     """The int8 target's fast forward runs every layer and its head on the kernel: a verify pass's rows are its
     one-token steps, bit for bit, so bf16 speculative greedy decoding of the int8 target is its plain decoding."""
-    from dflashkit.kernels.int8 import quantize_model
+    from dflashkit.kernels.quantize import quantize_model
     from dflashkit.target.adapter import TargetAdapter
     from dflashkit.target.fast import FastTargetForward
     from tests.conftest import tiny_drafter, tiny_target

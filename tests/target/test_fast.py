@@ -304,7 +304,7 @@ def test_a_drafter_on_the_fast_path_can_be_copied():
 
 def test_int8_targets_run_on_the_fast_forward(arch):
     """A weight-only int8 target: the fast forward keeps the int8 products and gives transformers' int8 logits."""
-    from dflashkit.kernels.int8 import quantize_model
+    from dflashkit.kernels.quantize import quantize_model
 
     model = quantize_model(tiny_target(arch), "int8")
     reference = TargetAdapter(copy.deepcopy(model), [1, 4], fast=False)

@@ -243,13 +243,17 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, i
 
 }  // namespace
 
+#include "row_int4.h"
+
 bool ready() { return true; }  // nothing to ask the OS for
 
-// x [M, K] bf16 contiguous; packed [G, K/2, 1, 16, 2] bf16 (or int8 [G, 16 K + 64], see above); bias [N] fp32 or
+// x [M, K] bf16 contiguous; packed [G, K/2, 1, 16, 2] bf16 (or int8 [G, 16 K + 64], see above, or uint8 4-bit codes,
+// see row_int4.h); bias [N] fp32 or
 // None. Returns y [M, N] bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                      const c10::optional<torch::Tensor>& bias) {
   if (packed.scalar_type() == at::kChar) return linear_int8(x, packed, n_out, bias);
+  if (packed.scalar_type() == at::kByte) return linear_int4(x, packed, n_out, bias);
   const LinearShape shape = check_linear(x, packed, n_out, bias, kBlocks);
   const int64_t k2_count = shape.k2_count;
   auto y = torch::empty({shape.m, n_out}, x.options());

@@ -356,6 +356,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, i
 
 }  // namespace
 
+#include "row_int4.h"
+
 // Whether the kernels can run in this process: with AMX, whether the OS granted the tile state.
 bool ready() {
 #ifdef DFLASHKIT_AMX
@@ -365,11 +367,13 @@ bool ready() {
 #endif
 }
 
-// x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16 (or int8 [G, 16 K + 64], see linear_int8); bias [N]
+// x [M, K] bf16 contiguous; packed [G, K/2, 4, 16, 2] bf16 (or int8 [G, 16 K + 64], see linear_int8, or uint8 4-bit
+// codes, see row_int4.h); bias [N]
 // fp32 or None. Returns y [M, N] bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                      const c10::optional<torch::Tensor>& bias) {
   if (packed.scalar_type() == at::kChar) return linear_int8(x, packed, n_out, bias);
+  if (packed.scalar_type() == at::kByte) return linear_int4(x, packed, n_out, bias);
   const LinearShape shape = check_linear(x, packed, n_out, bias, kBlocks);
   const int64_t m = shape.m, k = shape.k, groups = shape.groups, k2_count = shape.k2_count;
   const float* b = shape.bias;

@@ -1020,6 +1020,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = kIsa;
   m.attr("blocks") = kBlocks;
   m.attr("int8") = kInt8;
+  m.attr("int4") = true;  // linear takes 4-bit packed weights (row_int4.h)
   m.def("parallel_threads", &parallel_threads, "threads the kernels' parallel loops run on");
   m.def("ready", &ready, "whether the kernels can run in this process (AMX: the OS granted the tile state)");
   m.def("linear", &linear, "bf16 x @ W.T (+ bias) with a packed W");
