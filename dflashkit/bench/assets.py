@@ -30,6 +30,18 @@ def target_gguf(target: str | None) -> tuple[pathlib.Path | None, str]:
     return None, f"no GGUF known for target {target!r}: pass --gguf PATH"
 
 
+def draft_model_gguf(target: str | None) -> tuple[pathlib.Path | None, str]:
+    """The GGUF of the packaged smaller model of `target`'s family (its classic draft model), or (None, why not)."""
+    model = packaged(target) if target else None
+    draft = packaged(model.draft) if model is not None and model.draft else None
+    if draft is None:
+        return None, f"no packaged draft model known for target {target or DEFAULT_TARGET!r}"
+    try:
+        return assemble_gguf(draft), ""
+    except AssetError as e:
+        return None, str(e)
+
+
 # ---- GGUFs for the llama-server peers -----------------------------------------------------------------------
 
 

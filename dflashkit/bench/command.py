@@ -363,9 +363,11 @@ def llama_server_methods(
     threads: int,
     log_dir: pathlib.Path | None,
 ) -> list[Any]:
-    """llama-server on the target's bf16 GGUF and on its packaged quantized GGUF (plain decoding), and llama.cpp's
-    DFlash on the bf16 GGUF with the drafter exported to GGUF (all converted once by llama.cpp's converter)."""
-    from dflashkit.bench.assets import drafter_gguf, target_bf16_gguf, target_gguf
+    """llama-server on the target's bf16 GGUF and on its packaged quantized GGUF (plain decoding), llama.cpp's
+    DFlash on the bf16 GGUF with the drafter exported to GGUF (all converted once by llama.cpp's converter), and, for
+    a packaged target with a smaller sibling, llama.cpp's speculative decoding of the quantized GGUF with that
+    sibling's GGUF as the draft model."""
+    from dflashkit.bench.assets import draft_model_gguf, drafter_gguf, target_bf16_gguf, target_gguf
     from dflashkit.bench.methods import KERNELS, OTHER_WEIGHTS
     from dflashkit.bench.peers import LlamaServerPeer
     from dflashkit.interop.llama_server import LlamaServerError, find_llama_server
@@ -383,7 +385,9 @@ def llama_server_methods(
         )
     except LlamaServerError as e:
         binary, missing = None, str(e)
+    sibling, why_sibling = draft_model_gguf(args.target)
     if missing:
+        names = (*names, "llama-server-q-draft") if sibling else names
         return [LlamaServerPeer(n, None, None, threads=threads, comparable=KERNELS, missing=missing) for n in names]
     bf16, why_bf16 = target_bf16_gguf(args.target)
     quant, why_quant = (pathlib.Path(args.gguf), "") if args.gguf else target_gguf(args.target)
@@ -403,6 +407,21 @@ def llama_server_methods(
             missing=why_bf16 or why_draft,
             **common,
         ),  # llama.cpp's DFlash runs on the bf16 GGUF
+        *(
+            [
+                LlamaServerPeer(
+                    f"{names[1]}-draft",
+                    binary,
+                    quant,
+                    draft_model_gguf=sibling,
+                    comparable=OTHER_WEIGHTS,
+                    missing=why_quant,
+                    **common,
+                )
+            ]
+            if sibling  # a packaged target's smaller sibling: llama.cpp's classic draft-model speculation
+            else []
+        ),
     ]
 
 

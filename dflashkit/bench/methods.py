@@ -21,11 +21,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflashkit.decoding.adaptive import AdaptiveBlockSize, BlockPolicies
+from dflashkit.decoding.adaptive import LOOKUP_ALONE_BLOCK, AdaptiveBlockSize, BlockPolicies
 from dflashkit.decoding.defaults import COUPLED_TREE, default_tree, default_tree_copies
 from dflashkit.decoding.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from dflashkit.decoding.loop import DecodeOptions, StepObserver, decode
-from dflashkit.decoding.options import LOOKUP_ONLY_BLOCK
 from dflashkit.decoding.sampling import SamplingParams
 from dflashkit.decoding.stats import DecodeStats
 from dflashkit.drafter.network import DFlashDrafter
@@ -296,20 +295,28 @@ class DFlash(Method):
 
 
 class PromptLookup(Method):
-    """Prompt lookup alone in dflashkit's decode loop: drafts copied after a repeated n-gram, no drafter."""
+    """Prompt lookup alone in dflashkit's decode loop: drafts copied after a repeated n-gram, no drafter. Block size
+    "auto" (the default: what a target without a drafter decodes with) sizes each copy with the adaptive policy,
+    which also takes plain steps where copies do not pay; an integer copies up to that block every time."""
 
-    name = "lookup"
     family = "dflashkit"
     comparable = EXACT
 
-    def __init__(self, session: TargetSession, block_size: int = LOOKUP_ONLY_BLOCK) -> None:
+    def __init__(self, session: TargetSession, block_size: int | str = "auto") -> None:
         self.session, self.block_size = session, block_size
-        self.note = (
-            f"dflashkit decode loop, prompt lookup ({DEFAULT_MIN_NGRAM}-{DEFAULT_MAX_NGRAM}-grams), no "
-            f"drafter, block size {block_size}"
-        )
+        grams = f"prompt lookup ({DEFAULT_MIN_NGRAM}-{DEFAULT_MAX_NGRAM}-grams), no drafter"
+        self.policies = BlockPolicies(LOOKUP_ALONE_BLOCK, lookup_alone=True) if block_size == "auto" else None
+        if self.policies is not None:  # estimates carry over between prompts, as in a generator
+            self.name = "lookup"
+            self.note = f"dflashkit decode loop, {grams}, copies of up to {LOOKUP_ALONE_BLOCK - 1} tokens, sized"
+        else:
+            self.name = f"lookup-b{block_size}"
+            self.note = f"dflashkit decode loop, {grams}, block size {block_size}"
 
     def generate(self, request: Request) -> Record:
+        if self.policies is not None:
+            policy = self.policies.get(request.greedy)
+            return run_decode_loop(self.session, None, request, block_policy=policy, lookup=True)
         return run_decode_loop(self.session, None, request, self.block_size, lookup=True)
 
 

@@ -221,9 +221,11 @@ class LlamaCpp(Method):
 
 
 class LlamaServerPeer(Method):
-    """llama.cpp's `llama-server` on a GGUF: plain decoding, or llama.cpp's DFlash with a drafter exported by
-    dflashkit (`drafter_gguf`). Started on loopback at the first request, stopped by `close()`; every figure
-    comes from the server's own `timings` (prompt and generation time, drafted and accepted tokens)."""
+    """llama.cpp's `llama-server` on a GGUF: plain decoding, llama.cpp's DFlash with a drafter exported by
+    dflashkit (`drafter_gguf`), or its classic speculative decoding with a smaller model of the target's family
+    (`draft_model_gguf`, llama.cpp's default number of drafts). Started on loopback at the first request, stopped by
+    `close()`; every figure comes from the server's own `timings` (prompt and generation time, drafted and accepted
+    tokens)."""
 
     family = "llama.cpp"
 
@@ -236,18 +238,27 @@ class LlamaServerPeer(Method):
         threads: int,
         comparable: str,
         drafter_gguf: str | os.PathLike | None = None,
+        draft_model_gguf: str | os.PathLike | None = None,
         block_size: int = 16,
         missing: str = "",
         log_dir: str | os.PathLike | None = None,
     ) -> None:
+        if drafter_gguf and draft_model_gguf:
+            raise ValueError("a DFlash drafter or a draft model, not both")
         self.name, self.comparable, self.threads, self.block_size = name, comparable, threads, block_size
         self.binary = pathlib.Path(binary) if binary else None
         self.model_gguf = pathlib.Path(model_gguf) if model_gguf else None
         self.drafter_gguf = pathlib.Path(drafter_gguf) if drafter_gguf else None
+        self.draft_model_gguf = pathlib.Path(draft_model_gguf) if draft_model_gguf else None
         self.missing, self.log_dir = missing, log_dir
         self.server: Any = None
         model = self.model_gguf.name if self.model_gguf else "?"
-        how = f"DFlash with {self.drafter_gguf.name}, block size {block_size}" if drafter_gguf else "autoregressive"
+        if drafter_gguf:
+            how = f"DFlash with {self.drafter_gguf.name}, block size {block_size}"
+        elif draft_model_gguf:
+            how = f"speculative decoding with the draft model {self.draft_model_gguf.name} (llama.cpp's default drafts)"
+        else:
+            how = "autoregressive"
         self.note = f"llama-server on {model}, {how}, {threads} thread(s); timed by its own `timings`"
 
     def unavailable(self) -> str | None:
@@ -259,6 +270,7 @@ class LlamaServerPeer(Method):
             ("llama-server", self.binary),
             ("GGUF", self.model_gguf),
             ("drafter GGUF", self.drafter_gguf),
+            ("draft model GGUF", self.draft_model_gguf),
         ):
             if path is not None and not path.is_file():
                 return f"{what} {path} does not exist"
@@ -269,11 +281,13 @@ class LlamaServerPeer(Method):
             from dflashkit.interop.llama_server import LlamaServer
 
             log = pathlib.Path(self.log_dir) / f"{self.name}.log" if self.log_dir else None
+            draft_model = self.draft_model_gguf is not None
             self.server = LlamaServer(
                 self.binary,
                 self.model_gguf,
-                drafter=self.drafter_gguf,
-                block_size=self.block_size,
+                drafter=self.draft_model_gguf if draft_model else self.drafter_gguf,
+                block_size=None if draft_model else self.block_size,
+                spec_type="draft-simple" if draft_model else "draft-dflash",
                 threads=self.threads,
                 log_path=log,
             ).start()
@@ -284,14 +298,15 @@ class LlamaServerPeer(Method):
             request.prompt_ids, request.max_new_tokens, temperature=request.temperature, seed=request.seed
         )
         ttft = c.prompt_ms / 1000.0
-        speculative = self.drafter_gguf is not None
+        speculative = self.drafter_gguf is not None or self.draft_model_gguf is not None
         return Record(
             tokens=c.tokens,
             ttft_s=ttft,
             total_s=ttft + c.predicted_ms / 1000.0,
             steps_total=c.target_passes if speculative else None,
             accepted_total=c.draft_n_accepted if speculative else None,
-            block_size=self.block_size if speculative else 1,
+            # a draft model's drafts per step are llama.cpp's choice (None: not one fixed size)
+            block_size=None if self.draft_model_gguf is not None else self.block_size if speculative else 1,
         )
 
     def close(self) -> None:

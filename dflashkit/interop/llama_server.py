@@ -113,7 +113,7 @@ class Completion:
 
 
 class LlamaServer:
-    """`llama-server -m MODEL [-md DRAFTER --spec-type draft-dflash]` on 127.0.0.1, `parallel` slots (1 by default;
+    """`llama-server -m MODEL [-md DRAFTER --spec-type SPEC]` on 127.0.0.1, `parallel` slots (1 by default;
     more: requests decoded together in continuous batches), `context` tokens each, for one process.
 
     Use as a context manager (or call `start()` / `close()`); the log goes to `log_path` (a temporary file
@@ -126,7 +126,8 @@ class LlamaServer:
         model: str | os.PathLike,
         *,
         drafter: str | os.PathLike | None = None,
-        block_size: int = 16,
+        block_size: int | None = 16,
+        spec_type: str = "draft-dflash",
         threads: int = 1,
         context: int = 4096,
         parallel: int = 1,
@@ -137,8 +138,9 @@ class LlamaServer:
     ) -> None:
         self.binary, self.model = Path(binary), Path(model)
         self.drafter = Path(drafter) if drafter is not None else None
-        if self.drafter is not None and block_size < 2:
+        if self.drafter is not None and block_size is not None and block_size < 2:
             raise ValueError(f"block size must be at least 2, got {block_size}")
+        self.spec_type = spec_type  # draft-dflash: a DFlash drafter; draft-simple: a small model of the same family
         self.block_size, self.threads, self.context, self.parallel = block_size, threads, context, parallel
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
@@ -169,14 +171,9 @@ class LlamaServer:
             str(port),
         ]
         if self.drafter is not None:
-            cmd += [
-                "-md",
-                str(self.drafter),
-                "--spec-type",
-                "draft-dflash",
-                "--spec-draft-n-max",
-                str(self.block_size - 1),
-            ]
+            cmd += ["-md", str(self.drafter), "--spec-type", self.spec_type]
+            if self.block_size is not None:  # None: llama.cpp's own default number of drafts
+                cmd += ["--spec-draft-n-max", str(self.block_size - 1)]
         return cmd + list(self.extra_args)
 
     @property
