@@ -117,6 +117,14 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "τ≈1) or 'none'; default: the drafter shipped for the target; without one the DFlash methods are skipped",
     )
     b.add_argument(
+        "--lookup-store",
+        default=None,
+        metavar="PATH",
+        help="with the `lookup` method, also run `lookup-store`: prompt lookup that drafts from this n-gram store of "
+        "the target's answers (an ngram_store.safetensors, or a folder holding one, as `dflashkit ngram-store --out` "
+        "writes) where the text has no repeat of its own (default: none)",
+    )
+    b.add_argument(
         "--assistant",
         default="auto",
         help="draft model for transformers' assisted generation: a folder, "
@@ -326,6 +334,8 @@ def build_methods(
             ]
     if "lookup" in wanted:
         methods.append(PromptLookup(session))
+        if args.lookup_store:  # beside lookup alone, interleaved with it: what the store adds
+            methods.append(PromptLookup(session, store=load_lookup_store(args.lookup_store)))
     if "hf" in wanted:
         methods.append(TransformersGenerate(session, "plain"))
     if "hf-pld" in wanted:
@@ -353,6 +363,19 @@ def build_methods(
         path = drafter_path if drafter is not None else None
         methods += llama_server_methods(args, path, no_drafter, block, threads, log_dir)
     return methods, drafter_label
+
+
+def load_lookup_store(path: str | None) -> Any:
+    """The n-gram store at ``path`` (a file, or a folder holding ngram_store.safetensors), None without one."""
+    if path is None:
+        return None
+    from dflashkit.drafter.ngram_store import NgramStore, find_store
+
+    p = pathlib.Path(path).expanduser()
+    file = find_store(p) if p.is_dir() else p
+    if file is None or not file.is_file():
+        raise InvalidInputError(f"--lookup-store {path}: no n-gram store there (make one with `dflashkit ngram-store`)")
+    return NgramStore.load(file)
 
 
 def llama_server_methods(

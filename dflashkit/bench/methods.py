@@ -170,15 +170,18 @@ def run_decode_loop(
     lookup: bool = False,
     tree: int | None = None,
     tree_copies: bool = True,
+    store: NgramStore | None = None,
 ) -> Record:
     """dflashkit's decode loop on one request (drafter None: autoregressive, or prompt lookup alone), timed
-    from outside."""
+    from outside. With lookup, the n-gram store of past answers is ``store``, else the drafter's."""
     session.adapter.set_feature_layers(drafter.config.target_layer_ids if drafter else ())
     stats = DecodeStats(block_size=1)
     tokens: list[int] = []
     t0 = time.perf_counter()
     ttft = None
-    store = drafter.ngram_store if lookup and drafter is not None else None  # the drafter's store of past answers
+    if store is None and lookup and drafter is not None:
+        store = drafter.ngram_store  # the drafter's store of past answers
+    store = store if lookup else None
     options = options_for(request, block_size, lookup, store, tree, tree_copies)
     for step in decode(session.adapter, drafter, request.prompt_ids, options, stats, observer, block_policy):
         if ttft is None:
@@ -302,22 +305,24 @@ class PromptLookup(Method):
     family = "dflashkit"
     comparable = EXACT
 
-    def __init__(self, session: TargetSession, block_size: int | str = "auto") -> None:
-        self.session, self.block_size = session, block_size
+    def __init__(self, session: TargetSession, block_size: int | str = "auto", store: NgramStore | None = None) -> None:
+        self.session, self.block_size, self.store = session, block_size, store
         grams = f"prompt lookup ({DEFAULT_MIN_NGRAM}-{DEFAULT_MAX_NGRAM}-grams), no drafter"
+        if store is not None:
+            grams += f", an n-gram store of {len(store):,} {store.n}-grams where the text has no repeat"
         self.policies = BlockPolicies(LOOKUP_ALONE_BLOCK, lookup_alone=True) if block_size == "auto" else None
         if self.policies is not None:  # estimates carry over between prompts, as in a generator
-            self.name = "lookup"
+            self.name = "lookup-store" if store is not None else "lookup"
             self.note = f"dflashkit decode loop, {grams}, copies of up to {LOOKUP_ALONE_BLOCK - 1} tokens, sized"
         else:
-            self.name = f"lookup-b{block_size}"
+            self.name = f"lookup-b{block_size}" + ("-store" if store is not None else "")
             self.note = f"dflashkit decode loop, {grams}, block size {block_size}"
 
     def generate(self, request: Request) -> Record:
         if self.policies is not None:
             policy = self.policies.get(request.greedy)
-            return run_decode_loop(self.session, None, request, block_policy=policy, lookup=True)
-        return run_decode_loop(self.session, None, request, self.block_size, lookup=True)
+            return run_decode_loop(self.session, None, request, block_policy=policy, lookup=True, store=self.store)
+        return run_decode_loop(self.session, None, request, self.block_size, lookup=True, store=self.store)
 
 
 class Unavailable(Method):

@@ -135,3 +135,29 @@ def test_eager_session_runs_dflashkit_methods_on_the_eager_path_with_the_same_to
     assert methods[0].generate(request()).tokens == methods[1].generate(request()).tokens
     with fast.transformers_mode() as model:  # transformers' own modules for the peers
         assert not any(type(m).__name__ == "PackedLinear" for m in model.modules())
+
+
+def test_prompt_lookup_drafts_from_a_store_of_answers_and_keeps_the_baseline_tokens(tmp_path, monkeypatch) -> None:
+    """`bench --lookup-store`: the `lookup` method's decode loop gets the store; tokens stay the baseline's."""
+    import dflashkit.bench.methods as methods
+    from dflashkit.bench.command import load_lookup_store
+    from dflashkit.drafter.ngram_store import NgramStore
+
+    s = session()
+    base = Autoregressive(s).generate(request(max_new_tokens=24))
+    store = NgramStore.build([PROMPT + base.tokens] * 2, n=3, min_count=2)  # the baseline's own answer, seen twice
+    store.save(tmp_path / "ngram_store.safetensors")
+    loaded = load_lookup_store(str(tmp_path))  # a folder holding the store, as `dflashkit ngram-store --out` writes
+    assert len(loaded) == len(store) and load_lookup_store(None) is None
+    seen = []
+    real_decode = methods.decode
+
+    def spy(target, drafter, prompt, options, *args, **kw):
+        seen.append(options.lookup_store)
+        return real_decode(target, drafter, prompt, options, *args, **kw)
+
+    monkeypatch.setattr(methods, "decode", spy)
+    m = methods.PromptLookup(s, store=loaded)
+    assert m.generate(request(max_new_tokens=24)).tokens == base.tokens and "n-gram store" in m.note
+    assert methods.PromptLookup(s).generate(request(max_new_tokens=24)).tokens == base.tokens
+    assert seen == [loaded, None]
