@@ -356,10 +356,16 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         help="build a drafter's n-gram store from `dflashkit data` folders (drafts from the target's past answers)",
         description="Count, in the target's regenerated answers, the most frequent next token after every n-gram "
         "and write it into the drafter folder as ngram_store.safetensors. With prompt lookup on, generate/serve "
-        "draft from it where the text has no repeat of its own (lossless; --no-ngram-store turns it off).",
+        "draft from it where the text has no repeat of its own (lossless; --no-ngram-store turns it off). --out may "
+        "also be a folder that is not a drafter's: a store for prompt lookup alone (`bench --lookup-store`).",
     )
     n.add_argument("--data", required=True, help="data folder, or several separated by commas")
-    n.add_argument("--out", required=True, help="drafter folder to write ngram_store.safetensors into")
+    n.add_argument(
+        "--out",
+        required=True,
+        help="drafter folder to write ngram_store.safetensors into (or any other folder: a store for prompt lookup "
+        "alone, created if missing)",
+    )
     n.add_argument("--n", type=int, default=NGRAM_N, help="context length in tokens (default: %(default)s)")
     n.add_argument(
         "--min-count",
@@ -761,8 +767,9 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
     if min(args.n, args.min_count, args.max_draft, 1 if args.max_entries is None else args.max_entries) < 1:
         raise InvalidInputError("--n, --min-count, --max-draft and --max-entries must be at least 1")
     out = pathlib.Path(args.out).expanduser()
-    if not (out / "config.json").is_file():
-        raise InvalidInputError(f"{out}: not a drafter folder (no config.json)")
+    alone = not (out / "config.json").is_file()  # not a drafter's folder: a store for prompt lookup alone
+    if alone and out.exists() and not out.is_dir():
+        raise InvalidInputError(f"--out {out}: not a folder")
     with status(f"Reading answers from {args.data}...", False):  # distinct answers, as training counts them
         sequences = [s.input_ids[max(0, s.num_prompt - args.n) :] for s in load_sequences(args.data, sys.maxsize)]
     merges = []
@@ -781,10 +788,11 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
     counted = len(store)
     if args.max_entries is not None:
         store = store.pruned(args.max_entries)
-    config = json.loads((out / "config.json").read_text())
+    config = {} if alone else json.loads((out / "config.json").read_text())
     vocab = config.get("vocab_size")
     if isinstance(vocab, int):
         store.check_vocab(vocab)  # answers of another target: refused here, not when generate loads the store
+    out.mkdir(parents=True, exist_ok=True)
     store.save(out / FILENAME)
     merged = f", merged with {len(merges)} store(s)" if merges else ""
     capped = f", the {len(store)} counted most often kept of {counted}" if len(store) < counted else ""
@@ -793,6 +801,14 @@ def cmd_ngram_store(args: argparse.Namespace) -> int:
         f"{out / FILENAME}",
         file=sys.stderr,
     )
+    if alone:
+        print(
+            "Next, measure what it adds to prompt lookup alone (a target without a drafter):\n"
+            "  dflashkit bench --target TARGET --drafter none --methods ar,lookup --lookup-store "
+            f"{shlex.quote(str(out))}",
+            file=sys.stderr,
+        )
+        return 0
     target = ((config.get("dflashkit") or {}).get("target") or {}).get("name_or_path")
     print(ngram_store_next_steps(out, target if isinstance(target, str) else None), file=sys.stderr)
     return 0

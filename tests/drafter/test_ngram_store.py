@@ -197,7 +197,12 @@ def test_cli_builds_the_store_into_a_drafter_folder_that_loads_with_it(tmp_path:
     assert load_drafter(tmp_path / "drafter", dtype=torch.float32).ngram_store.n == 2
     with pytest.raises(SystemExit):
         main(["ngram-store", "--data", str(data)])  # --out is required
-    assert main(["ngram-store", "--data", str(data), "--out", str(tmp_path)]) == 2  # not a drafter folder
+    alone = tmp_path / "store"  # not a drafter's folder: a store for prompt lookup alone (bench --lookup-store)
+    assert main(["ngram-store", "--data", str(data), "--out", str(alone), "--n", "2", "--min-count", "1"]) == 0
+    assert "--lookup-store" in capsys.readouterr().err
+    assert NgramStore.load(alone / "ngram_store.safetensors").propose([2, 3], 3) == [4, 5, 6]
+    (tmp_path / "file").write_text("x")
+    assert main(["ngram-store", "--data", str(data), "--out", str(tmp_path / "file")]) == 2  # not a folder
 
 
 def test_cli_merges_earlier_stores_into_the_new_one(tmp_path: Path, capsys):
