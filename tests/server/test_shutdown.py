@@ -345,6 +345,8 @@ def test_drain_refuses_queued_and_new_jobs_and_cut_off_ends_running_ones_at_thei
             endless_steps.release()  # still running
             assert isinstance(await endless.next_event(), Delta)
 
+            # the finished job's Done reaches its listener before the worker drops it from the running set
+            wait_until(lambda: scheduler.running == 1, timeout=10)
             assert scheduler.cut_off() == 1
             endless_steps.release()  # its step in progress (if it was in one) ends, then it stops
             cut, more = await endless.next_event(), 0
