@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from dflashkit.kernels import row_kernels
-from dflashkit.kernels.row_kernels import RowKernelProduct
+from dflashkit.kernels.row_kernels import RowKernelProduct, cached_product
 
 BLOCK = 32  # inputs per scale
 LEVELS = 15  # codes 0..15
@@ -120,12 +120,7 @@ class Int4Linear(nn.Module):
     def _product(self) -> Int4Matmul:
         """The product of these weights, built on first use and again only when a weight changes."""
         tensors = (self.codes, self.scale, self.low, *((self.bias,) if self.bias is not None else ()))
-        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in tensors)
-        cached = self.__dict__.get("_cached_product")
-        if cached is None or cached[0] != key:
-            cached = (key, Int4Matmul(self.codes, self.scale, self.low, self.bias))
-            self.__dict__["_cached_product"] = cached
-        return cached[1]
+        return cached_product(self, tensors, lambda: Int4Matmul(self.codes, self.scale, self.low, self.bias))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4"

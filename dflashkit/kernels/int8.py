@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from dflashkit.errors import InvalidInputError
 from dflashkit.kernels import row_kernels
-from dflashkit.kernels.row_kernels import RowKernelProduct
+from dflashkit.kernels.row_kernels import RowKernelProduct, cached_product
 
 INT8_WEIGHTS = "int8 weight-only (per-channel)"
 QMAX = 127
@@ -100,15 +100,8 @@ class Int8Linear(nn.Module):
         """The product of these weights (:class:`Int8Matmul`: on the row kernel where it runs, AVX2,
         AVX512-BF16 or AMX, else ``aten._weight_int8pack_mm``), built on first use and again only when a weight
         changes."""
-        key = tuple(
-            (t.data_ptr(), -1 if t.is_inference() else t._version)  # inference tensors: no version
-            for t in (self.qweight, self.scale, *((self.bias,) if self.bias is not None else ()))
-        )
-        cached = self.__dict__.get("_cached_product")
-        if cached is None or cached[0] != key:
-            cached = (key, Int8Matmul(self.qweight, self.scale, self.bias))
-            self.__dict__["_cached_product"] = cached
-        return cached[1]
+        tensors = (self.qweight, self.scale, *((self.bias,) if self.bias is not None else ()))
+        return cached_product(self, tensors, lambda: Int8Matmul(self.qweight, self.scale, self.bias))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"

@@ -70,8 +70,8 @@ def quantize_model(model: nn.Module, method: str | None = "int8", *, lm_head: bo
         raise InvalidInputError(f"{type(model).__name__}: no nn.Linear layers in its decoder to quantize")
     head = model.get_output_embeddings() if lm_head else None
     if method == "int4":
-        odd = sorted({m.in_features for *_, m in linears + ([(None, None, head)] if head is not None else [])} - {0})
-        odd = [k for k in odd if k % 32]
+        layers = [child for *_, child in linears] + ([head] if head is not None else [])
+        odd = sorted({m.in_features for m in layers if m.in_features % 32})
         if odd:
             raise InvalidInputError(f"int4 needs layer input sizes that are multiples of 32; this model has {odd}")
     for module, name, child in linears:

@@ -53,10 +53,12 @@ import os
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -627,6 +629,17 @@ def drafter_step_batch(
         eps,
         scaling,
     )
+
+
+def cached_product(owner: object, tensors: tuple[Tensor, ...], build: Callable[[], RowKernelProduct]) -> Any:
+    """``owner``'s product of ``tensors``, built by ``build`` on first use and again only when one of them changes
+    (its storage or, outside inference mode, its version): what a weight-only layer's forward calls each time."""
+    key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in tensors)
+    cached = owner.__dict__.get("_cached_product")
+    if cached is None or cached[0] != key:
+        cached = (key, build())
+        owner.__dict__["_cached_product"] = cached
+    return cached[1]
 
 
 class RowKernelProduct:
